@@ -1,0 +1,81 @@
+"""sdkcore: the retry brain of a database/RPC SDK core.
+
+Couchbase RFC 0049 (SDK3 retry handling) and the gRPC A6 retry design. Public
+names live here; everything in ``sdkcore._*`` is private.
+"""
+
+from ._action import ExceptionFactory, RetryAction
+from ._backoff import Backoff, best_effort_backoff, controlled_backoff, exponential_backoff
+from ._context import CancellationReason, ErrorContext
+from ._errors import (
+    AmbiguousTimeoutException,
+    AuthenticationFailureException,
+    CasMismatchException,
+    CollectionNotFoundException,
+    CouchbaseException,
+    DocumentExistsException,
+    DocumentLockedException,
+    DocumentNotFoundException,
+    FeatureNotAvailableException,
+    InternalServerFailureException,
+    InvalidArgumentException,
+    QuotaLimitedException,
+    RateLimitedException,
+    RequestCanceledException,
+    RetryableError,
+    ScopeNotFoundException,
+    ServiceNotAvailableException,
+    TemporaryFailureException,
+    TimeoutException,
+    UnambiguousTimeoutException,
+)
+from ._orchestrator import DEFAULT_MAX_REQUESTS_IN_RETRY, RetryOrchestrator
+from ._reason import RetryReason
+from ._request import DEFAULT_TIMEOUT, Request, RequestState
+from ._strategy import (
+    BestEffortRetryStrategy,
+    FailFastRetryStrategy,
+    FastFailOnTerminalErrorRetryStrategy,
+    RetryStrategy,
+)
+
+__all__ = [
+    "DEFAULT_MAX_REQUESTS_IN_RETRY",
+    "DEFAULT_TIMEOUT",
+    "AmbiguousTimeoutException",
+    "AuthenticationFailureException",
+    "Backoff",
+    "BestEffortRetryStrategy",
+    "CancellationReason",
+    "CasMismatchException",
+    "CollectionNotFoundException",
+    "CouchbaseException",
+    "DocumentExistsException",
+    "DocumentLockedException",
+    "DocumentNotFoundException",
+    "ErrorContext",
+    "ExceptionFactory",
+    "FailFastRetryStrategy",
+    "FastFailOnTerminalErrorRetryStrategy",
+    "FeatureNotAvailableException",
+    "InternalServerFailureException",
+    "InvalidArgumentException",
+    "QuotaLimitedException",
+    "RateLimitedException",
+    "Request",
+    "RequestCanceledException",
+    "RequestState",
+    "RetryAction",
+    "RetryOrchestrator",
+    "RetryReason",
+    "RetryStrategy",
+    "RetryableError",
+    "ScopeNotFoundException",
+    "ServiceNotAvailableException",
+    "TemporaryFailureException",
+    "TimeoutException",
+    "UnambiguousTimeoutException",
+    "best_effort_backoff",
+    "controlled_backoff",
+    "exponential_backoff",
+]

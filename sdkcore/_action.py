@@ -1,0 +1,90 @@
+"""RetryAction: what a strategy decided (RFC 0049 "Retry Strategies")."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+import attrs
+
+from ._context import ErrorContext
+from ._duration import to_seconds
+from ._errors import CouchbaseException
+
+__all__ = ["ExceptionFactory", "RetryAction"]
+
+#: Builds the exception the caller gets when a request is not retried.
+ExceptionFactory = Callable[[ErrorContext], BaseException]
+
+
+def _factory_for(exc: type[CouchbaseException] | ExceptionFactory) -> ExceptionFactory:
+    if isinstance(exc, type):
+        if not issubclass(exc, CouchbaseException):
+            raise TypeError(
+                "RetryAction.no_retry(exception=...) takes a CouchbaseException subclass or a "
+                f"callable (ErrorContext) -> BaseException, got the class {exc.__name__}"
+            )
+        cls = exc
+
+        def build(context: ErrorContext) -> BaseException:
+            return cls(context=context)
+
+        build.__qualname__ = f"build_{cls.__name__}"
+        return build
+    if not callable(exc):
+        raise TypeError(
+            "RetryAction.no_retry(exception=...) takes a CouchbaseException subclass or a "
+            f"callable (ErrorContext) -> BaseException, got {exc!r}"
+        )
+    return exc
+
+
+@attrs.frozen(slots=True, repr=False)
+class RetryAction:
+    """Retry after ``duration``, or (``duration is None``) do not retry.
+
+    Build one with :meth:`with_duration` or :meth:`no_retry`. A refusal may carry
+    the exception the caller gets instead of the default
+    :class:`RequestCanceledException` (the Java SDK's "exception translator").
+    """
+
+    duration: timedelta | None
+    #: When refusing: builds the exception raised to the caller from the request's
+    #: ErrorContext. ``None`` means RequestCanceledException (NO_MORE_RETRIES).
+    exception: ExceptionFactory | None = attrs.field(default=None, eq=False)
+    _seconds: float = attrs.field(default=-1.0, eq=False)
+
+    @classmethod
+    def with_duration(cls, duration: timedelta | float) -> RetryAction:
+        """Retry after ``duration`` (a ``timedelta`` or seconds, >= 0)."""
+        seconds = to_seconds(duration, "RetryAction.with_duration(duration)")
+        if not isinstance(duration, timedelta):
+            duration = timedelta(seconds=seconds)
+        return cls(duration, None, seconds)
+
+    @classmethod
+    def no_retry(
+        cls, exception: type[CouchbaseException] | ExceptionFactory | None = None
+    ) -> RetryAction:
+        """Do not retry; fail the request.
+
+        ``exception`` chooses what the caller gets: a CouchbaseException subclass
+        (built with the request's context) or a callable taking the ErrorContext and
+        returning an exception. ``None`` gives RequestCanceledException (NO_MORE_RETRIES).
+        """
+        if exception is None:
+            return _NO_RETRY
+        return cls(None, _factory_for(exception), -1.0)
+
+    @property
+    def retries(self) -> bool:
+        """True when this action asks for a retry."""
+        return self.duration is not None
+
+    def __repr__(self) -> str:
+        if self.duration is None:
+            name = getattr(self.exception, "__qualname__", None) if self.exception else None
+            return f"RetryAction.no_retry({name or ''})"
+        return f"RetryAction.with_duration({self.duration!r})"
+
+
+_NO_RETRY = RetryAction(None, None, -1.0)

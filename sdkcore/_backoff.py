@@ -1,0 +1,55 @@
+"""Backoff calculators: RFC 0049 "Controlled Backoff" and the best-effort default."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+
+from ._duration import to_seconds
+
+__all__ = ["Backoff", "best_effort_backoff", "controlled_backoff", "exponential_backoff"]
+
+#: A backoff calculator: retry attempt count (0-based) -> delay.
+Backoff = Callable[[int], "timedelta | float"]
+
+_CONTROLLED = tuple(timedelta(milliseconds=ms) for ms in (1, 10, 50, 100, 500))
+_CONTROLLED_MAX = timedelta(milliseconds=1000)
+
+
+def controlled_backoff(attempt: int) -> timedelta:
+    """The always-retry backoff: 1, 10, 50, 100, 500 ms, then 1000 ms for every later attempt."""
+    if attempt < 0:
+        raise ValueError(f"controlled_backoff(attempt) must be >= 0, got {attempt}")
+    return _CONTROLLED[attempt] if attempt < 5 else _CONTROLLED_MAX
+
+
+def exponential_backoff(
+    lower: timedelta | float = 0.001, upper: timedelta | float = 0.5, factor: float = 2.0
+) -> Callable[[int], timedelta]:
+    """A calculator returning ``min(lower * factor**attempt, upper)`` (no jitter).
+
+    The default (1 ms doubling up to 500 ms) is :func:`best_effort_backoff`.
+    """
+    lo = to_seconds(lower, "exponential_backoff(lower)", allow_zero=False)
+    hi = to_seconds(upper, "exponential_backoff(upper)", allow_zero=False)
+    if hi < lo:
+        raise ValueError(f"exponential_backoff(upper) must be >= lower ({lo} s), got {hi} s")
+    if not factor >= 1.0:
+        raise ValueError(f"exponential_backoff(factor) must be >= 1, got {factor!r}")
+    table: list[timedelta] = []
+    d = lo
+    while d < hi and len(table) < 64:
+        table.append(timedelta(seconds=d))
+        d *= factor
+    cap = timedelta(seconds=hi)
+    frozen = tuple(table)
+    n = len(frozen)
+
+    def backoff(attempt: int) -> timedelta:
+        return frozen[attempt] if 0 <= attempt < n else cap
+
+    return backoff
+
+
+#: The BestEffortRetryStrategy default: 1, 2, 4, ..., 256, 500, 500, ... ms.
+best_effort_backoff = exponential_backoff(0.001, 0.5, 2.0)

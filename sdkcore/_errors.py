@@ -1,0 +1,166 @@
+"""The exception hierarchy (SDK3 error handling names) and RetryableError."""
+
+from __future__ import annotations
+
+from ._context import ErrorContext
+from ._reason import RetryReason
+
+__all__ = [
+    "AmbiguousTimeoutException",
+    "AuthenticationFailureException",
+    "CasMismatchException",
+    "CollectionNotFoundException",
+    "CouchbaseException",
+    "DocumentExistsException",
+    "DocumentLockedException",
+    "DocumentNotFoundException",
+    "FeatureNotAvailableException",
+    "InternalServerFailureException",
+    "InvalidArgumentException",
+    "QuotaLimitedException",
+    "RateLimitedException",
+    "RequestCanceledException",
+    "RetryableError",
+    "ScopeNotFoundException",
+    "ServiceNotAvailableException",
+    "TemporaryFailureException",
+    "TimeoutException",
+    "UnambiguousTimeoutException",
+]
+
+
+class CouchbaseException(Exception):
+    """Base of every error sdkcore raises to the application.
+
+    ``context`` is an :class:`ErrorContext` (or ``None`` when raised outside a
+    request); ``str(exc)`` shows the message followed by the context as JSON.
+    """
+
+    default_message = "operation failed"
+
+    def __init__(self, message: str | None = None, *, context: ErrorContext | None = None) -> None:
+        self.message = message if message is not None else self.default_message
+        self.context = context
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        if self.context is None:
+            return self.message
+        return f"{self.message} {self.context}"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r}, context={self.context!r})"
+
+
+class TimeoutException(CouchbaseException):
+    """The request did not complete before its timeout."""
+
+    default_message = "request timed out"
+
+
+class AmbiguousTimeoutException(TimeoutException):
+    """Timed out after the request may have reached the server: it may or may not have run."""
+
+    default_message = "request timed out; it may have been applied on the server (ambiguous)"
+
+
+class UnambiguousTimeoutException(TimeoutException):
+    """Timed out; the request is idempotent or never reached the network, so nothing changed."""
+
+    default_message = "request timed out; it was not applied on the server (unambiguous)"
+
+
+class RequestCanceledException(CouchbaseException):
+    """The request was cancelled: no more retries, too many requests in retry, or by the app.
+
+    ``context.cancellation_reason`` says which.
+    """
+
+    default_message = "request canceled"
+
+
+class AuthenticationFailureException(CouchbaseException):
+    """The server rejected the credentials (RetryReason.AUTHENTICATION_ERROR)."""
+
+    default_message = "authentication failed"
+
+
+class ScopeNotFoundException(CouchbaseException):
+    """The scope does not exist in the collections manifest."""
+
+    default_message = "scope not found"
+
+
+class CollectionNotFoundException(CouchbaseException):
+    """The collection does not exist in the collections manifest."""
+
+    default_message = "collection not found"
+
+
+class RetryableError(Exception):
+    """Raised by a ``send`` callable given to ``RetryOrchestrator.execute``.
+
+    It reports that one attempt failed for ``reason``; the orchestrator then
+    decides whether to retry. Chain the original error
+    (``raise RetryableError(reason) from exc``) or pass ``cause=``: it becomes the
+    ``__cause__`` of the final exception when the request is not retried.
+    """
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: RetryReason, message: str = "", *, cause: BaseException | None = None):
+        if not isinstance(reason, RetryReason):
+            raise TypeError(f"RetryableError reason must be a RetryReason, got {reason!r}")
+        super().__init__(message or reason.name)
+        self.reason = reason
+        if cause is not None:
+            self.__cause__ = cause
+
+
+# -- errors produced by the failure mappers (sdkcore.mapping) and adapters --------------
+
+
+class CasMismatchException(CouchbaseException):
+    """The document's CAS did not match (also: KV_LOCKED on Unlock)."""
+
+    default_message = "CAS mismatch"
+
+
+class DocumentNotFoundException(CouchbaseException):
+    default_message = "document not found"
+
+
+class DocumentExistsException(CouchbaseException):
+    default_message = "document already exists"
+
+
+class DocumentLockedException(CouchbaseException):
+    default_message = "document locked"
+
+
+class FeatureNotAvailableException(CouchbaseException):
+    default_message = "feature not available"
+
+
+class InvalidArgumentException(CouchbaseException):
+    default_message = "invalid argument"
+
+
+class InternalServerFailureException(CouchbaseException):
+    default_message = "internal server failure"
+
+
+class RateLimitedException(CouchbaseException):
+    default_message = "rate limited"
+
+
+class QuotaLimitedException(CouchbaseException):
+    default_message = "quota limited"
+
+
+class ServiceNotAvailableException(CouchbaseException):
+    default_message = "service not available"
+
+
+class TemporaryFailureException(CouchbaseException):
+    default_message = "temporary failure"

@@ -1,0 +1,404 @@
+"""RetryOrchestrator: RFC 0049 "Retry Orchestration" and "Capping the Retry Duration".
+
+``maybe_retry`` is the decision plus the wait; ``execute`` is the dispatch loop
+built on it for SDK code that does not want to write its own.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import anyio
+
+from . import _log
+from ._action import RetryAction
+from ._backoff import controlled_backoff
+from ._context import CancellationReason
+from ._errors import (
+    AmbiguousTimeoutException,
+    CouchbaseException,
+    RequestCanceledException,
+    RetryableError,
+    TimeoutException,
+    UnambiguousTimeoutException,
+)
+from ._reason import RetryReason
+from ._request import Request, RequestState
+from ._strategy import (
+    BestEffortRetryStrategy,
+    FailFastRetryStrategy,
+    FastFailOnTerminalErrorRetryStrategy,
+    RetryStrategy,
+)
+
+__all__ = ["DEFAULT_MAX_REQUESTS_IN_RETRY", "RetryOrchestrator"]
+
+T = TypeVar("T")
+
+#: Per-orchestrator limit of requests waiting in retry (the Java SDK's default).
+DEFAULT_MAX_REQUESTS_IN_RETRY = 32768
+
+_CONTROLLED = tuple(controlled_backoff(n) for n in range(6))
+_CONTROLLED_SECONDS = tuple(d.total_seconds() for d in _CONTROLLED)
+
+# How a strategy class is called, decided once per class (see _kind_of).
+_BUILTIN, _ASYNC, _SYNC = 0, 1, 2
+_BUILTIN_RETRY_AFTER = frozenset(
+    {
+        BestEffortRetryStrategy.retry_after,
+        FailFastRetryStrategy.retry_after,
+        FastFailOnTerminalErrorRetryStrategy.retry_after,
+    }
+)
+_kinds: dict[type, int] = {}
+_INF = float("inf")
+
+
+def _kind_of(strategy: object) -> int:
+    cls = type(strategy)
+    kind = _kinds.get(cls)
+    if kind is not None:
+        return kind
+    method = getattr(cls, "retry_after", None)
+    if method is None:  # retry_after set on the instance: decide per object, do not cache
+        return _ASYNC if inspect.iscoroutinefunction(getattr(strategy, "retry_after", None)) else _SYNC
+    if method in _BUILTIN_RETRY_AFTER and callable(getattr(cls, "_decide", None)):
+        kind = _BUILTIN
+    elif inspect.iscoroutinefunction(method):
+        kind = _ASYNC
+    else:
+        kind = _SYNC
+    _kinds[cls] = kind
+    return kind
+
+
+def _strategy_name(strategy: object) -> str:
+    return type(strategy).__name__
+
+
+class RetryOrchestrator:
+    """Decides, for each failed attempt, whether and when a request is retried.
+
+    * ``default_strategy``: used for requests whose ``retry_strategy`` is None
+      (default: :class:`FastFailOnTerminalErrorRetryStrategy`).
+    * ``max_requests_in_retry``: backpressure; beyond this many requests waiting
+      in retry, further retries fail at once (TOO_MANY_REQUESTS_IN_RETRY).
+    * ``sleep``: the wait (default ``anyio.sleep``); inject a virtual clock's sleep
+      in tests together with ``Request(clock=...)``.
+    """
+
+    __slots__ = ("_default", "_in_retry", "_max_in_retry", "_sleep", "_sleep_is_anyio")
+
+    def __init__(
+        self,
+        default_strategy: RetryStrategy | None = None,
+        *,
+        max_requests_in_retry: int = DEFAULT_MAX_REQUESTS_IN_RETRY,
+        sleep: Callable[[float], Awaitable[Any]] | None = None,
+    ) -> None:
+        if default_strategy is None:
+            default_strategy = FastFailOnTerminalErrorRetryStrategy()
+        elif not callable(getattr(default_strategy, "retry_after", None)):
+            raise TypeError(
+                "RetryOrchestrator(default_strategy=...) must have a retry_after(request, reason) "
+                f"method, got {default_strategy!r}"
+            )
+        if (
+            not isinstance(max_requests_in_retry, int)
+            or isinstance(max_requests_in_retry, bool)
+            or max_requests_in_retry < 1
+        ):
+            raise ValueError(
+                "RetryOrchestrator(max_requests_in_retry=...) must be an integer >= 1, "
+                f"got {max_requests_in_retry!r}"
+            )
+        self._default: RetryStrategy = default_strategy
+        self._max_in_retry = max_requests_in_retry
+        self._in_retry = 0
+        self._sleep = anyio.sleep if sleep is None else sleep
+        self._sleep_is_anyio = sleep is None
+
+    @property
+    def default_strategy(self) -> RetryStrategy:
+        return self._default
+
+    @property
+    def max_requests_in_retry(self) -> int:
+        return self._max_in_retry
+
+    @property
+    def requests_in_retry(self) -> int:
+        """How many requests are waiting in retry backoff right now."""
+        return self._in_retry
+
+    # -- the decision ----------------------------------------------------------
+    async def _ask_strategy(self, request: Request, reason: RetryReason) -> tuple[RetryAction, Any]:
+        strategy: Any = request.retry_strategy or self._default
+        kind = _kind_of(strategy)
+        try:
+            if kind == _BUILTIN:
+                action = strategy._decide(request, reason)
+            elif kind == _ASYNC:
+                action = await strategy.retry_after(request, reason)
+            else:
+                action = strategy.retry_after(request, reason)
+                if type(action) is not RetryAction and inspect.isawaitable(action):
+                    action = await action
+        except Exception as exc:
+            request._finish(RequestState.FAILED)
+            log = _log.enabled(_log.WARNING)
+            if log is not None:
+                log.warning(
+                    _log.EVENT_STRATEGY_FAILED,
+                    request_id=request.id,
+                    request_name=request.name,
+                    reason=reason.name,
+                    attempt=request._attempts,
+                    idempotent=request.idempotent,
+                    strategy=_strategy_name(strategy),
+                    error=repr(exc),
+                )
+            raise
+        except BaseException:
+            request._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
+            raise
+        if type(action) is not RetryAction and not isinstance(action, RetryAction):
+            request._finish(RequestState.FAILED)
+            err = TypeError(
+                f"{_strategy_name(strategy)}.retry_after(request, {reason!r}) returned "
+                f"{action!r} ({type(action).__name__}); a RetryStrategy must return a "
+                "RetryAction: RetryAction.with_duration(delay) or RetryAction.no_retry()"
+            )
+            log = _log.enabled(_log.WARNING)
+            if log is not None:
+                log.warning(
+                    _log.EVENT_STRATEGY_FAILED,
+                    request_id=request.id,
+                    request_name=request.name,
+                    reason=reason.name,
+                    attempt=request._attempts,
+                    idempotent=request.idempotent,
+                    strategy=_strategy_name(strategy),
+                    error=str(err),
+                )
+            raise err
+        return action, strategy
+
+    async def maybe_retry(self, request: Request, reason: RetryReason) -> timedelta:
+        """Retry ``request`` for ``reason``, or fail it.
+
+        Returns the delay waited once the caller should re-dispatch. Raises when it
+        must not: the strategy's chosen exception or RequestCanceledException
+        (NO_MORE_RETRIES / TOO_MANY_REQUESTS_IN_RETRY / CANCELLED_VIA_CONTEXT), a
+        TimeoutException when the backoff reaches the deadline, or whatever the
+        strategy raised.
+        """
+        if request._state is not RequestState.PENDING:
+            raise self._already_completed(request, reason)
+        try:
+            always = reason.always_retry
+        except AttributeError:
+            raise TypeError(
+                f"maybe_retry(request, reason): reason must be a RetryReason, got {reason!r}"
+            ) from None
+
+        if always:
+            attempt = request._attempts
+            if attempt > 5:
+                attempt = 5
+            duration: timedelta = _CONTROLLED[attempt]
+            delay = _CONTROLLED_SECONDS[attempt]
+            strategy: Any = None
+        else:
+            action, strategy = await self._ask_strategy(request, reason)
+            if action.duration is None:
+                self._refuse(request, reason, action, strategy)
+            duration = action.duration
+            delay = action._seconds
+            if request._state is not RequestState.PENDING:  # cancelled while the strategy ran
+                raise self._already_completed(request, reason)
+
+        if self._in_retry >= self._max_in_retry:
+            request._finish(RequestState.CANCELLED, CancellationReason.TOO_MANY_REQUESTS_IN_RETRY)
+            log = _log.enabled(_log.INFO)
+            if log is not None:
+                self._log_refusal(log, request, reason, strategy)
+            raise RequestCanceledException(
+                f"not retried: more than {self._max_in_retry} requests in retry",
+                context=request.error_context(reason, strategy=self._name(strategy)),
+            )
+
+        request._attempts += 1
+        request._reasons[reason] = None
+        if reason.after_dispatch:
+            request._sent = True
+
+        left = request._deadline - request._clock()
+        capped = delay >= left
+        if capped:
+            delay = left if left > 0.0 else 0.0
+            duration = timedelta(seconds=delay)
+
+        log = _log.enabled(_log.DEBUG)
+        if log is not None:
+            log.debug(
+                _log.EVENT_SCHEDULED,
+                request_id=request.id,
+                request_name=request.name,
+                reason=reason.name,
+                attempt=request._attempts,
+                delay_ms=round(delay * 1000.0, 3),
+                capped=capped,
+                idempotent=request.idempotent,
+                strategy=self._name(strategy),
+            )
+
+        await self._wait(request, delay, reason)
+        if capped:
+            raise self._timeout(request, reason)
+        return duration
+
+    # -- waiting ---------------------------------------------------------------
+    async def _wait(self, request: Request, delay: float, reason: RetryReason) -> None:
+        self._in_retry += 1
+        try:
+            if delay <= 0.0 and self._sleep_is_anyio:
+                await anyio.lowlevel.checkpoint()
+            else:
+                with anyio.CancelScope() as scope:
+                    request._cancel_scope = scope
+                    try:
+                        await self._sleep(delay)
+                    finally:
+                        request._cancel_scope = None
+        except BaseException:
+            if request._state is RequestState.PENDING:
+                request._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
+            raise
+        finally:
+            self._in_retry -= 1
+        if request._state is not RequestState.PENDING:
+            raise self._already_completed(request, reason)
+
+    # -- failing ---------------------------------------------------------------
+    @staticmethod
+    def _name(strategy: object) -> str:
+        return "controlled_backoff" if strategy is None else _strategy_name(strategy)
+
+    def _log_refusal(self, log: Any, request: Request, reason: RetryReason, strategy: Any) -> None:
+        why = request._cancellation
+        log.info(
+            _log.EVENT_NOT_RETRIED,
+            request_id=request.id,
+            request_name=request.name,
+            reason=reason.name,
+            attempt=request._attempts,
+            idempotent=request.idempotent,
+            strategy=self._name(strategy),
+            cancellation_reason=None if why is None else why.name,
+        )
+
+    def _refuse(self, request: Request, reason: RetryReason, action: RetryAction, strategy: Any) -> Any:
+        request._finish(RequestState.CANCELLED, CancellationReason.NO_MORE_RETRIES)
+        log = _log.enabled(_log.INFO)
+        if log is not None:
+            self._log_refusal(log, request, reason, strategy)
+        context = request.error_context(reason, strategy=self._name(strategy))
+        if action.exception is None:
+            raise RequestCanceledException(
+                f"not retried: {self._name(strategy)} declined to retry after {reason.name}",
+                context=context,
+            )
+        raise action.exception(context)
+
+    def _already_completed(self, request: Request, reason: RetryReason | None) -> BaseException:
+        context = request.error_context(reason)
+        if request._state is RequestState.CANCELLED:
+            return RequestCanceledException("request was cancelled", context=context)
+        return RuntimeError(
+            f"request {request.id} ({request.name!r}) is already {request._state.value}; "
+            f"it cannot be retried. Context: {context}"
+        )
+
+    def _timeout(self, request: Request, reason: RetryReason | None, *, in_flight: bool = False) -> TimeoutException:
+        request._finish(RequestState.CANCELLED, CancellationReason.TIMEOUT)
+        if in_flight:
+            request._sent = True
+        ambiguous = not request.idempotent and request._sent
+        log = _log.enabled(_log.INFO)
+        if log is not None:
+            log.info(
+                _log.EVENT_TIMED_OUT,
+                request_id=request.id,
+                request_name=request.name,
+                reason=None if reason is None else reason.name,
+                attempt=request._attempts,
+                idempotent=request.idempotent,
+                in_flight=in_flight,
+                ambiguous=ambiguous,
+            )
+        context = request.error_context(reason)
+        if ambiguous:
+            return AmbiguousTimeoutException(context=context)
+        return UnambiguousTimeoutException(context=context)
+
+    # -- the dispatch loop -----------------------------------------------------
+    async def execute(self, request: Request, send: Callable[[Request], Awaitable[T]]) -> T:
+        """Run ``send(request)`` attempt by attempt until it returns, then return its result.
+
+        ``send`` reports a retryable failure by raising :class:`RetryableError`
+        (carrying the RetryReason); any other exception fails the request and
+        propagates unchanged. The request's timeout spans all attempts: an attempt
+        still in flight at the deadline is cancelled and a timeout raised
+        (unambiguous if the request is idempotent, ambiguous otherwise).
+        """
+        if request._state is not RequestState.PENDING:
+            raise self._already_completed(request, None)
+        left = request._deadline - request._clock()
+        last: RetryReason | None = None
+        in_flight = False
+        try:
+            if left == _INF:
+                while True:
+                    try:
+                        result = await send(request)
+                    except RetryableError as failure:
+                        last = failure.reason
+                        await self._retry_from(request, failure)
+                        continue
+                    request._finish(RequestState.SUCCEEDED)
+                    return result
+            with anyio.CancelScope(deadline=anyio.current_time() + max(left, 0.0)) as scope:
+                while True:
+                    in_flight = True
+                    try:
+                        result = await send(request)
+                    except RetryableError as failure:
+                        in_flight = False
+                        last = failure.reason
+                        await self._retry_from(request, failure)
+                        continue
+                    request._finish(RequestState.SUCCEEDED)
+                    return result
+            # Only reached when our own deadline cancelled the scope: whatever was
+            # waiting or in flight saw a cancellation, but the request timed out.
+            request._state = RequestState.PENDING
+            raise self._timeout(request, last, in_flight=in_flight and scope.cancelled_caught)
+        except Exception:
+            request._finish(RequestState.FAILED)
+            raise
+        except BaseException:
+            request._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
+            raise
+
+    async def _retry_from(self, request: Request, failure: RetryableError) -> None:
+        try:
+            await self.maybe_retry(request, failure.reason)
+        except CouchbaseException as exc:
+            cause = failure.__cause__ or failure
+            if exc.__cause__ is None:
+                exc.__cause__ = cause
+            raise

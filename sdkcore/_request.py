@@ -1,0 +1,220 @@
+"""Request: what the orchestrator retries (RFC 0049 "Request Annotation")."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import time
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from ._context import CancellationReason, ErrorContext
+from ._duration import to_seconds
+from ._reason import RetryReason
+
+if TYPE_CHECKING:
+    from ._strategy import RetryStrategy
+
+__all__ = ["DEFAULT_TIMEOUT", "Request", "RequestState"]
+
+#: The default request timeout: the Couchbase SDKs' KV timeout, 2.5 s.
+DEFAULT_TIMEOUT = timedelta(milliseconds=2500)
+
+_ids = itertools.count(1)
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+class RequestState(enum.Enum):
+    PENDING = "pending"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class Request:
+    """One logical operation, retried attempt by attempt.
+
+    The application sets ``idempotent``, ``timeout``, ``retry_strategy`` and
+    ``client_context``; the retry state (``retry_attempts``, ``retry_reasons``,
+    completion) is read-only and changed only by the :class:`RetryOrchestrator`.
+
+    ``timeout`` is a ``timedelta`` or seconds (> 0), or ``None`` for no deadline;
+    the deadline starts when the request is created. ``clock`` (seconds, monotonic)
+    is injectable for tests; it must be the clock the orchestrator waits on.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_attempts",
+        "_cancel_scope",
+        "_cancellation",
+        "_clock",
+        "_deadline",
+        "_reasons",
+        "_sent",
+        "_start",
+        "_state",
+        "_timeout",
+        "client_context",
+        "id",
+        "idempotent",
+        "name",
+        "retry_strategy",
+    )
+
+    def __init__(
+        self,
+        *,
+        name: str = "request",
+        idempotent: bool = False,
+        timeout: timedelta | float | None = DEFAULT_TIMEOUT,
+        retry_strategy: RetryStrategy | None = None,
+        client_context: Mapping[str, Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not isinstance(idempotent, bool):
+            raise TypeError(f"Request.idempotent must be a bool, got {idempotent!r}")
+        if not isinstance(name, str):
+            raise TypeError(f"Request.name must be a str, got {name!r}")
+        if client_context is not None and not isinstance(client_context, Mapping):
+            raise TypeError(
+                f"Request.client_context must be a Mapping or None, got {type(client_context).__name__}"
+            )
+        if retry_strategy is not None and not callable(getattr(retry_strategy, "retry_after", None)):
+            raise TypeError(
+                "Request.retry_strategy must have a retry_after(request, reason) method "
+                f"(a RetryStrategy) or be None, got {retry_strategy!r}"
+            )
+        seconds = (
+            math.inf if timeout is None else to_seconds(timeout, "Request.timeout", allow_zero=False)
+        )
+        #: Unique per process; shown in logs and error contexts.
+        self.id: int = next(_ids)
+        self.name = name
+        self.idempotent = idempotent
+        self.retry_strategy = retry_strategy
+        #: Read-only view of the caller's context (e.g. ``{"robot": True}``).
+        self.client_context: Mapping[str, Any] = (
+            _EMPTY if client_context is None else MappingProxyType(dict(client_context))
+        )
+        self._timeout = None if timeout is None else timedelta(seconds=seconds)
+        self._clock = clock
+        self._start = clock()
+        self._deadline = self._start + seconds
+        self._attempts = 0
+        self._reasons: dict[RetryReason, None] = {}
+        self._state = RequestState.PENDING
+        self._cancellation: CancellationReason | None = None
+        self._sent = False
+        self._cancel_scope: Any = None
+
+    # -- read-only retry state -------------------------------------------------
+    @property
+    def retry_attempts(self) -> int:
+        """How many retries have happened (0 before the first retry)."""
+        return self._attempts
+
+    @property
+    def retry_reasons(self) -> tuple[RetryReason, ...]:
+        """Every distinct reason this request was retried for, in first-seen order."""
+        return tuple(self._reasons)
+
+    @property
+    def timeout(self) -> timedelta | None:
+        return self._timeout
+
+    @property
+    def deadline(self) -> float:
+        """The deadline on ``clock`` (``math.inf`` without a timeout)."""
+        return self._deadline
+
+    @property
+    def elapsed(self) -> timedelta:
+        return timedelta(seconds=self._clock() - self._start)
+
+    @property
+    def time_left(self) -> timedelta | None:
+        """Time until the deadline (zero once passed), or None without a timeout."""
+        if self._timeout is None:
+            return None
+        return timedelta(seconds=max(0.0, self._deadline - self._clock()))
+
+    @property
+    def state(self) -> RequestState:
+        return self._state
+
+    @property
+    def completed(self) -> bool:
+        """True once the request succeeded, failed or was cancelled."""
+        return self._state is not RequestState.PENDING
+
+    @property
+    def cancelled(self) -> bool:
+        return self._state is RequestState.CANCELLED
+
+    @property
+    def cancellation_reason(self) -> CancellationReason | None:
+        return self._cancellation
+
+    @property
+    def reached_network(self) -> bool:
+        """True if some attempt may have been written to the network.
+
+        Set by ``execute`` when an attempt is cut off in flight, or when a retry
+        reason with ``after_dispatch`` was recorded. Decides ambiguous vs
+        unambiguous timeouts for non-idempotent requests.
+        """
+        return self._sent
+
+    # -- application control ----------------------------------------------------
+    def cancel(self) -> None:
+        """Cancel the request from the application (on the event loop's thread).
+
+        A request waiting in retry backoff wakes at once; the caller of
+        ``maybe_retry``/``execute`` gets RequestCanceledException
+        (CANCELLED_VIA_CONTEXT). Cancelling a completed request does nothing.
+        """
+        if self._state is not RequestState.PENDING:
+            return
+        self._state = RequestState.CANCELLED
+        self._cancellation = CancellationReason.CANCELLED_VIA_CONTEXT
+        scope = self._cancel_scope
+        if scope is not None:
+            scope.cancel()
+
+    # -- orchestrator-only -----------------------------------------------------
+    def _finish(self, state: RequestState, why: CancellationReason | None = None) -> None:
+        if self._state is RequestState.PENDING:
+            self._state = state
+            self._cancellation = why
+
+    def error_context(
+        self,
+        reason: RetryReason | None = None,
+        *,
+        strategy: str | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> ErrorContext:
+        """A snapshot of this request for an exception's ``context``."""
+        return ErrorContext(
+            request_id=self.id,
+            request_name=self.name,
+            idempotent=self.idempotent,
+            retry_attempts=self._attempts,
+            retry_reasons=tuple(self._reasons),
+            timeout=self._timeout,
+            elapsed=timedelta(seconds=self._clock() - self._start),
+            reason=reason,
+            cancellation_reason=self._cancellation,
+            strategy=strategy,
+            extra=_EMPTY if extra is None else MappingProxyType(dict(extra)),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<Request id={self.id} name={self.name!r} idempotent={self.idempotent} "
+            f"retry_attempts={self._attempts} state={self._state.value}>"
+        )

@@ -1,0 +1,143 @@
+"""RetryStrategy protocol and the built-in strategies (RFC 0049 "Retry Strategies").
+
+The built-ins decide synchronously in ``_decide``; their public ``retry_after``
+is a coroutine wrapping it. The orchestrator calls ``_decide`` directly when a
+class did not override ``retry_after`` (decided once per class), which keeps the
+per-attempt path free of coroutine allocation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from datetime import timedelta
+from typing import Protocol, runtime_checkable
+
+from ._action import RetryAction
+from ._backoff import Backoff, best_effort_backoff
+from ._errors import (
+    AuthenticationFailureException,
+    CollectionNotFoundException,
+    CouchbaseException,
+    ScopeNotFoundException,
+)
+from ._reason import RetryReason
+from ._request import Request
+
+__all__ = [
+    "BestEffortRetryStrategy",
+    "FailFastRetryStrategy",
+    "FastFailOnTerminalErrorRetryStrategy",
+    "RetryStrategy",
+]
+
+
+@runtime_checkable
+class RetryStrategy(Protocol):
+    """Decides whether and when a failed request is retried.
+
+    ``retry_after`` may be a plain method returning a :class:`RetryAction` or a
+    coroutine (it may await I/O). The orchestrator checks which once per class.
+    """
+
+    def retry_after(
+        self, request: Request, reason: RetryReason
+    ) -> RetryAction | Awaitable[RetryAction]: ...
+
+
+# Precomputed actions for the default backoff: no allocation per attempt.
+_DEFAULT_ACTIONS = tuple(RetryAction.with_duration(best_effort_backoff(n)) for n in range(64))
+_DEFAULT_LAST = _DEFAULT_ACTIONS[-1]
+_NO_RETRY = RetryAction.no_retry()
+
+
+class BestEffortRetryStrategy:
+    """Retry while it is safe, until the request times out (RFC 0049 "Best Effort").
+
+    Retries when ``request.idempotent`` or ``reason.allows_non_idempotent_retry``,
+    after ``backoff(request.retry_attempts)``. The default backoff is 1 ms,
+    doubling, capped at 500 ms. Subclass and call ``await super().retry_after(...)``
+    to refine it.
+    """
+
+    __slots__ = ("_backoff",)
+
+    def __init__(self, backoff: Backoff | None = None) -> None:
+        if backoff is not None and not callable(backoff):
+            raise TypeError(
+                f"{type(self).__name__}(backoff=...) must be a callable "
+                f"(attempt: int) -> timedelta | float, got {backoff!r}"
+            )
+        self._backoff = backoff
+
+    @property
+    def backoff(self) -> Backoff:
+        return best_effort_backoff if self._backoff is None else self._backoff
+
+    async def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:
+        return self._decide(request, reason)
+
+    def _decide(self, request: Request, reason: RetryReason) -> RetryAction:
+        if request.idempotent or reason.allows_non_idempotent_retry:
+            attempt = request._attempts
+            if self._backoff is None:
+                return _DEFAULT_ACTIONS[attempt] if attempt < 64 else _DEFAULT_LAST
+            delay = self._backoff(attempt)
+            if type(delay) is timedelta:
+                return RetryAction(delay, None, delay.total_seconds())
+            return RetryAction.with_duration(delay)
+        return _NO_RETRY
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(backoff={self._backoff!r})"
+
+
+class FailFastRetryStrategy:
+    """Never retries. **Internal**: for SDK-internal requests such as config polling.
+
+    Always-retry reasons (e.g. KV_NOT_MY_VBUCKET) are still retried: the
+    orchestrator does not consult a strategy for them.
+    """
+
+    __slots__ = ()
+
+    async def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:
+        return _NO_RETRY
+
+    def _decide(self, request: Request, reason: RetryReason) -> RetryAction:
+        return _NO_RETRY
+
+    def __repr__(self) -> str:
+        return "FailFastRetryStrategy()"
+
+
+_AUTH = RetryAction.no_retry(AuthenticationFailureException)
+_GENERIC = RetryAction.no_retry(CouchbaseException)
+_SCOPE = RetryAction.no_retry(ScopeNotFoundException)
+_COLLECTION = RetryAction.no_retry(CollectionNotFoundException)
+class FastFailOnTerminalErrorRetryStrategy(BestEffortRetryStrategy):
+    """Best effort, but fails at once on terminal errors. **The default strategy.**
+
+    AUTHENTICATION_ERROR -> AuthenticationFailureException; TLS_ERROR and
+    BUCKET_ACCESS_ERROR -> CouchbaseException; SCOPE_NOT_FOUND ->
+    ScopeNotFoundException; COLLECTION_NOT_FOUND -> CollectionNotFoundException
+    (checked in that order); any other reason as BestEffortRetryStrategy.
+
+    **Volatile**: its mapping may grow in later releases to keep giving the best
+    experience. To pin the behaviour, copy the class.
+    """
+
+    __slots__ = ()
+
+    def _decide(self, request: Request, reason: RetryReason) -> RetryAction:
+        # The RFC's order; identity checks are cheaper than hashing the enum.
+        if reason is RetryReason.AUTHENTICATION_ERROR:
+            return _AUTH
+        if reason is RetryReason.TLS_ERROR:
+            return _GENERIC
+        if reason is RetryReason.BUCKET_ACCESS_ERROR:
+            return _GENERIC
+        if reason is RetryReason.SCOPE_NOT_FOUND:
+            return _SCOPE
+        if reason is RetryReason.COLLECTION_NOT_FOUND:
+            return _COLLECTION
+        return BestEffortRetryStrategy._decide(self, request, reason)
