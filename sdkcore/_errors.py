@@ -108,13 +108,19 @@ class RetryableError(Exception):
 
     __slots__ = ("reason",)
 
-    def __init__(self, reason: RetryReason, message: str = "", *, cause: BaseException | None = None):
-        if not isinstance(reason, RetryReason):
+    def __init__(
+        self, reason: RetryReason, message: str = "", *, cause: BaseException | None = None
+    ):
+        if type(reason) is not RetryReason:
             raise TypeError(f"RetryableError reason must be a RetryReason, got {reason!r}")
-        super().__init__(message or reason.name)
+        super().__init__(message)
         self.reason = reason
         if cause is not None:
             self.__cause__ = cause
+
+    def __str__(self) -> str:
+        message = super().__str__()
+        return f"{self.reason.name}: {message}" if message else self.reason.name
 
 
 # -- errors produced by the failure mappers (sdkcore.mapping) and adapters --------------

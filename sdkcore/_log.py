@@ -38,35 +38,68 @@ DEBUG = logging.DEBUG
 INFO = logging.INFO
 WARNING = logging.WARNING
 
+_STRUCTLOG_CONFIG: Any
 try:  # structlog's global configuration object; fall back to re-binding if it moves.
     from structlog._config import _CONFIG as _STRUCTLOG_CONFIG
 except ImportError:  # pragma: no cover - depends on structlog internals
     _STRUCTLOG_CONFIG = None
 
 _cached: Any = None
-_fingerprint: tuple[Any, ...] = ()
+_min_level: int | None = None  # fixed level of structlog's native filtering loggers
+_key: tuple[Any, Any, Any, Any] = (None, None, None, None)
 
 
-def _current_fingerprint() -> tuple[Any, ...]:
+def _refresh() -> Any:
+    global _cached, _min_level, _key
     c = _STRUCTLOG_CONFIG
-    if c is None:  # pragma: no cover
-        return (object(),)
-    return (c.default_wrapper_class, c.logger_factory, c.default_context_class, id(c.default_processors))
+    log = structlog.get_logger(LOGGER_NAME).bind()
+    level = None
+    # make_filtering_bound_logger() classes filter at a level fixed for the class.
+    if type(log).__module__ == "structlog._native" and hasattr(log, "get_effective_level"):
+        level = int(log.get_effective_level())
+    _cached, _min_level = log, level
+    if c is not None:
+        _key = (
+            c.default_processors,
+            c.default_wrapper_class,
+            c.logger_factory,
+            c.default_context_class,
+        )
+    return log
 
 
 def logger() -> Any:
     """The bound logger for sdkcore events, re-resolved when structlog is reconfigured."""
-    global _cached, _fingerprint
-    fp = _current_fingerprint()
-    if _cached is None or fp != _fingerprint:
-        _cached = structlog.get_logger(LOGGER_NAME).bind()
-        _fingerprint = fp
+    c = _STRUCTLOG_CONFIG
+    k = _key
+    if (
+        c is None
+        or c.default_processors is not k[0]
+        or c.default_wrapper_class is not k[1]
+        or c.logger_factory is not k[2]
+        or c.default_context_class is not k[3]
+    ):
+        return _refresh()
     return _cached
 
 
 def enabled(level: int) -> Any:
-    """The bound logger if ``level`` is enabled, else None."""
-    log = logger()
+    """The bound logger if ``level`` is enabled, else None (cheap: called per attempt)."""
+    c = _STRUCTLOG_CONFIG
+    k = _key
+    if (
+        c is None
+        or c.default_processors is not k[0]
+        or c.default_wrapper_class is not k[1]
+        or c.logger_factory is not k[2]
+        or c.default_context_class is not k[3]
+    ):
+        log = _refresh()
+    else:
+        log = _cached
+    floor = _min_level
+    if floor is not None:
+        return log if level >= floor else None
     check = getattr(log, "is_enabled_for", None)
     if check is None or check(level):
         return log

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import anyio
 
@@ -64,7 +64,9 @@ def _kind_of(strategy: object) -> int:
         return kind
     method = getattr(cls, "retry_after", None)
     if method is None:  # retry_after set on the instance: decide per object, do not cache
-        return _ASYNC if inspect.iscoroutinefunction(getattr(strategy, "retry_after", None)) else _SYNC
+        return (
+            _ASYNC if inspect.iscoroutinefunction(getattr(strategy, "retry_after", None)) else _SYNC
+        )
     if method in _BUILTIN_RETRY_AFTER and callable(getattr(cls, "_decide", None)):
         kind = _BUILTIN
     elif inspect.iscoroutinefunction(method):
@@ -135,58 +137,6 @@ class RetryOrchestrator:
         return self._in_retry
 
     # -- the decision ----------------------------------------------------------
-    async def _ask_strategy(self, request: Request, reason: RetryReason) -> tuple[RetryAction, Any]:
-        strategy: Any = request.retry_strategy or self._default
-        kind = _kind_of(strategy)
-        try:
-            if kind == _BUILTIN:
-                action = strategy._decide(request, reason)
-            elif kind == _ASYNC:
-                action = await strategy.retry_after(request, reason)
-            else:
-                action = strategy.retry_after(request, reason)
-                if type(action) is not RetryAction and inspect.isawaitable(action):
-                    action = await action
-        except Exception as exc:
-            request._finish(RequestState.FAILED)
-            log = _log.enabled(_log.WARNING)
-            if log is not None:
-                log.warning(
-                    _log.EVENT_STRATEGY_FAILED,
-                    request_id=request.id,
-                    request_name=request.name,
-                    reason=reason.name,
-                    attempt=request._attempts,
-                    idempotent=request.idempotent,
-                    strategy=_strategy_name(strategy),
-                    error=repr(exc),
-                )
-            raise
-        except BaseException:
-            request._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
-            raise
-        if type(action) is not RetryAction and not isinstance(action, RetryAction):
-            request._finish(RequestState.FAILED)
-            err = TypeError(
-                f"{_strategy_name(strategy)}.retry_after(request, {reason!r}) returned "
-                f"{action!r} ({type(action).__name__}); a RetryStrategy must return a "
-                "RetryAction: RetryAction.with_duration(delay) or RetryAction.no_retry()"
-            )
-            log = _log.enabled(_log.WARNING)
-            if log is not None:
-                log.warning(
-                    _log.EVENT_STRATEGY_FAILED,
-                    request_id=request.id,
-                    request_name=request.name,
-                    reason=reason.name,
-                    attempt=request._attempts,
-                    idempotent=request.idempotent,
-                    strategy=_strategy_name(strategy),
-                    error=str(err),
-                )
-            raise err
-        return action, strategy
-
     async def maybe_retry(self, request: Request, reason: RetryReason) -> timedelta:
         """Retry ``request`` for ``reason``, or fail it.
 
@@ -195,6 +145,31 @@ class RetryOrchestrator:
         (NO_MORE_RETRIES / TOO_MANY_REQUESTS_IN_RETRY / CANCELLED_VIA_CONTEXT), a
         TimeoutException when the backoff reaches the deadline, or whatever the
         strategy raised.
+        """
+        plan = self._plan(request, reason, None)
+        if plan is None:  # a strategy whose retry_after must be awaited
+            plan = self._plan(request, reason, await self._call_strategy(request, reason))
+        assert plan is not None
+        if plan[0] <= 0.0 and self._sleep_is_anyio:  # zero delay: one checkpoint
+            self._in_retry += 1
+            try:
+                await anyio.lowlevel.checkpoint()
+            except BaseException:
+                request._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
+                raise
+            finally:
+                self._in_retry -= 1
+        else:
+            await self._pause(request, plan[0])
+        return self._resume(request, reason, plan)
+
+    def _plan(
+        self, request: Request, reason: RetryReason, decided: tuple[Any, Any] | None
+    ) -> tuple[float, timedelta, bool] | None:
+        """Decide and book a retry: (delay seconds, delay, capped), or raise.
+
+        ``decided`` is (action, strategy) when the strategy was already awaited;
+        returns None when the strategy has to be awaited first.
         """
         if request._state is not RequestState.PENDING:
             raise self._already_completed(request, reason)
@@ -205,42 +180,48 @@ class RetryOrchestrator:
                 f"maybe_retry(request, reason): reason must be a RetryReason, got {reason!r}"
             ) from None
 
-        if always:
+        strategy: Any = None
+        if always:  # RFC 0049: controlled backoff, the strategy is not consulted
             attempt = request._attempts
-            if attempt > 5:
-                attempt = 5
-            duration: timedelta = _CONTROLLED[attempt]
-            delay = _CONTROLLED_SECONDS[attempt]
-            strategy: Any = None
+            duration: timedelta = _CONTROLLED[attempt if attempt < 5 else 5]
+            delay = duration.total_seconds()
         else:
-            action, strategy = await self._ask_strategy(request, reason)
+            if decided is None:
+                strategy = request._strategy or self._default
+                if _kinds.get(type(strategy)) != _BUILTIN:
+                    return None
+                try:
+                    action = strategy._decide(request, reason)
+                except Exception as exc:
+                    self._strategy_failed(request, reason, strategy, exc)
+                    raise
+            else:
+                action, strategy = decided
+            if type(action) is not RetryAction:
+                self._check_action(request, reason, strategy, action)
             if action.duration is None:
                 self._refuse(request, reason, action, strategy)
+            if request._state is not RequestState.PENDING:  # cancelled while deciding
+                raise self._already_completed(request, reason)
             duration = action.duration
             delay = action._seconds
-            if request._state is not RequestState.PENDING:  # cancelled while the strategy ran
-                raise self._already_completed(request, reason)
 
         if self._in_retry >= self._max_in_retry:
-            request._finish(RequestState.CANCELLED, CancellationReason.TOO_MANY_REQUESTS_IN_RETRY)
-            log = _log.enabled(_log.INFO)
-            if log is not None:
-                self._log_refusal(log, request, reason, strategy)
-            raise RequestCanceledException(
-                f"not retried: more than {self._max_in_retry} requests in retry",
-                context=request.error_context(reason, strategy=self._name(strategy)),
-            )
+            self._too_many(request, reason, strategy)
 
         request._attempts += 1
         request._reasons[reason] = None
+        request._last_reason = reason
         if reason.after_dispatch:
             request._sent = True
 
-        left = request._deadline - request._clock()
-        capped = delay >= left
-        if capped:
-            delay = left if left > 0.0 else 0.0
-            duration = timedelta(seconds=delay)
+        capped = False
+        if request._deadline != _INF:
+            left = request._deadline - request._clock()
+            if delay >= left:  # RFC 0049 "Capping the Retry Duration"
+                capped = True
+                delay = left if left > 0.0 else 0.0
+                duration = timedelta(seconds=delay)
 
         log = _log.enabled(_log.DEBUG)
         if log is not None:
@@ -255,33 +236,93 @@ class RetryOrchestrator:
                 idempotent=request.idempotent,
                 strategy=self._name(strategy),
             )
+        return delay, duration, capped
 
-        await self._wait(request, delay, reason)
-        if capped:
+    def _resume(
+        self, request: Request, reason: RetryReason, plan: tuple[float, timedelta, bool]
+    ) -> timedelta:
+        """After the backoff: the delay waited, or the reason not to re-dispatch."""
+        if request._state is not RequestState.PENDING:
+            raise self._already_completed(request, reason)
+        if plan[2]:  # the capped backoff ran into the deadline
             raise self._timeout(request, reason)
-        return duration
+        return plan[1]
 
-    # -- waiting ---------------------------------------------------------------
-    async def _wait(self, request: Request, delay: float, reason: RetryReason) -> None:
+    async def _pause(self, request: Request, delay: float) -> None:
+        """Wait out a backoff; Request.cancel() wakes it early."""
         self._in_retry += 1
         try:
-            if delay <= 0.0 and self._sleep_is_anyio:
-                await anyio.lowlevel.checkpoint()
-            else:
-                with anyio.CancelScope() as scope:
-                    request._cancel_scope = scope
-                    try:
-                        await self._sleep(delay)
-                    finally:
-                        request._cancel_scope = None
+            with anyio.CancelScope() as scope:
+                request._cancel_scope = scope
+                try:
+                    await self._sleep(delay)
+                finally:
+                    request._cancel_scope = None
         except BaseException:
-            if request._state is RequestState.PENDING:
-                request._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
+            request._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
             raise
         finally:
             self._in_retry -= 1
-        if request._state is not RequestState.PENDING:
-            raise self._already_completed(request, reason)
+
+    # -- strategies other than the built-ins (slow path, still no per-call inspect) ----
+    async def _call_strategy(self, request: Request, reason: RetryReason) -> tuple[Any, Any]:
+        strategy: Any = request._strategy or self._default
+        kind = _kind_of(strategy)
+        try:
+            if kind == _BUILTIN:
+                return strategy._decide(request, reason), strategy
+            if kind == _ASYNC:
+                return await strategy.retry_after(request, reason), strategy
+            action = strategy.retry_after(request, reason)
+            if type(action) is not RetryAction and inspect.isawaitable(action):
+                action = await action
+            return action, strategy
+        except Exception as exc:
+            self._strategy_failed(request, reason, strategy, exc)
+            raise
+        except BaseException:
+            request._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
+            raise
+
+    def _strategy_failed(
+        self, request: Request, reason: RetryReason, strategy: Any, error: BaseException
+    ) -> None:
+        request._finish(RequestState.FAILED)
+        log = _log.enabled(_log.WARNING)
+        if log is not None:
+            log.warning(
+                _log.EVENT_STRATEGY_FAILED,
+                request_id=request.id,
+                request_name=request.name,
+                reason=reason.name,
+                attempt=request._attempts,
+                idempotent=request.idempotent,
+                strategy=_strategy_name(strategy),
+                error=repr(error),
+            )
+
+    def _check_action(
+        self, request: Request, reason: RetryReason, strategy: Any, action: object
+    ) -> None:
+        if isinstance(action, RetryAction):  # a subclass
+            return
+        err = TypeError(
+            f"{_strategy_name(strategy)}.retry_after(request, {reason!r}) returned "
+            f"{action!r} ({type(action).__name__}); a RetryStrategy must return a "
+            "RetryAction: RetryAction.with_duration(delay) or RetryAction.no_retry()"
+        )
+        self._strategy_failed(request, reason, strategy, err)
+        raise err
+
+    def _too_many(self, request: Request, reason: RetryReason, strategy: Any) -> NoReturn:
+        request._finish(RequestState.CANCELLED, CancellationReason.TOO_MANY_REQUESTS_IN_RETRY)
+        log = _log.enabled(_log.INFO)
+        if log is not None:
+            self._log_refusal(log, request, reason, strategy)
+        raise RequestCanceledException(
+            f"not retried: {self._max_in_retry} requests are already waiting in retry",
+            context=request.error_context(reason, strategy=self._name(strategy)),
+        )
 
     # -- failing ---------------------------------------------------------------
     @staticmethod
@@ -301,7 +342,9 @@ class RetryOrchestrator:
             cancellation_reason=None if why is None else why.name,
         )
 
-    def _refuse(self, request: Request, reason: RetryReason, action: RetryAction, strategy: Any) -> Any:
+    def _refuse(
+        self, request: Request, reason: RetryReason, action: RetryAction, strategy: Any
+    ) -> NoReturn:
         request._finish(RequestState.CANCELLED, CancellationReason.NO_MORE_RETRIES)
         log = _log.enabled(_log.INFO)
         if log is not None:
@@ -323,7 +366,9 @@ class RetryOrchestrator:
             f"it cannot be retried. Context: {context}"
         )
 
-    def _timeout(self, request: Request, reason: RetryReason | None, *, in_flight: bool = False) -> TimeoutException:
+    def _timeout(
+        self, request: Request, reason: RetryReason | None, *, in_flight: bool = False
+    ) -> TimeoutException:
         request._finish(RequestState.CANCELLED, CancellationReason.TIMEOUT)
         if in_flight:
             request._sent = True
@@ -353,40 +398,22 @@ class RetryOrchestrator:
         (carrying the RetryReason); any other exception fails the request and
         propagates unchanged. The request's timeout spans all attempts: an attempt
         still in flight at the deadline is cancelled and a timeout raised
-        (unambiguous if the request is idempotent, ambiguous otherwise).
+        (unambiguous if the request is idempotent, ambiguous otherwise). When the
+        request is not retried, the final exception's ``__cause__`` is the
+        attempt's failure.
         """
         if request._state is not RequestState.PENDING:
             raise self._already_completed(request, None)
-        left = request._deadline - request._clock()
-        last: RetryReason | None = None
-        in_flight = False
         try:
-            if left == _INF:
-                while True:
-                    try:
-                        result = await send(request)
-                    except RetryableError as failure:
-                        last = failure.reason
-                        await self._retry_from(request, failure)
-                        continue
-                    request._finish(RequestState.SUCCEEDED)
-                    return result
-            with anyio.CancelScope(deadline=anyio.current_time() + max(left, 0.0)) as scope:
-                while True:
-                    in_flight = True
-                    try:
-                        result = await send(request)
-                    except RetryableError as failure:
-                        in_flight = False
-                        last = failure.reason
-                        await self._retry_from(request, failure)
-                        continue
-                    request._finish(RequestState.SUCCEEDED)
-                    return result
+            if request._deadline == _INF:
+                return await self._attempts(request, send)
+            left = request._deadline - request._clock()
+            with anyio.CancelScope(deadline=anyio.current_time() + max(left, 0.0)):
+                return await self._attempts(request, send)
             # Only reached when our own deadline cancelled the scope: whatever was
             # waiting or in flight saw a cancellation, but the request timed out.
             request._state = RequestState.PENDING
-            raise self._timeout(request, last, in_flight=in_flight and scope.cancelled_caught)
+            raise self._timeout(request, request._last_reason, in_flight=request._in_flight)
         except Exception:
             request._finish(RequestState.FAILED)
             raise
@@ -394,11 +421,33 @@ class RetryOrchestrator:
             request._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
             raise
 
-    async def _retry_from(self, request: Request, failure: RetryableError) -> None:
-        try:
-            await self.maybe_retry(request, failure.reason)
-        except CouchbaseException as exc:
-            cause = failure.__cause__ or failure
-            if exc.__cause__ is None:
-                exc.__cause__ = cause
-            raise
+    async def _attempts(self, request: Request, send: Callable[[Request], Awaitable[T]]) -> T:
+        while True:
+            request._in_flight = True
+            try:
+                result = await send(request)
+            except RetryableError as failure:
+                request._in_flight = False
+                reason = failure.reason
+                try:
+                    plan = self._plan(request, reason, None)
+                    if plan is None:
+                        plan = self._plan(
+                            request, reason, await self._call_strategy(request, reason)
+                        )
+                except CouchbaseException as exc:
+                    raise exc from (failure.__cause__ or failure)
+                assert plan is not None
+                if plan[0] <= 0.0 and self._sleep_is_anyio:  # zero delay: one checkpoint
+                    self._in_retry += 1
+                    try:
+                        await anyio.lowlevel.checkpoint()
+                    finally:
+                        self._in_retry -= 1
+                else:
+                    await self._pause(request, plan[0])
+                self._resume(request, reason, plan)
+                continue
+            request._in_flight = False
+            request._finish(RequestState.SUCCEEDED)
+            return result

@@ -23,6 +23,7 @@ __all__ = ["DEFAULT_TIMEOUT", "Request", "RequestState"]
 #: The default request timeout: the Couchbase SDKs' KV timeout, 2.5 s.
 DEFAULT_TIMEOUT = timedelta(milliseconds=2500)
 
+_DEFAULT_SECONDS = DEFAULT_TIMEOUT.total_seconds()
 _ids = itertools.count(1)
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
@@ -52,17 +53,19 @@ class Request:
         "_cancel_scope",
         "_cancellation",
         "_clock",
+        "_context",
         "_deadline",
+        "_id",
+        "_idempotent",
+        "_in_flight",
+        "_last_reason",
+        "_name",
         "_reasons",
         "_sent",
         "_start",
         "_state",
-        "_timeout",
-        "client_context",
-        "id",
-        "idempotent",
-        "name",
-        "retry_strategy",
+        "_strategy",
+        "_timeout_s",
     )
 
     def __init__(
@@ -75,41 +78,75 @@ class Request:
         client_context: Mapping[str, Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not isinstance(idempotent, bool):
+        if idempotent is not True and idempotent is not False:
             raise TypeError(f"Request.idempotent must be a bool, got {idempotent!r}")
-        if not isinstance(name, str):
+        if type(name) is not str and not isinstance(name, str):
             raise TypeError(f"Request.name must be a str, got {name!r}")
-        if client_context is not None and not isinstance(client_context, Mapping):
+        if client_context is None:
+            context = _EMPTY
+        elif isinstance(client_context, Mapping):
+            context = MappingProxyType(dict(client_context))
+        else:
             raise TypeError(
-                f"Request.client_context must be a Mapping or None, got {type(client_context).__name__}"
+                "Request.client_context must be a Mapping or None, "
+                f"got {type(client_context).__name__}"
             )
-        if retry_strategy is not None and not callable(getattr(retry_strategy, "retry_after", None)):
+        if retry_strategy is not None and not callable(
+            getattr(retry_strategy, "retry_after", None)
+        ):
             raise TypeError(
                 "Request.retry_strategy must have a retry_after(request, reason) method "
                 f"(a RetryStrategy) or be None, got {retry_strategy!r}"
             )
-        seconds = (
-            math.inf if timeout is None else to_seconds(timeout, "Request.timeout", allow_zero=False)
-        )
-        #: Unique per process; shown in logs and error contexts.
-        self.id: int = next(_ids)
-        self.name = name
-        self.idempotent = idempotent
-        self.retry_strategy = retry_strategy
-        #: Read-only view of the caller's context (e.g. ``{"robot": True}``).
-        self.client_context: Mapping[str, Any] = (
-            _EMPTY if client_context is None else MappingProxyType(dict(client_context))
-        )
-        self._timeout = None if timeout is None else timedelta(seconds=seconds)
+        if timeout is None:
+            seconds = math.inf
+        elif timeout is DEFAULT_TIMEOUT:
+            seconds = _DEFAULT_SECONDS
+        elif type(timeout) is float and 0.0 < timeout < math.inf:
+            seconds = timeout
+        else:
+            seconds = to_seconds(timeout, "Request.timeout", allow_zero=False)
+        self._id = next(_ids)
+        self._name = name
+        self._idempotent = idempotent
+        self._strategy = retry_strategy
+        self._context = context
+        self._timeout_s = seconds
         self._clock = clock
-        self._start = clock()
-        self._deadline = self._start + seconds
+        self._start = start = clock()
+        self._deadline = start + seconds
         self._attempts = 0
         self._reasons: dict[RetryReason, None] = {}
         self._state = RequestState.PENDING
         self._cancellation: CancellationReason | None = None
         self._sent = False
+        self._in_flight = False
+        self._last_reason: RetryReason | None = None
         self._cancel_scope: Any = None
+
+    # -- what the application set (read-only once built) ----------------------
+    @property
+    def id(self) -> int:
+        """Unique in this process; shown in logs and error contexts."""
+        return self._id
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def idempotent(self) -> bool:
+        return self._idempotent
+
+    @property
+    def retry_strategy(self) -> RetryStrategy | None:
+        """The per-request strategy, or None for the orchestrator's default."""
+        return self._strategy
+
+    @property
+    def client_context(self) -> Mapping[str, Any]:
+        """Read-only view of the caller's context (e.g. ``{"robot": True}``); empty if None."""
+        return self._context
 
     # -- read-only retry state -------------------------------------------------
     @property
@@ -124,7 +161,8 @@ class Request:
 
     @property
     def timeout(self) -> timedelta | None:
-        return self._timeout
+        """The timeout the request was built with (None: no deadline)."""
+        return None if self._timeout_s == math.inf else timedelta(seconds=self._timeout_s)
 
     @property
     def deadline(self) -> float:
@@ -138,7 +176,7 @@ class Request:
     @property
     def time_left(self) -> timedelta | None:
         """Time until the deadline (zero once passed), or None without a timeout."""
-        if self._timeout is None:
+        if self._timeout_s == math.inf:
             return None
         return timedelta(seconds=max(0.0, self._deadline - self._clock()))
 
@@ -205,7 +243,7 @@ class Request:
             idempotent=self.idempotent,
             retry_attempts=self._attempts,
             retry_reasons=tuple(self._reasons),
-            timeout=self._timeout,
+            timeout=self.timeout,
             elapsed=timedelta(seconds=self._clock() - self._start),
             reason=reason,
             cancellation_reason=self._cancellation,

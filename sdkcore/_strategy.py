@@ -9,7 +9,6 @@ per-attempt path free of coroutine allocation.
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from datetime import timedelta
 from typing import Protocol, runtime_checkable
 
 from ._action import RetryAction
@@ -59,7 +58,7 @@ class BestEffortRetryStrategy:
     to refine it.
     """
 
-    __slots__ = ("_backoff",)
+    __slots__ = ("_backoff", "_memo")
 
     def __init__(self, backoff: Backoff | None = None) -> None:
         if backoff is not None and not callable(backoff):
@@ -68,6 +67,9 @@ class BestEffortRetryStrategy:
                 f"(attempt: int) -> timedelta | float, got {backoff!r}"
             )
         self._backoff = backoff
+        # The last (delay, action) built from a custom backoff: constant or capped
+        # backoffs then reuse one RetryAction instead of building one per attempt.
+        self._memo: tuple[object, RetryAction] = (None, _NO_RETRY)
 
     @property
     def backoff(self) -> Backoff:
@@ -77,14 +79,17 @@ class BestEffortRetryStrategy:
         return self._decide(request, reason)
 
     def _decide(self, request: Request, reason: RetryReason) -> RetryAction:
-        if request.idempotent or reason.allows_non_idempotent_retry:
+        if request._idempotent or reason.allows_non_idempotent_retry:
             attempt = request._attempts
             if self._backoff is None:
                 return _DEFAULT_ACTIONS[attempt] if attempt < 64 else _DEFAULT_LAST
             delay = self._backoff(attempt)
-            if type(delay) is timedelta:
-                return RetryAction(delay, None, delay.total_seconds())
-            return RetryAction.with_duration(delay)
+            memo = self._memo
+            if delay == memo[0] and type(delay) is type(memo[0]):
+                return memo[1]
+            action = RetryAction.with_duration(delay)
+            self._memo = (delay, action)
+            return action
         return _NO_RETRY
 
     def __repr__(self) -> str:
@@ -114,6 +119,8 @@ _AUTH = RetryAction.no_retry(AuthenticationFailureException)
 _GENERIC = RetryAction.no_retry(CouchbaseException)
 _SCOPE = RetryAction.no_retry(ScopeNotFoundException)
 _COLLECTION = RetryAction.no_retry(CollectionNotFoundException)
+
+
 class FastFailOnTerminalErrorRetryStrategy(BestEffortRetryStrategy):
     """Best effort, but fails at once on terminal errors. **The default strategy.**
 
