@@ -101,10 +101,18 @@ async def _demo(show_events: bool) -> int:
         events.append(dict(event_dict))
         raise structlog.DropEvent
 
+    old = structlog.get_config()
     # The demo is an application: it may configure structlog (the library never does).
     structlog.configure(
         processors=[collect], wrapper_class=structlog.make_filtering_bound_logger(0)
     )
+    try:
+        return await _run_scenarios(events, show_events)
+    finally:
+        structlog.configure(**old)
+
+
+async def _run_scenarios(events: list[MutableMapping[str, Any]], show_events: bool) -> int:
     failures = 0
     for title, kwargs, script in SCENARIOS:
         _write(f"\n== {title}")
@@ -131,7 +139,6 @@ async def _demo(show_events: bool) -> int:
             if show_events:
                 for event in events:
                     _write(_event_line(event))
-    structlog.reset_defaults()
     return 1 if failures else 0
 
 
