@@ -103,10 +103,12 @@ class RetryOrchestrator:
     ) -> None:
         if default_strategy is None:
             default_strategy = FastFailOnTerminalErrorRetryStrategy()
-        elif not callable(getattr(default_strategy, "retry_after", None)):
+        elif isinstance(default_strategy, type) or not callable(
+            getattr(default_strategy, "retry_after", None)
+        ):
             raise TypeError(
-                "RetryOrchestrator(default_strategy=...) must have a retry_after(request, reason) "
-                f"method, got {default_strategy!r}"
+                "RetryOrchestrator(default_strategy=...) must be a RetryStrategy instance (an "
+                f"object with a retry_after(request, reason) method), got {default_strategy!r}"
             )
         if (
             not isinstance(max_requests_in_retry, int)
@@ -408,7 +410,9 @@ class RetryOrchestrator:
             if request._deadline == _INF:
                 return await self._attempts(request, send)
             left = request._deadline - request._clock()
-            with anyio.CancelScope(deadline=anyio.current_time() + max(left, 0.0)):
+            if left <= 0.0:  # expired before the first attempt: nothing is sent
+                raise self._timeout(request, request._last_reason)
+            with anyio.CancelScope(deadline=anyio.current_time() + left):
                 return await self._attempts(request, send)
             # Only reached when our own deadline cancelled the scope: whatever was
             # waiting or in flight saw a cancellation, but the request timed out.

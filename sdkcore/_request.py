@@ -91,12 +91,13 @@ class Request:
                 "Request.client_context must be a Mapping or None, "
                 f"got {type(client_context).__name__}"
             )
-        if retry_strategy is not None and not callable(
-            getattr(retry_strategy, "retry_after", None)
+        if retry_strategy is not None and (
+            isinstance(retry_strategy, type)
+            or not callable(getattr(retry_strategy, "retry_after", None))
         ):
             raise TypeError(
-                "Request.retry_strategy must have a retry_after(request, reason) method "
-                f"(a RetryStrategy) or be None, got {retry_strategy!r}"
+                "Request.retry_strategy must be a RetryStrategy instance (an object with a "
+                f"retry_after(request, reason) method) or None, got {retry_strategy!r}"
             )
         if timeout is None:
             seconds = math.inf
