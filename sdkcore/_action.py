@@ -52,7 +52,23 @@ class RetryAction:
     #: When refusing: builds the exception raised to the caller from the request's
     #: ErrorContext. ``None`` means RequestCanceledException (NO_MORE_RETRIES).
     exception: ExceptionFactory | None = attrs.field(default=None, eq=False)
-    _seconds: float = attrs.field(default=-1.0, eq=False)
+    # The duration in seconds, computed once here for the orchestrator's hot path.
+    _seconds: float = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        duration = self.duration
+        if duration is None:
+            seconds = -1.0
+        else:
+            if type(duration) is not timedelta and not isinstance(duration, timedelta):
+                raise TypeError(
+                    "RetryAction(duration) must be a datetime.timedelta or None, got "
+                    f"{duration!r}; use RetryAction.with_duration() for seconds"
+                )
+            if self.exception is not None:
+                raise ValueError("RetryAction: only a refusal (duration=None) takes an exception")
+            seconds = to_seconds(duration, "RetryAction(duration)")
+        object.__setattr__(self, "_seconds", seconds)
 
     @classmethod
     def with_duration(cls, duration: timedelta | float) -> RetryAction:
@@ -60,7 +76,7 @@ class RetryAction:
         seconds = to_seconds(duration, "RetryAction.with_duration(duration)")
         if not isinstance(duration, timedelta):
             duration = timedelta(seconds=seconds)
-        return cls(duration, None, seconds)
+        return cls(duration)
 
     @classmethod
     def no_retry(
@@ -74,7 +90,7 @@ class RetryAction:
         """
         if exception is None:
             return _NO_RETRY
-        return cls(None, _factory_for(exception), -1.0)
+        return cls(None, _factory_for(exception))
 
     @property
     def retries(self) -> bool:
@@ -88,4 +104,4 @@ class RetryAction:
         return f"RetryAction.with_duration({self.duration!r})"
 
 
-_NO_RETRY = RetryAction(None, None, -1.0)
+_NO_RETRY = RetryAction(None)

@@ -175,15 +175,13 @@ class RetryOrchestrator:
         """
         if request._state is not RequestState.PENDING:
             raise self._already_completed(request, reason)
-        try:
-            always = reason.always_retry
-        except AttributeError:
+        if type(reason) is not RetryReason:
             raise TypeError(
                 f"maybe_retry(request, reason): reason must be a RetryReason, got {reason!r}"
-            ) from None
+            )
 
         strategy: Any = None
-        if always:  # RFC 0049: controlled backoff, the strategy is not consulted
+        if reason.always_retry:  # RFC 0049: controlled backoff, the strategy is not consulted
             attempt = request._attempts
             duration: timedelta = _CONTROLLED[attempt if attempt < 5 else 5]
             delay = duration.total_seconds()
@@ -253,13 +251,14 @@ class RetryOrchestrator:
     async def _pause(self, request: Request, delay: float) -> None:
         """Wait out a backoff; Request.cancel() wakes it early."""
         self._in_retry += 1
+        outer = request._cancel_scope
         try:
             with anyio.CancelScope() as scope:
                 request._cancel_scope = scope
                 try:
                     await self._sleep(delay)
                 finally:
-                    request._cancel_scope = None
+                    request._cancel_scope = outer
         except BaseException:
             request._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
             raise
@@ -412,10 +411,18 @@ class RetryOrchestrator:
             left = request._deadline - request._clock()
             if left <= 0.0:  # expired before the first attempt: nothing is sent
                 raise self._timeout(request, request._last_reason)
-            with anyio.CancelScope(deadline=anyio.current_time() + left):
-                return await self._attempts(request, send)
-            # Only reached when our own deadline cancelled the scope: whatever was
-            # waiting or in flight saw a cancellation, but the request timed out.
+            with anyio.CancelScope(deadline=anyio.current_time() + left) as scope:
+                # Request.cancel() cancels this scope too, so an attempt in flight stops.
+                request._cancel_scope = scope
+                try:
+                    return await self._attempts(request, send)
+                finally:
+                    request._cancel_scope = None
+            # Only reached when our scope was cancelled: by Request.cancel() ...
+            if request._cancellation is CancellationReason.CANCELLED_VIA_CONTEXT:
+                raise self._already_completed(request, request._last_reason)
+            # ... or by the deadline: whatever was waiting or in flight saw a
+            # cancellation, but the request timed out.
             request._state = RequestState.PENDING
             raise self._timeout(request, request._last_reason, in_flight=request._in_flight)
         except Exception:
@@ -440,7 +447,9 @@ class RetryOrchestrator:
                             request, reason, await self._call_strategy(request, reason)
                         )
                 except CouchbaseException as exc:
-                    raise exc from (failure.__cause__ or failure)
+                    if exc.__cause__ is None:  # keep a cause the strategy's factory chose
+                        exc.__cause__ = failure.__cause__ or failure
+                    raise
                 assert plan is not None
                 if plan[0] <= 0.0 and self._sleep_is_anyio:  # zero delay: one checkpoint
                     self._in_retry += 1
@@ -453,5 +462,7 @@ class RetryOrchestrator:
                 self._resume(request, reason, plan)
                 continue
             request._in_flight = False
+            if request._state is not RequestState.PENDING:  # Request.cancel() while in flight
+                raise self._already_completed(request, request._last_reason)
             request._finish(RequestState.SUCCEEDED)
             return result

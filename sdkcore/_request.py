@@ -212,9 +212,11 @@ class Request:
     def cancel(self) -> None:
         """Cancel the request from the application (on the event loop's thread).
 
-        A request waiting in retry backoff wakes at once; the caller of
+        A request waiting in retry backoff wakes at once, and so does an attempt in
+        flight inside ``execute`` when the request has a timeout; the caller of
         ``maybe_retry``/``execute`` gets RequestCanceledException
-        (CANCELLED_VIA_CONTEXT). Cancelling a completed request does nothing.
+        (CANCELLED_VIA_CONTEXT). Without a timeout, an attempt in flight runs to its
+        end and its result is discarded. Cancelling a completed request does nothing.
         """
         if self._state is not RequestState.PENDING:
             return

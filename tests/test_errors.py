@@ -1,0 +1,188 @@
+"""Exception hierarchy, ErrorContext and what str(exc) shows."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from sdkcore import (
+    AmbiguousTimeoutException,
+    AuthenticationFailureException,
+    BestEffortRetryStrategy,
+    CancellationReason,
+    CollectionNotFoundException,
+    CouchbaseException,
+    ErrorContext,
+    Request,
+    RequestCanceledException,
+    RetryableError,
+    RetryOrchestrator,
+    RetryReason,
+    ScopeNotFoundException,
+    TimeoutException,
+    UnambiguousTimeoutException,
+)
+from sdkcore.testing import VirtualClock
+
+ALL = [
+    CouchbaseException,
+    TimeoutException,
+    AmbiguousTimeoutException,
+    UnambiguousTimeoutException,
+    RequestCanceledException,
+    AuthenticationFailureException,
+    ScopeNotFoundException,
+    CollectionNotFoundException,
+]
+
+
+def test_hierarchy() -> None:
+    assert issubclass(CouchbaseException, Exception)
+    assert issubclass(TimeoutException, CouchbaseException)
+    assert issubclass(AmbiguousTimeoutException, TimeoutException)
+    assert issubclass(UnambiguousTimeoutException, TimeoutException)
+    assert not issubclass(AmbiguousTimeoutException, UnambiguousTimeoutException)
+    assert not issubclass(UnambiguousTimeoutException, AmbiguousTimeoutException)
+    for cls in (
+        RequestCanceledException,
+        AuthenticationFailureException,
+        ScopeNotFoundException,
+        CollectionNotFoundException,
+    ):
+        assert issubclass(cls, CouchbaseException)
+        assert not issubclass(cls, TimeoutException)
+    # A retryable failure report is not an application-facing error.
+    assert not issubclass(RetryableError, CouchbaseException)
+
+
+def _context(**overrides: Any) -> ErrorContext:
+    fields: dict[str, Any] = {
+        "request_id": 4242,
+        "request_name": "kv.upsert",
+        "idempotent": False,
+        "retry_attempts": 3,
+        "retry_reasons": (RetryReason.KV_LOCKED, RetryReason.SOCKET_NOT_AVAILABLE),
+        "timeout": timedelta(milliseconds=2500),
+        "elapsed": timedelta(milliseconds=1234.5),
+    }
+    fields.update(overrides)
+    return ErrorContext(**fields)
+
+
+@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
+def test_str_shows_the_whole_context(cls: type[CouchbaseException]) -> None:
+    exc = cls(context=_context(cancellation_reason=CancellationReason.NO_MORE_RETRIES))
+    text = str(exc)
+    assert text.startswith(exc.message)
+    for fragment in (
+        '"retry_attempts": 3',
+        '"retry_reasons": ["KV_LOCKED", "SOCKET_NOT_AVAILABLE"]',
+        '"idempotent": false',
+        '"request_id": 4242',
+        '"request_name": "kv.upsert"',
+        '"timeout_ms": 2500.0',
+        '"elapsed_ms": 1234.5',
+        '"cancellation_reason": "NO_MORE_RETRIES"',
+    ):
+        assert fragment in text, (fragment, text)
+    assert exc.context is not None
+    assert exc.context.retry_attempts == 3
+
+
+@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
+def test_default_and_custom_messages(cls: type[CouchbaseException]) -> None:
+    assert str(cls()) == cls.default_message
+    assert cls().context is None
+    assert str(cls("boom")) == "boom"
+    exc = cls("boom", context=_context())
+    assert str(exc).startswith("boom {")
+    assert "context=" in repr(exc)
+
+
+def test_context_is_keyword_only() -> None:
+    with pytest.raises(TypeError):
+        CouchbaseException("m", _context())  # type: ignore[call-arg]
+
+
+def test_context_json_is_one_line_and_parses() -> None:
+    ctx = _context(
+        reason=RetryReason.KV_LOCKED,
+        strategy="BestEffortRetryStrategy",
+        extra={"status": 0x09},
+    )
+    text = str(ctx)
+    assert "\n" not in text
+    data = json.loads(text)
+    assert data == {
+        "request_id": 4242,
+        "request_name": "kv.upsert",
+        "idempotent": False,
+        "retry_attempts": 3,
+        "retry_reasons": ["KV_LOCKED", "SOCKET_NOT_AVAILABLE"],
+        "timeout_ms": 2500.0,
+        "elapsed_ms": 1234.5,
+        "reason": "KV_LOCKED",
+        "strategy": "BestEffortRetryStrategy",
+        "extra": {"status": 9},
+    }
+
+
+def test_context_without_timeout_renders_null() -> None:
+    assert json.loads(str(_context(timeout=None)))["timeout_ms"] is None
+
+
+def test_context_evolve() -> None:
+    ctx = _context()
+    other = ctx.evolve(extra={"a": 1})
+    assert other.extra == {"a": 1}
+    assert ctx.extra == {}
+    assert other.request_id == ctx.request_id
+
+
+def test_retryable_error() -> None:
+    cause = OSError("reset")
+    err = RetryableError(RetryReason.KV_LOCKED, cause=cause)
+    assert err.reason is RetryReason.KV_LOCKED
+    assert err.__cause__ is cause
+    assert "KV_LOCKED" in str(err)
+    with pytest.raises(TypeError, match="RetryReason"):
+        RetryableError("KV_LOCKED")  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_exception_from_orchestrator_has_real_context() -> None:
+    """The fields shown come from the request that failed."""
+    vc = VirtualClock()
+    orch = RetryOrchestrator(BestEffortRetryStrategy(), sleep=vc.sleep)
+    req = Request(name="kv.append", timeout=2.0, clock=vc.clock)
+    await orch.maybe_retry(req, RetryReason.KV_LOCKED)
+    await orch.maybe_retry(req, RetryReason.SOCKET_NOT_AVAILABLE)
+    vc.advance(0.5)
+    with pytest.raises(RequestCanceledException) as info:
+        await orch.maybe_retry(req, RetryReason.UNKNOWN)
+    ctx = info.value.context
+    assert ctx is not None
+    assert ctx.request_id == req.id
+    assert ctx.request_name == "kv.append"
+    assert ctx.idempotent is False
+    assert ctx.retry_attempts == 2
+    assert ctx.retry_reasons == (RetryReason.KV_LOCKED, RetryReason.SOCKET_NOT_AVAILABLE)
+    assert ctx.timeout == timedelta(seconds=2)
+    assert abs(ctx.elapsed - timedelta(seconds=0.503)) < timedelta(microseconds=10)
+    assert ctx.reason is RetryReason.UNKNOWN
+    assert ctx.cancellation_reason is CancellationReason.NO_MORE_RETRIES
+    assert ctx.strategy == "BestEffortRetryStrategy"
+    text = str(info.value)
+    for fragment in (
+        f'"request_id": {req.id}',
+        '"request_name": "kv.append"',
+        '"retry_attempts": 2',
+        '"KV_LOCKED", "SOCKET_NOT_AVAILABLE"',
+        '"idempotent": false',
+        '"timeout_ms": 2000.0',
+        '"elapsed_ms": 503.0',
+    ):
+        assert fragment in text, (fragment, text)
