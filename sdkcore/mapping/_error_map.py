@@ -1,0 +1,298 @@
+"""The KV error map (SDK RFC 0013 / 0069; RFC 0049 "KV Error Map Handling").
+
+A server sends the error map after HELLO(XERROR) in reply to GET_ERROR_MAP. It is
+JSON::
+
+    {"version": 2, "revision": 1,
+     "errors": {"86": {"name": "ETMPFAIL", "desc": "...", "attrs": ["temp", "retry-later"],
+                       "retry": {"strategy": "exponential", "interval": 2, "after": 10,
+                                 "ceil": 500, "max-duration": 1500}}}}
+
+``errors`` is keyed by the status in hex (lower case, no ``0x``). sdkcore uses the
+map for one decision only: a status it does not know, whose entry carries the
+``retry-now`` or ``retry-later`` attribute, is handed to the orchestrator as
+``KV_ERROR_MAP_RETRY_INDICATED``. The ``retry`` spec is parsed and its delays can
+be computed (:meth:`RetrySpec.delay`), but per RFC 0049 it never overrides the
+user's retry strategy.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Iterator, Mapping
+from datetime import timedelta
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "RETRY_ATTRIBUTES",
+    "ErrorCode",
+    "ErrorMap",
+    "ErrorMapError",
+    "RetrySpec",
+    "RetrySpecStrategy",
+]
+
+#: The attributes that make an unknown status retryable (RFC 0049).
+RETRY_ATTRIBUTES = frozenset({"retry-now", "retry-later"})
+
+# Delays are clamped here so exponential specs cannot overflow timedelta (~3.3e6 years).
+_MAX_DELAY_MS = 2**53
+
+
+class ErrorMapError(ValueError):
+    """The error map JSON is malformed. ``path`` names the offending field.
+
+    ``str(exc)`` reads like ``errors["86"].retry.strategy: must be one of
+    constant, linear, exponential, got 'foo'``.
+    """
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path = path
+        self.problem = problem
+        super().__init__(f"{path}: {problem}" if path else f"error map: {problem}")
+
+
+class RetrySpecStrategy(enum.Enum):
+    CONSTANT = "constant"
+    LINEAR = "linear"
+    EXPONENTIAL = "exponential"
+
+
+@attrs.frozen(slots=True)
+class RetrySpec:
+    """An error map ``retry`` object. All durations are integer milliseconds.
+
+    Informational only: sdkcore's strategies never use it (RFC 0049).
+    """
+
+    strategy: RetrySpecStrategy
+    interval_ms: int
+    after_ms: int
+    ceil_ms: int = 0
+    max_duration_ms: int = 0
+
+    def delay_ms(self, attempt: int) -> int:
+        """The delay before retry ``attempt`` (0-based) in milliseconds.
+
+        Attempt 0 waits ``after``. Attempt n >= 1 waits ``interval`` (constant),
+        ``interval * n`` (linear) or ``interval ** n`` (exponential), capped at
+        ``ceil`` when ``ceil > 0``.
+        """
+        if isinstance(attempt, bool) or not isinstance(attempt, int):
+            raise TypeError(f"RetrySpec.delay(attempt) must be an int, got {attempt!r}")
+        if attempt < 0:
+            raise ValueError(f"RetrySpec.delay(attempt) must be >= 0, got {attempt}")
+        if attempt == 0:
+            return self.after_ms
+        strategy = self.strategy
+        if strategy is RetrySpecStrategy.CONSTANT:
+            ms = self.interval_ms
+        elif strategy is RetrySpecStrategy.LINEAR:
+            ms = self.interval_ms * attempt
+        else:
+            # interval >= 2 passes _MAX_DELAY_MS by exponent 54; 0 and 1 are fixed points.
+            ms = self.interval_ms ** min(attempt, 64)
+        if self.ceil_ms > 0 and ms > self.ceil_ms:
+            ms = self.ceil_ms
+        return min(ms, _MAX_DELAY_MS)
+
+    def delay(self, attempt: int) -> timedelta:
+        """:meth:`delay_ms` as a ``timedelta``."""
+        return timedelta(milliseconds=self.delay_ms(attempt))
+
+
+@attrs.frozen(slots=True)
+class ErrorCode:
+    """One entry of the error map."""
+
+    code: int
+    name: str
+    desc: str
+    attrs: frozenset[str]
+    retry: RetrySpec | None = None
+
+    @property
+    def retry_indicated(self) -> bool:
+        """True when the entry has the ``retry-now`` or ``retry-later`` attribute."""
+        return not RETRY_ATTRIBUTES.isdisjoint(self.attrs)
+
+
+@attrs.frozen(slots=True, eq=False)
+class ErrorMap:
+    """A parsed KV error map. Build it with :meth:`from_json`."""
+
+    version: int
+    revision: int
+    errors: Mapping[int, ErrorCode]
+    #: Statuses whose entry indicates a retry (precomputed for the hot path).
+    retry_statuses: frozenset[int] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(
+            self,
+            "retry_statuses",
+            frozenset(code for code, entry in self.errors.items() if entry.retry_indicated),
+        )
+
+    @classmethod
+    def from_json(cls, data: bytes | bytearray | memoryview | str) -> ErrorMap:
+        """Parse and validate the GET_ERROR_MAP payload.
+
+        Raises :class:`ErrorMapError` (a ValueError) naming the JSON path of the
+        first problem. Unknown keys are ignored so newer map versions still parse.
+        """
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            try:
+                text = bytes(data).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ErrorMapError("", f"is not valid UTF-8 ({exc})") from None
+        elif isinstance(data, str):
+            text = data
+        else:
+            raise TypeError(
+                f"ErrorMap.from_json(data) takes bytes or str, got {type(data).__name__}"
+            )
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ErrorMapError(
+                "", f"is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+            ) from None
+        return cls.from_dict(doc)
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> ErrorMap:
+        """Validate an already-decoded error map (see :meth:`from_json`)."""
+        if not isinstance(doc, dict):
+            raise ErrorMapError("", f"must be a JSON object, got {_json_type(doc)}")
+        version = _int(doc, "version", "version", minimum=1)
+        revision = _int(doc, "revision", "revision", minimum=0)
+        raw_errors = doc.get("errors", _MISSING)
+        if raw_errors is _MISSING:
+            raise ErrorMapError("errors", "is required")
+        if not isinstance(raw_errors, dict):
+            raise ErrorMapError("errors", f"must be an object, got {_json_type(raw_errors)}")
+        errors: dict[int, ErrorCode] = {}
+        for key, raw in raw_errors.items():
+            path = f"errors[{json.dumps(key)}]"
+            code = _status_key(key, path)
+            if code in errors:
+                raise ErrorMapError(path, f"duplicates status 0x{code:x} (another key spells it)")
+            errors[code] = _entry(code, raw, path)
+        return cls(version, revision, MappingProxyType(errors))
+
+    def get(self, status: int) -> ErrorCode | None:
+        """The entry for ``status``, or None."""
+        return self.errors.get(status)
+
+    def retry_indicated(self, status: int) -> bool:
+        """True when ``status`` has an entry with ``retry-now`` or ``retry-later``."""
+        return status in self.retry_statuses
+
+    def __len__(self) -> int:
+        return len(self.errors)
+
+    def __iter__(self) -> Iterator[ErrorCode]:
+        return iter(self.errors.values())
+
+    def __repr__(self) -> str:
+        return (
+            f"<ErrorMap version={self.version} revision={self.revision} entries={len(self.errors)}>"
+        )
+
+
+# -- validation helpers ------------------------------------------------------------
+
+_MISSING: Any = object()
+_STRATEGIES = {s.value: s for s in RetrySpecStrategy}
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _int(obj: dict[str, Any], key: str, path: str, *, minimum: int, default: Any = _MISSING) -> int:
+    value = obj.get(key, _MISSING)
+    if value is _MISSING:
+        if default is _MISSING:
+            raise ErrorMapError(path, "is required")
+        return int(default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ErrorMapError(path, f"must be an integer, got {_json_type(value)} {value!r}")
+    if value < minimum:
+        raise ErrorMapError(path, f"must be >= {minimum}, got {value}")
+    return value
+
+
+def _str(obj: dict[str, Any], key: str, path: str) -> str:
+    value = obj.get(key, _MISSING)
+    if value is _MISSING:
+        raise ErrorMapError(path, "is required")
+    if not isinstance(value, str):
+        raise ErrorMapError(path, f"must be a string, got {_json_type(value)} {value!r}")
+    return value
+
+
+def _status_key(key: str, path: str) -> int:
+    if not key or len(key) > 4 or any(c not in "0123456789abcdefABCDEF" for c in key):
+        raise ErrorMapError(path, 'key must be a KV status in hex (1 to 4 hex digits, e.g. "86")')
+    return int(key, 16)
+
+
+def _entry(code: int, raw: Any, path: str) -> ErrorCode:
+    if not isinstance(raw, dict):
+        raise ErrorMapError(path, f"must be an object, got {_json_type(raw)}")
+    name = _str(raw, "name", f"{path}.name")
+    desc = _str(raw, "desc", f"{path}.desc")
+    raw_attrs = raw.get("attrs", _MISSING)
+    if raw_attrs is _MISSING:
+        raise ErrorMapError(f"{path}.attrs", "is required")
+    if not isinstance(raw_attrs, list):
+        raise ErrorMapError(f"{path}.attrs", f"must be an array, got {_json_type(raw_attrs)}")
+    for i, attr in enumerate(raw_attrs):
+        if not isinstance(attr, str):
+            raise ErrorMapError(
+                f"{path}.attrs[{i}]", f"must be a string, got {_json_type(attr)} {attr!r}"
+            )
+    retry = None
+    raw_retry = raw.get("retry", _MISSING)
+    if raw_retry is not _MISSING:
+        retry = _retry_spec(raw_retry, f"{path}.retry")
+    return ErrorCode(code, name, desc, frozenset(raw_attrs), retry)
+
+
+def _retry_spec(raw: Any, path: str) -> RetrySpec:
+    if not isinstance(raw, dict):
+        raise ErrorMapError(path, f"must be an object, got {_json_type(raw)}")
+    strategy_name = raw.get("strategy", _MISSING)
+    if strategy_name is _MISSING:
+        raise ErrorMapError(f"{path}.strategy", "is required")
+    strategy = _STRATEGIES.get(strategy_name) if isinstance(strategy_name, str) else None
+    if strategy is None:
+        raise ErrorMapError(
+            f"{path}.strategy",
+            f"must be one of constant, linear, exponential, got {strategy_name!r}",
+        )
+    return RetrySpec(
+        strategy=strategy,
+        interval_ms=_int(raw, "interval", f"{path}.interval", minimum=0),
+        after_ms=_int(raw, "after", f"{path}.after", minimum=0),
+        ceil_ms=_int(raw, "ceil", f"{path}.ceil", minimum=0, default=0),
+        max_duration_ms=_int(raw, "max-duration", f"{path}.max-duration", minimum=0, default=0),
+    )

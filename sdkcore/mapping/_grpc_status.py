@@ -1,0 +1,307 @@
+"""Couchbase's gRPC protocol: status code + rich error details -> RetryReason or exception.
+
+Works without grpcio: the code may be a ``grpc.StatusCode`` (anything with
+``.name`` and ``.value[0]``), an int 0..16, or a name (case-insensitive, with or
+without a ``StatusCode.`` prefix).
+
+Status details
+--------------
+``details`` is an iterable of google.rpc error details, each either
+
+* a mapping in the protobuf JSON form of ``google.protobuf.Any``: an ``"@type"``
+  key (``"type.googleapis.com/google.rpc.PreconditionFailure"``; any prefix up to
+  the last ``/`` is ignored) plus the message's fields, in JSON (``resourceType``)
+  or proto (``resource_type``) spelling::
+
+      {"@type": "type.googleapis.com/google.rpc.PreconditionFailure",
+       "violations": [{"type": "LOCKED", "subject": "...", "description": "..."}]}
+      {"@type": "type.googleapis.com/google.rpc.ResourceInfo",
+       "resourceType": "document", "resourceName": "..."}
+      {"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "CAS_MISMATCH"}
+
+* or a decoded message object with the same attributes (``violations[i].type``,
+  ``resource_type``, ``resource_name``, ``reason``), e.g. from
+  ``google.rpc.error_details_pb2`` after ``Any.Unpack``. Its type is taken from
+  ``DESCRIPTOR.full_name`` or else the class name.
+
+Details of other types (DebugInfo, RequestInfo, ...) are skipped. The first
+detail that decides wins; when none does, the status code decides.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .._context import ErrorContext
+from .._errors import (
+    AmbiguousTimeoutException,
+    AuthenticationFailureException,
+    CasMismatchException,
+    CollectionNotFoundException,
+    CouchbaseException,
+    DocumentExistsException,
+    DocumentNotFoundException,
+    FeatureNotAvailableException,
+    InternalServerFailureException,
+    InvalidArgumentException,
+    RateLimitedException,
+    RequestCanceledException,
+    ScopeNotFoundException,
+    UnambiguousTimeoutException,
+)
+from .._reason import RetryReason
+from ._exceptions import (
+    BucketExistsException,
+    BucketNotFoundException,
+    CollectionExistsException,
+    DocumentNotJsonException,
+    DocumentNotLockedException,
+    DocumentTooDeepException,
+    IndexExistsException,
+    IndexNotFoundException,
+    PathExistsException,
+    PathMismatchException,
+    PathNotFoundException,
+    ScopeExistsException,
+    ValueInvalidException,
+    ValueTooLargeException,
+)
+
+__all__ = ["GrpcCode", "grpc_code", "grpc_failure"]
+
+
+class GrpcCode(enum.IntEnum):
+    """gRPC status codes (same values as ``grpc.StatusCode``)."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
+
+
+_BY_VALUE = tuple(GrpcCode)
+_BY_NAME = {c.name: c for c in GrpcCode}
+
+
+def grpc_code(code: object) -> GrpcCode:
+    """Normalise a ``grpc.StatusCode``, an int or a name to :class:`GrpcCode`."""
+    if isinstance(code, GrpcCode):
+        return code
+    if isinstance(code, bool):
+        raise TypeError(f"gRPC status code must be a grpc.StatusCode, int or name, got {code!r}")
+    if isinstance(code, int):
+        if 0 <= code <= 16:
+            return _BY_VALUE[code]
+        raise ValueError(f"gRPC status code must be 0..16, got {code}")
+    if isinstance(code, str):
+        key = code.strip().upper()
+        if key.startswith("STATUSCODE."):
+            key = key[len("STATUSCODE.") :]
+        found = _BY_NAME.get(key)
+        if found is None:
+            raise ValueError(
+                f"unknown gRPC status code name {code!r}; expected one of {', '.join(_BY_NAME)}"
+            )
+        return found
+    value = getattr(code, "value", None)  # grpc.StatusCode: value == (int, "name")
+    if isinstance(value, tuple) and value and isinstance(value[0], int) and hasattr(code, "name"):
+        return grpc_code(value[0])
+    raise TypeError(
+        f"gRPC status code must be a grpc.StatusCode, int or name, got {code!r} "
+        f"({type(code).__name__})"
+    )
+
+
+# -- details ---------------------------------------------------------------------------
+
+_PRECONDITION_FAILURE = "google.rpc.PreconditionFailure"
+_RESOURCE_INFO = "google.rpc.ResourceInfo"
+_ERROR_INFO = "google.rpc.ErrorInfo"
+_SHORT_NAMES = {
+    "PreconditionFailure": _PRECONDITION_FAILURE,
+    "ResourceInfo": _RESOURCE_INFO,
+    "ErrorInfo": _ERROR_INFO,
+}
+
+# PreconditionFailure violation type -> exception; LOCKED is the one retry reason.
+_PRECONDITIONS: dict[str, type[CouchbaseException]] = {
+    "NOT_LOCKED": DocumentNotLockedException,
+    "PATH_MISMATCH": PathMismatchException,
+    "DOC_NOT_JSON": DocumentNotJsonException,
+    "DOC_TOO_DEEP": DocumentTooDeepException,
+    "VALUE_OUT_OF_RANGE": ValueInvalidException,
+    "VALUE_TOO_LARGE": ValueTooLargeException,
+}
+_NOT_FOUND: dict[str, type[CouchbaseException]] = {
+    "document": DocumentNotFoundException,
+    "bucket": BucketNotFoundException,
+    "scope": ScopeNotFoundException,
+    "collection": CollectionNotFoundException,
+    "queryindex": IndexNotFoundException,
+    "searchindex": IndexNotFoundException,
+    "analyticsindex": IndexNotFoundException,
+    "path": PathNotFoundException,
+}
+_EXISTS: dict[str, type[CouchbaseException]] = {
+    "document": DocumentExistsException,
+    "bucket": BucketExistsException,
+    "scope": ScopeExistsException,
+    "collection": CollectionExistsException,
+    "queryindex": IndexExistsException,
+    "searchindex": IndexExistsException,
+    "analyticsindex": IndexExistsException,
+    "path": PathExistsException,
+}
+
+
+def _field(detail: Any, *names: str) -> Any:
+    if isinstance(detail, Mapping):
+        for name in names:
+            if name in detail:
+                return detail[name]
+        return None
+    for name in names:
+        value = getattr(detail, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _detail_type(detail: Any, index: int) -> str:
+    if isinstance(detail, Mapping):
+        type_url = detail.get("@type")
+        if not isinstance(type_url, str):
+            raise ValueError(
+                f'grpc_failure(details): details[{index}] is a mapping without an "@type" '
+                'string; expected e.g. {"@type": '
+                '"type.googleapis.com/google.rpc.PreconditionFailure", ...}'
+            )
+        return type_url.rsplit("/", 1)[-1]
+    descriptor = getattr(detail, "DESCRIPTOR", None)
+    full_name = getattr(descriptor, "full_name", None)
+    if isinstance(full_name, str):
+        return full_name
+    name = type(detail).__name__
+    return _SHORT_NAMES.get(name, name)
+
+
+def _from_detail(
+    detail: Any, index: int, code: GrpcCode, describe: str, context: ErrorContext | None
+) -> RetryReason | CouchbaseException | None:
+    kind = _detail_type(detail, index)
+    if kind == _PRECONDITION_FAILURE:
+        violations = _field(detail, "violations")
+        if isinstance(violations, (str, bytes, Mapping)) or not isinstance(violations, Iterable):
+            return None
+        for violation in violations:
+            vtype = _field(violation, "type")
+            if vtype == "LOCKED":
+                return RetryReason.KV_LOCKED
+            cls = _PRECONDITIONS.get(vtype) if isinstance(vtype, str) else None
+            if cls is not None:
+                return cls(f"{cls.default_message} ({describe})", context=context)
+        return None
+    if kind == _RESOURCE_INFO:
+        rtype = _field(detail, "resourceType", "resource_type")
+        table = (
+            _NOT_FOUND
+            if code is GrpcCode.NOT_FOUND
+            else (_EXISTS if code is GrpcCode.ALREADY_EXISTS else None)
+        )
+        cls = table.get(rtype) if table is not None and isinstance(rtype, str) else None
+        if cls is None:
+            return None
+        rname = _field(detail, "resourceName", "resource_name")
+        named = f" {rname!r}" if rname else ""
+        return cls(f"{cls.default_message}:{named} ({describe})", context=context)
+    if kind == _ERROR_INFO:
+        if _field(detail, "reason") == "CAS_MISMATCH":
+            return CasMismatchException(
+                f"{CasMismatchException.default_message} ({describe})", context=context
+            )
+        return None
+    return None
+
+
+def grpc_failure(
+    code: object,
+    message: str = "",
+    details: Iterable[Any] = (),
+    *,
+    read_only: bool = False,
+    context: ErrorContext | None = None,
+) -> RetryReason | CouchbaseException:
+    """Map a failed Couchbase gRPC call to a RetryReason or the exception to raise.
+
+    Details first (see the module docstring for the accepted format):
+    PreconditionFailure LOCKED -> KV_LOCKED (other violation types -> their
+    exception); ResourceInfo with NOT_FOUND / ALREADY_EXISTS -> the NotFound /
+    Exists exception of the resource type (document, bucket, scope, collection,
+    queryindex, searchindex, analyticsindex, path); ErrorInfo CAS_MISMATCH ->
+    CasMismatchException. Then the code: UNAVAILABLE -> SERVICE_NOT_AVAILABLE;
+    CANCELLED -> RequestCanceledException; DEADLINE_EXCEEDED ->
+    UnambiguousTimeoutException if ``read_only`` else AmbiguousTimeoutException;
+    NOT_FOUND -> DocumentNotFoundException; ALREADY_EXISTS ->
+    DocumentExistsException; UNAUTHENTICATED, PERMISSION_DENIED ->
+    AuthenticationFailureException; UNIMPLEMENTED -> FeatureNotAvailableException;
+    INVALID_ARGUMENT, OUT_OF_RANGE -> InvalidArgumentException; ABORTED, UNKNOWN,
+    INTERNAL -> InternalServerFailureException; RESOURCE_EXHAUSTED ->
+    RateLimitedException; anything else -> CouchbaseException.
+
+    ``OK`` raises ValueError: it is not a failure.
+    """
+    status = grpc_code(code)
+    if status is GrpcCode.OK:
+        raise ValueError("grpc_failure(code): OK is not a failure")
+    if not isinstance(read_only, bool):
+        raise TypeError(f"grpc_failure(read_only) must be a bool, got {read_only!r}")
+    if not isinstance(message, str):
+        raise TypeError(f"grpc_failure(message) must be a str, got {type(message).__name__}")
+    if isinstance(details, (str, bytes, Mapping)) or not isinstance(details, Iterable):
+        raise TypeError(
+            "grpc_failure(details) must be an iterable of status details (mappings with "
+            f'"@type" or decoded google.rpc messages), got {type(details).__name__}'
+        )
+    describe = f"gRPC {status.name}: {message}" if message else f"gRPC {status.name}"
+    for index, detail in enumerate(details):
+        decided = _from_detail(detail, index, status, describe, context)
+        if decided is not None:
+            return decided
+    if status is GrpcCode.UNAVAILABLE:
+        return RetryReason.SERVICE_NOT_AVAILABLE
+    if status is GrpcCode.DEADLINE_EXCEEDED:
+        timeout = UnambiguousTimeoutException if read_only else AmbiguousTimeoutException
+        return timeout(f"{timeout.default_message} ({describe})", context=context)
+    cls = _BY_CODE.get(status, CouchbaseException)
+    return cls(f"{cls.default_message} ({describe})", context=context)
+
+
+_BY_CODE: dict[GrpcCode, type[CouchbaseException]] = {
+    GrpcCode.CANCELLED: RequestCanceledException,
+    GrpcCode.NOT_FOUND: DocumentNotFoundException,
+    GrpcCode.ALREADY_EXISTS: DocumentExistsException,
+    GrpcCode.UNAUTHENTICATED: AuthenticationFailureException,
+    GrpcCode.PERMISSION_DENIED: AuthenticationFailureException,
+    GrpcCode.UNIMPLEMENTED: FeatureNotAvailableException,
+    GrpcCode.INVALID_ARGUMENT: InvalidArgumentException,
+    GrpcCode.OUT_OF_RANGE: InvalidArgumentException,
+    GrpcCode.ABORTED: InternalServerFailureException,
+    GrpcCode.UNKNOWN: InternalServerFailureException,
+    GrpcCode.INTERNAL: InternalServerFailureException,
+    GrpcCode.RESOURCE_EXHAUSTED: RateLimitedException,
+}

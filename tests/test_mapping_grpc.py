@@ -1,0 +1,309 @@
+"""Couchbase gRPC status + details -> RetryReason or exception."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sdkcore import (
+    AmbiguousTimeoutException,
+    AuthenticationFailureException,
+    CasMismatchException,
+    CollectionNotFoundException,
+    CouchbaseException,
+    DocumentExistsException,
+    DocumentNotFoundException,
+    FeatureNotAvailableException,
+    InternalServerFailureException,
+    InvalidArgumentException,
+    RateLimitedException,
+    RequestCanceledException,
+    RetryReason,
+    ScopeNotFoundException,
+    UnambiguousTimeoutException,
+)
+from sdkcore.mapping import (
+    BucketExistsException,
+    BucketNotFoundException,
+    CollectionExistsException,
+    DocumentNotLockedException,
+    GrpcCode,
+    IndexExistsException,
+    IndexNotFoundException,
+    PathExistsException,
+    PathMismatchException,
+    PathNotFoundException,
+    ScopeExistsException,
+    ValueTooLargeException,
+    grpc_code,
+    grpc_failure,
+)
+
+PRECONDITION = "type.googleapis.com/google.rpc.PreconditionFailure"
+RESOURCE = "type.googleapis.com/google.rpc.ResourceInfo"
+ERROR_INFO = "type.googleapis.com/google.rpc.ErrorInfo"
+DEBUG_INFO = "type.googleapis.com/google.rpc.DebugInfo"
+
+CODE_ROWS: list[tuple[GrpcCode, object]] = [
+    (GrpcCode.UNAVAILABLE, RetryReason.SERVICE_NOT_AVAILABLE),
+    (GrpcCode.CANCELLED, RequestCanceledException),
+    (GrpcCode.NOT_FOUND, DocumentNotFoundException),
+    (GrpcCode.ALREADY_EXISTS, DocumentExistsException),
+    (GrpcCode.UNAUTHENTICATED, AuthenticationFailureException),
+    (GrpcCode.PERMISSION_DENIED, AuthenticationFailureException),
+    (GrpcCode.UNIMPLEMENTED, FeatureNotAvailableException),
+    (GrpcCode.INVALID_ARGUMENT, InvalidArgumentException),
+    (GrpcCode.OUT_OF_RANGE, InvalidArgumentException),
+    (GrpcCode.ABORTED, InternalServerFailureException),
+    (GrpcCode.UNKNOWN, InternalServerFailureException),
+    (GrpcCode.INTERNAL, InternalServerFailureException),
+    (GrpcCode.RESOURCE_EXHAUSTED, RateLimitedException),
+    (GrpcCode.FAILED_PRECONDITION, CouchbaseException),
+    (GrpcCode.DATA_LOSS, CouchbaseException),
+]
+
+
+def _check(result: object, expected: object) -> None:
+    if isinstance(expected, RetryReason):
+        assert result is expected
+    else:
+        assert type(result) is expected
+
+
+@pytest.mark.parametrize(("code", "expected"), CODE_ROWS, ids=lambda v: getattr(v, "name", ""))
+def test_code_rows(code: GrpcCode, expected: object) -> None:
+    _check(grpc_failure(code, "server says no"), expected)
+
+
+def test_deadline_exceeded_depends_on_read_only() -> None:
+    assert type(grpc_failure("DEADLINE_EXCEEDED")) is AmbiguousTimeoutException
+    assert type(grpc_failure("DEADLINE_EXCEEDED", read_only=True)) is UnambiguousTimeoutException
+
+
+def test_ok_is_not_a_failure() -> None:
+    with pytest.raises(ValueError, match="OK is not a failure"):
+        grpc_failure(0)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        14,
+        GrpcCode.UNAVAILABLE,
+        "UNAVAILABLE",
+        "unavailable",
+        " Unavailable ",
+        "StatusCode.UNAVAILABLE",
+    ],
+)
+def test_code_forms(code: object) -> None:
+    assert grpc_code(code) is GrpcCode.UNAVAILABLE
+    assert grpc_failure(code) is RetryReason.SERVICE_NOT_AVAILABLE
+
+
+def test_real_grpc_status_codes_match() -> None:
+    # In a fresh interpreter: inside the test session "grpc" may resolve to tests/grpc.
+    code = (
+        "import grpc\n"
+        "from sdkcore.mapping import grpc_code\n"
+        "for status in grpc.StatusCode:\n"
+        "    assert grpc_code(status).value == status.value[0], status\n"
+        "    assert grpc_code(status).name == status.name, status\n"
+        "print(len(grpc.StatusCode))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert done.stdout.strip() == "17"
+
+
+def test_duck_typed_status_code() -> None:
+    class FakeCode:
+        name = "NOT_FOUND"
+        value = (5, "not found")
+
+    assert type(grpc_failure(FakeCode())) is DocumentNotFoundException
+
+
+@pytest.mark.parametrize(
+    ("code", "error", "match"),
+    [
+        (17, ValueError, "0..16"),
+        (-1, ValueError, "0..16"),
+        ("NOPE", ValueError, "unknown gRPC status code name"),
+        (True, TypeError, "grpc.StatusCode, int or name"),
+        (1.0, TypeError, "grpc.StatusCode, int or name"),
+    ],
+)
+def test_bad_codes(code: object, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        grpc_failure(code)
+
+
+def test_module_imports_without_grpc() -> None:
+    code = (
+        "import sys; sys.modules['grpc'] = None\n"
+        "from sdkcore import RetryReason\n"
+        "from sdkcore.mapping import grpc_failure\n"
+        "assert grpc_failure('UNAVAILABLE') is RetryReason.SERVICE_NOT_AVAILABLE\n"
+        "assert 'grpc' not in {m for m in sys.modules if sys.modules[m] is not None}\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- details -----------------------------------------------------------------------
+
+
+def precondition(*types: str) -> dict[str, Any]:
+    return {"@type": PRECONDITION, "violations": [{"type": t, "subject": "doc"} for t in types]}
+
+
+def resource(rtype: str, name: str = "x", *, proto_names: bool = False) -> dict[str, Any]:
+    if proto_names:
+        return {"@type": RESOURCE, "resource_type": rtype, "resource_name": name}
+    return {"@type": RESOURCE, "resourceType": rtype, "resourceName": name}
+
+
+@pytest.mark.parametrize(
+    ("code", "details", "expected"),
+    [
+        (GrpcCode.FAILED_PRECONDITION, [precondition("LOCKED")], RetryReason.KV_LOCKED),
+        (GrpcCode.FAILED_PRECONDITION, [precondition("NOT_LOCKED")], DocumentNotLockedException),
+        (GrpcCode.FAILED_PRECONDITION, [precondition("PATH_MISMATCH")], PathMismatchException),
+        (GrpcCode.FAILED_PRECONDITION, [precondition("VALUE_TOO_LARGE")], ValueTooLargeException),
+        (GrpcCode.FAILED_PRECONDITION, [precondition("SOMETHING_NEW")], CouchbaseException),
+        (GrpcCode.NOT_FOUND, [resource("document")], DocumentNotFoundException),
+        (GrpcCode.NOT_FOUND, [resource("collection")], CollectionNotFoundException),
+        (GrpcCode.NOT_FOUND, [resource("scope")], ScopeNotFoundException),
+        (GrpcCode.NOT_FOUND, [resource("bucket")], BucketNotFoundException),
+        (GrpcCode.NOT_FOUND, [resource("queryindex")], IndexNotFoundException),
+        (GrpcCode.NOT_FOUND, [resource("searchindex")], IndexNotFoundException),
+        (GrpcCode.NOT_FOUND, [resource("analyticsindex")], IndexNotFoundException),
+        (GrpcCode.NOT_FOUND, [resource("path")], PathNotFoundException),
+        (GrpcCode.NOT_FOUND, [resource("widget")], DocumentNotFoundException),  # code fallback
+        (GrpcCode.ALREADY_EXISTS, [resource("document")], DocumentExistsException),
+        (GrpcCode.ALREADY_EXISTS, [resource("collection")], CollectionExistsException),
+        (GrpcCode.ALREADY_EXISTS, [resource("scope")], ScopeExistsException),
+        (GrpcCode.ALREADY_EXISTS, [resource("bucket")], BucketExistsException),
+        (GrpcCode.ALREADY_EXISTS, [resource("queryindex")], IndexExistsException),
+        (GrpcCode.ALREADY_EXISTS, [resource("path")], PathExistsException),
+        (GrpcCode.ALREADY_EXISTS, [resource("scope", proto_names=True)], ScopeExistsException),
+        # ResourceInfo only decides with NOT_FOUND / ALREADY_EXISTS.
+        (GrpcCode.INTERNAL, [resource("collection")], InternalServerFailureException),
+        (GrpcCode.ABORTED, [{"@type": ERROR_INFO, "reason": "CAS_MISMATCH"}], CasMismatchException),
+        (
+            GrpcCode.ABORTED,
+            [{"@type": ERROR_INFO, "reason": "OTHER"}],
+            InternalServerFailureException,
+        ),
+        # Undecisive details are skipped; the first decisive one wins.
+        (
+            GrpcCode.FAILED_PRECONDITION,
+            [{"@type": DEBUG_INFO, "detail": "x"}, precondition("LOCKED")],
+            RetryReason.KV_LOCKED,
+        ),
+        (
+            GrpcCode.NOT_FOUND,
+            [resource("collection"), resource("scope")],
+            CollectionNotFoundException,
+        ),
+        # Details decide before the code: LOCKED under UNAVAILABLE is still KV_LOCKED.
+        (GrpcCode.UNAVAILABLE, [precondition("LOCKED")], RetryReason.KV_LOCKED),
+    ],
+)
+def test_detail_rows(code: GrpcCode, details: list[Any], expected: object) -> None:
+    _check(grpc_failure(code, "msg", details), expected)
+
+
+def test_exception_message_carries_status_message_and_resource() -> None:
+    exc = grpc_failure("NOT_FOUND", "collection gone", [resource("collection", "inventory.hotels")])
+    assert isinstance(exc, CollectionNotFoundException)
+    assert "inventory.hotels" in str(exc)
+    assert "NOT_FOUND" in str(exc)
+    assert "collection gone" in str(exc)
+
+
+def test_decoded_message_objects() -> None:
+    class Violation:
+        def __init__(self, type: str) -> None:
+            self.type = type
+
+    class PreconditionFailure:
+        def __init__(self, *types: str) -> None:
+            self.violations = [Violation(t) for t in types]
+
+    class Descriptor:
+        full_name = "google.rpc.ResourceInfo"
+
+    class SomeGeneratedClass:
+        DESCRIPTOR = Descriptor()
+        resource_type = "bucket"
+        resource_name = "travel"
+        owner = ""
+
+    class ErrorInfo:
+        reason = "CAS_MISMATCH"
+
+    assert grpc_failure(9, "", [PreconditionFailure("LOCKED")]) is RetryReason.KV_LOCKED
+    assert type(grpc_failure(5, "", [SomeGeneratedClass()])) is BucketNotFoundException
+    assert type(grpc_failure(10, "", [ErrorInfo()])) is CasMismatchException
+    assert type(grpc_failure(10, "", [object()])) is InternalServerFailureException
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"details": [{"violations": []}]},
+            ValueError,
+            r'details\[0\] is a mapping without an "@type"',
+        ),
+        ({"details": {"@type": PRECONDITION}}, TypeError, "must be an iterable of status details"),
+        ({"details": "LOCKED"}, TypeError, "must be an iterable of status details"),
+        ({"message": 3}, TypeError, r"grpc_failure\(message\) must be a str"),
+        ({"read_only": "yes"}, TypeError, r"grpc_failure\(read_only\) must be a bool"),
+    ],
+)
+def test_bad_details(kwargs: dict[str, Any], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        grpc_failure("FAILED_PRECONDITION", **kwargs)
+
+
+def test_malformed_violations_do_not_crash() -> None:
+    detail = {"@type": PRECONDITION, "violations": 3}
+    assert type(grpc_failure(9, "", [detail])) is CouchbaseException
+
+
+# -- properties --------------------------------------------------------------------
+
+detail_strategy = st.one_of(
+    st.builds(precondition, st.sampled_from(["LOCKED", "NOT_LOCKED", "DOC_NOT_JSON", "ZZZ"])),
+    st.builds(
+        resource,
+        st.sampled_from(["document", "scope", "collection", "bucket", "path", "queryindex", "x"]),
+    ),
+    st.builds(lambda r: {"@type": ERROR_INFO, "reason": r}, st.sampled_from(["CAS_MISMATCH", "Q"])),
+    st.just({"@type": DEBUG_INFO}),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.integers(1, 16), st.text(max_size=20), st.lists(detail_strategy, max_size=3), st.booleans()
+)
+def test_every_result_is_a_reason_or_a_couchbase_exception(
+    code: int, message: str, details: list[Any], read_only: bool
+) -> None:
+    result = grpc_failure(code, message, details, read_only=read_only)
+    assert isinstance(result, (RetryReason, CouchbaseException))
+    if isinstance(result, RetryReason):
+        locked = any(
+            d.get("@type") == PRECONDITION and d["violations"][0]["type"] == "LOCKED"
+            for d in details
+        )
+        assert (result is RetryReason.KV_LOCKED and locked) or (
+            result is RetryReason.SERVICE_NOT_AVAILABLE and code == GrpcCode.UNAVAILABLE
+        )
