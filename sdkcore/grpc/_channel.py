@@ -1,0 +1,154 @@
+"""Channel helpers: grpc.aio channels whose calls are retried by sdkcore."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from .._orchestrator import RetryOrchestrator
+from ._interceptors import (
+    DEFAULT_CHANNEL_BUFFER_LIMIT,
+    DEFAULT_PER_CALL_BUFFER_LIMIT,
+    RetryController,
+)
+from ._policy import BackoffJitter
+from ._service_config import DEFAULT_MAX_ATTEMPTS_CAP, ServiceConfig
+from ._stats import RetryStats
+
+__all__ = ["insecure_channel", "retry_controller", "retry_stats", "secure_channel"]
+
+#: grpcio's own retries are switched off on sdkcore channels.
+_NATIVE_RETRIES_OFF = ("grpc.enable_retries", 0)
+_controllers: weakref.WeakKeyDictionary[Any, RetryController] = weakref.WeakKeyDictionary()
+
+
+def _channel_options(options: Sequence[tuple[str, Any]] | None) -> list[tuple[str, Any]]:
+    out = [(k, v) for k, v in (options or ()) if k != "grpc.enable_retries"]
+    out.append(_NATIVE_RETRIES_OFF)
+    return out
+
+
+def _controller(
+    target: str,
+    service_config: ServiceConfig | str | bytes | Any | None,
+    orchestrator: RetryOrchestrator | None,
+    retry_options: dict[str, Any],
+) -> RetryController:
+    return RetryController(target, service_config, orchestrator=orchestrator, **retry_options)
+
+
+def insecure_channel(
+    target: str,
+    *,
+    service_config: ServiceConfig | str | bytes | Any | None = None,
+    orchestrator: RetryOrchestrator | None = None,
+    options: Sequence[tuple[str, Any]] | None = None,
+    compression: grpc.Compression | None = None,
+    interceptors: Sequence[aio.ClientInterceptor] | None = None,
+    retries_enabled: bool = True,
+    max_attempts_cap: int = DEFAULT_MAX_ATTEMPTS_CAP,
+    backoff_jitter: BackoffJitter = BackoffJitter.FULL,
+    per_call_buffer_limit: int = DEFAULT_PER_CALL_BUFFER_LIMIT,
+    channel_buffer_limit: int = DEFAULT_CHANNEL_BUFFER_LIMIT,
+    transparent_retries: bool = True,
+    transparent_retry_limit: int = 10,
+    stats: RetryStats | None = None,
+    message_size: Callable[[Any], int] | None = None,
+) -> aio.Channel:
+    """A ``grpc.aio`` insecure channel whose calls are retried by sdkcore (A6).
+
+    ``service_config`` supplies the retry policies and throttling;
+    ``retries_enabled=False`` turns every retry off. grpcio's own retries are
+    always switched off on the channel. ``interceptors`` run inside the retry
+    loop, once per attempt. See :class:`RetryController` for the other options.
+    """
+    controller = _controller(
+        target,
+        service_config,
+        orchestrator,
+        {
+            "enabled": retries_enabled,
+            "max_attempts_cap": max_attempts_cap,
+            "backoff_jitter": backoff_jitter,
+            "per_call_buffer_limit": per_call_buffer_limit,
+            "channel_buffer_limit": channel_buffer_limit,
+            "transparent_retries": transparent_retries,
+            "transparent_retry_limit": transparent_retry_limit,
+            "stats": stats,
+            "message_size": message_size,
+        },
+    )
+    channel = aio.insecure_channel(
+        target,
+        options=_channel_options(options),
+        compression=compression,
+        interceptors=[*controller.interceptors(), *(interceptors or ())],
+    )
+    _controllers[channel] = controller
+    return channel
+
+
+def secure_channel(
+    target: str,
+    credentials: grpc.ChannelCredentials,
+    *,
+    service_config: ServiceConfig | str | bytes | Any | None = None,
+    orchestrator: RetryOrchestrator | None = None,
+    options: Sequence[tuple[str, Any]] | None = None,
+    compression: grpc.Compression | None = None,
+    interceptors: Sequence[aio.ClientInterceptor] | None = None,
+    retries_enabled: bool = True,
+    max_attempts_cap: int = DEFAULT_MAX_ATTEMPTS_CAP,
+    backoff_jitter: BackoffJitter = BackoffJitter.FULL,
+    per_call_buffer_limit: int = DEFAULT_PER_CALL_BUFFER_LIMIT,
+    channel_buffer_limit: int = DEFAULT_CHANNEL_BUFFER_LIMIT,
+    transparent_retries: bool = True,
+    transparent_retry_limit: int = 10,
+    stats: RetryStats | None = None,
+    message_size: Callable[[Any], int] | None = None,
+) -> aio.Channel:
+    """Like :func:`insecure_channel`, with channel ``credentials`` (TLS)."""
+    controller = _controller(
+        target,
+        service_config,
+        orchestrator,
+        {
+            "enabled": retries_enabled,
+            "max_attempts_cap": max_attempts_cap,
+            "backoff_jitter": backoff_jitter,
+            "per_call_buffer_limit": per_call_buffer_limit,
+            "channel_buffer_limit": channel_buffer_limit,
+            "transparent_retries": transparent_retries,
+            "transparent_retry_limit": transparent_retry_limit,
+            "stats": stats,
+            "message_size": message_size,
+        },
+    )
+    channel = aio.secure_channel(
+        target,
+        credentials,
+        options=_channel_options(options),
+        compression=compression,
+        interceptors=[*controller.interceptors(), *(interceptors or ())],
+    )
+    _controllers[channel] = controller
+    return channel
+
+
+def retry_controller(channel: Any) -> RetryController:
+    """The :class:`RetryController` of a channel made by this module."""
+    try:
+        return _controllers[channel]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"{channel!r} was not created by sdkcore.grpc.insecure_channel/secure_channel"
+        ) from None
+
+
+def retry_stats(channel: Any) -> RetryStats:
+    """The per-method retry statistics of a channel made by this module."""
+    return retry_controller(channel).stats

@@ -1,0 +1,902 @@
+"""grpc.aio client interceptors that run A6 retries on the sdkcore RetryOrchestrator.
+
+Each application call becomes one :class:`sdkcore.Request` (name = the full
+method, timeout = the call's deadline and/or the method config's timeout) whose
+``retry_strategy`` is the method's :class:`A6RetryStrategy`. Every failed attempt
+is handed to ``RetryOrchestrator.maybe_retry``; its refusals and timeouts are
+translated back into ``grpc.aio.AioRpcError`` for the application, with the
+sdkcore exception (and its ErrorContext) chained as ``__cause__``.
+
+What grpc.aio lets an interceptor observe, and how it is used, is documented in
+rfc/0003-grpc-retry-design.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+from collections.abc import AsyncIterator, Callable, Generator
+from typing import Any
+
+import grpc
+from grpc import aio
+from grpc.aio import _base_call
+
+from .._errors import CouchbaseException, TimeoutException
+from .._orchestrator import RetryOrchestrator
+from .._request import Request
+from ._policy import (
+    CALL_STATE_KEY,
+    PUSHBACK_KEY,
+    REASON_STATUS,
+    REASON_TRANSPARENT,
+    A6RetryStrategy,
+    BackoffJitter,
+    CallState,
+    TransparentKind,
+    parse_pushback,
+)
+from ._service_config import DEFAULT_MAX_ATTEMPTS_CAP, MethodConfig, ServiceConfig
+from ._stats import RetryStats
+from ._throttle import RetryThrottler, throttler_for_target
+
+__all__ = [
+    "DEFAULT_CHANNEL_BUFFER_LIMIT",
+    "DEFAULT_PER_CALL_BUFFER_LIMIT",
+    "PREVIOUS_ATTEMPTS_KEY",
+    "RetryController",
+    "RetryStreamStreamInterceptor",
+    "RetryStreamUnaryInterceptor",
+    "RetryUnaryStreamInterceptor",
+    "RetryUnaryUnaryInterceptor",
+    "default_message_size",
+    "previous_rpc_attempts",
+]
+
+#: A6 "Exposed Retry Metadata" header.
+PREVIOUS_ATTEMPTS_KEY = "grpc-previous-rpc-attempts"
+#: Per-call replay buffer limit (A6 ``per_rpc_buffer_limit_in_bytes``).
+DEFAULT_PER_CALL_BUFFER_LIMIT = 256 * 1024
+#: Per-channel replay buffer limit (A6 ``retry_buffer_size_in_bytes``).
+DEFAULT_CHANNEL_BUFFER_LIMIT = 16 * 1024 * 1024
+
+_EOF = aio.EOF
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+# Markers of failures where the request provably never reached the server
+# application (matched on details + debug_error_string, lower-cased).
+_NEVER_SENT_MARKERS = (
+    "failed to connect to all addresses",
+    "connections to all backends failing",
+    "dns resolution failed",
+    "name resolution failure",
+)
+_REFUSED_MARKERS = ("refused_stream", "stream refused", "refused stream")
+
+
+def default_message_size(message: Any) -> int:
+    """Bytes a request message takes in the replay buffer.
+
+    ``len`` for bytes-like values, ``ByteSize()`` for protobuf messages, else
+    ``sys.getsizeof`` (pass ``message_size=`` for anything more precise).
+    """
+    if isinstance(message, (bytes, bytearray)):
+        return len(message)
+    if isinstance(message, memoryview):
+        return message.nbytes
+    byte_size = getattr(message, "ByteSize", None)
+    if callable(byte_size):
+        return int(byte_size())
+    return sys.getsizeof(message)
+
+
+async def previous_rpc_attempts(call_or_error: Any) -> int:
+    """How many attempts preceded the final one (0 when the first attempt decided).
+
+    Takes a finished call or the ``AioRpcError`` it raised; reads the
+    ``grpc-previous-rpc-attempts`` entry sdkcore adds to its trailing metadata.
+    """
+    md = call_or_error.trailing_metadata()
+    if asyncio.iscoroutine(md):
+        md = await md
+    if not md:
+        return 0
+    values = [v for k, v in md if k == PREVIOUS_ATTEMPTS_KEY]
+    return int(values[-1]) if values else 0
+
+
+def _transparent_kind(err: Any) -> TransparentKind | None:
+    if err.code() is not _UNAVAILABLE:
+        return None
+    md = err.initial_metadata()
+    if md:
+        return None
+    text = f"{err.details() or ''} {err.debug_error_string() or ''}".lower()
+    for marker in _REFUSED_MARKERS:
+        if marker in text:
+            return TransparentKind.REFUSED
+    for marker in _NEVER_SENT_MARKERS:
+        if marker in text:
+            return TransparentKind.NEVER_SENT
+    return None
+
+
+def _with_attempts(md: Any, previous: int) -> aio.Metadata:
+    out = aio.Metadata(*[(k, v) for k, v in (md or ()) if k != PREVIOUS_ATTEMPTS_KEY])
+    out.add(PREVIOUS_ATTEMPTS_KEY, str(previous))
+    return out
+
+
+class _Plan:
+    """What a method gets: its strategy and the method config's call settings."""
+
+    __slots__ = ("strategy", "timeout", "wait_for_ready")
+
+    def __init__(self, strategy: A6RetryStrategy, mc: MethodConfig | None) -> None:
+        self.strategy = strategy
+        self.timeout = None if mc is None or mc.timeout is None else mc.timeout.total_seconds()
+        self.wait_for_ready = None if mc is None else mc.wait_for_ready
+
+
+class RetryController:
+    """The retry machinery shared by one channel's interceptors.
+
+    * ``service_config``: a :class:`ServiceConfig` (or its JSON / a Mapping); None
+      means no retry policies (transparent retries only).
+    * ``target``: the server name; picks the process-wide throttler.
+    * ``orchestrator``: the :class:`RetryOrchestrator` every retry goes through.
+    * ``enabled``: False turns every kind of retry off (A6 "Disabling Retries").
+    * ``max_attempts_cap``: the client cap on maxAttempts (A6 default 5).
+    * ``backoff_jitter``: :class:`BackoffJitter` (the 2017 text or the 2024 amendment).
+    * ``per_call_buffer_limit`` / ``channel_buffer_limit``: replay buffer limits in bytes.
+    * ``transparent_retries``: retry failures that provably never reached the server.
+    * ``stats``: a :class:`RetryStats` to record into (a new one by default).
+    * ``message_size``: bytes of a request message (default :func:`default_message_size`).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        service_config: ServiceConfig | str | bytes | Any | None = None,
+        *,
+        orchestrator: RetryOrchestrator | None = None,
+        enabled: bool = True,
+        max_attempts_cap: int = DEFAULT_MAX_ATTEMPTS_CAP,
+        backoff_jitter: BackoffJitter = BackoffJitter.FULL,
+        per_call_buffer_limit: int = DEFAULT_PER_CALL_BUFFER_LIMIT,
+        channel_buffer_limit: int = DEFAULT_CHANNEL_BUFFER_LIMIT,
+        transparent_retries: bool = True,
+        transparent_retry_limit: int = 10,
+        stats: RetryStats | None = None,
+        message_size: Callable[[Any], int] | None = None,
+    ) -> None:
+        if service_config is not None and not isinstance(service_config, ServiceConfig):
+            service_config = ServiceConfig.from_json(service_config)
+        for name, value in (
+            ("per_call_buffer_limit", per_call_buffer_limit),
+            ("channel_buffer_limit", channel_buffer_limit),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(
+                    f"RetryController({name}=...) must be an integer >= 0 bytes, got {value!r}"
+                )
+        if not isinstance(enabled, bool):
+            raise TypeError(f"RetryController(enabled=...) must be a bool, got {enabled!r}")
+        self.target = target
+        self.service_config: ServiceConfig | None = service_config
+        self.orchestrator = orchestrator if orchestrator is not None else RetryOrchestrator()
+        self.enabled = enabled
+        self.stats = stats if stats is not None else RetryStats()
+        self.per_call_buffer_limit = per_call_buffer_limit
+        self.channel_buffer_limit = channel_buffer_limit
+        self.transparent_retries = transparent_retries and enabled
+        self.message_size = message_size or default_message_size
+        self._buffered = 0
+        self._buffer_lock = threading.Lock()
+        throttling = None if service_config is None else service_config.retry_throttling
+        self.throttler: RetryThrottler | None = (
+            None
+            if throttling is None or not enabled
+            else throttler_for_target(target, throttling.max_tokens, throttling.token_ratio)
+        )
+        self._strategy_args: dict[str, Any] = {
+            "throttler": self.throttler,
+            "max_attempts_cap": max_attempts_cap,
+            "jitter": backoff_jitter,
+            "transparent_retry_limit": transparent_retry_limit,
+        }
+        # Validate the arguments now rather than on the first call.
+        A6RetryStrategy(None, **self._strategy_args)
+        self._plans: dict[Any, _Plan | None] = {}
+
+    # -- per-method plans ------------------------------------------------------
+    def plan(self, method: Any) -> _Plan | None:
+        """The plan for a method (bytes or str), or None when nothing is retried."""
+        try:
+            return self._plans[method]
+        except KeyError:
+            pass
+        name = method.decode() if isinstance(method, bytes) else str(method)
+        mc = None if self.service_config is None else self.service_config.method_config(name)
+        policy = mc.retry_policy if mc is not None and self.enabled else None
+        plan: _Plan | None = None
+        # With retries off, a method config's timeout / waitForReady still apply.
+        if (
+            policy is not None
+            or self.transparent_retries
+            or (mc is not None and (mc.timeout is not None or mc.wait_for_ready is not None))
+        ):
+            plan = _Plan(A6RetryStrategy(policy, **self._strategy_args), mc)
+        self._plans[method] = plan
+        return plan
+
+    # -- channel-wide replay buffer ------------------------------------------------
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes currently held for replay by all calls of the channel."""
+        return self._buffered
+
+    def _reserve(self, size: int) -> bool:
+        with self._buffer_lock:
+            if self._buffered + size > self.channel_buffer_limit:
+                return False
+            self._buffered += size
+            return True
+
+    def _release(self, size: int) -> None:
+        if size:
+            with self._buffer_lock:
+                self._buffered -= size
+
+    def interceptors(self) -> list[aio.ClientInterceptor]:
+        """The four interceptors (unary-unary, unary-stream, stream-unary, stream-stream)."""
+        return [
+            RetryUnaryUnaryInterceptor(self),
+            RetryUnaryStreamInterceptor(self),
+            RetryStreamUnaryInterceptor(self),
+            RetryStreamStreamInterceptor(self),
+        ]
+
+
+class _Call:
+    """One application call: its Request, state and the attempt bookkeeping."""
+
+    __slots__ = (
+        "base_md",
+        "buffered",
+        "core",
+        "details",
+        "method",
+        "name",
+        "request",
+        "state",
+        "strategy",
+        "wait_for_ready",
+    )
+
+    def __init__(self, core: RetryController, plan: _Plan, details: Any) -> None:
+        self.core = core
+        self.details = details
+        self.method = details.method
+        name = self.method
+        self.name: str = name.decode() if isinstance(name, bytes) else str(name)
+        timeout = details.timeout
+        if plan.timeout is not None and (timeout is None or plan.timeout < timeout):
+            timeout = plan.timeout
+        self.state = CallState()
+        self.strategy = plan.strategy
+        self.request = Request(
+            name=self.name,
+            timeout=None if timeout is None else max(timeout, 1e-6),
+            retry_strategy=plan.strategy,
+            client_context={CALL_STATE_KEY: self.state},
+        )
+        self.wait_for_ready = (
+            details.wait_for_ready if details.wait_for_ready is not None else plan.wait_for_ready
+        )
+        md = details.metadata
+        if md and any(k == PREVIOUS_ATTEMPTS_KEY for k, _ in md):
+            md = aio.Metadata(*[(k, v) for k, v in md if k != PREVIOUS_ATTEMPTS_KEY])
+        self.base_md = md
+        self.buffered = 0
+
+    def next_details(self) -> Any:
+        """Call details for the next attempt (time left, previous-attempts header)."""
+        st = self.state
+        st.attempts += 0 if st.transparent is not None else 1
+        st.transparent = None
+        previous = st.attempts - 1
+        md = self.base_md if previous == 0 else _with_attempts(self.base_md, previous)
+        left = self.request.time_left
+        return aio.ClientCallDetails(
+            self.method,
+            None if left is None else left.total_seconds(),
+            md,
+            self.details.credentials,
+            self.wait_for_ready,
+        )
+
+    def buffer_unary(self, message: Any) -> None:
+        """Account a unary request in the replay buffer; commit if it does not fit."""
+        core = self.core
+        size = core.message_size(message)
+        if size > core.per_call_buffer_limit or not core._reserve(size):
+            self.state.committed = True
+        else:
+            self.buffered = size
+
+    def release(self) -> None:
+        self.core._release(self.buffered)
+        self.buffered = 0
+
+    def succeeded(self) -> None:
+        throttler = self.core.throttler
+        if throttler is not None:
+            throttler.record_success()
+
+    async def failed(self, err: Any) -> None:
+        """Decide on a failed attempt: return to retry after the delay, or raise the final error."""
+        st = self.state
+        core = self.core
+        if st.attempts > 1:
+            core.stats.record_failed_retry(self.name)
+        code = err.code()
+        st.code = code.value[0]
+        if err.initial_metadata():
+            st.committed = True
+        trailing = err.trailing_metadata()
+        st.pushback = parse_pushback(trailing.get_all(PUSHBACK_KEY)) if trailing else None
+        kind = None
+        if core.transparent_retries and not st.committed:
+            kind = _transparent_kind(err)
+        if kind is None and self.strategy.policy is None:
+            raise self._final(err)
+        st.transparent = kind
+        try:
+            await core.orchestrator.maybe_retry(
+                self.request, REASON_STATUS if kind is None else REASON_TRANSPARENT
+            )
+        except TimeoutException as exc:
+            raise self._deadline(err) from exc
+        except CouchbaseException as exc:
+            raise self._final(err) from exc
+        if kind is None:
+            core.stats.record_retry(self.name, st.attempts)
+        else:
+            core.stats.record_transparent_retry(self.name)
+
+    def _final(self, err: Any) -> Any:
+        previous = self.state.attempts - 1
+        if previous <= 0:
+            return err
+        return aio.AioRpcError(
+            err.code(),
+            err.initial_metadata(),
+            _with_attempts(err.trailing_metadata(), previous),
+            err.details(),
+            err.debug_error_string(),
+        )
+
+    def _deadline(self, err: Any) -> Any:
+        previous = max(self.state.attempts - 1, 0)
+        trailing = err.trailing_metadata()
+        return aio.AioRpcError(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            err.initial_metadata(),
+            _with_attempts(trailing, previous) if previous else trailing,
+            "Deadline Exceeded",
+            f"deadline reached while waiting to retry after {err.code().name}: {err.details()}",
+        )
+
+
+class _FinishedUnaryCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
+    """A finished successful call, reporting how many attempts preceded it."""
+
+    def __init__(self, call: Any, previous: int) -> None:
+        self._call = call
+        self._previous = previous
+
+    def cancel(self) -> bool:
+        return False
+
+    def cancelled(self) -> bool:
+        return False
+
+    def done(self) -> bool:
+        return True
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        callback(self)
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    async def initial_metadata(self) -> Any:
+        return await self._call.initial_metadata()
+
+    async def trailing_metadata(self) -> Any:
+        return _with_attempts(await self._call.trailing_metadata(), self._previous)
+
+    async def code(self) -> Any:
+        return await self._call.code()
+
+    async def details(self) -> str:
+        return str(await self._call.details())
+
+    async def debug_error_string(self) -> str | None:
+        return await self._call.debug_error_string()  # type: ignore[no-any-return]
+
+    async def wait_for_connection(self) -> None:
+        return None
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._call.__await__()  # type: ignore[no-any-return]
+
+
+class _Interceptor:
+    def __init__(self, controller: RetryController) -> None:
+        if not isinstance(controller, RetryController):
+            raise TypeError(
+                f"{type(self).__name__}(controller) takes a RetryController, got {controller!r}"
+            )
+        self.controller = controller
+
+
+class RetryUnaryUnaryInterceptor(_Interceptor, aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Retries unary-unary calls (A6) through the sdkcore orchestrator."""
+
+    async def intercept_unary_unary(
+        self, continuation: Callable[..., Any], client_call_details: Any, request: Any
+    ) -> Any:
+        core = self.controller
+        plan = core.plan(client_call_details.method)
+        if plan is None:
+            return await continuation(client_call_details, request)
+        c = _Call(core, plan, client_call_details)
+        if plan.strategy.policy is not None:
+            c.buffer_unary(request)
+        try:
+            while True:
+                call = await continuation(c.next_details(), request)
+                try:
+                    await call
+                except aio.AioRpcError as err:
+                    await c.failed(err)
+                    continue
+                c.succeeded()
+                previous = c.state.attempts - 1
+                return call if previous == 0 else _FinishedUnaryCall(call, previous)
+        finally:
+            c.release()
+
+
+class _Outcome:
+    """How the driver ended: committed to ``call`` (maybe with a first message), or finished."""
+
+    __slots__ = ("call", "error", "first", "has_first")
+
+    def __init__(self, call: Any = None, error: Any = None) -> None:
+        self.call = call
+        self.error = error
+        self.first: Any = None
+        self.has_first = False
+
+
+class _ReplayBuffer:
+    """Request messages of a client-streaming call, kept for replay until commit."""
+
+    def __init__(self, c: _Call, source: Any) -> None:
+        self.c = c
+        self.items: list[Any] = []
+        self.base = 0  # absolute index of items[0]
+        self.consumed = 0  # absolute index of the next item for the live attempt
+        self.generation = 0
+        self.done = False
+        self.committed = False
+        self.event = asyncio.Event()
+        self.drained = asyncio.Event()
+        self.source = source
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._pump())
+
+    def commit(self) -> None:
+        if self.committed:
+            return
+        self.committed = True
+        self.c.state.committed = True
+        self.c.release()
+        drop = self.consumed - self.base
+        if drop > 0:
+            del self.items[:drop]
+            self.base = self.consumed
+        if not self.items:
+            self.drained.set()
+
+    def _append(self, message: Any) -> None:
+        if not self.committed:
+            core = self.c.core
+            size = core.message_size(message)
+            if self.c.buffered + size > core.per_call_buffer_limit or not core._reserve(size):
+                self.commit()
+            else:
+                self.c.buffered += size
+        self.items.append(message)
+        self.drained.clear()
+        self.event.set()
+
+    async def _pump(self) -> None:
+        source = self.source
+        try:
+            if hasattr(source, "__aiter__"):
+                async for message in source:
+                    self._append(message)
+                    if self.committed and self.items:
+                        await self.drained.wait()
+            else:
+                for message in source:
+                    self._append(message)
+                    if self.committed and self.items:
+                        await self.drained.wait()
+        finally:
+            self.done = True
+            self.event.set()
+
+    async def attempt_messages(self) -> AsyncIterator[Any]:
+        """The request stream of one attempt: a replay of the buffer, then new messages."""
+        self.generation += 1
+        generation = self.generation
+        i = self.base
+        self.consumed = i
+        while generation == self.generation:
+            k = i - self.base
+            if k < len(self.items):
+                message = self.items[k]
+                i += 1
+                self.consumed = i
+                if self.committed:
+                    del self.items[: i - self.base]
+                    self.base = i
+                    if not self.items:
+                        self.drained.set()
+                yield message
+            elif self.done:
+                return
+            else:
+                self.event.clear()
+                await self.event.wait()
+
+    @property
+    def source_done(self) -> bool:
+        return self.done
+
+    def close(self) -> None:
+        self.generation += 1
+        task = self.task
+        if task is not None and not task.done():
+            task.cancel()
+
+
+class _RetryingCall:
+    """The call object handed to grpc.aio for the three streaming call types."""
+
+    def __init__(
+        self,
+        c: _Call,
+        continuation: Callable[..., Any],
+        request: Any,
+        *,
+        request_streaming: bool,
+        response_streaming: bool,
+    ) -> None:
+        self._c = c
+        self._continuation = continuation
+        self._request = request
+        self._response_streaming = response_streaming
+        self._replay: _ReplayBuffer | None = None
+        if request_streaming:
+            self._replay = _ReplayBuffer(c, request)
+            self._replay.start()
+        elif c.strategy.policy is not None:
+            c.buffer_unary(request)
+        self._current: Any = None
+        self._started = asyncio.Event()
+        self._reader: AsyncIterator[Any] | None = None
+        self._accounting: asyncio.Task[None] | None = None
+        self._cancelled = False
+        self._callbacks: list[Callable[[Any], None]] = []
+        self._driver: asyncio.Task[_Outcome] = asyncio.get_running_loop().create_task(self._drive())
+        self._driver.add_done_callback(self._driver_done)
+
+    # -- the attempt loop ------------------------------------------------------------
+    async def _drive(self) -> _Outcome:
+        c = self._c
+        replay = self._replay
+        try:
+            while True:
+                source = self._request if replay is None else replay.attempt_messages()
+                call = await self._continuation(c.next_details(), source)
+                self._current = call
+                self._started.set()
+                try:
+                    if self._response_streaming:
+                        md = await call.initial_metadata()
+                        if md:
+                            return self._commit(call)
+                        message = await call.read()
+                        if message is not _EOF:
+                            out = self._commit(call)
+                            out.first = message
+                            out.has_first = True
+                            return out
+                        await call.code()
+                    else:
+                        await call
+                except aio.AioRpcError as err:
+                    if replay is not None and replay.committed:
+                        c.state.committed = True
+                    await c.failed(err)
+                    continue
+                c.succeeded()
+                return _Outcome(call)
+        except aio.AioRpcError as err:
+            return _Outcome(error=err)
+        except BaseException:
+            if self._current is not None:
+                self._current.cancel()
+            raise
+        finally:
+            if replay is not None and (self._current is None or self._current.done()):
+                replay.close()
+
+    def _commit(self, call: Any) -> _Outcome:
+        c = self._c
+        c.state.committed = True
+        if self._replay is not None:
+            self._replay.commit()
+        c.release()
+        # Throttling and stats still see how a committed call ends.
+        call.add_done_callback(self._committed_done)
+        return _Outcome(call)
+
+    def _committed_done(self, call: Any) -> None:
+        if self._replay is not None:
+            self._replay.close()
+        self._accounting = asyncio.get_running_loop().create_task(self._account_committed(call))
+
+    async def _account_committed(self, call: Any) -> None:
+        c = self._c
+        code = (await call.code()).value[0]
+        throttler = c.core.throttler
+        if code == 0:
+            if throttler is not None:
+                throttler.record_success()
+            return
+        if c.state.attempts > 1:
+            c.core.stats.record_failed_retry(c.name)
+        policy = c.strategy.policy
+        if throttler is not None and policy is not None and code in policy.retryable_status_codes:
+            throttler.record_failure()
+
+    def _driver_done(self, task: asyncio.Task[_Outcome]) -> None:
+        self._c.release()
+        callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            self._add_done(cb)
+
+    def _add_done(self, callback: Callable[[Any], None]) -> None:
+        task = self._driver
+        if task.cancelled() or task.exception() is not None or task.result().error is not None:
+            callback(self)
+            return
+        call = task.result().call
+        call.add_done_callback(lambda _: callback(self))
+
+    async def _outcome(self) -> _Outcome:
+        return await asyncio.shield(self._driver)
+
+    # -- grpc.aio Call interface -------------------------------------------------------
+    def cancel(self) -> bool:
+        if self.done():
+            return False
+        self._cancelled = True
+        if not self._driver.done():
+            self._driver.cancel()
+        else:
+            out = self._driver.result()
+            if out.call is not None:
+                out.call.cancel()
+        if self._replay is not None:
+            self._replay.close()
+        return True
+
+    def cancelled(self) -> bool:
+        if self._cancelled or self._driver.cancelled():
+            return True
+        if not self._driver.done():
+            return False
+        out = self._driver.result()
+        return bool(out.call is not None and out.call.cancelled())
+
+    def done(self) -> bool:
+        task = self._driver
+        if not task.done():
+            return False
+        if task.cancelled() or task.exception() is not None:
+            return True
+        out = task.result()
+        return out.error is not None or bool(out.call.done())
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        if not self._driver.done():
+            self._callbacks.append(callback)
+        else:
+            self._add_done(callback)
+
+    def time_remaining(self) -> float | None:
+        left = self._c.request.time_left
+        return None if left is None else left.total_seconds()
+
+    async def initial_metadata(self) -> Any:
+        try:
+            out = await self._outcome()
+        except asyncio.CancelledError:
+            return None
+        if out.error is not None:
+            return out.error.initial_metadata()
+        return await out.call.initial_metadata()
+
+    async def trailing_metadata(self) -> Any:
+        try:
+            out = await self._outcome()
+        except asyncio.CancelledError:
+            return None
+        if out.error is not None:
+            return out.error.trailing_metadata()
+        md = await out.call.trailing_metadata()
+        previous = self._c.state.attempts - 1
+        return _with_attempts(md, previous) if previous > 0 else md
+
+    async def code(self) -> Any:
+        try:
+            out = await self._outcome()
+        except asyncio.CancelledError:
+            return grpc.StatusCode.CANCELLED
+        if out.error is not None:
+            return out.error.code()
+        return await out.call.code()
+
+    async def details(self) -> str:
+        try:
+            out = await self._outcome()
+        except asyncio.CancelledError:
+            return "Locally cancelled by application!"
+        if out.error is not None:
+            return str(out.error.details())
+        return str(await out.call.details())
+
+    async def debug_error_string(self) -> str | None:
+        try:
+            out = await self._outcome()
+        except asyncio.CancelledError:
+            return ""
+        if out.error is not None:
+            return out.error.debug_error_string()  # type: ignore[no-any-return]
+        return await out.call.debug_error_string()  # type: ignore[no-any-return]
+
+    async def wait_for_connection(self) -> None:
+        if self._current is None and not self._driver.done():
+            await asyncio.wait(
+                (asyncio.ensure_future(self._started.wait()), self._driver),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        if self._current is not None:
+            await self._current.wait_for_connection()
+
+    # -- responses -----------------------------------------------------------------
+    async def _responses(self) -> AsyncIterator[Any]:
+        out = await self._outcome()
+        if out.error is not None:
+            raise out.error
+        if out.has_first:
+            message, out.first, out.has_first = out.first, None, False
+            yield message
+        call = out.call
+        while True:
+            message = await call.read()
+            if message is _EOF:
+                return
+            yield message
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._responses()
+
+    async def read(self) -> Any:
+        it = self._reader
+        if it is None:
+            it = self._reader = self._responses()
+        try:
+            return await it.__anext__()
+        except StopAsyncIteration:
+            return _EOF
+
+    def _final_response(self) -> Generator[Any, None, Any]:
+        out = yield from asyncio.shield(self._driver).__await__()
+        if out.error is not None:
+            raise out.error
+        response = yield from out.call.__await__()
+        return response
+
+    # -- requests (writes go through grpc.aio's own request iterator) --------------------
+    async def write(self, request: Any) -> None:
+        raise RuntimeError(
+            "write() on the intercepted call object; use the call the channel returned"
+        )
+
+    async def done_writing(self) -> None:
+        raise RuntimeError(
+            "done_writing() on the intercepted call object; use the call the channel returned"
+        )
+
+    @property
+    def _done_writing_flag(self) -> bool:
+        return self._replay is not None and self._replay.source_done
+
+
+class _RetryingUnaryStreamCall(_RetryingCall, _base_call.UnaryStreamCall):  # type: ignore[misc]
+    pass
+
+
+class _RetryingStreamUnaryCall(_RetryingCall, _base_call.StreamUnaryCall):  # type: ignore[misc]
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._final_response()
+
+
+class _RetryingStreamStreamCall(_RetryingCall, _base_call.StreamStreamCall):  # type: ignore[misc]
+    pass
+
+
+class RetryUnaryStreamInterceptor(_Interceptor, aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    """Retries server-streaming calls until the first response headers or message arrive."""
+
+    async def intercept_unary_stream(
+        self, continuation: Callable[..., Any], client_call_details: Any, request: Any
+    ) -> Any:
+        plan = self.controller.plan(client_call_details.method)
+        if plan is None:
+            return await continuation(client_call_details, request)
+        c = _Call(self.controller, plan, client_call_details)
+        return _RetryingUnaryStreamCall(
+            c, continuation, request, request_streaming=False, response_streaming=True
+        )
+
+
+class RetryStreamUnaryInterceptor(_Interceptor, aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
+    """Retries client-streaming calls, replaying buffered request messages."""
+
+    async def intercept_stream_unary(
+        self, continuation: Callable[..., Any], client_call_details: Any, request_iterator: Any
+    ) -> Any:
+        plan = self.controller.plan(client_call_details.method)
+        if plan is None:
+            return await continuation(client_call_details, request_iterator)
+        c = _Call(self.controller, plan, client_call_details)
+        return _RetryingStreamUnaryCall(
+            c, continuation, request_iterator, request_streaming=True, response_streaming=False
+        )
+
+
+class RetryStreamStreamInterceptor(_Interceptor, aio.StreamStreamClientInterceptor):  # type: ignore[misc]
+    """Retries bidirectional calls: replays requests, commits on headers or first response."""
+
+    async def intercept_stream_stream(
+        self, continuation: Callable[..., Any], client_call_details: Any, request_iterator: Any
+    ) -> Any:
+        plan = self.controller.plan(client_call_details.method)
+        if plan is None:
+            return await continuation(client_call_details, request_iterator)
+        c = _Call(self.controller, plan, client_call_details)
+        return _RetryingStreamStreamCall(
+            c, continuation, request_iterator, request_streaming=True, response_streaming=True
+        )

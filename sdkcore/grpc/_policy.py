@@ -1,0 +1,316 @@
+"""The A6 retry policy as an sdkcore RetryStrategy, plus server pushback parsing.
+
+One :class:`A6RetryStrategy` serves every call of a method; the per-call facts
+it decides on (last status, pushback, commit, attempts) live in a
+:class:`CallState` kept in ``request.client_context[CALL_STATE_KEY]``.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+import re
+from collections.abc import Iterable
+
+from .._action import RetryAction
+from .._context import ErrorContext
+from .._errors import RequestCanceledException
+from .._reason import RetryReason
+from .._request import Request
+from ._service_config import DEFAULT_MAX_ATTEMPTS_CAP, RetryPolicy
+from ._status import status_name
+from ._throttle import RetryThrottler
+
+__all__ = [
+    "CALL_STATE_KEY",
+    "PUSHBACK_DONT_RETRY",
+    "PUSHBACK_KEY",
+    "REASON_STATUS",
+    "REASON_TRANSPARENT",
+    "A6RetryStrategy",
+    "BackoffJitter",
+    "CallState",
+    "TransparentKind",
+    "parse_pushback",
+]
+
+#: Trailing metadata key of A6 server pushback.
+PUSHBACK_KEY = "grpc-retry-pushback-ms"
+#: :func:`parse_pushback` result meaning "the server asked not to retry".
+PUSHBACK_DONT_RETRY = -1
+#: Key of the per-call :class:`CallState` in ``Request.client_context``.
+CALL_STATE_KEY = "sdkcore.grpc.call"
+#: The reason a failed attempt with a status is handed to the orchestrator for.
+REASON_STATUS = RetryReason.SERVICE_RESPONSE_CODE_INDICATED
+#: The reason of a transparent retry (the request never reached the server application).
+REASON_TRANSPARENT = RetryReason.SOCKET_NOT_AVAILABLE
+
+_INT32_MAX = 2**31 - 1
+_PUSHBACK_VALUE = re.compile(r"-?[0-9]+")
+
+
+def parse_pushback(values: Iterable[str | bytes]) -> int | None:
+    """Interpret the ``grpc-retry-pushback-ms`` values of one response.
+
+    ``None`` when absent; the delay in ms (``0`` included: retry at once) for a
+    single non-negative 32-bit integer; :data:`PUSHBACK_DONT_RETRY` for a
+    negative, unparsable, out-of-range or repeated value.
+    """
+    found: list[str | bytes] = list(values)
+    if not found:
+        return None
+    if len(found) > 1:
+        return PUSHBACK_DONT_RETRY
+    raw = found[0]
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("ascii")
+        except UnicodeDecodeError:
+            return PUSHBACK_DONT_RETRY
+    if not isinstance(raw, str) or _PUSHBACK_VALUE.fullmatch(raw) is None:
+        return PUSHBACK_DONT_RETRY
+    ms = int(raw)
+    if ms < 0 or ms > _INT32_MAX:
+        return PUSHBACK_DONT_RETRY
+    return ms
+
+
+class BackoffJitter(enum.Enum):
+    """How a retry's delay is drawn from the bound ``b``.
+
+    ``b = min(initialBackoff * backoffMultiplier**(n-1), maxBackoff)`` for the
+    ``n``-th retry since the last server pushback.
+    """
+
+    #: ``random(0, b)``: the A6 text as published in 2017 (the default).
+    FULL = "full"
+    #: ``b * random(0.8, 1.2)``: the 2024 A6 amendment (what grpc C-core does today).
+    PROPORTIONAL = "proportional"
+
+
+class TransparentKind(enum.Enum):
+    """Which A6 transparent-retry case a failure is (see rfc/0003)."""
+
+    #: The RPC never left the client (no connection could be made).
+    NEVER_SENT = "never_sent"
+    #: The RPC reached the server's gRPC library but not the application (stream refused).
+    REFUSED = "refused"
+
+
+class CallState:
+    """Per-call retry facts, updated by the interceptor after each attempt."""
+
+    __slots__ = (
+        "attempts",
+        "backoff_n",
+        "code",
+        "committed",
+        "details",
+        "pushback",
+        "refusal",
+        "refused_retries",
+        "transparent",
+        "transparent_retries",
+    )
+
+    def __init__(self) -> None:
+        #: A6 attempts started (transparent retries excluded).
+        self.attempts = 0
+        #: Retries since the last pushback: the ``n - 1`` in the backoff formula.
+        self.backoff_n = 0
+        #: Status code (int) of the last failed attempt.
+        self.code = -1
+        self.details = ""
+        #: ``parse_pushback`` of the last failed attempt.
+        self.pushback: int | None = None
+        #: True once response headers or a message reached the application, or the
+        #: replay buffer overflowed: no more retries of any kind.
+        self.committed = False
+        #: The transparent-retry case of the last failure, if any.
+        self.transparent: TransparentKind | None = None
+        self.transparent_retries = 0
+        self.refused_retries = 0
+        #: Why the last decision refused to retry (for error messages).
+        self.refusal = ""
+
+
+def _refusal(why: str, state: CallState) -> RetryAction:
+    code = state.code
+
+    def build(context: ErrorContext) -> BaseException:
+        extra = dict(context.extra)
+        extra.update(
+            grpc_status=status_name(code) if code >= 0 else None,
+            grpc_attempts=state.attempts,
+            grpc_pushback_ms=state.pushback,
+            not_retried_because=why,
+        )
+        return RequestCanceledException(f"not retried: {why}", context=context.evolve(extra=extra))
+
+    state.refusal = why
+    return RetryAction.no_retry(build)
+
+
+_TRANSPARENT_MAX_DELAY = 1.0
+_TRANSPARENT_FIRST_DELAY = 0.01
+
+
+class A6RetryStrategy:
+    """A6 retry policy decisions, for :data:`REASON_STATUS` and :data:`REASON_TRANSPARENT`.
+
+    * Status failures: retry a status in ``retryableStatusCodes`` while fewer than
+      ``min(maxAttempts, max_attempts_cap)`` attempts were made, the call is not
+      committed, the throttler allows it and the server did not push back with
+      "don't retry". The delay is the pushback when there is one (and the
+      exponent then restarts at ``initialBackoff``), else the backoff drawn as
+      ``jitter`` says. Only failures with a retryable status or a "don't retry"
+      pushback take a throttling token.
+    * Transparent retries never count toward ``maxAttempts`` nor the throttler:
+      a stream refused before the server application saw it is retried once at
+      once; an RPC that never left the client is retried with a short backoff
+      (10 ms doubling to 1 s) until the deadline, or at most
+      ``transparent_retry_limit`` times when the call has no deadline.
+
+    ``policy`` may be None (no retryPolicy for the method): then only
+    transparent retries happen.
+    """
+
+    __slots__ = (
+        "_initial",
+        "_jitter",
+        "_max",
+        "_max_attempts",
+        "_mult",
+        "_policy",
+        "_random",
+        "_throttler",
+        "_transparent_limit",
+    )
+
+    def __init__(
+        self,
+        policy: RetryPolicy | None,
+        *,
+        throttler: RetryThrottler | None = None,
+        max_attempts_cap: int = DEFAULT_MAX_ATTEMPTS_CAP,
+        jitter: BackoffJitter = BackoffJitter.FULL,
+        transparent_retry_limit: int = 10,
+        rng: random.Random | None = None,
+    ) -> None:
+        if (
+            isinstance(max_attempts_cap, bool)
+            or not isinstance(max_attempts_cap, int)
+            or max_attempts_cap < 1
+        ):
+            raise ValueError(f"max_attempts_cap must be an integer >= 1, got {max_attempts_cap!r}")
+        if not isinstance(jitter, BackoffJitter):
+            raise TypeError(f"jitter must be a BackoffJitter, got {jitter!r}")
+        if (
+            isinstance(transparent_retry_limit, bool)
+            or not isinstance(transparent_retry_limit, int)
+            or transparent_retry_limit < 0
+        ):
+            raise ValueError(
+                f"transparent_retry_limit must be an integer >= 0, got {transparent_retry_limit!r}"
+            )
+        self._policy = policy
+        self._throttler = throttler
+        self._jitter = jitter
+        self._transparent_limit = transparent_retry_limit
+        self._random = rng.random if rng is not None else random.random
+        if policy is not None:
+            self._max_attempts = policy.effective_max_attempts(max_attempts_cap)
+            self._initial = policy.initial_backoff.total_seconds()
+            self._max = policy.max_backoff.total_seconds()
+            self._mult = policy.backoff_multiplier
+        else:
+            self._max_attempts = 1
+            self._initial = self._max = 0.0
+            self._mult = 1.0
+
+    @property
+    def policy(self) -> RetryPolicy | None:
+        return self._policy
+
+    @property
+    def max_attempts(self) -> int:
+        """The effective maximum number of attempts (maxAttempts capped by the client)."""
+        return self._max_attempts
+
+    @property
+    def throttler(self) -> RetryThrottler | None:
+        return self._throttler
+
+    def backoff_bound(self, n: int) -> float:
+        """``min(initialBackoff * multiplier**n, maxBackoff)`` in seconds (``n`` 0-based)."""
+        try:
+            bound = self._initial * self._mult**n
+        except OverflowError:
+            return self._max
+        return bound if bound < self._max else self._max
+
+    def draw_backoff(self, n: int) -> float:
+        bound = self.backoff_bound(n)
+        if self._jitter is BackoffJitter.FULL:
+            return bound * self._random()
+        return bound * (0.8 + 0.4 * self._random())
+
+    def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:
+        state: CallState = request.client_context[CALL_STATE_KEY]
+        if reason is REASON_TRANSPARENT:
+            return self._transparent(request, state)
+        return self._status(state)
+
+    def _status(self, state: CallState) -> RetryAction:
+        policy = self._policy
+        if policy is None:
+            return _refusal("the method has no retryPolicy", state)
+        code = state.code
+        retryable = code in policy.retryable_status_codes
+        pushback = state.pushback
+        allowed = True
+        throttler = self._throttler
+        if throttler is not None and (retryable or pushback == PUSHBACK_DONT_RETRY):
+            allowed = throttler.record_failure()
+        if not retryable:
+            return _refusal(f"status {status_name(code)} is not in retryableStatusCodes", state)
+        if pushback == PUSHBACK_DONT_RETRY:
+            return _refusal("the server's grpc-retry-pushback-ms asked not to retry", state)
+        if not allowed:
+            return _refusal(
+                "retries are throttled (retryThrottling tokens at or below half)", state
+            )
+        if state.committed:
+            return _refusal("the call is committed (response headers or messages received)", state)
+        if state.attempts >= self._max_attempts:
+            return _refusal(f"all {self._max_attempts} attempts (maxAttempts) used", state)
+        if pushback is not None:
+            state.backoff_n = 0
+            delay = pushback / 1000.0
+        else:
+            delay = self.draw_backoff(state.backoff_n)
+            state.backoff_n += 1
+        return RetryAction.with_duration(delay)
+
+    def _transparent(self, request: Request, state: CallState) -> RetryAction:
+        if state.committed:
+            return _refusal("the call is committed", state)
+        if state.transparent is TransparentKind.REFUSED:
+            if state.refused_retries >= 1:
+                return _refusal("a refused stream is retried transparently only once", state)
+            state.refused_retries += 1
+            return RetryAction.with_duration(0.0)
+        n = state.transparent_retries
+        if request.timeout is None and n >= self._transparent_limit:
+            return _refusal(
+                f"no connection after {n} transparent retries and the call has no deadline", state
+            )
+        state.transparent_retries = n + 1
+        delay = _TRANSPARENT_FIRST_DELAY * (2.0 ** min(n, 16))
+        return RetryAction.with_duration(min(delay, _TRANSPARENT_MAX_DELAY))
+
+    def __repr__(self) -> str:
+        return (
+            f"A6RetryStrategy(max_attempts={self._max_attempts}, jitter={self._jitter.name}, "
+            f"throttled={self._throttler is not None})"
+        )

@@ -1,0 +1,441 @@
+"""The gRPC service config, as far as A6 (retries, hedging, throttling) needs it.
+
+Pure Python: parsing and validation never import grpc. Every violation is
+collected (with its JSON path and what is allowed) before
+:class:`ServiceConfigError` is raised, so one error shows everything to fix.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from datetime import timedelta
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+import attrs
+
+from ._duration import parse_duration
+from ._status import STATUS_BY_NAME, STATUS_NAMES
+
+__all__ = [
+    "DEFAULT_MAX_ATTEMPTS_CAP",
+    "HedgingPolicy",
+    "MethodConfig",
+    "MethodName",
+    "RetryPolicy",
+    "RetryThrottlingPolicy",
+    "ServiceConfig",
+    "ServiceConfigError",
+    "ServiceConfigViolation",
+]
+
+#: A6 "Limits on Retries and Hedges": the client-side cap on maxAttempts.
+DEFAULT_MAX_ATTEMPTS_CAP = 5
+_MAX_TOKENS_LIMIT = 1000
+
+
+@attrs.frozen(slots=True)
+class ServiceConfigViolation:
+    """One problem in a service config: where (a JSON path) and what."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path or '(root)'}: {self.message}"
+
+
+class ServiceConfigError(ValueError):
+    """The service config is invalid; ``violations`` lists every problem found."""
+
+    def __init__(
+        self, violations: list[ServiceConfigViolation] | tuple[ServiceConfigViolation, ...]
+    ):
+        self.violations: tuple[ServiceConfigViolation, ...] = tuple(violations)
+        n = len(self.violations)
+        lines = "\n".join(f"  {v}" for v in self.violations)
+        super().__init__(
+            f"invalid gRPC service config ({n} problem{'s' if n != 1 else ''}):\n{lines}"
+        )
+
+
+@attrs.frozen(slots=True)
+class MethodName:
+    """A ``methodConfig[].name[]`` entry: empty service means "every method" (the default)."""
+
+    service: str = ""
+    method: str = ""
+
+
+@attrs.frozen(slots=True)
+class RetryPolicy:
+    """A6 ``retryPolicy``. ``max_attempts`` is the configured value (not yet capped)."""
+
+    max_attempts: int
+    initial_backoff: timedelta
+    max_backoff: timedelta
+    backoff_multiplier: float
+    retryable_status_codes: frozenset[int]
+
+    def effective_max_attempts(self, cap: int = DEFAULT_MAX_ATTEMPTS_CAP) -> int:
+        """``min(max_attempts, cap)``: values above the client cap are treated as the cap."""
+        return min(self.max_attempts, cap)
+
+
+@attrs.frozen(slots=True)
+class HedgingPolicy:
+    """A6 ``hedgingPolicy`` (parsed and validated; executing it is a separate feature)."""
+
+    max_attempts: int
+    hedging_delay: timedelta = timedelta(0)
+    non_fatal_status_codes: frozenset[int] = frozenset()
+
+    def effective_max_attempts(self, cap: int = DEFAULT_MAX_ATTEMPTS_CAP) -> int:
+        return min(self.max_attempts, cap)
+
+
+@attrs.frozen(slots=True)
+class RetryThrottlingPolicy:
+    """A6 ``retryThrottling``; ``token_ratio`` is already truncated to 3 decimals."""
+
+    max_tokens: int
+    token_ratio: float
+
+
+@attrs.frozen(slots=True)
+class MethodConfig:
+    """One ``methodConfig`` entry."""
+
+    names: tuple[MethodName, ...]
+    retry_policy: RetryPolicy | None = None
+    hedging_policy: HedgingPolicy | None = None
+    timeout: timedelta | None = None
+    wait_for_ready: bool | None = None
+
+
+def _split_method(full_method: str) -> tuple[str, str]:
+    # "/pkg.Service/Method" -> ("pkg.Service", "Method")
+    path = full_method[1:] if full_method.startswith("/") else full_method
+    service, _, method = path.partition("/")
+    return service, method
+
+
+@attrs.frozen(slots=True)
+class ServiceConfig:
+    """A parsed, validated service config. Build it with :meth:`from_json`."""
+
+    method_configs: tuple[MethodConfig, ...] = ()
+    retry_throttling: RetryThrottlingPolicy | None = None
+    _index: Mapping[MethodName, MethodConfig] = attrs.field(
+        default=attrs.Factory(lambda self: _index_of(self.method_configs), takes_self=True),
+        eq=False,
+        repr=False,
+    )
+
+    @classmethod
+    def from_json(cls, data: str | bytes | bytearray | Mapping[str, Any]) -> ServiceConfig:
+        """Parse and validate; raises :class:`ServiceConfigError` listing every violation."""
+        if isinstance(data, (str, bytes, bytearray)):
+            try:
+                obj: Any = json.loads(data)
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise ServiceConfigError(
+                    [
+                        ServiceConfigViolation(
+                            "", f"must be a JSON object; the text is not JSON: {exc}"
+                        )
+                    ]
+                ) from None
+        elif isinstance(data, Mapping):
+            obj = data
+        else:
+            raise TypeError(
+                "ServiceConfig.from_json(data) takes a JSON str/bytes or a Mapping, "
+                f"got {type(data).__name__}"
+            )
+        return _Parser().parse(obj)
+
+    def method_config(self, full_method: str) -> MethodConfig | None:
+        """The config for ``"/pkg.Service/Method"``: exact match, then service, then default."""
+        service, method = _split_method(full_method)
+        index = self._index
+        found = index.get(MethodName(service, method))
+        if found is None:
+            found = index.get(MethodName(service, ""))
+            if found is None:
+                found = index.get(MethodName("", ""))
+        return found
+
+
+def _index_of(configs: tuple[MethodConfig, ...]) -> Mapping[MethodName, MethodConfig]:
+    out: dict[MethodName, MethodConfig] = {}
+    for mc in configs:
+        for name in mc.names:
+            out.setdefault(name, mc)
+    return out
+
+
+_CODE_HELP = 'an integer 0..16 or a status name such as "UNAVAILABLE" (case-insensitive)'
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+class _Parser:
+    def __init__(self) -> None:
+        self.errors: list[ServiceConfigViolation] = []
+
+    def err(self, path: str, message: str) -> None:
+        self.errors.append(ServiceConfigViolation(path, message))
+
+    def parse(self, obj: Any) -> ServiceConfig:
+        if not isinstance(obj, Mapping):
+            self.err("", f"must be a JSON object, got {_kind(obj)}")
+            raise ServiceConfigError(self.errors)
+        configs: list[MethodConfig] = []
+        raw_mcs = obj.get("methodConfig")
+        if raw_mcs is not None:
+            if not isinstance(raw_mcs, list):
+                self.err("methodConfig", f"must be an array of objects, got {_kind(raw_mcs)}")
+            else:
+                seen: dict[MethodName, str] = {}
+                for i, raw in enumerate(raw_mcs):
+                    mc = self.method_config(f"methodConfig[{i}]", raw, seen)
+                    if mc is not None:
+                        configs.append(mc)
+        throttling = None
+        if "retryThrottling" in obj:
+            throttling = self.throttling("retryThrottling", obj["retryThrottling"])
+        if self.errors:
+            raise ServiceConfigError(self.errors)
+        return ServiceConfig(tuple(configs), throttling)
+
+    # -- methodConfig -------------------------------------------------------------
+    def method_config(
+        self, path: str, raw: Any, seen: dict[MethodName, str]
+    ) -> MethodConfig | None:
+        if not isinstance(raw, Mapping):
+            self.err(path, f"must be an object, got {_kind(raw)}")
+            return None
+        names = self.names(f"{path}.name", raw.get("name"), seen)
+        retry = hedging = None
+        if "retryPolicy" in raw:
+            retry = self.retry_policy(f"{path}.retryPolicy", raw["retryPolicy"])
+        if "hedgingPolicy" in raw:
+            hedging = self.hedging_policy(f"{path}.hedgingPolicy", raw["hedgingPolicy"])
+        if "retryPolicy" in raw and "hedgingPolicy" in raw:
+            self.err(
+                path,
+                "may set retryPolicy or hedgingPolicy, not both (A6: one policy per method)",
+            )
+        timeout = None
+        if "timeout" in raw:
+            timeout = self.duration(f"{path}.timeout", raw["timeout"], positive=True)
+        wait_for_ready = raw.get("waitForReady")
+        if wait_for_ready is not None and not isinstance(wait_for_ready, bool):
+            self.err(f"{path}.waitForReady", f"must be true or false, got {wait_for_ready!r}")
+            wait_for_ready = None
+        return MethodConfig(tuple(names), retry, hedging, timeout, wait_for_ready)
+
+    def names(self, path: str, raw: Any, seen: dict[MethodName, str]) -> list[MethodName]:
+        if raw is None:
+            return []
+        if not isinstance(raw, list):
+            self.err(path, f'must be an array of {{"service", "method"}} objects, got {_kind(raw)}')
+            return []
+        out: list[MethodName] = []
+        for j, entry in enumerate(raw):
+            p = f"{path}[{j}]"
+            if not isinstance(entry, Mapping):
+                self.err(
+                    p, f'must be an object with optional "service" and "method", got {_kind(entry)}'
+                )
+                continue
+            service = entry.get("service", "")
+            method = entry.get("method", "")
+            ok = True
+            for key, value in (("service", service), ("method", method)):
+                if not isinstance(value, str):
+                    self.err(f"{p}.{key}", f"must be a string, got {_kind(value)}")
+                    ok = False
+            if not ok:
+                continue
+            if method and not service:
+                self.err(
+                    p, f"method {method!r} needs a service (an empty service is the default entry)"
+                )
+                continue
+            name = MethodName(service, method)
+            if name in seen:
+                self.err(
+                    p, f"duplicate method name {service!r}/{method!r}, already used at {seen[name]}"
+                )
+                continue
+            seen[name] = p
+            out.append(name)
+        return out
+
+    # -- policies -----------------------------------------------------------------
+    def max_attempts(self, path: str, raw: Mapping[str, Any]) -> int:
+        if "maxAttempts" not in raw:
+            self.err(f"{path}.maxAttempts", "is required: an integer >= 2")
+            return 0
+        v = raw["maxAttempts"]
+        if not _is_int(v) or v < 2:
+            self.err(f"{path}.maxAttempts", f"must be an integer >= 2, got {v!r}")
+            return 0
+        return int(v)
+
+    def retry_policy(self, path: str, raw: Any) -> RetryPolicy | None:
+        if not isinstance(raw, Mapping):
+            self.err(path, f"must be an object, got {_kind(raw)}")
+            return None
+        before = len(self.errors)
+        attempts = self.max_attempts(path, raw)
+        initial = maximum = None
+        for key in ("initialBackoff", "maxBackoff"):
+            p = f"{path}.{key}"
+            if key not in raw:
+                self.err(p, 'is required: a proto3 JSON duration > 0, e.g. "0.1s"')
+                continue
+            d = self.duration(p, raw[key], positive=True)
+            if key == "initialBackoff":
+                initial = d
+            else:
+                maximum = d
+        multiplier = 0.0
+        if "backoffMultiplier" not in raw:
+            self.err(f"{path}.backoffMultiplier", "is required: a number > 0")
+        else:
+            v = raw["backoffMultiplier"]
+            if not _is_number(v) or v <= 0:
+                self.err(f"{path}.backoffMultiplier", f"must be a number > 0, got {v!r}")
+            else:
+                multiplier = float(v)
+        codes: frozenset[int] = frozenset()
+        p = f"{path}.retryableStatusCodes"
+        if "retryableStatusCodes" not in raw:
+            self.err(p, f"is required: a non-empty array of status codes ({_CODE_HELP})")
+        else:
+            codes = self.codes(p, raw["retryableStatusCodes"], non_empty=True)
+        if len(self.errors) != before or initial is None or maximum is None:
+            return None
+        return RetryPolicy(attempts, initial, maximum, multiplier, codes)
+
+    def hedging_policy(self, path: str, raw: Any) -> HedgingPolicy | None:
+        if not isinstance(raw, Mapping):
+            self.err(path, f"must be an object, got {_kind(raw)}")
+            return None
+        before = len(self.errors)
+        attempts = self.max_attempts(path, raw)
+        delay: timedelta | None = timedelta(0)
+        if "hedgingDelay" in raw:
+            delay = self.duration(f"{path}.hedgingDelay", raw["hedgingDelay"], positive=False)
+        codes: frozenset[int] = frozenset()
+        if "nonFatalStatusCodes" in raw:
+            codes = self.codes(
+                f"{path}.nonFatalStatusCodes", raw["nonFatalStatusCodes"], non_empty=False
+            )
+        if len(self.errors) != before or delay is None:
+            return None
+        return HedgingPolicy(attempts, delay, codes)
+
+    def codes(self, path: str, raw: Any, *, non_empty: bool) -> frozenset[int]:
+        if not isinstance(raw, list):
+            self.err(path, f"must be an array of status codes ({_CODE_HELP}), got {_kind(raw)}")
+            return frozenset()
+        if non_empty and not raw:
+            self.err(path, f"must not be empty: list at least one status code ({_CODE_HELP})")
+            return frozenset()
+        out: set[int] = set()
+        for k, code in enumerate(raw):
+            if _is_int(code) and 0 <= code < len(STATUS_NAMES):
+                out.add(int(code))
+            elif isinstance(code, str) and code.upper() in STATUS_BY_NAME:
+                out.add(STATUS_BY_NAME[code.upper()])
+            else:
+                self.err(
+                    f"{path}[{k}]", f"must be a valid status code ({_CODE_HELP}), got {code!r}"
+                )
+        return frozenset(out)
+
+    def duration(self, path: str, raw: Any, *, positive: bool) -> timedelta | None:
+        try:
+            nanos = parse_duration(raw)
+        except ValueError as exc:
+            self.err(path, str(exc))
+            return None
+        if positive and nanos <= 0:
+            self.err(path, f"must be a duration > 0, got {raw!r}")
+            return None
+        if not positive and nanos < 0:
+            self.err(path, f"must be a duration >= 0, got {raw!r}")
+            return None
+        return timedelta(microseconds=nanos / 1000)
+
+    # -- retryThrottling ----------------------------------------------------------
+    def throttling(self, path: str, raw: Any) -> RetryThrottlingPolicy | None:
+        if not isinstance(raw, Mapping):
+            self.err(path, f"must be an object with maxTokens and tokenRatio, got {_kind(raw)}")
+            return None
+        before = len(self.errors)
+        max_tokens = 0
+        if "maxTokens" not in raw:
+            self.err(f"{path}.maxTokens", f"is required: an integer in (0, {_MAX_TOKENS_LIMIT}]")
+        else:
+            v = raw["maxTokens"]
+            if not _is_int(v) or not 0 < v <= _MAX_TOKENS_LIMIT:
+                self.err(
+                    f"{path}.maxTokens",
+                    f"must be an integer in (0, {_MAX_TOKENS_LIMIT}], got {v!r}",
+                )
+            else:
+                max_tokens = int(v)
+        ratio = 0.0
+        if "tokenRatio" not in raw:
+            self.err(f"{path}.tokenRatio", "is required: a number > 0 (3 decimal places are used)")
+        else:
+            v = raw["tokenRatio"]
+            milli = _milli(v) if _is_number(v) else None
+            if milli is None or v <= 0:
+                self.err(f"{path}.tokenRatio", f"must be a number > 0, got {v!r}")
+            elif milli == 0:
+                self.err(
+                    f"{path}.tokenRatio",
+                    "must be at least 0.001 (digits past the third decimal are dropped), "
+                    f"got {v!r}",
+                )
+            else:
+                ratio = milli / 1000
+        if len(self.errors) != before:
+            return None
+        return RetryThrottlingPolicy(max_tokens, ratio)
+
+
+def _milli(value: float) -> int | None:
+    """``value`` in thousandths, truncated (0.5466 -> 546), decided on its decimal text."""
+    try:
+        return int(Decimal(repr(value)) * 1000)
+    except (InvalidOperation, ValueError, OverflowError):
+        return None
+
+
+def _kind(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean {str(value).lower()}"
+    if isinstance(value, Mapping):
+        return "an object"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return f"string {value!r}"
+    return f"{type(value).__name__} {value!r}"

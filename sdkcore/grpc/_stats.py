@@ -1,0 +1,127 @@
+"""A6 "Retry and Hedging Statistics": per-method retry counters and histogram."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+
+__all__ = ["HISTOGRAM_BUCKETS", "MethodRetryStats", "RetryStats"]
+
+#: Lower bounds of the A6 histogram buckets (">=1", ">=2", ..., ">=1000").
+HISTOGRAM_BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 5, 10, 100, 1000)
+
+
+def bucket_of(retry_number: int) -> int:
+    """The bucket (its lower bound) the ``retry_number``-th retry (1-based) is counted in."""
+    if retry_number < 1:
+        raise ValueError(f"retry_number must be >= 1, got {retry_number}")
+    if retry_number >= 1000:
+        return 1000
+    if retry_number >= 100:
+        return 100
+    if retry_number >= 10:
+        return 10
+    if retry_number >= 5:
+        return 5
+    return retry_number
+
+
+@attrs.frozen(slots=True)
+class MethodRetryStats:
+    """A snapshot of one method's counters."""
+
+    #: Retry attempts started (the original attempt and transparent retries excluded).
+    retry_attempts: int = 0
+    #: Retry attempts that ended with a non-OK status.
+    failed_retry_attempts: int = 0
+    #: Transparent retries (A6 "Transparent Retries"; not counted above).
+    transparent_retries: int = 0
+    #: Retry attempts per histogram bucket, keyed by the bucket's lower bound.
+    histogram: Mapping[int, int] = attrs.field(
+        factory=lambda: MappingProxyType(dict.fromkeys(HISTOGRAM_BUCKETS, 0))
+    )
+
+
+class _Counters:
+    __slots__ = ("failed", "hist", "retries", "transparent")
+
+    def __init__(self) -> None:
+        self.retries = 0
+        self.failed = 0
+        self.transparent = 0
+        self.hist = dict.fromkeys(HISTOGRAM_BUCKETS, 0)
+
+
+class RetryStats:
+    """Per-method retry statistics for one or more channels.
+
+    Read with :meth:`for_method` / :meth:`snapshot`. When an OpenTelemetry meter
+    is attached (:meth:`export_to_opentelemetry`), every recording is also sent
+    there.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._methods: dict[str, _Counters] = {}
+        self._otel: Any = None
+
+    def _get(self, method: str) -> _Counters:
+        c = self._methods.get(method)
+        if c is None:
+            c = self._methods.setdefault(method, _Counters())
+        return c
+
+    def record_retry(self, method: str, retry_number: int) -> None:
+        """The ``retry_number``-th retry attempt (1-based) of one call was started."""
+        bucket = bucket_of(retry_number)
+        with self._lock:
+            c = self._get(method)
+            c.retries += 1
+            c.hist[bucket] += 1
+        if self._otel is not None:
+            self._otel.record_retry(method, bucket)
+
+    def record_failed_retry(self, method: str) -> None:
+        """A retry attempt ended with a non-OK status."""
+        with self._lock:
+            self._get(method).failed += 1
+        if self._otel is not None:
+            self._otel.record_failed_retry(method)
+
+    def record_transparent_retry(self, method: str) -> None:
+        with self._lock:
+            self._get(method).transparent += 1
+        if self._otel is not None:
+            self._otel.record_transparent_retry(method)
+
+    def for_method(self, method: str) -> MethodRetryStats:
+        """A snapshot for ``"/pkg.Service/Method"`` (all zero if never seen)."""
+        with self._lock:
+            c = self._methods.get(method)
+            if c is None:
+                return MethodRetryStats()
+            return MethodRetryStats(
+                c.retries, c.failed, c.transparent, MappingProxyType(dict(c.hist))
+            )
+
+    def snapshot(self) -> dict[str, MethodRetryStats]:
+        """Snapshots of every method seen so far."""
+        with self._lock:
+            names = list(self._methods)
+        return {name: self.for_method(name) for name in names}
+
+    def export_to_opentelemetry(self, meter: Any = None) -> None:
+        """Also record into OpenTelemetry metrics (needs the ``sdkcore[otel]`` extra).
+
+        ``meter`` defaults to ``opentelemetry.metrics.get_meter("sdkcore.grpc")``.
+        Instruments: ``grpc.client.retry.attempts`` (counter, attributes
+        ``grpc.method`` and ``grpc.retry.bucket``), ``grpc.client.retry.failed_attempts``
+        and ``grpc.client.retry.transparent`` (counters, ``grpc.method``).
+        """
+        from ._otel import OtelRecorder
+
+        self._otel = OtelRecorder(meter)

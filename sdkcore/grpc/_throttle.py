@@ -1,0 +1,138 @@
+"""A6 retry throttling: a token bucket per server name, in exact milli-tokens."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from decimal import Decimal
+
+__all__ = ["RetryThrottler", "throttler_for_target"]
+
+
+class RetryThrottler:
+    """The A6 token bucket ("Throttling Retry Attempts and Hedged RPCs").
+
+    Counts in thousandths of a token, as grpc C-core does, so ``tokenRatio``
+    values like 0.1 add up exactly. Starts full; a failure removes one token
+    (never below zero), a success adds ``token_ratio`` (never above
+    ``max_tokens``); retries are allowed while the count is strictly above
+    ``max_tokens / 2``.
+
+    Thread-safe. When the service config for a target changes, the new
+    throttler takes over the old one's fill ratio and the old one forwards to
+    it (grpc C-core's replacement rule), so calls still holding the old one
+    keep counting in the same bucket.
+    """
+
+    __slots__ = ("__weakref__", "_lock", "_max", "_milli", "_ratio", "_replaced_by")
+
+    def __init__(
+        self, max_tokens: int | float, token_ratio: float, *, replaces: RetryThrottler | None = None
+    ) -> None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, float)):
+            raise TypeError(f"RetryThrottler(max_tokens) must be a number, got {max_tokens!r}")
+        if isinstance(token_ratio, bool) or not isinstance(token_ratio, (int, float)):
+            raise TypeError(f"RetryThrottler(token_ratio) must be a number, got {token_ratio!r}")
+        max_milli = _to_milli(max_tokens)
+        ratio_milli = _to_milli(token_ratio)
+        if not 0 < max_milli <= 1_000_000:
+            raise ValueError(f"RetryThrottler(max_tokens) must be in (0, 1000], got {max_tokens!r}")
+        if ratio_milli <= 0:
+            raise ValueError(
+                "RetryThrottler(token_ratio) must be >= 0.001 (3 decimals are used), "
+                f"got {token_ratio!r}"
+            )
+        self._lock = threading.Lock()
+        self._max = max_milli
+        self._ratio = ratio_milli
+        self._replaced_by: RetryThrottler | None = None
+        if replaces is None:
+            self._milli = max_milli
+        else:
+            old = replaces._current()
+            with old._lock:
+                # Keep the same fill fraction in the new bucket.
+                self._milli = old._milli * max_milli // old._max
+                old._replaced_by = self
+
+    def _current(self) -> RetryThrottler:
+        t = self
+        while t._replaced_by is not None:
+            t = t._replaced_by
+        return t
+
+    @property
+    def max_tokens(self) -> float:
+        return self._max / 1000
+
+    @property
+    def token_ratio(self) -> float:
+        return self._ratio / 1000
+
+    @property
+    def tokens(self) -> float:
+        """The current token count (of the newest bucket when this one was replaced)."""
+        return self._current()._milli / 1000
+
+    @property
+    def milli_tokens(self) -> int:
+        return self._current()._milli
+
+    def record_failure(self) -> bool:
+        """Take one token; True when retries are still allowed afterwards."""
+        t = self._current()
+        with t._lock:
+            milli = t._milli - 1000
+            if milli < 0:
+                milli = 0
+            t._milli = milli
+            return milli * 2 > t._max
+
+    def record_success(self) -> None:
+        """Add ``token_ratio`` tokens (capped at ``max_tokens``)."""
+        t = self._current()
+        with t._lock:
+            milli = t._milli + t._ratio
+            t._milli = t._max if milli > t._max else milli
+
+    def allows_retry(self) -> bool:
+        """True while the count is above the threshold (``max_tokens / 2``)."""
+        t = self._current()
+        return t._milli * 2 > t._max
+
+    def __repr__(self) -> str:
+        return (
+            f"RetryThrottler(max_tokens={self.max_tokens}, token_ratio={self.token_ratio}, "
+            f"tokens={self.tokens})"
+        )
+
+
+def _to_milli(value: float) -> int:
+    """Thousandths, truncated, decided on the number's decimal text (0.5466 -> 546)."""
+    return int(Decimal(repr(value)) * 1000)
+
+
+_registry: weakref.WeakValueDictionary[str, RetryThrottler] = weakref.WeakValueDictionary()
+_registry_lock = threading.Lock()
+
+
+def throttler_for_target(
+    target: str, max_tokens: int | float, token_ratio: float
+) -> RetryThrottler:
+    """The process-wide throttler for ``target`` (one per server name).
+
+    Channels to the same target with the same settings share one bucket; new
+    settings replace it (see :class:`RetryThrottler`). A bucket lives as long as
+    some channel uses it.
+    """
+    with _registry_lock:
+        old = _registry.get(target)
+        if old is not None:
+            cur = old._current()
+            if cur._max == _to_milli(max_tokens) and cur._ratio == _to_milli(token_ratio):
+                return cur
+            new = RetryThrottler(max_tokens, token_ratio, replaces=cur)
+        else:
+            new = RetryThrottler(max_tokens, token_ratio)
+        _registry[target] = new
+        return new

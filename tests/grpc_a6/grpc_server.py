@@ -1,0 +1,124 @@
+"""Test helpers: a real grpc.aio server on 127.0.0.1 (port 0) with per-test generic handlers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+
+grpc = pytest.importorskip("grpc")
+from grpc import aio  # noqa: E402
+
+Handler = Callable[..., Awaitable[Any]] | Callable[..., AsyncIterator[Any]]
+
+#: Every end-to-end test fails instead of hanging after this many seconds.
+TEST_TIMEOUT = 15.0
+
+
+def retry_config(
+    *,
+    max_attempts: int = 3,
+    initial: str = "0.01s",
+    maximum: str = "0.05s",
+    multiplier: float = 2,
+    codes: tuple[str, ...] = ("ABORTED", "UNAVAILABLE"),
+    throttling: dict[str, Any] | None = None,
+    timeout: str | None = None,
+) -> str:
+    mc: dict[str, Any] = {
+        "name": [{"service": "test.Svc"}],
+        "retryPolicy": {
+            "maxAttempts": max_attempts,
+            "initialBackoff": initial,
+            "maxBackoff": maximum,
+            "backoffMultiplier": multiplier,
+            "retryableStatusCodes": list(codes),
+        },
+    }
+    if timeout is not None:
+        mc["timeout"] = timeout
+    cfg: dict[str, Any] = {"methodConfig": [mc]}
+    if throttling is not None:
+        cfg["retryThrottling"] = throttling
+    return json.dumps(cfg)
+
+
+class Server:
+    """Handlers by method name; records the invocation metadata of every attempt."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, Any] = {}
+        self.attempts: dict[str, list[dict[str, str]]] = {}
+        self.port = 0
+        self._server: Any = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _record(self, name: str, context: Any) -> int:
+        md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
+        seen = self.attempts.setdefault(name, [])
+        seen.append(md)
+        return len(seen)
+
+    def unary_unary(self, name: str, fn: Callable[[bytes, Any, int], Awaitable[bytes]]) -> str:
+        async def handler(request: bytes, context: Any) -> bytes:
+            return await fn(request, context, self._record(name, context))
+
+        self.handlers[name] = grpc.unary_unary_rpc_method_handler(handler)
+        return f"/test.Svc/{name}"
+
+    def unary_stream(self, name: str, fn: Callable[[bytes, Any, int], AsyncIterator[bytes]]) -> str:
+        async def handler(request: bytes, context: Any) -> AsyncIterator[bytes]:
+            async for item in fn(request, context, self._record(name, context)):
+                yield item
+
+        self.handlers[name] = grpc.unary_stream_rpc_method_handler(handler)
+        return f"/test.Svc/{name}"
+
+    def stream_unary(
+        self, name: str, fn: Callable[[AsyncIterator[bytes], Any, int], Awaitable[bytes]]
+    ) -> str:
+        async def handler(requests: AsyncIterator[bytes], context: Any) -> bytes:
+            return await fn(requests, context, self._record(name, context))
+
+        self.handlers[name] = grpc.stream_unary_rpc_method_handler(handler)
+        return f"/test.Svc/{name}"
+
+    def stream_stream(
+        self, name: str, fn: Callable[[AsyncIterator[bytes], Any, int], AsyncIterator[bytes]]
+    ) -> str:
+        async def handler(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+            async for item in fn(requests, context, self._record(name, context)):
+                yield item
+
+        self.handlers[name] = grpc.stream_stream_rpc_method_handler(handler)
+        return f"/test.Svc/{name}"
+
+    def count(self, name: str) -> int:
+        return len(self.attempts.get(name, []))
+
+    async def start(self, port: int = 0) -> None:
+        outer = self
+
+        class Generic(grpc.GenericRpcHandler):  # type: ignore[misc]
+            def service(self, details: Any) -> Any:
+                return outer.handlers.get(details.method.rsplit("/", 1)[-1])
+
+        self._server = aio.server()
+        self._server.add_generic_rpc_handlers((Generic(),))
+        self.port = self._server.add_insecure_port(f"127.0.0.1:{port}")
+        await self._server.start()
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(None)
+
+
+async def abort(context: Any, code: Any, *, trailing: tuple[tuple[str, str], ...] = ()) -> None:
+    if trailing:
+        context.set_trailing_metadata(trailing)
+    await context.abort(code, f"scripted {code.name}")

@@ -1,0 +1,446 @@
+"""grpc C-core end2end retry scenarios (test/core/end2end/tests/retry_*), on a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import anyio
+import pytest
+
+grpc = pytest.importorskip("grpc")
+from grpc import aio  # noqa: E402
+from grpc_server import TEST_TIMEOUT, Server, abort, retry_config  # noqa: E402
+
+from sdkcore import RequestCanceledException, RetryOrchestrator  # noqa: E402
+from sdkcore.grpc import (  # noqa: E402
+    BackoffJitter,
+    insecure_channel,
+    previous_rpc_attempts,
+    retry_controller,
+    retry_stats,
+)
+from sdkcore.testing import capture_retry_events  # noqa: E402
+
+pytestmark = pytest.mark.asyncio
+ABORTED = grpc.StatusCode.ABORTED
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+PREV = "grpc-previous-rpc-attempts"
+
+
+def fail_then_ok(failures: int, code: Any = ABORTED, trailing: tuple[tuple[str, str], ...] = ()):
+    async def fn(request: bytes, context: Any, attempt: int) -> bytes:
+        if attempt <= failures:
+            await abort(context, code, trailing=trailing)
+        return b"ok:" + request
+
+    return fn
+
+
+async def wait_until(predicate: Any) -> None:
+    """Poll state that has no event to wait on (bounded by each test's fail_after)."""
+    while not predicate():  # noqa: ASYNC110
+        await asyncio.sleep(0.005)
+
+
+async def test_retry_aborted_then_ok(server: Server) -> None:
+    """retry.cc: ABORTED then OK; the header is absent on the first attempt, "1" on the second."""
+    method = server.unary_unary("M", fail_then_ok(1))
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=retry_config()) as ch:
+            call = ch.unary_unary(method)(b"x")
+            assert await call == b"ok:x"
+            assert await call.code() is grpc.StatusCode.OK
+            assert await previous_rpc_attempts(call) == 1
+            stats = retry_stats(ch).for_method(method)
+    assert server.count("M") == 2
+    assert PREV not in server.attempts["M"][0]
+    assert server.attempts["M"][1][PREV] == "1"
+    assert stats.retry_attempts == 1
+    assert stats.failed_retry_attempts == 0
+    assert stats.histogram[1] == 1
+
+
+async def test_retry_too_many_attempts(server: Server) -> None:
+    """retry_too_many_attempts.cc: maxAttempts 2 and both attempts fail: the second is final."""
+    method = server.unary_unary("M", fail_then_ok(99))
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=retry_config(max_attempts=2)
+        ) as ch:
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(method)(b"x")
+            stats = retry_stats(ch).for_method(method)
+    assert info.value.code() is ABORTED
+    assert await previous_rpc_attempts(info.value) == 1
+    assert server.count("M") == 2
+    assert [a.get(PREV) for a in server.attempts["M"]] == [None, "1"]
+    assert (stats.retry_attempts, stats.failed_retry_attempts) == (1, 1)
+    cause = info.value.__cause__
+    assert isinstance(cause, RequestCanceledException)
+    assert cause.context is not None
+    assert cause.context.extra["grpc_status"] == "ABORTED"
+    assert "maxAttempts" in cause.context.extra["not_retried_because"]
+
+
+async def test_retry_non_retriable_status(server: Server) -> None:
+    """retry_non_retriable_status.cc: a status outside retryableStatusCodes is returned at once."""
+    method = server.unary_unary("M", fail_then_ok(99, grpc.StatusCode.INVALID_ARGUMENT))
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=retry_config()) as ch:
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(method)(b"x")
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert server.count("M") == 1
+
+
+@pytest.mark.parametrize(
+    ("max_attempts", "cap", "expected"), [(10, None, 5), (10, 7, 7), (3, 7, 3)]
+)
+async def test_max_attempts_clamped_to_client_cap(
+    server: Server, max_attempts: int, cap: int | None, expected: int
+) -> None:
+    method = server.unary_unary("M", fail_then_ok(99))
+    kwargs: dict[str, Any] = {} if cap is None else {"max_attempts_cap": cap}
+    cfg = retry_config(max_attempts=max_attempts, initial="0.001s", maximum="0.002s")
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=cfg, **kwargs) as ch:
+            with pytest.raises(aio.AioRpcError):
+                await ch.unary_unary(method)(b"x")
+    assert server.count("M") == expected
+
+
+async def test_retry_server_pushback_delay(server: Server) -> None:
+    """retry_server_pushback_delay.cc: the retry waits the pushed-back delay, not the backoff."""
+    method = server.unary_unary(
+        "M", fail_then_ok(1, UNAVAILABLE, trailing=(("grpc-retry-pushback-ms", "300"),))
+    )
+    cfg = retry_config(initial="0.001s", maximum="0.001s")
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=cfg) as ch:
+            start = time.monotonic()
+            assert await ch.unary_unary(method)(b"x") == b"ok:x"
+            elapsed = time.monotonic() - start
+    assert server.count("M") == 2
+    assert elapsed >= 0.25  # the backoff alone would be at most 1 ms
+
+
+async def test_retry_server_pushback_zero_retries_at_once(server: Server) -> None:
+    """Pushback "0" means retry now (grpcio 1.85's own retries hang on it)."""
+    method = server.unary_unary(
+        "M", fail_then_ok(1, UNAVAILABLE, trailing=(("grpc-retry-pushback-ms", "0"),))
+    )
+    # A 20 s backoff: only an immediate pushback retry finishes within the timeout.
+    cfg = retry_config(initial="20s", maximum="20s")
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=cfg, backoff_jitter=BackoffJitter.PROPORTIONAL
+        ) as ch:
+            start = time.monotonic()
+            assert await ch.unary_unary(method)(b"x") == b"ok:x"
+            elapsed = time.monotonic() - start
+    assert server.count("M") == 2
+    assert elapsed < 10.0
+
+
+@pytest.mark.parametrize("value", ["-1", "abc", "1.5"])
+async def test_retry_server_pushback_disabled(server: Server, value: str) -> None:
+    """retry_server_pushback_disabled.cc: a negative/unparsable pushback means don't retry."""
+    method = server.unary_unary(
+        "M", fail_then_ok(1, UNAVAILABLE, trailing=(("grpc-retry-pushback-ms", value),))
+    )
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=retry_config()) as ch:
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(method)(b"x")
+    assert info.value.code() is UNAVAILABLE
+    assert server.count("M") == 1
+
+
+async def test_retry_throttled(server: Server) -> None:
+    """retry_throttled.cc: maxTokens 1 -> the first failure empties the bucket: no retry."""
+    method = server.unary_unary("M", fail_then_ok(1))
+    cfg = retry_config(throttling={"maxTokens": 1, "tokenRatio": 0.5})
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=cfg) as ch:
+            throttler = retry_controller(ch).throttler
+            assert throttler is not None
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(method)(b"x")
+            assert throttler.tokens == 0
+            # A success adds tokenRatio back.
+            assert await ch.unary_unary(method)(b"y") == b"ok:y"
+            assert throttler.tokens == 0.5
+    assert info.value.code() is ABORTED
+    assert server.count("M") == 2
+    assert "throttled" in str(info.value.__cause__)
+
+
+async def test_non_retryable_status_costs_no_throttle_token(server: Server) -> None:
+    method = server.unary_unary("M", fail_then_ok(99, grpc.StatusCode.NOT_FOUND))
+    cfg = retry_config(throttling={"maxTokens": 10, "tokenRatio": 0.1})
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=cfg) as ch:
+            with pytest.raises(aio.AioRpcError):
+                await ch.unary_unary(method)(b"x")
+            throttler = retry_controller(ch).throttler
+            assert throttler is not None
+            assert throttler.tokens == 10
+
+
+async def test_retry_exceeds_buffer_size_in_initial_batch(server: Server) -> None:
+    """retry_exceeds_buffer_size_in_initial_batch.cc: a request over the buffer limit commits."""
+    method = server.unary_unary("M", fail_then_ok(1))
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=retry_config(), per_call_buffer_limit=4
+        ) as ch:
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(method)(b"12345")
+            assert retry_controller(ch).buffered_bytes == 0
+    assert info.value.code() is ABORTED
+    assert server.count("M") == 1
+
+
+async def test_channel_buffer_limit_commits(server: Server) -> None:
+    method = server.unary_unary("M", fail_then_ok(1))
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=retry_config(), channel_buffer_limit=4
+        ) as ch:
+            with pytest.raises(aio.AioRpcError):
+                await ch.unary_unary(method)(b"12345")
+    assert server.count("M") == 1
+
+
+async def test_retry_recv_initial_metadata(server: Server) -> None:
+    """retry_recv_initial_metadata.cc: response headers commit the call."""
+
+    async def fn(request: bytes, context: Any, attempt: int) -> bytes:
+        await context.send_initial_metadata((("x-server", "1"),))
+        await abort(context, ABORTED)
+        return b""
+
+    method = server.unary_unary("M", fn)
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=retry_config()) as ch:
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(method)(b"x")
+    assert info.value.code() is ABORTED
+    assert ("x-server", "1") in tuple(info.value.initial_metadata())
+    assert server.count("M") == 1
+
+
+async def test_retry_cancellation(server: Server) -> None:
+    """retry_cancellation.cc: cancelling an in-flight call ends it, CANCELLED, with no retry."""
+    release = asyncio.Event()
+
+    async def fn(request: bytes, context: Any, attempt: int) -> bytes:
+        with anyio.move_on_after(TEST_TIMEOUT):
+            await release.wait()
+        await abort(context, ABORTED)
+        return b""
+
+    method = server.unary_unary("M", fn)
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=retry_config()) as ch:
+            call = ch.unary_unary(method)(b"x")
+            await wait_until(lambda: server.count("M") == 1)
+            assert call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            assert await call.code() is grpc.StatusCode.CANCELLED
+            release.set()
+            await asyncio.sleep(0.05)
+    assert server.count("M") == 1
+
+
+async def test_retry_cancel_during_delay(server: Server) -> None:
+    """retry_cancel_during_delay.cc: a cancel during the backoff ends the call at once."""
+    method = server.unary_unary("M", fail_then_ok(99))
+    cfg = retry_config(initial="20s", maximum="20s")
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=cfg, backoff_jitter=BackoffJitter.PROPORTIONAL
+        ) as ch:
+            orchestrator = retry_controller(ch).orchestrator
+            call = ch.unary_unary(method)(b"x")
+            await wait_until(lambda: orchestrator.requests_in_retry == 1)
+            start = time.monotonic()
+            assert call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            assert time.monotonic() - start < 5.0
+            assert await call.code() is grpc.StatusCode.CANCELLED
+            assert orchestrator.requests_in_retry == 0
+    assert server.count("M") == 1
+
+
+async def test_deadline_during_backoff(server: Server) -> None:
+    """The call's deadline spans all attempts: reaching it during backoff -> DEADLINE_EXCEEDED."""
+    method = server.unary_unary("M", fail_then_ok(99))
+    cfg = retry_config(initial="20s", maximum="20s")
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=cfg, backoff_jitter=BackoffJitter.PROPORTIONAL
+        ) as ch:
+            start = time.monotonic()
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(method)(b"x", timeout=0.3)
+            elapsed = time.monotonic() - start
+    assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert 0.2 <= elapsed < 5.0
+    assert server.count("M") == 1
+
+
+async def test_method_config_timeout_applies(server: Server) -> None:
+    async def fn(request: bytes, context: Any, attempt: int) -> bytes:
+        await asyncio.sleep(5)
+        return b""
+
+    method = server.unary_unary("M", fn)
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=retry_config(timeout="0.2s")
+        ) as ch:
+            start = time.monotonic()
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(method)(b"x")
+            assert time.monotonic() - start < 3.0
+    assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+async def test_retry_disabled(server: Server) -> None:
+    """retry_disabled.cc: one switch turns retries off for the channel."""
+    method = server.unary_unary("M", fail_then_ok(1))
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=retry_config(), retries_enabled=False
+        ) as ch:
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(method)(b"x")
+    assert info.value.code() is ABORTED
+    assert server.count("M") == 1
+
+
+async def test_retry_disabled_keeps_method_timeout(server: Server) -> None:
+    async def fn(request: bytes, context: Any, attempt: int) -> bytes:
+        await asyncio.sleep(5)
+        return b""
+
+    method = server.unary_unary("M", fn)
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=retry_config(timeout="0.2s"), retries_enabled=False
+        ) as ch:
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(method)(b"x")
+            assert retry_controller(ch).throttler is None
+    assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+async def test_app_supplied_previous_attempts_header_is_replaced(server: Server) -> None:
+    method = server.unary_unary("M", fail_then_ok(1))
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=retry_config()) as ch:
+            md = aio.Metadata((PREV, "7"), ("x-app", "a"))
+            assert await ch.unary_unary(method)(b"x", metadata=md) == b"ok:x"
+    assert [a.get(PREV) for a in server.attempts["M"]] == [None, "1"]
+    assert all(a["x-app"] == "a" for a in server.attempts["M"])
+
+
+async def test_histogram_buckets_each_retry_once(server: Server) -> None:
+    method = server.unary_unary("M", fail_then_ok(99))
+    cfg = retry_config(max_attempts=7, initial="0.001s", maximum="0.001s")
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=cfg, max_attempts_cap=7) as ch:
+            with pytest.raises(aio.AioRpcError):
+                await ch.unary_unary(method)(b"x")
+            stats = retry_stats(ch).for_method(method)
+    # Retries 1..6: one each in >=1..>=4, two (5th and 6th) in >=5.
+    assert stats.retry_attempts == 6
+    assert stats.failed_retry_attempts == 6
+    assert dict(stats.histogram) == {1: 1, 2: 1, 3: 1, 4: 1, 5: 2, 10: 0, 100: 0, 1000: 0}
+
+
+async def test_retries_and_refusals_go_through_the_orchestrator(server: Server) -> None:
+    method = server.unary_unary("M", fail_then_ok(99))
+    orchestrator = RetryOrchestrator()
+    with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
+        async with insecure_channel(
+            server.target, service_config=retry_config(max_attempts=2), orchestrator=orchestrator
+        ) as ch:
+            assert retry_controller(ch).orchestrator is orchestrator
+            with pytest.raises(aio.AioRpcError):
+                await ch.unary_unary(method)(b"x")
+    names = [(e["event"], e.get("request_name"), e.get("reason")) for e in events]
+    assert names == [
+        ("retry.scheduled", method, "SERVICE_RESPONSE_CODE_INDICATED"),
+        ("retry.not_retried", method, "SERVICE_RESPONSE_CODE_INDICATED"),
+    ]
+
+
+async def test_method_without_policy_is_not_retried(server: Server) -> None:
+    method = server.unary_unary("Other", fail_then_ok(1))
+    cfg = retry_config().replace("test.Svc", "other.Svc")
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=cfg) as ch:
+            with pytest.raises(aio.AioRpcError):
+                await ch.unary_unary(method)(b"x")
+    assert server.count("Other") == 1
+
+
+async def test_transparent_retry_until_server_is_reachable() -> None:
+    """An RPC that never left the client (connection refused) is retried transparently."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = Server()
+    method = server.unary_unary("M", fail_then_ok(0))
+    options = [
+        ("grpc.initial_reconnect_backoff_ms", 50),
+        ("grpc.min_reconnect_backoff_ms", 50),
+        ("grpc.max_reconnect_backoff_ms", 100),
+    ]
+    cfg = retry_config(max_attempts=2, throttling={"maxTokens": 10, "tokenRatio": 0.1})
+    try:
+        with anyio.fail_after(TEST_TIMEOUT):
+            async with insecure_channel(
+                f"127.0.0.1:{port}", service_config=cfg, options=options
+            ) as ch:
+                call = ch.unary_unary(method)(b"x", timeout=8)
+
+                async def start_later() -> None:
+                    await asyncio.sleep(0.3)
+                    await server.start(port)
+
+                starter = asyncio.ensure_future(start_later())
+                assert await call == b"ok:x"
+                await starter
+                stats = retry_stats(ch).for_method(method)
+                throttler = retry_controller(ch).throttler
+                assert throttler is not None
+                assert throttler.tokens == 10
+    finally:
+        await server.stop()
+    assert stats.transparent_retries >= 1
+    assert stats.retry_attempts == 0
+    assert server.count("M") == 1
+    assert PREV not in server.attempts["M"][0]
+
+
+async def test_transparent_retries_can_be_switched_off() -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(f"127.0.0.1:{port}", transparent_retries=False) as ch:
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary("/test.Svc/M")(b"x", timeout=5)
+            assert retry_stats(ch).for_method("/test.Svc/M").transparent_retries == 0
+    assert info.value.code() is UNAVAILABLE
