@@ -84,19 +84,17 @@ def logger() -> Any:
 
 
 def enabled(level: int) -> Any:
-    """The bound logger if ``level`` is enabled, else None (cheap: called per attempt)."""
-    c = _STRUCTLOG_CONFIG
-    k = _key
-    if (
-        c is None
-        or c.default_processors is not k[0]
-        or c.default_wrapper_class is not k[1]
-        or c.logger_factory is not k[2]
-        or c.default_context_class is not k[3]
-    ):
-        log = _refresh()
-    else:
-        log = _cached
+    """The bound logger if ``level`` is enabled, else None (cheap: called per attempt).
+
+    Fast path: while the configured wrapper class is the one the cached level was
+    read from, a level below it is rejected with one identity check and one
+    comparison. Anything else goes through :func:`logger` (full staleness check).
+    """
+    if _STRUCTLOG_CONFIG is not None and _STRUCTLOG_CONFIG.default_wrapper_class is _key[1]:
+        floor = _min_level
+        if floor is not None and level < floor:
+            return None
+    log = logger()
     floor = _min_level
     if floor is not None:
         return log if level >= floor else None

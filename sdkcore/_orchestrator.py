@@ -55,6 +55,7 @@ _BUILTIN_RETRY_AFTER = frozenset(
 )
 _kinds: dict[type, int] = {}
 _INF = float("inf")
+_PENDING = RequestState.PENDING
 
 
 def _kind_of(strategy: object) -> int:
@@ -173,7 +174,7 @@ class RetryOrchestrator:
         ``decided`` is (action, strategy) when the strategy was already awaited;
         returns None when the strategy has to be awaited first.
         """
-        if request._state is not RequestState.PENDING:
+        if request._state is not _PENDING:
             raise self._already_completed(request, reason)
         if type(reason) is not RetryReason:
             raise TypeError(
@@ -201,7 +202,7 @@ class RetryOrchestrator:
                 self._check_action(request, reason, strategy, action)
             if action.duration is None:
                 self._refuse(request, reason, action, strategy)
-            if request._state is not RequestState.PENDING:  # cancelled while deciding
+            if request._state is not _PENDING:  # cancelled while deciding
                 raise self._already_completed(request, reason)
             duration = action.duration
             delay = action._seconds
@@ -242,7 +243,7 @@ class RetryOrchestrator:
         self, request: Request, reason: RetryReason, plan: tuple[float, timedelta, bool]
     ) -> timedelta:
         """After the backoff: the delay waited, or the reason not to re-dispatch."""
-        if request._state is not RequestState.PENDING:
+        if request._state is not _PENDING:
             raise self._already_completed(request, reason)
         if plan[2]:  # the capped backoff ran into the deadline
             raise self._timeout(request, reason)
@@ -403,66 +404,76 @@ class RetryOrchestrator:
         request is not retried, the final exception's ``__cause__`` is the
         attempt's failure.
         """
-        if request._state is not RequestState.PENDING:
+        if request._state is not _PENDING:
             raise self._already_completed(request, None)
-        try:
-            if request._deadline == _INF:
-                return await self._attempts(request, send)
+        # One cancel scope spans every attempt and backoff. It is entered and left by
+        # hand (not with ``with``) so that both paths share one loop and one frame.
+        scope: anyio.CancelScope | None = None
+        if request._deadline != _INF:
             left = request._deadline - request._clock()
             if left <= 0.0:  # expired before the first attempt: nothing is sent
                 raise self._timeout(request, request._last_reason)
-            with anyio.CancelScope(deadline=anyio.current_time() + left) as scope:
-                # Request.cancel() cancels this scope too, so an attempt in flight stops.
-                request._cancel_scope = scope
+            scope = anyio.CancelScope(deadline=anyio.current_time() + left)
+            scope.__enter__()
+            request._cancel_scope = scope  # Request.cancel() stops an attempt in flight
+        try:
+            while True:
+                request._in_flight = True
                 try:
-                    return await self._attempts(request, send)
-                finally:
-                    request._cancel_scope = None
-            # Only reached when our scope was cancelled: by Request.cancel() ...
-            if request._cancellation is CancellationReason.CANCELLED_VIA_CONTEXT:
-                raise self._already_completed(request, request._last_reason)
-            # ... or by the deadline: whatever was waiting or in flight saw a
-            # cancellation, but the request timed out.
-            request._state = RequestState.PENDING
-            raise self._timeout(request, request._last_reason, in_flight=request._in_flight)
-        except Exception:
-            request._finish(RequestState.FAILED)
-            raise
-        except BaseException:
-            request._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
-            raise
-
-    async def _attempts(self, request: Request, send: Callable[[Request], Awaitable[T]]) -> T:
-        while True:
-            request._in_flight = True
-            try:
-                result = await send(request)
-            except RetryableError as failure:
-                request._in_flight = False
-                reason = failure.reason
-                try:
-                    plan = self._plan(request, reason, None)
-                    if plan is None:
-                        plan = self._plan(
-                            request, reason, await self._call_strategy(request, reason)
-                        )
-                except CouchbaseException as exc:
-                    if exc.__cause__ is None:  # keep a cause the strategy's factory chose
-                        exc.__cause__ = failure.__cause__ or failure
-                    raise
-                assert plan is not None
-                if plan[0] <= 0.0 and self._sleep_is_anyio:  # zero delay: one checkpoint
-                    self._in_retry += 1
+                    result = await send(request)
+                except RetryableError as failure:
+                    request._in_flight = False
+                    reason = failure.reason
                     try:
-                        await anyio.lowlevel.checkpoint()
-                    finally:
-                        self._in_retry -= 1
-                else:
-                    await self._pause(request, plan[0])
-                self._resume(request, reason, plan)
-                continue
-            request._in_flight = False
-            if request._state is not RequestState.PENDING:  # Request.cancel() while in flight
-                raise self._already_completed(request, request._last_reason)
-            request._finish(RequestState.SUCCEEDED)
-            return result
+                        plan = self._plan(request, reason, None)
+                        if plan is None:
+                            plan = self._plan(
+                                request, reason, await self._call_strategy(request, reason)
+                            )
+                    except CouchbaseException as exc:
+                        if exc.__cause__ is None:  # keep a cause the strategy's factory chose
+                            exc.__cause__ = failure.__cause__ or failure
+                        raise
+                    assert plan is not None
+                    if plan[0] <= 0.0 and self._sleep_is_anyio:  # zero delay: one checkpoint
+                        self._in_retry += 1
+                        try:
+                            await anyio.lowlevel.checkpoint()
+                        finally:
+                            self._in_retry -= 1
+                    else:
+                        await self._pause(request, plan[0])
+                    if plan[2] or request._state is not _PENDING:
+                        self._resume(request, reason, plan)  # raises
+                    continue
+                request._in_flight = False
+                if request._state is not _PENDING:  # Request.cancel() in flight
+                    raise self._already_completed(request, request._last_reason)
+                break
+        except BaseException as exc:
+            if scope is not None:
+                request._cancel_scope = None
+                if scope.__exit__(type(exc), exc, exc.__traceback__):
+                    # Our own scope caught the cancellation it delivered.
+                    raise self._scope_fired(request) from None
+            if isinstance(exc, Exception):
+                request._finish(RequestState.FAILED)
+            else:
+                request._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
+            raise
+        if scope is not None:
+            request._cancel_scope = None
+            scope.__exit__(None, None, None)
+        request._finish(RequestState.SUCCEEDED)
+        return result
+
+    def _scope_fired(self, request: Request) -> CouchbaseException:
+        """The exception for a request whose ``execute`` scope was cancelled."""
+        if request._cancellation is CancellationReason.CANCELLED_VIA_CONTEXT:
+            error = self._already_completed(request, request._last_reason)
+            assert isinstance(error, CouchbaseException)
+            return error
+        # The deadline: whatever was waiting or in flight saw a cancellation (and may
+        # have marked the request cancelled), but the request timed out.
+        request._state = RequestState.PENDING
+        return self._timeout(request, request._last_reason, in_flight=request._in_flight)
