@@ -17,6 +17,14 @@ Handler = Callable[..., Awaitable[Any]] | Callable[..., AsyncIterator[Any]]
 TEST_TIMEOUT = 15.0
 
 
+#: Server-side pause between sending headers and failing, in tests about header commit.
+#: If the status is queued before the headers are flushed, the transport may send one
+#: trailers-only response, which A6 (and grpc C-core) rightly do not treat as a commit;
+#: the pause makes the headers go out on their own. It sets up the scenario; no test
+#: asserts anything about time.
+HEADERS_FLUSH = 0.05
+
+
 def retry_config(
     *,
     max_attempts: int = 3,

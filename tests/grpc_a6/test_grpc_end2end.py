@@ -11,7 +11,7 @@ import pytest
 
 grpc = pytest.importorskip("grpc")
 from grpc import aio  # noqa: E402
-from grpc_server import TEST_TIMEOUT, Server, abort, retry_config  # noqa: E402
+from grpc_server import HEADERS_FLUSH, TEST_TIMEOUT, Server, abort, retry_config  # noqa: E402
 
 from sdkcore import RequestCanceledException, RetryOrchestrator  # noqa: E402
 from sdkcore.grpc import (  # noqa: E402
@@ -219,6 +219,7 @@ async def test_retry_recv_initial_metadata(server: Server) -> None:
 
     async def fn(request: bytes, context: Any, attempt: int) -> bytes:
         await context.send_initial_metadata((("x-server", "1"),))
+        await asyncio.sleep(HEADERS_FLUSH)  # see HEADERS_FLUSH
         await abort(context, ABORTED)
         return b""
 

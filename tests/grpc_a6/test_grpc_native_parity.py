@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import anyio
@@ -9,7 +10,7 @@ import pytest
 
 grpc = pytest.importorskip("grpc")
 from grpc import aio  # noqa: E402
-from grpc_server import TEST_TIMEOUT, Server, abort, retry_config  # noqa: E402
+from grpc_server import HEADERS_FLUSH, TEST_TIMEOUT, Server, abort, retry_config  # noqa: E402
 
 from sdkcore.grpc import insecure_channel  # noqa: E402
 
@@ -24,6 +25,7 @@ def script(steps: list[Any]) -> Any:
         step = steps[min(attempt, len(steps)) - 1]
         if isinstance(step, tuple) and step[0] == "headers":
             await context.send_initial_metadata((("x-h", "1"),))
+            await asyncio.sleep(HEADERS_FLUSH)  # headers go out on their own
             await abort(context, step[1])
         elif isinstance(step, tuple) and step[0] == "pushback":
             await abort(context, step[2], trailing=(("grpc-retry-pushback-ms", step[1]),))

@@ -11,7 +11,7 @@ import pytest
 
 grpc = pytest.importorskip("grpc")
 from grpc import aio  # noqa: E402
-from grpc_server import TEST_TIMEOUT, Server, abort, retry_config  # noqa: E402
+from grpc_server import HEADERS_FLUSH, TEST_TIMEOUT, Server, abort, retry_config  # noqa: E402
 
 from sdkcore.grpc import insecure_channel, previous_rpc_attempts, retry_controller  # noqa: E402
 
@@ -84,6 +84,7 @@ async def test_retry_recv_message_commits(server: Server) -> None:
 async def test_server_streaming_headers_commit(server: Server) -> None:
     async def fn(request: bytes, context: Any, attempt: int) -> AsyncIterator[bytes]:
         await context.send_initial_metadata((("x-h", "1"),))
+        await asyncio.sleep(HEADERS_FLUSH)  # see HEADERS_FLUSH
         await abort(context, ABORTED)
         yield b""
 
@@ -171,8 +172,10 @@ async def test_bidi_retried_before_first_response(server: Server) -> None:
         requests: AsyncIterator[bytes], context: Any, attempt: int
     ) -> AsyncIterator[bytes]:
         if attempt == 1:
+            # Read every request before failing: aborting while the client still
+            # writes can end the call with INTERNAL in grpcio itself (a transport race).
             async for _ in requests:
-                break
+                pass
             await abort(context, ABORTED)
         async for r in requests:
             yield r.upper()
