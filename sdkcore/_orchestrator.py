@@ -266,6 +266,13 @@ class RetryOrchestrator:
         finally:
             self._in_retry -= 1
 
+    def succeed(self, request: Request) -> None:
+        """Mark ``request`` as succeeded (for hand-wired dispatch loops; ``execute`` does it).
+
+        A completed request cannot be retried; this does nothing if it already completed.
+        """
+        request._finish(RequestState.SUCCEEDED)
+
     # -- strategies other than the built-ins (slow path, still no per-call inspect) ----
     async def _call_strategy(self, request: Request, reason: RetryReason) -> tuple[Any, Any]:
         strategy: Any = request._strategy or self._default

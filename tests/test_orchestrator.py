@@ -599,3 +599,20 @@ def test_property_retried_iff_safe_under_best_effort(
         assert orch.requests_in_retry == 0
 
     anyio.run(scenario, backend=backend)
+
+
+async def test_succeed_marks_a_hand_wired_request_done() -> None:
+    orch, vc = virtual(BestEffortRetryStrategy())
+    req = Request(name="kv.get", idempotent=True, clock=vc.clock)
+    await orch.maybe_retry(req, RetryReason.KV_LOCKED)
+    orch.succeed(req)
+    assert req.state is RequestState.SUCCEEDED
+    assert req.completed
+    assert not req.cancelled
+    assert req.retry_attempts == 1  # retry state is kept
+    with pytest.raises(RuntimeError, match="already succeeded"):
+        await orch.maybe_retry(req, RetryReason.KV_LOCKED)
+    cancelled = Request(clock=vc.clock)
+    cancelled.cancel()
+    orch.succeed(cancelled)  # a completed request stays as it ended
+    assert cancelled.state is RequestState.CANCELLED

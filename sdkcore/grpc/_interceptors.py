@@ -330,6 +330,7 @@ class _Call:
         self.buffered = 0
 
     def succeeded(self) -> None:
+        self.core.orchestrator.succeed(self.request)
         throttler = self.core.throttler
         if throttler is not None:
             throttler.record_success()
@@ -670,8 +671,7 @@ class _RetryingCall:
         code = (await call.code()).value[0]
         throttler = c.core.throttler
         if code == 0:
-            if throttler is not None:
-                throttler.record_success()
+            c.succeeded()  # completes the request and feeds the throttler
             return
         if c.state.attempts > 1:
             c.core.stats.record_failed_retry(c.name)

@@ -13,7 +13,7 @@ grpc = pytest.importorskip("grpc")
 from grpc import aio  # noqa: E402
 from grpc_server import HEADERS_FLUSH, TEST_TIMEOUT, Server, abort, retry_config  # noqa: E402
 
-from sdkcore import RequestCanceledException, RetryOrchestrator  # noqa: E402
+from sdkcore import Request, RequestCanceledException, RequestState, RetryOrchestrator  # noqa: E402
 from sdkcore.grpc import (  # noqa: E402
     BackoffJitter,
     insecure_channel,
@@ -445,3 +445,23 @@ async def test_transparent_retries_can_be_switched_off() -> None:
                 await ch.unary_unary("/test.Svc/M")(b"x", timeout=5)
             assert retry_stats(ch).for_method("/test.Svc/M").transparent_retries == 0
     assert info.value.code() is UNAVAILABLE
+
+
+async def test_successful_call_completes_its_request(server: Server) -> None:
+    finished: list[Request] = []
+
+    class Recording(RetryOrchestrator):
+        def succeed(self, request: Request) -> None:
+            super().succeed(request)
+            finished.append(request)
+
+    method = server.unary_unary("M", fail_then_ok(1))
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=retry_config(), orchestrator=Recording()
+        ) as ch:
+            assert await ch.unary_unary(method)(b"x") == b"ok:x"
+    assert len(finished) == 1
+    assert finished[0].state is RequestState.SUCCEEDED
+    assert finished[0].retry_attempts == 1
+    assert finished[0].name == method
