@@ -32,13 +32,32 @@ def _channel_options(options: Sequence[tuple[str, Any]] | None) -> list[tuple[st
     return out
 
 
-def _controller(
+def _build(
     target: str,
+    credentials: grpc.ChannelCredentials | None,
     service_config: ServiceConfig | str | bytes | Any | None,
     orchestrator: RetryOrchestrator | None,
+    options: Sequence[tuple[str, Any]] | None,
+    compression: grpc.Compression | None,
+    interceptors: Sequence[aio.ClientInterceptor] | None,
     retry_options: dict[str, Any],
-) -> RetryController:
-    return RetryController(target, service_config, orchestrator=orchestrator, **retry_options)
+) -> aio.Channel:
+    controller = RetryController(target, service_config, orchestrator=orchestrator, **retry_options)
+    chain = [*controller.interceptors(), *(interceptors or ())]
+    if credentials is None:
+        channel = aio.insecure_channel(
+            target, options=_channel_options(options), compression=compression, interceptors=chain
+        )
+    else:
+        channel = aio.secure_channel(
+            target,
+            credentials,
+            options=_channel_options(options),
+            compression=compression,
+            interceptors=chain,
+        )
+    _controllers[channel] = controller
+    return channel
 
 
 def insecure_channel(
@@ -66,10 +85,14 @@ def insecure_channel(
     always switched off on the channel. ``interceptors`` run inside the retry
     loop, once per attempt. See :class:`RetryController` for the other options.
     """
-    controller = _controller(
+    return _build(
         target,
+        None,
         service_config,
         orchestrator,
+        options,
+        compression,
+        interceptors,
         {
             "enabled": retries_enabled,
             "max_attempts_cap": max_attempts_cap,
@@ -82,14 +105,6 @@ def insecure_channel(
             "message_size": message_size,
         },
     )
-    channel = aio.insecure_channel(
-        target,
-        options=_channel_options(options),
-        compression=compression,
-        interceptors=[*controller.interceptors(), *(interceptors or ())],
-    )
-    _controllers[channel] = controller
-    return channel
 
 
 def secure_channel(
@@ -112,10 +127,14 @@ def secure_channel(
     message_size: Callable[[Any], int] | None = None,
 ) -> aio.Channel:
     """Like :func:`insecure_channel`, with channel ``credentials`` (TLS)."""
-    controller = _controller(
+    return _build(
         target,
+        credentials,
         service_config,
         orchestrator,
+        options,
+        compression,
+        interceptors,
         {
             "enabled": retries_enabled,
             "max_attempts_cap": max_attempts_cap,
@@ -128,15 +147,6 @@ def secure_channel(
             "message_size": message_size,
         },
     )
-    channel = aio.secure_channel(
-        target,
-        credentials,
-        options=_channel_options(options),
-        compression=compression,
-        interceptors=[*controller.interceptors(), *(interceptors or ())],
-    )
-    _controllers[channel] = controller
-    return channel
 
 
 def retry_controller(channel: Any) -> RetryController:

@@ -442,6 +442,28 @@ class _Interceptor:
             )
         self.controller = controller
 
+    async def _streaming(
+        self,
+        call_class: type[_RetryingCall],
+        continuation: Callable[..., Any],
+        details: Any,
+        request: Any,
+        *,
+        request_streaming: bool,
+        response_streaming: bool,
+    ) -> Any:
+        """A retrying call for a streaming method with a plan, else the plain call."""
+        plan = self.controller.plan(details.method)
+        if plan is None:
+            return await continuation(details, request)
+        return call_class(
+            _Call(self.controller, plan, details),
+            continuation,
+            request,
+            request_streaming=request_streaming,
+            response_streaming=response_streaming,
+        )
+
 
 class RetryUnaryUnaryInterceptor(_Interceptor, aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     """Retries unary-unary calls (A6) through the sdkcore orchestrator."""
@@ -863,12 +885,13 @@ class RetryUnaryStreamInterceptor(_Interceptor, aio.UnaryStreamClientInterceptor
     async def intercept_unary_stream(
         self, continuation: Callable[..., Any], client_call_details: Any, request: Any
     ) -> Any:
-        plan = self.controller.plan(client_call_details.method)
-        if plan is None:
-            return await continuation(client_call_details, request)
-        c = _Call(self.controller, plan, client_call_details)
-        return _RetryingUnaryStreamCall(
-            c, continuation, request, request_streaming=False, response_streaming=True
+        return await self._streaming(
+            _RetryingUnaryStreamCall,
+            continuation,
+            client_call_details,
+            request,
+            request_streaming=False,
+            response_streaming=True,
         )
 
 
@@ -878,12 +901,13 @@ class RetryStreamUnaryInterceptor(_Interceptor, aio.StreamUnaryClientInterceptor
     async def intercept_stream_unary(
         self, continuation: Callable[..., Any], client_call_details: Any, request_iterator: Any
     ) -> Any:
-        plan = self.controller.plan(client_call_details.method)
-        if plan is None:
-            return await continuation(client_call_details, request_iterator)
-        c = _Call(self.controller, plan, client_call_details)
-        return _RetryingStreamUnaryCall(
-            c, continuation, request_iterator, request_streaming=True, response_streaming=False
+        return await self._streaming(
+            _RetryingStreamUnaryCall,
+            continuation,
+            client_call_details,
+            request_iterator,
+            request_streaming=True,
+            response_streaming=False,
         )
 
 
@@ -893,10 +917,11 @@ class RetryStreamStreamInterceptor(_Interceptor, aio.StreamStreamClientIntercept
     async def intercept_stream_stream(
         self, continuation: Callable[..., Any], client_call_details: Any, request_iterator: Any
     ) -> Any:
-        plan = self.controller.plan(client_call_details.method)
-        if plan is None:
-            return await continuation(client_call_details, request_iterator)
-        c = _Call(self.controller, plan, client_call_details)
-        return _RetryingStreamStreamCall(
-            c, continuation, request_iterator, request_streaming=True, response_streaming=True
+        return await self._streaming(
+            _RetryingStreamStreamCall,
+            continuation,
+            client_call_details,
+            request_iterator,
+            request_streaming=True,
+            response_streaming=True,
         )
