@@ -237,3 +237,76 @@ async def test_reconfiguring_structlog_is_picked_up(
     # back to the filtered configuration after the capture
     await orch.maybe_retry(Request(timeout=10, clock=vc.clock), RetryReason.KV_LOCKED)
     assert info_only == []
+
+
+def _recording_wrapper(level: int, calls: list[str]) -> type:
+    """A filtering bound logger whose level methods record that they were called."""
+    base = structlog.make_filtering_bound_logger(level)
+
+    class Recording(base):  # type: ignore[misc, valid-type]
+        def debug(self, event: str, *args: Any, **kw: Any) -> Any:
+            calls.append("debug")
+            return super().debug(event, *args, **kw)
+
+        def info(self, event: str, *args: Any, **kw: Any) -> Any:
+            calls.append("info")
+            return super().info(event, *args, **kw)
+
+    return Recording
+
+
+@pytest.mark.parametrize("level", [logging.INFO, logging.WARNING])
+async def test_filtered_level_is_never_called_so_no_event_is_built(level: int) -> None:
+    """Free when filtered out: sdkcore asks the level first and never calls log.debug()."""
+    calls: list[str] = []
+    structlog.configure(
+        processors=[structlog.testing.LogCapture()],
+        wrapper_class=_recording_wrapper(level, calls),
+        cache_logger_on_first_use=False,
+    )
+    try:
+        orch, vc = virtual(BestEffortRetryStrategy())
+        req = Request(timeout=10, idempotent=True, clock=vc.clock)
+        for _ in range(5):
+            await orch.maybe_retry(req, RetryReason.KV_LOCKED)
+        assert req.retry_attempts == 5
+        assert "debug" not in calls
+        with pytest.raises(RequestCanceledException):
+            await orch.maybe_retry(Request(clock=vc.clock), RetryReason.UNKNOWN)
+        assert calls == (["info"] if level <= logging.INFO else [])
+    finally:
+        structlog.reset_defaults()
+
+
+async def test_stdlib_backed_logger_level_is_honoured() -> None:
+    """With structlog.stdlib, the stdlib logger's level decides, and changes are seen."""
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    std = logging.getLogger("sdkcore")
+    handler = Keep()
+    std.addHandler(handler)
+    old_level = std.level
+    std.setLevel(logging.INFO)
+    structlog.configure(
+        processors=[structlog.stdlib.render_to_log_kwargs],
+        wrapper_class=structlog.stdlib.BoundLogger,
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        cache_logger_on_first_use=False,
+    )
+    try:
+        orch, vc = virtual(BestEffortRetryStrategy())
+        req = Request(timeout=10, idempotent=True, clock=vc.clock)
+        await orch.maybe_retry(req, RetryReason.KV_LOCKED)
+        assert [r.msg for r in records] == []
+        std.setLevel(logging.DEBUG)  # a runtime level change is picked up
+        await orch.maybe_retry(req, RetryReason.KV_LOCKED)
+        assert [r.msg for r in records] == ["retry.scheduled"]
+        assert records[0].levelno == logging.DEBUG
+    finally:
+        structlog.reset_defaults()
+        std.removeHandler(handler)
+        std.setLevel(old_level)
