@@ -16,7 +16,7 @@ import anyio
 from . import _log
 from ._action import RetryAction
 from ._backoff import controlled_backoff
-from ._context import CancellationReason
+from ._context import CancellationReason, ErrorContext
 from ._errors import (
     AmbiguousTimeoutException,
     CouchbaseException,
@@ -55,6 +55,18 @@ _BUILTIN_RETRY_AFTER = frozenset(
 )
 _kinds: dict[type, int] = {}
 _INF = float("inf")
+
+
+def _unsafe_retry(context: ErrorContext) -> BaseException:
+    reason = context.reason.name if context.reason is not None else "?"
+    return RequestCanceledException(
+        f"not retried: the request is not idempotent and may have reached the server "
+        f"({reason}); the strategy asked for a retry, which could apply it twice",
+        context=context,
+    )
+
+
+_UNSAFE = RetryAction.no_retry(_unsafe_retry)
 _PENDING = RequestState.PENDING
 
 
@@ -202,6 +214,10 @@ class RetryOrchestrator:
                 self._check_action(request, reason, strategy, action)
             if action.duration is None:
                 self._refuse(request, reason, action, strategy)
+            if not (request._idempotent or reason.allows_non_idempotent_retry):
+                # RFC 0049 "Network Time": a non-idempotent request that may have
+                # reached the server must fail, whatever a custom strategy says.
+                self._refuse(request, reason, _UNSAFE, strategy)
             if request._state is not _PENDING:  # cancelled while deciding
                 raise self._already_completed(request, reason)
             duration = action.duration

@@ -30,7 +30,7 @@ from sdkcore import (
     UnambiguousTimeoutException,
     controlled_backoff,
 )
-from sdkcore.testing import VirtualClock
+from sdkcore.testing import ScriptedSend, VirtualClock
 
 pytestmark = pytest.mark.anyio
 
@@ -616,3 +616,48 @@ async def test_succeed_marks_a_hand_wired_request_done() -> None:
     cancelled.cancel()
     orch.succeed(cancelled)  # a completed request stays as it ended
     assert cancelled.state is RequestState.CANCELLED
+
+
+# -- safety: a non-idempotent request that may have reached the server ---------------
+
+
+class RetryEverything:
+    """A custom strategy that would retry anything."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:
+        self.calls += 1
+        return RetryAction.with_duration(0.001)
+
+
+@pytest.mark.parametrize("reason", [RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT, RetryReason.UNKNOWN])
+async def test_unsafe_retry_is_refused_whatever_the_strategy_says(reason: RetryReason) -> None:
+    strategy = RetryEverything()
+    orch, vc = virtual(strategy)
+    req = Request(name="kv.upsert", idempotent=False, clock=vc.clock)
+    with pytest.raises(RequestCanceledException, match="not idempotent") as info:
+        await orch.maybe_retry(req, reason)
+    assert strategy.calls == 1  # asked, then overruled
+    assert req.retry_attempts == 0
+    assert vc.sleeps == []
+    ctx = info.value.context
+    assert ctx is not None
+    assert ctx.reason is reason
+    assert ctx.cancellation_reason is CancellationReason.NO_MORE_RETRIES
+    # the same strategy may retry an idempotent request, or a safe reason
+    assert await orch.maybe_retry(Request(idempotent=True, clock=vc.clock), reason) == timedelta(
+        milliseconds=1
+    )
+    assert await orch.maybe_retry(
+        Request(idempotent=False, clock=vc.clock), RetryReason.KV_LOCKED
+    ) == timedelta(milliseconds=1)
+
+
+async def test_unsafe_retry_through_execute_sends_once() -> None:
+    orch = RetryOrchestrator(RetryEverything())
+    send: ScriptedSend[str] = ScriptedSend([RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT, "stored"])
+    with pytest.raises(RequestCanceledException):
+        await orch.execute(Request(name="kv.upsert", timeout=5), send)
+    assert send.calls == 1

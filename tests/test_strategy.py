@@ -416,12 +416,12 @@ async def test_user_strategy_kinds(strategy: Any, expected: timedelta) -> None:
     orch, vc = virtual(strategy)
     req = Request(timeout=None, clock=vc.clock)
     for n in range(3):  # the kind is decided once; later attempts go the same way
-        assert await orch.maybe_retry(req, RetryReason.UNKNOWN) == expected
+        assert await orch.maybe_retry(req, RetryReason.KV_LOCKED) == expected
         assert req.retry_attempts == n + 1
     # per-request too
     other, _ = virtual(FailFastRetryStrategy())
     req2 = Request(timeout=None, clock=vc.clock, retry_strategy=strategy)
-    assert await other.maybe_retry(req2, RetryReason.UNKNOWN) == expected
+    assert await other.maybe_retry(req2, RetryReason.KV_LOCKED) == expected
 
 
 async def test_plain_objects_with_a_retry_after_attribute() -> None:
@@ -437,10 +437,10 @@ async def test_plain_objects_with_a_retry_after_attribute() -> None:
     orch, vc = virtual()
     for obj, expected in ((sync_obj, ms(1)), (async_obj, ms(2)), (sync_obj, ms(1))):
         req = Request(clock=vc.clock, retry_strategy=obj)
-        assert await orch.maybe_retry(req, RetryReason.UNKNOWN) == expected
+        assert await orch.maybe_retry(req, RetryReason.KV_LOCKED) == expected
     with pytest.raises(RequestCanceledException):
         await orch.maybe_retry(
-            Request(clock=vc.clock, retry_strategy=refuse_obj), RetryReason.UNKNOWN
+            Request(clock=vc.clock, retry_strategy=refuse_obj), RetryReason.KV_LOCKED
         )
 
 
