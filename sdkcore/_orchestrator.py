@@ -186,6 +186,10 @@ class RetryOrchestrator:
         ``decided`` is (action, strategy) when the strategy was already awaited;
         returns None when the strategy has to be awaited first.
         """
+        if type(request) is not Request and not isinstance(request, Request):
+            raise TypeError(
+                f"maybe_retry(request, reason): request must be an sdkcore.Request, got {request!r}"
+            )
         if request._state is not _PENDING:
             raise self._already_completed(request, reason)
         if type(reason) is not RetryReason:
@@ -427,6 +431,15 @@ class RetryOrchestrator:
         request is not retried, the final exception's ``__cause__`` is the
         attempt's failure.
         """
+        if type(request) is not Request and not isinstance(request, Request):
+            raise TypeError(
+                f"execute(request, send): request must be an sdkcore.Request, got {request!r}"
+            )
+        if not callable(send):
+            raise TypeError(
+                "execute(request, send): send must be a callable (request) -> awaitable, "
+                f"got {send!r}"
+            )
         if request._state is not _PENDING:
             raise self._already_completed(request, None)
         # One cancel scope spans every attempt and backoff. It is entered and left by

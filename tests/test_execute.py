@@ -369,3 +369,15 @@ async def test_strategy_exception_inside_execute_propagates_and_fails_the_reques
     assert send.calls == 1
     assert req.state is RequestState.FAILED
     assert req.retry_attempts == 0
+
+
+async def test_bad_arguments_are_type_errors_and_leave_the_request_pending() -> None:
+    orch = RetryOrchestrator()
+    req = Request(timeout=5)
+    with pytest.raises(TypeError, match=r"send must be a callable"):
+        await orch.execute(req, "not callable")  # type: ignore[arg-type]
+    assert req.state is RequestState.PENDING
+    with pytest.raises(TypeError, match=r"request must be an sdkcore\.Request"):
+        await orch.execute(object(), ScriptedSend(["ok"]))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"request must be an sdkcore\.Request"):
+        await orch.maybe_retry("req", RetryReason.KV_LOCKED)  # type: ignore[arg-type]
