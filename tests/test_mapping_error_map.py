@@ -163,6 +163,22 @@ def test_undecodable_input(data: str | bytes, problem: str) -> None:
         ErrorMap.from_json(data)
 
 
+@pytest.mark.parametrize(
+    ("key", "path", "got"),
+    [
+        (134, "errors[134]", "int"),
+        (None, "errors[None]", "NoneType"),
+        (1.5, "errors[1.5]", "float"),
+    ],
+)
+def test_from_dict_non_string_key_names_the_path(key: Any, path: str, got: str) -> None:
+    doc = {"version": 2, "revision": 1, "errors": {key: OK_ENTRY}}
+    with pytest.raises(ErrorMapError) as info:
+        ErrorMap.from_dict(doc)
+    assert info.value.path == path
+    assert str(info.value) == f"{path}: key must be a lower-case hex string, got {got}"
+
+
 def test_wrong_argument_type() -> None:
     with pytest.raises(TypeError, match="takes bytes or str"):
         ErrorMap.from_json({"version": 1})  # type: ignore[arg-type]
@@ -197,18 +213,61 @@ def test_delay_rejects_bad_attempts() -> None:
         spec.delay_ms(1.0)  # type: ignore[arg-type]
 
 
-@given(
-    st.sampled_from(list(RetrySpecStrategy)),
-    st.integers(0, 10_000),
-    st.integers(0, 10_000),
-    st.integers(0, 10_000),
-    st.integers(0, 10_000),
-)
+MAX_DELAY_MS = 2**53
+# Small values most of the time, and durations far beyond timedelta's range (~8.6e19 ms).
+durations = st.integers(0, 10_000) | st.integers(0, 10**30)
+
+
+@given(st.sampled_from(list(RetrySpecStrategy)), durations, durations, durations, durations)
 def test_delays_never_overflow_and_respect_ceil(
     strategy: RetrySpecStrategy, interval: int, after: int, ceil: int, attempt: int
 ) -> None:
     spec = RetrySpec(strategy, interval, after, ceil)
-    delay = spec.delay(attempt)  # never OverflowError, even for interval ** 10_000
-    assert delay >= timedelta(0)
-    if attempt > 0 and ceil > 0:
-        assert spec.delay_ms(attempt) <= ceil
+    delay = spec.delay(attempt)  # never OverflowError, even for interval ** 10**30
+    ms = spec.delay_ms(attempt)
+    assert 0 <= ms <= MAX_DELAY_MS
+    assert delay == timedelta(milliseconds=ms)
+    if attempt == 0:
+        assert ms == min(after, MAX_DELAY_MS)
+    elif ceil > 0:
+        assert ms <= ceil
+
+
+@pytest.mark.parametrize("strategy", list(RetrySpecStrategy))
+def test_huge_after_is_clamped_like_the_other_branches(strategy: RetrySpecStrategy) -> None:
+    spec = RetrySpec(strategy, 10**20, 10**20)
+    assert spec.delay_ms(0) == MAX_DELAY_MS
+    assert spec.delay(0) == timedelta(milliseconds=MAX_DELAY_MS)
+    assert spec.delay(1) == timedelta(milliseconds=MAX_DELAY_MS)
+
+
+# -- RetrySpec built directly --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"interval_ms": -1}, ValueError, r"RetrySpec\.interval_ms must be >= 0, got -1"),
+        ({"after_ms": -5}, ValueError, r"RetrySpec\.after_ms must be >= 0, got -5"),
+        ({"ceil_ms": -1}, ValueError, r"RetrySpec\.ceil_ms must be >= 0, got -1"),
+        ({"max_duration_ms": -1}, ValueError, r"RetrySpec\.max_duration_ms must be >= 0, got -1"),
+        ({"interval_ms": 1.5}, TypeError, r"RetrySpec\.interval_ms must be an int .*got 1\.5"),
+        ({"after_ms": True}, TypeError, r"RetrySpec\.after_ms must be an int .*got True"),
+        ({"ceil_ms": "10"}, TypeError, r"RetrySpec\.ceil_ms must be an int .*got '10'"),
+        (
+            {"strategy": "constant"},
+            TypeError,
+            r"RetrySpec\.strategy must be a RetrySpecStrategy .*got 'constant'",
+        ),
+    ],
+)
+def test_retry_spec_validates_its_fields(kwargs: dict[str, Any], error: type, match: str) -> None:
+    fields: dict[str, Any] = {"strategy": C, "interval_ms": 10, "after_ms": 0}
+    fields.update(kwargs)
+    with pytest.raises(error, match=match):
+        RetrySpec(**fields)
+
+
+def test_retry_spec_accepts_zero_everywhere() -> None:
+    spec = RetrySpec(E, 0, 0, 0, 0)
+    assert [spec.delay_ms(n) for n in range(3)] == [0, 0, 0]

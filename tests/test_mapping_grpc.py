@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 from typing import Any
 
 import pytest
@@ -39,6 +40,7 @@ from sdkcore.mapping import (
     PathMismatchException,
     PathNotFoundException,
     ScopeExistsException,
+    ValueInvalidException,
     ValueTooLargeException,
     grpc_code,
     grpc_failure,
@@ -48,6 +50,7 @@ PRECONDITION = "type.googleapis.com/google.rpc.PreconditionFailure"
 RESOURCE = "type.googleapis.com/google.rpc.ResourceInfo"
 ERROR_INFO = "type.googleapis.com/google.rpc.ErrorInfo"
 DEBUG_INFO = "type.googleapis.com/google.rpc.DebugInfo"
+ANY = "type.googleapis.com/google.protobuf.Any"
 
 CODE_ROWS: list[tuple[GrpcCode, object]] = [
     (GrpcCode.UNAVAILABLE, RetryReason.SERVICE_NOT_AVAILABLE),
@@ -211,10 +214,47 @@ def resource(rtype: str, name: str = "x", *, proto_names: bool = False) -> dict[
         ),
         # Details decide before the code: LOCKED under UNAVAILABLE is still KV_LOCKED.
         (GrpcCode.UNAVAILABLE, [precondition("LOCKED")], RetryReason.KV_LOCKED),
+        # LOCKED anywhere in any PreconditionFailure wins over every other detail.
+        (
+            GrpcCode.FAILED_PRECONDITION,
+            [precondition("NOT_LOCKED", "LOCKED")],
+            RetryReason.KV_LOCKED,
+        ),
+        (
+            GrpcCode.FAILED_PRECONDITION,
+            [precondition("NOT_LOCKED"), precondition("PATH_MISMATCH", "LOCKED")],
+            RetryReason.KV_LOCKED,
+        ),
+        (
+            GrpcCode.ABORTED,
+            [{"@type": ERROR_INFO, "reason": "CAS_MISMATCH"}, precondition("LOCKED")],
+            RetryReason.KV_LOCKED,
+        ),
+        # Otherwise the first known violation of a PreconditionFailure decides.
+        (
+            GrpcCode.FAILED_PRECONDITION,
+            [precondition("SOMETHING_NEW", "PATH_MISMATCH", "NOT_LOCKED")],
+            PathMismatchException,
+        ),
     ],
 )
 def test_detail_rows(code: GrpcCode, details: list[Any], expected: object) -> None:
     _check(grpc_failure(code, "msg", details), expected)
+
+
+@pytest.mark.parametrize("code", [GrpcCode.INVALID_ARGUMENT, GrpcCode.OUT_OF_RANGE])
+@pytest.mark.parametrize(
+    ("violation", "cls"),
+    [("VALUE_TOO_LARGE", ValueTooLargeException), ("VALUE_OUT_OF_RANGE", ValueInvalidException)],
+)
+def test_detail_exceptions_stay_invalid_argument_under_invalid_argument_codes(
+    code: GrpcCode, violation: str, cls: type[CouchbaseException]
+) -> None:
+    # The code alone maps to InvalidArgumentException; the detail only refines it.
+    result = grpc_failure(code, "too big", [precondition(violation)])
+    assert type(result) is cls
+    assert isinstance(result, InvalidArgumentException)
+    assert isinstance(result, CouchbaseException)
 
 
 def test_exception_message_carries_status_message_and_resource() -> None:
@@ -271,6 +311,19 @@ def test_bad_details(kwargs: dict[str, Any], error: type, match: str) -> None:
         grpc_failure("FAILED_PRECONDITION", **kwargs)
 
 
+def test_violations_from_an_iterator_are_read_once() -> None:
+    class Violation:
+        def __init__(self, type: str) -> None:
+            self.type = type
+
+    class PreconditionFailure:
+        def __init__(self, *types: str) -> None:
+            self.violations = iter([Violation(t) for t in types])
+
+    result = grpc_failure(9, "", [PreconditionFailure("NOT_LOCKED", "PATH_MISMATCH")])
+    assert type(result) is DocumentNotLockedException
+
+
 def test_malformed_violations_do_not_crash() -> None:
     detail = {"@type": PRECONDITION, "violations": 3}
     assert type(grpc_failure(9, "", [detail])) is CouchbaseException
@@ -278,8 +331,9 @@ def test_malformed_violations_do_not_crash() -> None:
 
 # -- properties --------------------------------------------------------------------
 
+violation_types = st.sampled_from(["LOCKED", "NOT_LOCKED", "DOC_NOT_JSON", "ZZZ"])
 detail_strategy = st.one_of(
-    st.builds(precondition, st.sampled_from(["LOCKED", "NOT_LOCKED", "DOC_NOT_JSON", "ZZZ"])),
+    st.lists(violation_types, min_size=1, max_size=3).map(lambda ts: precondition(*ts)),
     st.builds(
         resource,
         st.sampled_from(["document", "scope", "collection", "bucket", "path", "queryindex", "x"]),
@@ -298,11 +352,123 @@ def test_every_result_is_a_reason_or_a_couchbase_exception(
 ) -> None:
     result = grpc_failure(code, message, details, read_only=read_only)
     assert isinstance(result, (RetryReason, CouchbaseException))
-    if isinstance(result, RetryReason):
-        locked = any(
-            d.get("@type") == PRECONDITION and d["violations"][0]["type"] == "LOCKED"
-            for d in details
-        )
-        assert (result is RetryReason.KV_LOCKED and locked) or (
-            result is RetryReason.SERVICE_NOT_AVAILABLE and code == GrpcCode.UNAVAILABLE
-        )
+    locked = any(
+        d.get("@type") == PRECONDITION and any(v["type"] == "LOCKED" for v in d["violations"])
+        for d in details
+    )
+    # A LOCKED violation anywhere is KV_LOCKED; otherwise only UNAVAILABLE is retried.
+    if locked:
+        assert result is RetryReason.KV_LOCKED
+    elif isinstance(result, RetryReason):
+        assert result is RetryReason.SERVICE_NOT_AVAILABLE
+        assert code == GrpcCode.UNAVAILABLE
+
+
+# -- packed google.protobuf.Any ----------------------------------------------------
+
+
+class FakeAny:
+    """Shaped like ``google.protobuf.any_pb2.Any``: ``type_url`` and packed ``value`` bytes."""
+
+    def __init__(self, type_url: str, value: bytes = b"") -> None:
+        self.type_url = type_url
+        self.value = value
+
+
+class DescribedAny:
+    """A message object whose descriptor says google.protobuf.Any."""
+
+    class DESCRIPTOR:
+        full_name = "google.protobuf.Any"
+
+
+@pytest.fixture
+def no_protobuf(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``google.rpc.error_details_pb2`` unimportable, whether or not it is installed."""
+    monkeypatch.setitem(sys.modules, "google.rpc.error_details_pb2", None)
+
+
+PACKED_ANY_DETAILS: list[Any] = [
+    {"@type": ANY, "type_url": PRECONDITION, "value": b"\x0a\x08\x0a\x06LOCKED"},
+    FakeAny(PRECONDITION, b"\x0a\x08\x0a\x06LOCKED"),
+    DescribedAny(),
+]
+
+
+@pytest.mark.usefixtures("no_protobuf")
+@pytest.mark.parametrize(
+    "detail", PACKED_ANY_DETAILS, ids=["mapping", "type_url+value", "descriptor"]
+)
+def test_packed_any_is_refused_when_it_cannot_be_unpacked(detail: Any) -> None:
+    # Silently skipping it would hide a LOCKED violation: KV_LOCKED would not be retried.
+    with pytest.raises(TypeError, match=r"details\[1\] is a packed google\.protobuf\.Any") as info:
+        grpc_failure("FAILED_PRECONDITION", "locked", [{"@type": DEBUG_INFO}, detail])
+    assert "unpack" in str(info.value)
+
+
+def test_packed_any_of_an_unknown_type_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"details\[0\] is a packed google\.protobuf\.Any"):
+        grpc_failure("FAILED_PRECONDITION", "", [FakeAny("type.googleapis.com/acme.Thing")])
+
+
+def test_json_form_of_an_any_holding_a_detail_is_unpacked() -> None:
+    # proto3 JSON of an Any whose payload is itself an Any: the payload sits under "value".
+    nested = {"@type": ANY, "value": precondition("LOCKED")}
+    assert grpc_failure("FAILED_PRECONDITION", "", [nested]) is RetryReason.KV_LOCKED
+    twice = {"@type": ANY, "value": {"@type": ANY, "value": resource("scope")}}
+    assert type(grpc_failure("NOT_FOUND", "", [twice])) is ScopeNotFoundException
+
+
+def _fake_error_details_module() -> types.ModuleType:
+    """A stand-in for google.rpc.error_details_pb2 whose messages parse a toy encoding."""
+
+    class Violation:
+        def __init__(self, type: str) -> None:
+            self.type = type
+
+    class PreconditionFailure:
+        class DESCRIPTOR:
+            full_name = "google.rpc.PreconditionFailure"
+
+        def __init__(self) -> None:
+            self.violations: list[Violation] = []
+
+        def ParseFromString(self, data: bytes) -> int:
+            if not data.startswith(b"V:"):
+                raise ValueError("bad wire data")
+            self.violations = [Violation(t) for t in data[2:].decode().split(",")]
+            return len(data)
+
+    module = types.ModuleType("google.rpc.error_details_pb2")
+    module.PreconditionFailure = PreconditionFailure  # type: ignore[attr-defined]
+    return module
+
+
+def test_packed_any_is_unpacked_when_error_details_are_importable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "google.rpc.error_details_pb2", _fake_error_details_module())
+    packed = FakeAny(PRECONDITION, b"V:NOT_LOCKED,LOCKED")
+    assert grpc_failure("FAILED_PRECONDITION", "", [packed]) is RetryReason.KV_LOCKED
+    as_mapping = {"@type": ANY, "type_url": PRECONDITION, "value": b"V:PATH_MISMATCH"}
+    assert type(grpc_failure(9, "", [as_mapping])) is PathMismatchException
+    # A type the module does not define is still refused, not skipped.
+    with pytest.raises(TypeError, match=r"details\[0\] is a packed google\.protobuf\.Any"):
+        grpc_failure(9, "", [FakeAny(RESOURCE, b"")])
+
+
+def test_real_protobuf_any_is_unpacked() -> None:
+    error_details_pb2 = pytest.importorskip("google.rpc.error_details_pb2")
+    any_pb2 = pytest.importorskip("google.protobuf.any_pb2")
+    failure = error_details_pb2.PreconditionFailure()
+    failure.violations.add(type="NOT_LOCKED", subject="doc")
+    failure.violations.add(type="LOCKED", subject="doc")
+    packed = any_pb2.Any()
+    packed.Pack(failure)
+    assert grpc_failure("FAILED_PRECONDITION", "", [packed]) is RetryReason.KV_LOCKED
+    info = any_pb2.Any()
+    info.Pack(error_details_pb2.ResourceInfo(resource_type="collection", resource_name="c"))
+    assert type(grpc_failure("NOT_FOUND", "", [info])) is CollectionNotFoundException
+    broken = any_pb2.Any(type_url=PRECONDITION, value=b"\xff\xff\xff")
+    with pytest.raises(ValueError, match=r"details\[0\].*could not be decoded"):
+        grpc_failure("FAILED_PRECONDITION", "", [broken])

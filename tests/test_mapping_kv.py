@@ -87,9 +87,14 @@ def test_dcp_opcodes_are_excluded(status: int, reason: RetryReason, opcode: int)
     assert kv_retry_reason(status, opcode) is None
 
 
-def test_dcp_opcodes_are_0x50_to_0x65_and_named() -> None:
-    assert frozenset(range(0x50, 0x66)) == DCP_OPCODES
+def test_dcp_opcodes_are_0x50_to_0x68_and_named() -> None:
+    assert frozenset(range(0x50, 0x69)) == DCP_OPCODES
     assert {op.value for op in KvOpcode if op.name.startswith("DCP_")} == DCP_OPCODES
+    # The cache-transfer messages kv_engine added after OsoSnapshot (0x65).
+    assert KvOpcode.DCP_CACHED_VALUE == 0x66
+    assert KvOpcode.DCP_CACHED_KEY_META == 0x67
+    assert KvOpcode.DCP_CACHE_TRANSFER_END == 0x68
+    assert KvOpcode.DCP_CACHE_TRANSFER_END.is_dcp
     assert KvOpcode.DCP_MUTATION.is_dcp
     assert not KvOpcode.GET.is_dcp
 
@@ -255,11 +260,13 @@ def test_no_status_outside_the_table_is_retried_without_an_error_map(
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.dictionaries(statuses, attrs, max_size=6), statuses, opcodes)
+@given(st.dictionaries(statuses, attrs, min_size=1, max_size=6), opcodes, st.data())
 def test_error_map_only_adds_error_map_retry_outside_the_fixed_rows(
-    entries: dict[int, list[str]], status: int, opcode: int
+    entries: dict[int, list[str]], opcode: int, data: st.DataObject
 ) -> None:
     emap = error_map(entries)
+    # Mostly a status the map has an entry for, so the error-map branch is exercised.
+    status = data.draw(st.sampled_from(sorted(entries)) | statuses, label="status")
     with_map = kv_retry_reason(status, opcode, emap)
     without = kv_retry_reason(status, opcode)
     if with_map is not without:
@@ -269,6 +276,9 @@ def test_error_map_only_adds_error_map_retry_outside_the_fixed_rows(
         assert status != 0
         assert opcode not in DCP_OPCODES
         assert {"retry-now", "retry-later"} & set(entries[status])
+    indicated = status in entries and bool({"retry-now", "retry-later"} & set(entries[status]))
+    if indicated and status not in KV_RETRY_STATUSES and status != 0 and opcode not in DCP_OPCODES:
+        assert with_map is R.KV_ERROR_MAP_RETRY_INDICATED
 
 
 @settings(max_examples=300, deadline=None)

@@ -62,32 +62,53 @@ class RetrySpecStrategy(enum.Enum):
     EXPONENTIAL = "exponential"
 
 
+def _check_strategy(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, RetrySpecStrategy):
+        raise TypeError(
+            f"RetrySpec.{attribute.name} must be a RetrySpecStrategy "
+            f"(CONSTANT, LINEAR or EXPONENTIAL), got {value!r}"
+        )
+
+
+def _check_ms(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"RetrySpec.{attribute.name} must be an int number of milliseconds, got {value!r}"
+        )
+    if value < 0:
+        raise ValueError(f"RetrySpec.{attribute.name} must be >= 0, got {value}")
+
+
 @attrs.frozen(slots=True)
 class RetrySpec:
     """An error map ``retry`` object. All durations are integer milliseconds.
 
-    Informational only: sdkcore's strategies never use it (RFC 0049).
+    Informational only: sdkcore's strategies never use it (RFC 0049). Built
+    directly, it validates its fields: ``strategy`` must be a
+    :class:`RetrySpecStrategy` (TypeError otherwise) and every duration a
+    non-negative int (TypeError for another type, ValueError when negative).
     """
 
-    strategy: RetrySpecStrategy
-    interval_ms: int
-    after_ms: int
-    ceil_ms: int = 0
-    max_duration_ms: int = 0
+    strategy: RetrySpecStrategy = attrs.field(validator=_check_strategy)
+    interval_ms: int = attrs.field(validator=_check_ms)
+    after_ms: int = attrs.field(validator=_check_ms)
+    ceil_ms: int = attrs.field(default=0, validator=_check_ms)
+    max_duration_ms: int = attrs.field(default=0, validator=_check_ms)
 
     def delay_ms(self, attempt: int) -> int:
         """The delay before retry ``attempt`` (0-based) in milliseconds.
 
         Attempt 0 waits ``after``. Attempt n >= 1 waits ``interval`` (constant),
         ``interval * n`` (linear) or ``interval ** n`` (exponential), capped at
-        ``ceil`` when ``ceil > 0``.
+        ``ceil`` when ``ceil > 0``. Every result, ``after`` included, is clamped
+        at 2^53 ms so :meth:`delay` never overflows ``timedelta``.
         """
         if isinstance(attempt, bool) or not isinstance(attempt, int):
             raise TypeError(f"RetrySpec.delay(attempt) must be an int, got {attempt!r}")
         if attempt < 0:
             raise ValueError(f"RetrySpec.delay(attempt) must be >= 0, got {attempt}")
         if attempt == 0:
-            return self.after_ms
+            return min(self.after_ms, _MAX_DELAY_MS)
         strategy = self.strategy
         if strategy is RetrySpecStrategy.CONSTANT:
             ms = self.interval_ms
@@ -178,7 +199,7 @@ class ErrorMap:
             raise ErrorMapError("errors", f"must be an object, got {_json_type(raw_errors)}")
         errors: dict[int, ErrorCode] = {}
         for key, raw in raw_errors.items():
-            path = f"errors[{json.dumps(key)}]"
+            path = f"errors[{json.dumps(key) if isinstance(key, str) else repr(key)}]"
             code = _status_key(key, path)
             if code in errors:
                 raise ErrorMapError(path, f"duplicates status 0x{code:x} (another key spells it)")
@@ -249,7 +270,9 @@ def _str(obj: dict[str, Any], key: str, path: str) -> str:
     return value
 
 
-def _status_key(key: str, path: str) -> int:
+def _status_key(key: object, path: str) -> int:
+    if not isinstance(key, str):
+        raise ErrorMapError(path, f"key must be a lower-case hex string, got {type(key).__name__}")
     if not key or len(key) > 4 or any(c not in "0123456789abcdefABCDEF" for c in key):
         raise ErrorMapError(path, 'key must be a KV status in hex (1 to 4 hex digits, e.g. "86")')
     return int(key, 16)

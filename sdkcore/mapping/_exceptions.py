@@ -4,11 +4,14 @@ The common ones (DocumentNotFoundException, CasMismatchException, ...) live in
 ``sdkcore._errors``; these are the rarer SDK3 error names the KV status and gRPC
 detail tables need. All subclass :class:`CouchbaseException`, so they take
 ``(message=None, *, context=None)`` like every sdkcore exception.
+:class:`ValueTooLargeException` and :class:`ValueInvalidException` subclass
+:class:`~sdkcore.InvalidArgumentException`: a gRPC INVALID_ARGUMENT whose details
+name the value still surfaces as the invalid argument its status code says it is.
 """
 
 from __future__ import annotations
 
-from .._errors import CouchbaseException
+from .._errors import CouchbaseException, InvalidArgumentException
 
 __all__ = [
     "BucketExistsException",
@@ -47,11 +50,15 @@ class DocumentTooDeepException(CouchbaseException):
     default_message = "document is too deeply nested"
 
 
-class ValueTooLargeException(CouchbaseException):
+class ValueTooLargeException(InvalidArgumentException):
+    """The value is larger than the server accepts (KV 0x03, gRPC VALUE_TOO_LARGE)."""
+
     default_message = "value too large"
 
 
-class ValueInvalidException(CouchbaseException):
+class ValueInvalidException(InvalidArgumentException):
+    """The value is not valid for the operation (gRPC VALUE_OUT_OF_RANGE)."""
+
     default_message = "value invalid for this operation"
 
 

@@ -24,13 +24,30 @@ Status details
   ``google.rpc.error_details_pb2`` after ``Any.Unpack``. Its type is taken from
   ``DESCRIPTOR.full_name`` or else the class name.
 
-Details of other types (DebugInfo, RequestInfo, ...) are skipped. The first
-detail that decides wins; when none does, the status code decides.
+* or a packed ``google.protobuf.Any`` (``any_pb2.Any``, e.g. the entries of
+  ``google.rpc.Status.details``): a mapping whose ``"@type"`` is
+  ``google.protobuf.Any``, an object with ``type_url`` and ``value`` attributes,
+  or one whose type resolves to ``google.protobuf.Any``. It is unpacked when
+  ``google.rpc.error_details_pb2`` (googleapis-common-protos) is importable and
+  its ``type_url`` names a message defined there; the protobuf JSON of an Any
+  holding an Any (``{"@type": ".../google.protobuf.Any", "value": {...}}``) is
+  unwrapped without protobuf. Any other packed Any raises TypeError naming
+  ``details[i]``: skipping it could hide a LOCKED violation and lose the retry.
+  Bytes that do not decode raise ValueError.
+
+Details of other types (DebugInfo, RequestInfo, ...) are skipped. A LOCKED
+violation in any PreconditionFailure decides first (KV_LOCKED); otherwise the
+first detail that decides wins (for a PreconditionFailure, its first violation
+of a known type); when none does, the status code decides.
+ValueTooLargeException and ValueInvalidException subclass InvalidArgumentException,
+so under INVALID_ARGUMENT / OUT_OF_RANGE the detail refines the code's exception
+instead of contradicting it.
 """
 
 from __future__ import annotations
 
 import enum
+import importlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -132,13 +149,16 @@ def grpc_code(code: object) -> GrpcCode:
 _PRECONDITION_FAILURE = "google.rpc.PreconditionFailure"
 _RESOURCE_INFO = "google.rpc.ResourceInfo"
 _ERROR_INFO = "google.rpc.ErrorInfo"
+_ANY = "google.protobuf.Any"
 _SHORT_NAMES = {
     "PreconditionFailure": _PRECONDITION_FAILURE,
     "ResourceInfo": _RESOURCE_INFO,
     "ErrorInfo": _ERROR_INFO,
+    "Any": _ANY,
 }
 
-# PreconditionFailure violation type -> exception; LOCKED is the one retry reason.
+# PreconditionFailure violation type -> exception; LOCKED (checked first) is the one
+# retry reason.
 _PRECONDITIONS: dict[str, type[CouchbaseException]] = {
     "NOT_LOCKED": DocumentNotLockedException,
     "PATH_MISMATCH": PathMismatchException,
@@ -200,18 +220,91 @@ def _detail_type(detail: Any, index: int) -> str:
     return _SHORT_NAMES.get(name, name)
 
 
+# A JSON Any holding an Any holding ... is unwrapped this many levels at most.
+_MAX_ANY_NESTING = 8
+
+
+def _packed_any_error(index: int, type_url: object, why: str) -> TypeError:
+    inner = f" holding {type_url!r}" if isinstance(type_url, str) and type_url else ""
+    return TypeError(
+        f"grpc_failure(details): details[{index}] is a packed google.protobuf.Any{inner} "
+        f"and must be unpacked ({why}); pass the message from Any.Unpack into its "
+        "google.rpc.error_details_pb2 class, or its protobuf JSON mapping"
+    )
+
+
+def _unpack_bytes(index: int, type_url: object, value: object) -> Any:
+    """Decode a packed Any's bytes into its google.rpc.error_details_pb2 message."""
+    if not isinstance(type_url, str) or not isinstance(value, (bytes, bytearray, memoryview)):
+        raise _packed_any_error(index, type_url, "its type_url or value is missing")
+    full_name = type_url.rsplit("/", 1)[-1]
+    try:
+        # Optional dependency (googleapis-common-protos); imported only when needed.
+        module = importlib.import_module("google.rpc.error_details_pb2")
+    except ImportError:
+        raise _packed_any_error(
+            index, type_url, "google.rpc.error_details_pb2 is not installed"
+        ) from None
+    prefix = "google.rpc."
+    cls = getattr(module, full_name[len(prefix) :], None) if full_name.startswith(prefix) else None
+    descriptor = getattr(cls, "DESCRIPTOR", None)
+    if cls is None or getattr(descriptor, "full_name", None) != full_name:
+        raise _packed_any_error(index, type_url, "not a known google.rpc error detail type")
+    message = cls()
+    try:
+        message.ParseFromString(bytes(value))
+    except Exception as exc:  # protobuf's DecodeError, or a stand-in's own error
+        raise ValueError(
+            f"grpc_failure(details): details[{index}] is a packed {full_name} that "
+            f"could not be decoded: {exc}"
+        ) from exc
+    return message
+
+
+def _resolve(detail: Any, index: int) -> tuple[str, Any]:
+    """``(type name, detail)`` with any packed ``google.protobuf.Any`` unwrapped."""
+    for _ in range(_MAX_ANY_NESTING):
+        if isinstance(detail, Mapping):
+            kind = _detail_type(detail, index)
+            if kind != _ANY:
+                return kind, detail
+            value = detail.get("value")
+            if isinstance(value, Mapping):
+                detail = value  # protobuf JSON of an Any whose payload is an Any
+                continue
+            type_url = detail.get("type_url", detail.get("typeUrl"))
+            detail = _unpack_bytes(index, type_url, value)
+            continue
+        kind = _detail_type(detail, index)
+        type_url = getattr(detail, "type_url", None)
+        if kind == _ANY or (type_url is not None and hasattr(detail, "value")):
+            detail = _unpack_bytes(index, type_url, getattr(detail, "value", None))
+            continue
+        return kind, detail
+    raise _packed_any_error(index, None, f"nested more than {_MAX_ANY_NESTING} levels deep")
+
+
+def _violations(kind: str, detail: Any) -> tuple[Any, ...]:
+    """A PreconditionFailure's violations, read once (they may come from an iterator)."""
+    if kind != _PRECONDITION_FAILURE:
+        return ()
+    violations = _field(detail, "violations")
+    if isinstance(violations, (str, bytes, Mapping)) or not isinstance(violations, Iterable):
+        return ()
+    return tuple(violations)
+
+
 def _from_detail(
-    detail: Any, index: int, code: GrpcCode, describe: str, context: ErrorContext | None
-) -> RetryReason | CouchbaseException | None:
-    kind = _detail_type(detail, index)
+    kind: str,
+    detail: Any,
+    violations: tuple[Any, ...],
+    code: GrpcCode,
+    describe: str,
+    context: ErrorContext | None,
+) -> CouchbaseException | None:
     if kind == _PRECONDITION_FAILURE:
-        violations = _field(detail, "violations")
-        if isinstance(violations, (str, bytes, Mapping)) or not isinstance(violations, Iterable):
-            return None
         for violation in violations:
             vtype = _field(violation, "type")
-            if vtype == "LOCKED":
-                return RetryReason.KV_LOCKED
             cls = _PRECONDITIONS.get(vtype) if isinstance(vtype, str) else None
             if cls is not None:
                 return cls(f"{cls.default_message} ({describe})", context=context)
@@ -248,12 +341,16 @@ def grpc_failure(
 ) -> RetryReason | CouchbaseException:
     """Map a failed Couchbase gRPC call to a RetryReason or the exception to raise.
 
-    Details first (see the module docstring for the accepted format):
-    PreconditionFailure LOCKED -> KV_LOCKED (other violation types -> their
-    exception); ResourceInfo with NOT_FOUND / ALREADY_EXISTS -> the NotFound /
-    Exists exception of the resource type (document, bucket, scope, collection,
-    queryindex, searchindex, analyticsindex, path); ErrorInfo CAS_MISMATCH ->
-    CasMismatchException. Then the code: UNAVAILABLE -> SERVICE_NOT_AVAILABLE;
+    Details first (see the module docstring for the accepted format, packed
+    ``google.protobuf.Any`` included): a LOCKED violation in any
+    PreconditionFailure -> KV_LOCKED, before every other detail; then, in order,
+    the first deciding detail: PreconditionFailure -> the exception of its first
+    known violation type (NOT_LOCKED, PATH_MISMATCH, DOC_NOT_JSON, DOC_TOO_DEEP,
+    VALUE_OUT_OF_RANGE, VALUE_TOO_LARGE); ResourceInfo with NOT_FOUND /
+    ALREADY_EXISTS -> the NotFound / Exists exception of the resource type
+    (document, bucket, scope, collection, queryindex, searchindex,
+    analyticsindex, path); ErrorInfo CAS_MISMATCH -> CasMismatchException.
+    Then the code: UNAVAILABLE -> SERVICE_NOT_AVAILABLE;
     CANCELLED -> RequestCanceledException; DEADLINE_EXCEEDED ->
     UnambiguousTimeoutException if ``read_only`` else AmbiguousTimeoutException;
     NOT_FOUND -> DocumentNotFoundException; ALREADY_EXISTS ->
@@ -263,7 +360,8 @@ def grpc_failure(
     INTERNAL -> InternalServerFailureException; RESOURCE_EXHAUSTED ->
     RateLimitedException; anything else -> CouchbaseException.
 
-    ``OK`` raises ValueError: it is not a failure.
+    ``OK`` raises ValueError: it is not a failure. A packed Any that cannot be
+    unpacked raises TypeError naming ``details[i]``.
     """
     status = grpc_code(code)
     if status is GrpcCode.OK:
@@ -277,9 +375,17 @@ def grpc_failure(
             "grpc_failure(details) must be an iterable of status details (mappings with "
             f'"@type" or decoded google.rpc messages), got {type(details).__name__}'
         )
+    resolved = []
+    for index, raw in enumerate(details):
+        kind, detail = _resolve(raw, index)
+        resolved.append((kind, detail, _violations(kind, detail)))
+    # LOCKED is the one retry reason among the details: it wins wherever it is.
+    for _, _, violations in resolved:
+        if any(_field(violation, "type") == "LOCKED" for violation in violations):
+            return RetryReason.KV_LOCKED
     describe = f"gRPC {status.name}: {message}" if message else f"gRPC {status.name}"
-    for index, detail in enumerate(details):
-        decided = _from_detail(detail, index, status, describe, context)
+    for kind, detail, violations in resolved:
+        decided = _from_detail(kind, detail, violations, status, describe, context)
         if decided is not None:
             return decided
     if status is GrpcCode.UNAVAILABLE:

@@ -7,7 +7,6 @@ the raw body. None means "do not retry; complete the request with its error".
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -42,34 +41,40 @@ _ANALYTICS_TEMPORARY = frozenset({23000, 23003, 23007})
 
 
 def _first_error(errors: Sequence[Mapping[str, Any]], what: str) -> tuple[int, str, Any] | None:
+    """``(code, msg, retry)`` of the first error, or None when there is nothing to decide on.
+
+    Only the shape of ``errors`` is enforced (a sequence of mappings: TypeError
+    otherwise). A first error without an integer ``code`` is "anything else": None.
+    A ``msg`` that is not a string is read as empty.
+    """
     if isinstance(errors, (str, bytes, bytearray, Mapping)) or not isinstance(errors, Sequence):
         raise TypeError(
             f'{what}(errors) takes the service\'s decoded "errors" array (a sequence of '
             f"mappings), got {type(errors).__name__}"
         )
+    for index, error in enumerate(errors):
+        if not isinstance(error, Mapping):
+            raise TypeError(
+                f"{what}(errors): errors[{index}] must be a mapping (a decoded JSON object), "
+                f"got {type(error).__name__}"
+            )
     if not errors:
         return None
     first = errors[0]
-    if not isinstance(first, Mapping):
-        raise TypeError(
-            f"{what}(errors): errors[0] must be a mapping (a decoded JSON object), "
-            f"got {type(first).__name__}"
-        )
     code = first.get("code")
     if isinstance(code, bool) or not isinstance(code, int):
-        raise ValueError(f'{what}(errors): errors[0]["code"] must be an integer, got {code!r}')
-    msg = first.get("msg", "")
-    if msg is None:
-        msg = ""
-    if not isinstance(msg, str):
-        raise ValueError(f'{what}(errors): errors[0]["msg"] must be a string, got {msg!r}')
-    return code, msg, first.get("retry")
+        return None  # float, str, None, ...: no table row can match
+    code = int(code)
+    msg = first.get("msg")
+    return code, msg if isinstance(msg, str) else "", first.get("retry")
 
 
 def query_retry_reason(errors: Sequence[Mapping[str, Any]]) -> RetryReason | None:
     """The RetryReason for a failed query, from its ``errors`` array.
 
-    Like the Java and Go SDKs, the first error decides:
+    Like the Java and Go SDKs, the first error decides (one without an integer
+    ``code`` is no retry reason; ``errors`` that is not a sequence of mappings
+    raises TypeError):
 
     * 4040, 4050, 4070 -> QUERY_PREPARED_STATEMENT_FAILURE (the caller must drop
       the prepared statement from its cache before the retry re-prepares it);
@@ -94,7 +99,11 @@ def query_retry_reason(errors: Sequence[Mapping[str, Any]]) -> RetryReason | Non
 
 
 def analytics_retry_reason(errors: Sequence[Mapping[str, Any]]) -> RetryReason | None:
-    """ANALYTICS_TEMPORARY_FAILURE when the first error's code is 23000, 23003 or 23007."""
+    """ANALYTICS_TEMPORARY_FAILURE when the first error's code is 23000, 23003 or 23007.
+
+    Anything else is None, a first error without an integer ``code`` included;
+    ``errors`` that is not a sequence of mappings raises TypeError.
+    """
     first = _first_error(errors, "analytics_retry_reason")
     if first is not None and first[0] in _ANALYTICS_TEMPORARY:
         return RetryReason.ANALYTICS_TEMPORARY_FAILURE
@@ -180,7 +189,8 @@ def search_exception(
 # -- views -------------------------------------------------------------------------
 
 _VIEWS_TEMPORARY = frozenset({300, 301, 303, 307, 401, 408, 409, 412, 416, 417, 501, 502, 503, 504})
-_VIEWS_MISSING = re.compile(r'"reason"\s*:\s*"missing"')
+#: The literal text the issue names; a body spelled with spaces around ``:`` does not match.
+_VIEWS_MISSING = '"reason":"missing"'
 
 
 def views_retry_reason(http_status: int, body: str | bytes = "") -> RetryReason | None:
@@ -189,7 +199,8 @@ def views_retry_reason(http_status: int, body: str | bytes = "") -> RetryReason 
     * 302 -> VIEWS_NO_ACTIVE_PARTITION;
     * 300, 301, 303, 307, 401, 408, 409, 412, 416, 417, 501, 502, 503, 504
       -> VIEWS_TEMPORARY_FAILURE;
-    * 404 only if the body contains ``"reason":"missing"`` (an unprovisioned node)
+    * 404 only if the body contains the literal text ``"reason":"missing"`` (an
+      unprovisioned node; no whitespace allowed around the ``:``)
       -> VIEWS_TEMPORARY_FAILURE;
     * 500 unless the body contains ``error`` together with
       ``{not_found, missing_named_view}`` or ``badarg`` -> VIEWS_TEMPORARY_FAILURE;
@@ -201,7 +212,7 @@ def views_retry_reason(http_status: int, body: str | bytes = "") -> RetryReason 
     if status in _VIEWS_TEMPORARY:
         return RetryReason.VIEWS_TEMPORARY_FAILURE
     if status == 404:
-        if _VIEWS_MISSING.search(_text(body, "views_retry_reason")):
+        if _VIEWS_MISSING in _text(body, "views_retry_reason"):
             return RetryReason.VIEWS_TEMPORARY_FAILURE
         return None
     if status == 500:

@@ -135,6 +135,9 @@ class KvOpcode(enum.IntEnum):
     DCP_ABORT = 0x63
     DCP_SEQNO_ADVANCED = 0x64
     DCP_OSO_SNAPSHOT = 0x65
+    DCP_CACHED_VALUE = 0x66
+    DCP_CACHED_KEY_META = 0x67
+    DCP_CACHE_TRANSFER_END = 0x68
     GET_REPLICA = 0x83
     SELECT_BUCKET = 0x89
     OBSERVE_SEQNO = 0x91
@@ -171,8 +174,9 @@ class KvOpcode(enum.IntEnum):
         return self.value in DCP_OPCODES
 
 
-#: Every DCP opcode (0x50-0x65). DCP responses are never retry reasons.
-DCP_OPCODES: frozenset[int] = frozenset(range(0x50, 0x66))
+#: Every DCP opcode (0x50-0x68, up to kv_engine's cache-transfer messages).
+#: DCP responses are never retry reasons.
+DCP_OPCODES: frozenset[int] = frozenset(range(0x50, 0x69))
 
 #: RFC 0049 KV rows: status -> reason (before the per-opcode exceptions below).
 KV_RETRY_STATUSES: MappingProxyType[int, RetryReason] = MappingProxyType(
