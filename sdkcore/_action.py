@@ -50,24 +50,32 @@ class RetryAction:
 
     duration: timedelta | None
     #: When refusing: builds the exception raised to the caller from the request's
-    #: ErrorContext. ``None`` means RequestCanceledException (NO_MORE_RETRIES).
+    #: ErrorContext. ``None`` means RequestCanceledException (NO_MORE_RETRIES). A
+    #: CouchbaseException subclass given here is turned into such a builder.
     exception: ExceptionFactory | None = attrs.field(default=None, eq=False)
+    # What the caller chose (the class or the callable): refusals compare equal when
+    # they would raise the same kind of exception.
+    _chosen: object = attrs.field(init=False, repr=False)
     # The duration in seconds, computed once here for the orchestrator's hot path.
     _seconds: float = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         duration = self.duration
+        chosen = self.exception
         if duration is None:
             seconds = -1.0
+            if chosen is not None:
+                object.__setattr__(self, "exception", _factory_for(chosen))
         else:
             if type(duration) is not timedelta and not isinstance(duration, timedelta):
                 raise TypeError(
                     "RetryAction(duration) must be a datetime.timedelta or None, got "
                     f"{duration!r}; use RetryAction.with_duration() for seconds"
                 )
-            if self.exception is not None:
+            if chosen is not None:
                 raise ValueError("RetryAction: only a refusal (duration=None) takes an exception")
             seconds = to_seconds(duration, "RetryAction(duration)")
+        object.__setattr__(self, "_chosen", chosen)
         object.__setattr__(self, "_seconds", seconds)
 
     @classmethod
@@ -90,7 +98,7 @@ class RetryAction:
         """
         if exception is None:
             return _NO_RETRY
-        return cls(None, _factory_for(exception))
+        return cls(None, exception)
 
     @property
     def retries(self) -> bool:
@@ -99,7 +107,8 @@ class RetryAction:
 
     def __repr__(self) -> str:
         if self.duration is None:
-            name = getattr(self.exception, "__qualname__", None) if self.exception else None
+            chosen = self._chosen
+            name = getattr(chosen, "__qualname__", None) if chosen is not None else None
             return f"RetryAction.no_retry({name or ''})"
         return f"RetryAction.with_duration({self.duration!r})"
 

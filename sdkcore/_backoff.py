@@ -36,17 +36,23 @@ def exponential_backoff(
         raise ValueError(f"exponential_backoff(upper) must be >= lower ({lo} s), got {hi} s")
     if not factor >= 1.0:
         raise ValueError(f"exponential_backoff(factor) must be >= 1, got {factor!r}")
-    table: list[timedelta] = []
-    d = lo
-    while d < hi and len(table) < 64:
+    table: list[timedelta] = []  # the first delays, precomputed (up to 64 of them)
+    while len(table) < 64 and (d := lo * factor ** len(table)) < hi:
         table.append(timedelta(seconds=d))
-        d *= factor
     cap = timedelta(seconds=hi)
     frozen = tuple(table)
     n = len(frozen)
 
     def backoff(attempt: int) -> timedelta:
-        return frozen[attempt] if 0 <= attempt < n else cap
+        if 0 <= attempt < n:
+            return frozen[attempt]
+        if attempt < 0:
+            raise ValueError(f"backoff(attempt) must be >= 0, got {attempt}")
+        try:
+            d = lo * factor**attempt
+        except OverflowError:
+            return cap
+        return cap if d >= hi else timedelta(seconds=d)
 
     return backoff
 

@@ -101,6 +101,7 @@ async def _demo(show_events: bool) -> int:
         events.append(dict(event_dict))
         raise structlog.DropEvent
 
+    was_configured = structlog.is_configured()
     old = structlog.get_config()
     # The demo is an application: it may configure structlog (the library never does).
     structlog.configure(
@@ -109,7 +110,10 @@ async def _demo(show_events: bool) -> int:
     try:
         return await _run_scenarios(events, show_events)
     finally:
-        structlog.configure(**old)
+        if was_configured:
+            structlog.configure(**old)
+        else:
+            structlog.reset_defaults()
 
 
 async def _run_scenarios(events: list[MutableMapping[str, Any]], show_events: bool) -> int:

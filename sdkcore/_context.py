@@ -83,6 +83,17 @@ class ErrorContext:
     def __str__(self) -> str:
         return json.dumps(self.to_dict(), default=str, sort_keys=False)
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # ``extra`` is a read-only mappingproxy, which pickle cannot copy: rebuild it.
+        fields = attrs.asdict(self, recurse=False)
+        fields["extra"] = dict(self.extra)
+        return (_rebuild_context, (fields,))
+
     def evolve(self, **changes: Any) -> ErrorContext:
         """A copy with some fields replaced (e.g. ``extra``)."""
         return attrs.evolve(self, **changes)
+
+
+def _rebuild_context(fields: dict[str, Any]) -> ErrorContext:
+    extra = fields.pop("extra")
+    return ErrorContext(**fields, extra=MappingProxyType(extra) if extra else _EMPTY)

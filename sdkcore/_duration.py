@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 from datetime import timedelta
 
-__all__ = ["to_seconds"]
+__all__ = ["MAX_SECONDS", "to_seconds"]
+
+#: The longest duration a ``timedelta`` can hold, in seconds (about 2.7 million years).
+MAX_SECONDS = float(timedelta.max.days * 86400)
 
 
 def to_seconds(value: object, what: str, *, allow_zero: bool = True) -> float:
@@ -16,7 +19,10 @@ def to_seconds(value: object, what: str, *, allow_zero: bool = True) -> float:
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:
+            seconds = math.inf
     else:
         raise TypeError(
             f"{what} must be a datetime.timedelta or a number of seconds, "
@@ -24,6 +30,11 @@ def to_seconds(value: object, what: str, *, allow_zero: bool = True) -> float:
         )
     if math.isnan(seconds) or math.isinf(seconds):
         raise ValueError(f"{what} must be a finite duration, got {value!r}")
+    if seconds > MAX_SECONDS:
+        raise ValueError(
+            f"{what} must be at most {MAX_SECONDS:.0f} seconds (what a timedelta holds), "
+            f"got {value!r}; a timeout can be None for no deadline"
+        )
     if seconds < 0 or (seconds == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{what} must be {bound} seconds, got {value!r}")

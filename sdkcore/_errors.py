@@ -29,6 +29,12 @@ __all__ = [
 ]
 
 
+def _rebuild(
+    cls: type[CouchbaseException], message: str, context: ErrorContext | None
+) -> CouchbaseException:
+    return cls(message, context=context)
+
+
 class CouchbaseException(Exception):
     """Base of every error sdkcore raises to the application.
 
@@ -47,6 +53,10 @@ class CouchbaseException(Exception):
         if self.context is None:
             return self.message
         return f"{self.message} {self.context}"
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keyword-only context: rebuild through a helper so pickle/copy work.
+        return (_rebuild, (type(self), self.message, self.context), self.__dict__ or None)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.message!r}, context={self.context!r})"
@@ -121,6 +131,9 @@ class RetryableError(Exception):
     def __str__(self) -> str:
         message = super().__str__()
         return f"{self.reason.name}: {message}" if message else self.reason.name
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.reason, *self.args))
 
 
 # -- errors produced by the failure mappers (sdkcore.mapping) and adapters --------------

@@ -53,7 +53,9 @@ _BUILTIN_RETRY_AFTER = frozenset(
         FastFailOnTerminalErrorRetryStrategy.retry_after,
     }
 )
-_kinds: dict[type, int] = {}
+# type -> (its retry_after, kind, instances may carry their own retry_after)
+_kinds: dict[type, tuple[object, int, bool]] = {}
+_KINDS_LIMIT = 1024  # classes made on the fly must not grow the cache without bound
 _INF = float("inf")
 
 
@@ -71,22 +73,35 @@ _PENDING = RequestState.PENDING
 
 
 def _kind_of(strategy: object) -> int:
+    """How to call ``strategy``: decided once per class, re-checked cheaply per call.
+
+    The cache entry is trusted only while the class still has the same
+    ``retry_after`` (a class patched later is re-classified) and the instance has
+    no ``retry_after`` of its own.
+    """
     cls = type(strategy)
-    kind = _kinds.get(cls)
-    if kind is not None:
-        return kind
     method = getattr(cls, "retry_after", None)
-    if method is None:  # retry_after set on the instance: decide per object, do not cache
-        return (
-            _ASYNC if inspect.iscoroutinefunction(getattr(strategy, "retry_after", None)) else _SYNC
-        )
+    entry = _kinds.get(cls)
+    if (
+        entry is not None
+        and entry[0] is method
+        and (not entry[2] or "retry_after" not in strategy.__dict__)
+    ):
+        return entry[1]
+    own = getattr(strategy, "__dict__", None)
+    if method is None or (own is not None and "retry_after" in own):
+        # retry_after set on the instance: decide for this object, do not cache
+        bound = getattr(strategy, "retry_after", None)
+        return _ASYNC if inspect.iscoroutinefunction(bound) else _SYNC
     if method in _BUILTIN_RETRY_AFTER and callable(getattr(cls, "_decide", None)):
         kind = _BUILTIN
     elif inspect.iscoroutinefunction(method):
         kind = _ASYNC
     else:
         kind = _SYNC
-    _kinds[cls] = kind
+    if len(_kinds) >= _KINDS_LIMIT:
+        _kinds.clear()
+    _kinds[cls] = (method, kind, cls.__dictoffset__ != 0)
     return kind
 
 
@@ -205,7 +220,14 @@ class RetryOrchestrator:
         else:
             if decided is None:
                 strategy = request._strategy or self._default
-                if _kinds.get(type(strategy)) != _BUILTIN:
+                cls = type(strategy)
+                entry = _kinds.get(cls)
+                if (  # fast path: a built-in class, slotted, not patched since cached
+                    entry is None
+                    or entry[1] != _BUILTIN
+                    or entry[2]
+                    or entry[0] is not cls.retry_after
+                ) and _kind_of(strategy) != _BUILTIN:
                     return None
                 try:
                     action = strategy._decide(request, reason)
@@ -280,8 +302,11 @@ class RetryOrchestrator:
                     await self._sleep(delay)
                 finally:
                     request._cancel_scope = outer
-        except BaseException:
-            request._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
+        except BaseException as exc:
+            if isinstance(exc, Exception):  # e.g. an injected sleep that failed
+                request._finish(RequestState.FAILED)
+            else:
+                request._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
             raise
         finally:
             self._in_retry -= 1
@@ -487,16 +512,21 @@ class RetryOrchestrator:
                     raise self._already_completed(request, request._last_reason)
                 break
         except BaseException as exc:
-            if scope is not None:
-                request._cancel_scope = None
-                if scope.__exit__(type(exc), exc, exc.__traceback__):
-                    # Our own scope caught the cancellation it delivered.
-                    raise self._scope_fired(request) from None
-            if isinstance(exc, Exception):
-                request._finish(RequestState.FAILED)
-            else:
-                request._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
-            raise
+            try:
+                if scope is not None:
+                    request._cancel_scope = None
+                    if scope.__exit__(type(exc), exc, exc.__traceback__):
+                        # Our own scope caught the cancellation it delivered.
+                        raise self._scope_fired(request) from None
+                raise
+            except BaseException as final:
+                # Whatever leaves execute (the original error, our timeout, or what the
+                # scope re-raised from an exception group) completes the request.
+                if isinstance(final, Exception):
+                    request._finish(RequestState.FAILED)
+                else:
+                    request._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
+                raise
         if scope is not None:
             request._cancel_scope = None
             scope.__exit__(None, None, None)

@@ -12,7 +12,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from ._context import CancellationReason, ErrorContext
-from ._duration import to_seconds
+from ._duration import MAX_SECONDS, to_seconds
 from ._reason import RetryReason
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ class Request:
             seconds = math.inf
         elif timeout is DEFAULT_TIMEOUT:
             seconds = _DEFAULT_SECONDS
-        elif type(timeout) is float and 0.0 < timeout < math.inf:
+        elif type(timeout) is float and 0.0 < timeout <= MAX_SECONDS:
             seconds = timeout
         else:
             seconds = to_seconds(timeout, "Request.timeout", allow_zero=False)

@@ -40,6 +40,7 @@ def capture_retry_events() -> Generator[list[MutableMapping[str, Any]], None, No
             events.append(dict(event_dict))
         raise structlog.DropEvent
 
+    was_configured = structlog.is_configured()
     old = structlog.get_config()
     structlog.configure(
         processors=[keep],
@@ -49,7 +50,10 @@ def capture_retry_events() -> Generator[list[MutableMapping[str, Any]], None, No
     try:
         yield events
     finally:
-        structlog.configure(**old)
+        if was_configured:
+            structlog.configure(**old)
+        else:  # leave structlog as unconfigured as we found it
+            structlog.reset_defaults()
         _log.logger()  # re-resolve against the restored configuration
 
 

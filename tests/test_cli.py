@@ -44,13 +44,20 @@ def test_demo_reports_each_strategy(capsys: pytest.CaptureFixture[str], backend:
 
 
 def test_demo_prints_log_events(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo"]) == 0
+    structlog.configure(processors=[structlog.processors.KeyValueRenderer()])
+    before = structlog.get_config()
+    try:
+        assert main(["demo"]) == 0
+        after = structlog.get_config()
+    finally:
+        structlog.reset_defaults()
     out = capsys.readouterr().out
     assert "retry.scheduled" in out
     assert "retry.not_retried" in out
     assert "retry.timed_out" in out
-    # the demo restores structlog's defaults when it is done
-    assert structlog.get_config()["processors"] != []
+    # the demo is an application, but when called as a function it restores the
+    # configuration it found
+    assert after == before
 
 
 def test_unknown_command_exits_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
@@ -58,3 +65,12 @@ def test_unknown_command_exits_with_usage(capsys: pytest.CaptureFixture[str]) ->
         main(["nope"])
     assert exc.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_demo_leaves_an_unconfigured_structlog_unconfigured(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    structlog.reset_defaults()
+    assert main(["demo", "--quiet"]) == 0
+    capsys.readouterr()
+    assert not structlog.is_configured()

@@ -225,7 +225,7 @@ async def test_outer_cancellation_during_backoff_is_not_retried() -> None:
     assert req.cancellation_reason is CancellationReason.TASK_CANCELLED
 
 
-@pytest.mark.asyncio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # asyncio.Task.cancel() is asyncio's
 async def test_asyncio_task_cancel_propagates_without_leaking_tasks() -> None:
     before = set(asyncio.all_tasks())
     entered = asyncio.Event()
