@@ -21,15 +21,7 @@ from ._stats import RetryStats
 
 __all__ = ["insecure_channel", "retry_controller", "retry_stats", "secure_channel"]
 
-#: grpcio's own retries are switched off on sdkcore channels.
-_NATIVE_RETRIES_OFF = ("grpc.enable_retries", 0)
 _controllers: weakref.WeakKeyDictionary[Any, RetryController] = weakref.WeakKeyDictionary()
-
-
-def _channel_options(options: Sequence[tuple[str, Any]] | None) -> list[tuple[str, Any]]:
-    out = [(k, v) for k, v in (options or ()) if k != "grpc.enable_retries"]
-    out.append(_NATIVE_RETRIES_OFF)
-    return out
 
 
 def _build(
@@ -43,19 +35,21 @@ def _build(
     retry_options: dict[str, Any],
 ) -> aio.Channel:
     controller = RetryController(target, service_config, orchestrator=orchestrator, **retry_options)
+    channel_options = controller.channel_options(options)
     chain = [*controller.interceptors(), *(interceptors or ())]
     if credentials is None:
         channel = aio.insecure_channel(
-            target, options=_channel_options(options), compression=compression, interceptors=chain
+            target, options=channel_options, compression=compression, interceptors=chain
         )
     else:
         channel = aio.secure_channel(
             target,
             credentials,
-            options=_channel_options(options),
+            options=channel_options,
             compression=compression,
             interceptors=chain,
         )
+    controller.bind_channel(channel)
     _controllers[channel] = controller
     return channel
 
@@ -80,10 +74,13 @@ def insecure_channel(
 ) -> aio.Channel:
     """A ``grpc.aio`` insecure channel whose calls are retried by sdkcore (A6).
 
-    ``service_config`` supplies the retry policies and throttling;
-    ``retries_enabled=False`` turns every retry off. grpcio's own retries are
-    always switched off on the channel. ``interceptors`` run inside the retry
-    loop, once per attempt. See :class:`RetryController` for the other options.
+    ``service_config`` supplies the retry policies and throttling; it is applied
+    by sdkcore and never handed to grpcio (a ``grpc.service_config`` option is
+    rejected); grpcio's own retries are off (see
+    :meth:`RetryController.channel_options` for the one opt-in).
+    ``retries_enabled=False`` turns every retry off. ``interceptors`` run inside
+    the retry loop, once per attempt. See :class:`RetryController` for the other
+    options.
     """
     return _build(
         target,

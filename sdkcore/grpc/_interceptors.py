@@ -16,18 +16,20 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Generator
+import weakref
+from collections.abc import AsyncIterator, Callable, Generator, Sequence
 from typing import Any
 
 import grpc
 from grpc import aio
 from grpc.aio import _base_call
 
-from .._errors import CouchbaseException, TimeoutException
+from .._errors import CouchbaseException, RequestCanceledException, TimeoutException
 from .._orchestrator import RetryOrchestrator
 from .._request import Request
 from ._policy import (
     CALL_STATE_KEY,
+    PUSHBACK_DONT_RETRY,
     PUSHBACK_KEY,
     REASON_STATUS,
     REASON_TRANSPARENT,
@@ -62,16 +64,14 @@ DEFAULT_PER_CALL_BUFFER_LIMIT = 256 * 1024
 DEFAULT_CHANNEL_BUFFER_LIMIT = 16 * 1024 * 1024
 
 _EOF = aio.EOF
+_OK = grpc.StatusCode.OK
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
-# Markers of failures where the request provably never reached the server
-# application (matched on details + debug_error_string, lower-cased).
-_NEVER_SENT_MARKERS = (
-    "failed to connect to all addresses",
-    "connections to all backends failing",
-    "dns resolution failed",
-    "name resolution failure",
-)
-_REFUSED_MARKERS = ("refused_stream", "stream refused", "refused stream")
+_READY = grpc.ChannelConnectivity.READY
+_TRANSIENT_FAILURE = grpc.ChannelConnectivity.TRANSIENT_FAILURE
+
+_OPT_SERVICE_CONFIG = "grpc.service_config"
+_OPT_ENABLE_RETRIES = "grpc.enable_retries"
+_OPT_NO_RESOLVED_CONFIG = "grpc.service_config_disable_resolution"
 
 
 def default_message_size(message: Any) -> int:
@@ -105,20 +105,11 @@ async def previous_rpc_attempts(call_or_error: Any) -> int:
     return int(values[-1]) if values else 0
 
 
-def _transparent_kind(err: Any) -> TransparentKind | None:
-    if err.code() is not _UNAVAILABLE:
-        return None
-    md = err.initial_metadata()
-    if md:
-        return None
-    text = f"{err.details() or ''} {err.debug_error_string() or ''}".lower()
-    for marker in _REFUSED_MARKERS:
-        if marker in text:
-            return TransparentKind.REFUSED
-    for marker in _NEVER_SENT_MARKERS:
-        if marker in text:
-            return TransparentKind.NEVER_SENT
-    return None
+def _truthy(value: Any) -> bool:
+    """A grpc integer channel argument as a switch."""
+    if isinstance(value, str):
+        return value.strip() not in ("", "0")
+    return bool(value)
 
 
 def _with_attempts(md: Any, previous: int) -> aio.Metadata:
@@ -142,14 +133,16 @@ class RetryController:
     """The retry machinery shared by one channel's interceptors.
 
     * ``service_config``: a :class:`ServiceConfig` (or its JSON / a Mapping); None
-      means no retry policies (transparent retries only).
+      means no retry policies (transparent retries only). It is never handed to
+      grpcio: grpc C-core runs no retry policy of its own on these channels.
     * ``target``: the server name; picks the process-wide throttler.
     * ``orchestrator``: the :class:`RetryOrchestrator` every retry goes through.
     * ``enabled``: False turns every kind of retry off (A6 "Disabling Retries").
     * ``max_attempts_cap``: the client cap on maxAttempts (A6 default 5).
     * ``backoff_jitter``: :class:`BackoffJitter` (the 2017 text or the 2024 amendment).
     * ``per_call_buffer_limit`` / ``channel_buffer_limit``: replay buffer limits in bytes.
-    * ``transparent_retries``: retry failures that provably never reached the server.
+    * ``transparent_retries``: A6 transparent retries when no connection could be
+      made (needs :meth:`bind_channel`; see rfc/0003).
     * ``stats``: a :class:`RetryStats` to record into (a new one by default).
     * ``message_size``: bytes of a request message (default :func:`default_message_size`).
     """
@@ -208,6 +201,80 @@ class RetryController:
         # Validate the arguments now rather than on the first call.
         A6RetryStrategy(None, **self._strategy_args)
         self._plans: dict[Any, _Plan | None] = {}
+        self._channel: weakref.ref[Any] | None = None
+
+    # -- the channel ----------------------------------------------------------------
+    def channel_options(
+        self, options: Sequence[tuple[str, Any]] | None = None
+    ) -> list[tuple[str, Any]]:
+        """``options`` plus what grpc C-core needs on a channel that uses these interceptors.
+
+        grpc C-core never gets a retry policy: a ``grpc.service_config`` option is
+        refused (pass ``service_config=`` instead) and resolver-provided configs are
+        ignored (``grpc.service_config_disable_resolution`` 1). Its retry filter is
+        off (``grpc.enable_retries`` 0) unless ``options`` asks for it with
+        ``("grpc.enable_retries", 1)``: then C-core also does A6 transparent retries
+        of streams the server never saw, but it replaces the
+        ``grpc-previous-rpc-attempts`` header of every attempt, so servers no
+        longer see sdkcore's retry count (rfc/0003). That opt-in needs retries and
+        transparent retries on. Raises ValueError for a conflicting option.
+        """
+        native = 0
+        out: list[tuple[str, Any]] = []
+        for item in options or ():
+            try:
+                key, value = item
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"channel options must be (key, value) pairs, got {item!r}"
+                ) from None
+            if key == _OPT_SERVICE_CONFIG:
+                raise ValueError(
+                    f"the {_OPT_SERVICE_CONFIG!r} channel option is not allowed on an sdkcore "
+                    "channel: grpc C-core would run its own retries with it. Pass the config "
+                    "as service_config=... instead."
+                )
+            if key == _OPT_ENABLE_RETRIES:
+                if _truthy(value) and not self.transparent_retries:
+                    raise ValueError(
+                        f"channel option ({key!r}, {value!r}) conflicts with "
+                        "retries_enabled=False / transparent_retries=False: it would turn "
+                        "grpc C-core's transparent retries on"
+                    )
+                native = 1 if _truthy(value) else 0
+                continue
+            if key == _OPT_NO_RESOLVED_CONFIG:
+                if not _truthy(value):
+                    raise ValueError(
+                        f"channel option ({key!r}, {value!r}) is not allowed on an sdkcore "
+                        "channel: a service config from the name resolver could give grpc "
+                        "C-core a retry policy of its own (sdkcore sets it to 1)"
+                    )
+                continue
+            out.append((key, value))
+        out.append((_OPT_ENABLE_RETRIES, native))
+        out.append((_OPT_NO_RESOLVED_CONFIG, 1))
+        return out
+
+    def bind_channel(self, channel: Any) -> None:
+        """Tell the controller which channel its interceptors run on.
+
+        The channel helpers do this. It lets the interceptor see the channel's
+        connectivity state, which is what recognises "no connection could be
+        made" (A6 transparent retry case 1); without it that case goes to the
+        retry policy like any other UNAVAILABLE.
+        """
+        self._channel = weakref.ref(channel)
+
+    def _connectivity(self) -> Any:
+        ref = self._channel
+        channel = None if ref is None else ref()
+        if channel is None:
+            return None
+        try:
+            return channel.get_state(try_to_connect=False)
+        except Exception:  # a closed channel, or an object without get_state
+            return None
 
     # -- per-method plans ------------------------------------------------------
     def plan(self, method: Any) -> _Plan | None:
@@ -220,10 +287,12 @@ class RetryController:
         mc = None if self.service_config is None else self.service_config.method_config(name)
         policy = mc.retry_policy if mc is not None and self.enabled else None
         plan: _Plan | None = None
-        # With retries off, a method config's timeout / waitForReady still apply.
+        # With retries off, a method config's timeout / waitForReady still apply; with
+        # throttling, every successful call feeds the throttler (A6), policy or not.
         if (
             policy is not None
             or self.transparent_retries
+            or self.throttler is not None
             or (mc is not None and (mc.timeout is not None or mc.wait_for_ready is not None))
         ):
             plan = _Plan(A6RetryStrategy(policy, **self._strategy_args), mc)
@@ -266,8 +335,10 @@ class _Call:
         "buffered",
         "core",
         "details",
+        "in_backoff",
         "method",
         "name",
+        "ready_at_start",
         "request",
         "state",
         "strategy",
@@ -299,6 +370,10 @@ class _Call:
             md = aio.Metadata(*[(k, v) for k, v in md if k != PREVIOUS_ATTEMPTS_KEY])
         self.base_md = md
         self.buffered = 0
+        #: True while the call waits in the orchestrator for its next attempt.
+        self.in_backoff = False
+        #: Whether the channel was READY (or unknown) when the current attempt started.
+        self.ready_at_start = True
 
     def next_details(self) -> Any:
         """Call details for the next attempt (time left, previous-attempts header)."""
@@ -307,6 +382,10 @@ class _Call:
         st.transparent = None
         previous = st.attempts - 1
         md = self.base_md if previous == 0 else _with_attempts(self.base_md, previous)
+        core = self.core
+        if core.transparent_retries and core._channel is not None:
+            state = core._connectivity()
+            self.ready_at_start = state is None or state is _READY
         left = self.request.time_left
         return aio.ClientCallDetails(
             self.method,
@@ -339,8 +418,6 @@ class _Call:
         """Decide on a failed attempt: return to retry after the delay, or raise the final error."""
         st = self.state
         core = self.core
-        if st.attempts > 1:
-            core.stats.record_failed_retry(self.name)
         code = err.code()
         st.code = code.value[0]
         if err.initial_metadata():
@@ -348,23 +425,66 @@ class _Call:
         trailing = err.trailing_metadata()
         st.pushback = parse_pushback(trailing.get_all(PUSHBACK_KEY)) if trailing else None
         kind = None
-        if core.transparent_retries and not st.committed:
-            kind = _transparent_kind(err)
-        if kind is None and self.strategy.policy is None:
-            raise self._final(err)
+        if (
+            not self.ready_at_start
+            and not st.committed
+            and code is _UNAVAILABLE
+            and not trailing
+            and core._connectivity() is _TRANSIENT_FAILURE
+        ):
+            # A6 case 1, from facts the server cannot set: the channel had no connection
+            # when the attempt started and is failing to connect now, and nothing at all
+            # came back (no headers, no trailers). grpc C-core fails such an RPC at once
+            # without wait_for_ready; it never reached a transport.
+            kind = TransparentKind.NEVER_SENT
+        # A failed retry attempt is counted once, when it is over: a transparent
+        # re-send continues the same A6 attempt.
+        if kind is None:
+            self._attempt_failed()
+            if self.strategy.policy is None:
+                raise self._final(err)
         st.transparent = kind
+        committed = st.committed
+        self.in_backoff = True
         try:
             await core.orchestrator.maybe_retry(
                 self.request, REASON_STATUS if kind is None else REASON_TRANSPARENT
             )
         except TimeoutException as exc:
+            if kind is not None:
+                self._attempt_failed()
             raise self._deadline(err) from exc
         except CouchbaseException as exc:
+            if kind is not None:
+                self._attempt_failed()
+            if st.committed and not committed:
+                raise self._final(err) from self._committed_while_waiting(exc)
             raise self._final(err) from exc
-        if kind is None:
+        finally:
+            self.in_backoff = False
+        if st.committed:
+            # Committed while waiting (replay buffer overflow): A6 allows no more attempts.
+            if kind is not None:
+                self._attempt_failed()
+            raise self._final(err) from self._committed_while_waiting(None)
+        if st.transparent is None:  # the strategy may hand a transparent case to the policy
             core.stats.record_retry(self.name, st.attempts)
         else:
             core.stats.record_transparent_retry(self.name)
+
+    def _attempt_failed(self) -> None:
+        if self.state.attempts > 1:
+            self.core.stats.record_failed_retry(self.name)
+
+    def _committed_while_waiting(self, cause: BaseException | None) -> BaseException:
+        why = "the call committed while waiting to retry (replay buffer limit reached)"
+        self.state.refusal = why
+        context = self.request.error_context(
+            REASON_STATUS, extra={"not_retried_because": why, "grpc_attempts": self.state.attempts}
+        )
+        exc = RequestCanceledException(f"not retried: {why}", context=context)
+        exc.__cause__ = cause
+        return exc
 
     def _final(self, err: Any) -> Any:
         previous = self.state.attempts - 1
@@ -515,6 +635,8 @@ class _ReplayBuffer:
         self.consumed = 0  # absolute index of the next item for the live attempt
         self.generation = 0
         self.done = False
+        #: What the application's request iterator (or message_size) raised, if anything.
+        self.error: Exception | None = None
         self.committed = False
         self.event = asyncio.Event()
         self.drained = asyncio.Event()
@@ -528,8 +650,12 @@ class _ReplayBuffer:
         if self.committed:
             return
         self.committed = True
-        self.c.state.committed = True
-        self.c.release()
+        c = self.c
+        c.state.committed = True
+        c.release()
+        if c.in_backoff:
+            # No attempt is live: end the wait now; the call fails with the last error.
+            c.request.cancel()
         drop = self.consumed - self.base
         if drop > 0:
             del self.items[:drop]
@@ -549,6 +675,12 @@ class _ReplayBuffer:
         self.drained.clear()
         self.event.set()
 
+    def detach(self) -> None:
+        """The live attempt failed: it takes no more messages, and none count as sent."""
+        self.generation += 1
+        self.consumed = self.base
+        self.event.set()
+
     async def _pump(self) -> None:
         source = self.source
         try:
@@ -562,6 +694,12 @@ class _ReplayBuffer:
                     self._append(message)
                     if self.committed and self.items:
                         await self.drained.wait()
+        except Exception as exc:
+            # Like grpc.aio: the RPC is cancelled (not half-closed). The live attempt's
+            # request stream re-raises it; grpc cancels that attempt and logs it.
+            self.error = exc
+            if self.c.in_backoff:
+                self.c.request.cancel()
         finally:
             self.done = True
             self.event.set()
@@ -585,6 +723,8 @@ class _ReplayBuffer:
                         self.drained.set()
                 yield message
             elif self.done:
+                if self.error is not None:
+                    raise self.error
                 return
             else:
                 self.event.clear()
@@ -627,6 +767,7 @@ class _RetryingCall:
         self._started = asyncio.Event()
         self._reader: AsyncIterator[Any] | None = None
         self._accounting: asyncio.Task[None] | None = None
+        self._accounted = False
         self._cancelled = False
         self._callbacks: list[Callable[[Any], None]] = []
         self._driver: asyncio.Task[_Outcome] = asyncio.get_running_loop().create_task(self._drive())
@@ -638,6 +779,8 @@ class _RetryingCall:
         replay = self._replay
         try:
             while True:
+                if replay is not None and replay.error is not None:
+                    raise self._source_failed()
                 source = self._request if replay is None else replay.attempt_messages()
                 call = await self._continuation(c.next_details(), source)
                 self._current = call
@@ -657,13 +800,21 @@ class _RetryingCall:
                     else:
                         await call
                 except aio.AioRpcError as err:
-                    if replay is not None and replay.committed:
-                        c.state.committed = True
+                    if replay is not None:
+                        replay.detach()
+                        if replay.error is not None:
+                            raise self._source_failed() from None
+                        if replay.committed:
+                            c.state.committed = True
                     await c.failed(err)
                     continue
+                if replay is not None and replay.error is not None:
+                    raise self._source_failed()
                 c.succeeded()
                 return _Outcome(call)
         except aio.AioRpcError as err:
+            if replay is not None and replay.error is not None:
+                raise self._source_failed() from None
             return _Outcome(error=err)
         except BaseException:
             if self._current is not None:
@@ -672,6 +823,11 @@ class _RetryingCall:
         finally:
             if replay is not None and (self._current is None or self._current.done()):
                 replay.close()
+
+    def _source_failed(self) -> asyncio.CancelledError:
+        """The application's request iterator raised: the call ends cancelled, as in grpc.aio."""
+        self._cancelled = True
+        return asyncio.CancelledError()
 
     def _commit(self, call: Any) -> _Outcome:
         c = self._c
@@ -689,17 +845,30 @@ class _RetryingCall:
         self._accounting = asyncio.get_running_loop().create_task(self._account_committed(call))
 
     async def _account_committed(self, call: Any) -> None:
+        if self._accounted:
+            return
+        code = await call.code()
+        trailing = None if code is _OK else await call.trailing_metadata()
+        self._account_end(code, trailing)
+
+    def _account_end(self, code: Any, trailing: Any) -> None:
+        """How a committed call ended, for the throttler and stats (once per call)."""
+        if self._accounted:
+            return
+        self._accounted = True
         c = self._c
-        code = (await call.code()).value[0]
-        throttler = c.core.throttler
-        if code == 0:
+        if code is _OK:
             c.succeeded()  # completes the request and feeds the throttler
             return
         if c.state.attempts > 1:
             c.core.stats.record_failed_retry(c.name)
         policy = c.strategy.policy
-        if throttler is not None and policy is not None and code in policy.retryable_status_codes:
-            throttler.record_failure()
+        throttler = c.core.throttler
+        if throttler is not None and policy is not None:
+            # The same rule as for an attempt that can still be retried (_policy._status).
+            pushback = parse_pushback(trailing.get_all(PUSHBACK_KEY)) if trailing else None
+            if code.value[0] in policy.retryable_status_codes or pushback == PUSHBACK_DONT_RETRY:
+                throttler.record_failure()
 
     def _driver_done(self, task: asyncio.Task[_Outcome]) -> None:
         self._c.release()
@@ -764,6 +933,8 @@ class _RetryingCall:
         try:
             out = await self._outcome()
         except asyncio.CancelledError:
+            if not self._driver.cancelled():
+                raise  # the awaiting task itself was cancelled
             return None
         if out.error is not None:
             return out.error.initial_metadata()
@@ -773,6 +944,8 @@ class _RetryingCall:
         try:
             out = await self._outcome()
         except asyncio.CancelledError:
+            if not self._driver.cancelled():
+                raise  # the awaiting task itself was cancelled
             return None
         if out.error is not None:
             return out.error.trailing_metadata()
@@ -784,6 +957,8 @@ class _RetryingCall:
         try:
             out = await self._outcome()
         except asyncio.CancelledError:
+            if not self._driver.cancelled():
+                raise  # the awaiting task itself was cancelled
             return grpc.StatusCode.CANCELLED
         if out.error is not None:
             return out.error.code()
@@ -793,6 +968,8 @@ class _RetryingCall:
         try:
             out = await self._outcome()
         except asyncio.CancelledError:
+            if not self._driver.cancelled():
+                raise  # the awaiting task itself was cancelled
             return "Locally cancelled by application!"
         if out.error is not None:
             return str(out.error.details())
@@ -802,6 +979,8 @@ class _RetryingCall:
         try:
             out = await self._outcome()
         except asyncio.CancelledError:
+            if not self._driver.cancelled():
+                raise  # the awaiting task itself was cancelled
             return ""
         if out.error is not None:
             return out.error.debug_error_string()  # type: ignore[no-any-return]
@@ -809,10 +988,11 @@ class _RetryingCall:
 
     async def wait_for_connection(self) -> None:
         if self._current is None and not self._driver.done():
-            await asyncio.wait(
-                (asyncio.ensure_future(self._started.wait()), self._driver),
-                return_when=asyncio.FIRST_COMPLETED,
-            )
+            started = asyncio.ensure_future(self._started.wait())
+            try:
+                await asyncio.wait((started, self._driver), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                started.cancel()
         if self._current is not None:
             await self._current.wait_for_connection()
 
@@ -826,8 +1006,13 @@ class _RetryingCall:
             yield message
         call = out.call
         while True:
-            message = await call.read()
+            try:
+                message = await call.read()
+            except aio.AioRpcError as err:
+                self._account_end(err.code(), err.trailing_metadata())
+                raise self._c._final(err) from None
             if message is _EOF:
+                await self._account_committed(call)
                 return
             yield message
 

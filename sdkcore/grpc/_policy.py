@@ -167,7 +167,8 @@ class A6RetryStrategy:
       pushback take a throttling token.
     * Transparent retries never count toward ``maxAttempts`` nor the throttler:
       a stream refused before the server application saw it is retried once at
-      once; an RPC that never left the client is retried with a short backoff
+      once (a second refusal goes to the retry policy like any status failure,
+      as A6 says); an RPC that never left the client is retried with a short backoff
       (10 ms doubling to 1 s) until the deadline, or at most
       ``transparent_retry_limit`` times when the call has no deadline.
 
@@ -297,7 +298,10 @@ class A6RetryStrategy:
             return _refusal("the call is committed", state)
         if state.transparent is TransparentKind.REFUSED:
             if state.refused_retries >= 1:
-                return _refusal("a refused stream is retried transparently only once", state)
+                # A6: after one transparent retry, the configured policy handles it,
+                # and the next attempt counts toward maxAttempts.
+                state.transparent = None
+                return self._status(state)
             state.refused_retries += 1
             return RetryAction.with_duration(0.0)
         n = state.transparent_retries

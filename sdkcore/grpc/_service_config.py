@@ -71,7 +71,11 @@ class MethodName:
 
 @attrs.frozen(slots=True)
 class RetryPolicy:
-    """A6 ``retryPolicy``. ``max_attempts`` is the configured value (not yet capped)."""
+    """A6 ``retryPolicy``. ``max_attempts`` is the configured value (not yet capped).
+
+    Durations are ``timedelta`` values: nanosecond inputs are rounded up to the
+    next whole microsecond (``"0.0000004s"`` is 1 µs), so a duration > 0 stays > 0.
+    """
 
     max_attempts: int
     initial_backoff: timedelta
@@ -378,7 +382,8 @@ class _Parser:
         if not positive and nanos < 0:
             self.err(path, f"must be a duration >= 0, got {raw!r}")
             return None
-        return timedelta(microseconds=nanos / 1000)
+        # timedelta holds microseconds: round up, so a duration > 0 never becomes 0.
+        return timedelta(microseconds=-(-nanos // 1000))
 
     # -- retryThrottling ----------------------------------------------------------
     def throttling(self, path: str, raw: Any) -> RetryThrottlingPolicy | None:

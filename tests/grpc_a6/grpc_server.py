@@ -130,3 +130,41 @@ async def abort(context: Any, code: Any, *, trailing: tuple[tuple[str, str], ...
     if trailing:
         context.set_trailing_metadata(trailing)
     await context.abort(code, f"scripted {code.name}")
+
+
+class ReservedPort:
+    """A loopback port held by a bound, non-listening socket (``SO_REUSEPORT``).
+
+    Connections to it are refused, and no other process can take it, until a
+    :class:`Server` started on it (grpc servers set ``SO_REUSEPORT`` too)
+    listens; then :meth:`release` lets the holder go. No bind-close-rebind race.
+    """
+
+    def __init__(self) -> None:
+        import socket
+
+        self._sock: Any = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port: int = self._sock.getsockname()[1]
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def release(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> ReservedPort:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+async def wait_until(predicate: Callable[[], bool]) -> None:
+    """Poll state that has no event to wait on (bounded by each test's fail_after)."""
+    import asyncio
+
+    while not predicate():  # noqa: ASYNC110
+        await asyncio.sleep(0.005)

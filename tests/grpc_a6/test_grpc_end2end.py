@@ -11,7 +11,14 @@ import pytest
 
 grpc = pytest.importorskip("grpc")
 from grpc import aio  # noqa: E402
-from grpc_server import HEADERS_FLUSH, TEST_TIMEOUT, Server, abort, retry_config  # noqa: E402
+from grpc_server import (  # noqa: E402
+    HEADERS_FLUSH,
+    TEST_TIMEOUT,
+    Server,
+    abort,
+    retry_config,
+    wait_until,
+)
 
 from sdkcore import Request, RequestCanceledException, RequestState, RetryOrchestrator  # noqa: E402
 from sdkcore.grpc import (  # noqa: E402
@@ -36,12 +43,6 @@ def fail_then_ok(failures: int, code: Any = ABORTED, trailing: tuple[tuple[str, 
         return b"ok:" + request
 
     return fn
-
-
-async def wait_until(predicate: Any) -> None:
-    """Poll state that has no event to wait on (bounded by each test's fail_after)."""
-    while not predicate():  # noqa: ASYNC110
-        await asyncio.sleep(0.005)
 
 
 async def test_retry_aborted_then_ok(server: Server) -> None:
@@ -236,24 +237,32 @@ async def test_retry_recv_initial_metadata(server: Server) -> None:
 async def test_retry_cancellation(server: Server) -> None:
     """retry_cancellation.cc: cancelling an in-flight call ends it, CANCELLED, with no retry."""
     release = asyncio.Event()
+    handler_done = asyncio.Event()
 
     async def fn(request: bytes, context: Any, attempt: int) -> bytes:
-        with anyio.move_on_after(TEST_TIMEOUT):
-            await release.wait()
-        await abort(context, ABORTED)
-        return b""
+        try:
+            with anyio.move_on_after(TEST_TIMEOUT):
+                await release.wait()
+            await abort(context, ABORTED)
+            return b""
+        finally:
+            handler_done.set()
 
     method = server.unary_unary("M", fn)
     with anyio.fail_after(TEST_TIMEOUT):
         async with insecure_channel(server.target, service_config=retry_config()) as ch:
+            orchestrator = retry_controller(ch).orchestrator
             call = ch.unary_unary(method)(b"x")
             await wait_until(lambda: server.count("M") == 1)
             assert call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await call
             assert await call.code() is grpc.StatusCode.CANCELLED
+            # The call is over: nothing is left that could start another attempt.
+            assert call.done()
+            assert orchestrator.requests_in_retry == 0
             release.set()
-            await asyncio.sleep(0.05)
+            await handler_done.wait()
     assert server.count("M") == 1
 
 
@@ -392,61 +401,6 @@ async def test_method_without_policy_is_not_retried(server: Server) -> None:
     assert server.count("Other") == 1
 
 
-async def test_transparent_retry_until_server_is_reachable() -> None:
-    """An RPC that never left the client (connection refused) is retried transparently."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = Server()
-    method = server.unary_unary("M", fail_then_ok(0))
-    options = [
-        ("grpc.initial_reconnect_backoff_ms", 50),
-        ("grpc.min_reconnect_backoff_ms", 50),
-        ("grpc.max_reconnect_backoff_ms", 100),
-    ]
-    cfg = retry_config(max_attempts=2, throttling={"maxTokens": 10, "tokenRatio": 0.1})
-    try:
-        with anyio.fail_after(TEST_TIMEOUT):
-            async with insecure_channel(
-                f"127.0.0.1:{port}", service_config=cfg, options=options
-            ) as ch:
-                call = ch.unary_unary(method)(b"x", timeout=8)
-
-                async def start_later() -> None:
-                    await asyncio.sleep(0.3)
-                    await server.start(port)
-
-                starter = asyncio.ensure_future(start_later())
-                assert await call == b"ok:x"
-                await starter
-                stats = retry_stats(ch).for_method(method)
-                throttler = retry_controller(ch).throttler
-                assert throttler is not None
-                assert throttler.tokens == 10
-    finally:
-        await server.stop()
-    assert stats.transparent_retries >= 1
-    assert stats.retry_attempts == 0
-    assert server.count("M") == 1
-    assert PREV not in server.attempts["M"][0]
-
-
-async def test_transparent_retries_can_be_switched_off() -> None:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with anyio.fail_after(TEST_TIMEOUT):
-        async with insecure_channel(f"127.0.0.1:{port}", transparent_retries=False) as ch:
-            with pytest.raises(aio.AioRpcError) as info:
-                await ch.unary_unary("/test.Svc/M")(b"x", timeout=5)
-            assert retry_stats(ch).for_method("/test.Svc/M").transparent_retries == 0
-    assert info.value.code() is UNAVAILABLE
-
-
 async def test_successful_call_completes_its_request(server: Server) -> None:
     finished: list[Request] = []
 
@@ -465,3 +419,30 @@ async def test_successful_call_completes_its_request(server: Server) -> None:
     assert finished[0].state is RequestState.SUCCEEDED
     assert finished[0].retry_attempts == 1
     assert finished[0].name == method
+
+
+async def test_success_of_a_method_without_policy_feeds_the_throttler(server: Server) -> None:
+    """A6: every successful RPC adds tokenRatio, also with transparent retries off and a
+    method that has no retryPolicy (and no timeout) in the service config."""
+    method = server.unary_unary("M", fail_then_ok(0))
+    cfg = retry_config(throttling={"maxTokens": 10, "tokenRatio": 0.5}).replace(
+        "test.Svc", "other.Svc"
+    )
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=cfg, transparent_retries=False
+        ) as ch:
+            throttler = retry_controller(ch).throttler
+            assert throttler is not None
+            throttler.record_failure()
+            throttler.record_failure()
+            before = throttler.milli_tokens
+            assert await ch.unary_unary(method)(b"x") == b"ok:x"
+            assert throttler.milli_tokens == before + 500
+            stream = server.unary_stream("S", lambda request, context, attempt: one(request))
+            assert [m async for m in ch.unary_stream(stream)(b"y")] == [b"y"]
+            assert throttler.milli_tokens == before + 1000
+
+
+async def one(message: bytes) -> Any:
+    yield message

@@ -16,9 +16,10 @@ from sdkcore.grpc import (
     RetryPolicy,
     RetryStats,
     RetryThrottler,
+    TransparentKind,
     parse_pushback,
 )
-from sdkcore.grpc._policy import CALL_STATE_KEY, REASON_STATUS
+from sdkcore.grpc._policy import CALL_STATE_KEY, REASON_STATUS, REASON_TRANSPARENT
 from sdkcore.grpc._stats import bucket_of
 from sdkcore.testing import VirtualClock
 
@@ -196,3 +197,32 @@ def test_strategy_argument_errors() -> None:
         A6RetryStrategy(POLICY, max_attempts_cap=0)
     with pytest.raises(TypeError, match="BackoffJitter"):
         A6RetryStrategy(POLICY, jitter="full")  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_second_refused_stream_goes_to_the_retry_policy() -> None:
+    """A6: a refused stream is retried transparently once; if that fails too, the
+    configured retry policy handles it (it counts as an attempt, with backoff)."""
+    clock = VirtualClock()
+    orch = RetryOrchestrator(sleep=clock.sleep)
+    request, state = make(A6RetryStrategy(POLICY, rng=FixedRandom(0.5)), clock)
+    state.code = UNAVAILABLE
+    state.transparent = TransparentKind.REFUSED
+    await orch.maybe_retry(request, REASON_TRANSPARENT)  # the one immediate re-send
+    assert state.transparent is TransparentKind.REFUSED
+    assert clock.sleeps in ([], [0.0])
+    await orch.maybe_retry(request, REASON_TRANSPARENT)  # refused again: the policy decides
+    assert state.transparent is None  # so the next attempt is a new A6 attempt
+    assert clock.sleeps[-1] == pytest.approx(0.5)  # initialBackoff * 0.5
+
+
+@pytest.mark.anyio
+async def test_second_refused_stream_with_a_non_retryable_status_is_final() -> None:
+    clock = VirtualClock()
+    orch = RetryOrchestrator(sleep=clock.sleep)
+    request, state = make(A6RetryStrategy(POLICY), clock)
+    state.code = INVALID_ARGUMENT
+    state.transparent = TransparentKind.REFUSED
+    await orch.maybe_retry(request, REASON_TRANSPARENT)
+    with pytest.raises(RequestCanceledException, match="not in retryableStatusCodes"):
+        await orch.maybe_retry(request, REASON_TRANSPARENT)

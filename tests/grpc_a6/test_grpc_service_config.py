@@ -138,6 +138,36 @@ def test_duration_parsing() -> None:
         parse_duration("315576000001s")
 
 
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("0.0000004s", timedelta(microseconds=1)),  # > 0 stays > 0: rounded up, not to 0
+        ("0.000000001s", timedelta(microseconds=1)),
+        ("0.0000015s", timedelta(microseconds=2)),
+        ("0.000002s", timedelta(microseconds=2)),
+        ("1.5s", timedelta(seconds=1.5)),
+    ],
+)
+def test_durations_round_up_to_whole_microseconds(raw: str, expected: timedelta) -> None:
+    config = ServiceConfig.from_json(
+        {
+            "methodConfig": [
+                {
+                    "name": [{"service": "s"}],
+                    "timeout": raw,
+                    "retryPolicy": dict(RETRY, initialBackoff=raw, maxBackoff=raw),
+                }
+            ]
+        }
+    )
+    mc = config.method_config("/s/m")
+    assert mc is not None
+    assert mc.retry_policy is not None
+    assert mc.retry_policy.initial_backoff == expected
+    assert mc.retry_policy.max_backoff == expected
+    assert mc.timeout == expected
+
+
 # -- backoffMultiplier ----------------------------------------------------------------
 
 

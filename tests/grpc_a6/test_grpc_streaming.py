@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+import gc
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import anyio
@@ -11,9 +13,23 @@ import pytest
 
 grpc = pytest.importorskip("grpc")
 from grpc import aio  # noqa: E402
-from grpc_server import HEADERS_FLUSH, TEST_TIMEOUT, Server, abort, retry_config  # noqa: E402
+from grpc_server import (  # noqa: E402
+    HEADERS_FLUSH,
+    TEST_TIMEOUT,
+    Server,
+    abort,
+    retry_config,
+    wait_until,
+)
+from h2_server import RawH2Server  # noqa: E402
 
-from sdkcore.grpc import insecure_channel, previous_rpc_attempts, retry_controller  # noqa: E402
+from sdkcore.grpc import (  # noqa: E402
+    BackoffJitter,
+    insecure_channel,
+    previous_rpc_attempts,
+    retry_controller,
+    retry_stats,
+)
 
 pytestmark = pytest.mark.asyncio
 ABORTED = grpc.StatusCode.ABORTED
@@ -230,3 +246,369 @@ async def test_streaming_cancel(server: Server) -> None:
             assert call.cancelled()
             release.set()
     assert server.count("S") == 1
+
+
+async def test_commit_during_backoff_ends_the_call_with_the_last_error(server: Server) -> None:
+    """A6: once committed, no further attempt. A replay buffer that overflows while the
+    call waits out its backoff ends the call at once with the last attempt's error; the
+    next attempt never starts with a truncated (or empty) request stream."""
+    seen: list[list[bytes]] = []
+
+    async def fn(requests: AsyncIterator[bytes], context: Any, attempt: int) -> bytes:
+        msgs: list[bytes] = []
+        async for r in requests:
+            msgs.append(r)
+            if len(msgs) == 2:
+                break
+        seen.append(msgs)
+        if attempt == 1:
+            await abort(context, ABORTED)
+        return b"ok:" + b"".join(msgs)
+
+    method = server.stream_unary("C", fn)
+    # A 16-24 s backoff: only a commit that ends the backoff finishes within the test.
+    cfg = retry_config(initial="20s", maximum="20s")
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target,
+            service_config=cfg,
+            per_call_buffer_limit=2,
+            backoff_jitter=BackoffJitter.PROPORTIONAL,
+        ) as ch:
+            orchestrator = retry_controller(ch).orchestrator
+
+            async def requests() -> AsyncIterator[bytes]:
+                yield b"a"
+                yield b"b"
+                await wait_until(lambda: orchestrator.requests_in_retry == 1)
+                yield b"c"  # overflows the 2-byte buffer during the backoff: commit
+
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.stream_unary(method)(requests())
+            assert orchestrator.requests_in_retry == 0
+            assert retry_controller(ch).buffered_bytes == 0
+            stats = retry_stats(ch).for_method(method)
+    assert info.value.code() is ABORTED
+    assert seen == [[b"a", b"b"]]
+    assert server.count("C") == 1
+    assert stats.retry_attempts == 0
+    assert "committed" in str(info.value.__cause__)
+
+
+class _LoopErrors:
+    """Collects what the event loop reports (e.g. "Task exception was never retrieved")."""
+
+    def __init__(self) -> None:
+        self.reports: list[str] = []
+
+    def __call__(self, loop: Any, context: dict[str, Any]) -> None:
+        self.reports.append(str(context.get("message")))
+
+
+@contextlib.contextmanager
+def _loop_errors() -> Iterator[_LoopErrors]:
+    loop = asyncio.get_running_loop()
+    errors = _LoopErrors()
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(errors)
+    try:
+        yield errors
+    finally:
+        loop.set_exception_handler(previous)
+
+
+async def _request_iterator_outcome(
+    channel: Any, method: str, bidi: bool, received: asyncio.Event
+) -> tuple[str, str, bool]:
+    async def requests() -> AsyncIterator[bytes]:
+        yield b"debit"
+        await received.wait()
+        raise RuntimeError("the application's request iterator failed")
+
+    if bidi:
+        call = channel.stream_stream(method)(requests())
+
+        async def consume() -> Any:
+            return [m async for m in call]
+    else:
+        call = channel.stream_unary(method)(requests())
+
+        async def consume() -> Any:
+            return await call
+
+    task = asyncio.ensure_future(consume())
+    await asyncio.wait([task])
+    if task.cancelled():
+        how = "CancelledError"
+    elif isinstance(task.exception(), aio.AioRpcError):
+        how = f"AioRpcError({task.exception().code().name})"  # type: ignore[union-attr]
+    elif task.exception() is not None:
+        how = type(task.exception()).__name__
+    else:
+        how = f"result {task.result()!r}"
+    return how, (await call.code()).name, call.cancelled()
+
+
+@pytest.mark.parametrize("bidi", [False, True], ids=["stream_unary", "stream_stream"])
+async def test_raising_request_iterator_cancels_the_call_like_native(
+    server: Server, bidi: bool
+) -> None:
+    """The stream is not half-closed: the RPC is cancelled, as plain grpc.aio does."""
+    received: dict[str, asyncio.Event] = {}
+
+    async def read(requests: AsyncIterator[bytes], context: Any, name: str) -> list[bytes]:
+        msgs: list[bytes] = []
+        async for r in requests:
+            msgs.append(r)
+            received[name].set()
+        return msgs
+
+    def unary(name: str) -> str:
+        async def fn(requests: AsyncIterator[bytes], context: Any, attempt: int) -> bytes:
+            return b"server committed: " + b",".join(await read(requests, context, name))
+
+        return server.stream_unary(name, fn)
+
+    def streaming(name: str) -> str:
+        async def fn(
+            requests: AsyncIterator[bytes], context: Any, attempt: int
+        ) -> AsyncIterator[bytes]:
+            yield b"server committed: " + b",".join(await read(requests, context, name))
+
+        return server.stream_stream(name, fn)
+
+    make = streaming if bidi else unary
+    native_method, ours_method = make("native"), make("ours")
+    received.update(native=asyncio.Event(), ours=asyncio.Event())
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with aio.insecure_channel(server.target) as native:
+            expected = await _request_iterator_outcome(
+                native, native_method, bidi, received["native"]
+            )
+        with _loop_errors() as errors:
+            async with insecure_channel(server.target, service_config=retry_config()) as ours:
+                got = await _request_iterator_outcome(ours, ours_method, bidi, received["ours"])
+                assert retry_controller(ours).buffered_bytes == 0
+            gc.collect()
+            await asyncio.sleep(0)
+            assert errors.reports == []
+    assert expected == ("CancelledError", "CANCELLED", True)
+    assert got == expected
+    assert server.count("ours") == 1
+
+
+async def _how_the_stream_ended(make_channel: Any) -> list[str | None]:
+    h2 = RawH2Server(lambda n: "respond")
+    await h2.start()
+    try:
+        async with make_channel(h2.target) as ch:
+
+            async def requests() -> AsyncIterator[bytes]:
+                yield b"debit"
+                await wait_until(lambda: bool(h2.streams and h2.streams[0].data))
+                raise RuntimeError("the application's request iterator failed")
+
+            call = ch.stream_unary("/test.Svc/C")(requests())
+
+            async def consume() -> Any:
+                return await call
+
+            task = asyncio.ensure_future(consume())
+            await asyncio.wait([task])
+            assert task.cancelled()
+            await h2.streams[0].ended_event.wait()
+            return [s.ended for s in h2.streams]
+    finally:
+        await h2.stop()
+
+
+async def test_raising_request_iterator_resets_the_stream_on_the_wire() -> None:
+    """Seen by the server: the stream is reset (RST_STREAM), never half-closed, as native."""
+    with anyio.fail_after(TEST_TIMEOUT):
+        native = await _how_the_stream_ended(lambda target: aio.insecure_channel(target))
+        ours = await _how_the_stream_ended(
+            lambda target: insecure_channel(target, service_config=retry_config())
+        )
+    assert native == ["rst"]
+    assert ours == ["rst"]
+
+
+async def test_raising_message_size_cancels_the_call(server: Server) -> None:
+    received = asyncio.Event()
+
+    async def fn(requests: AsyncIterator[bytes], context: Any, attempt: int) -> bytes:
+        async for _ in requests:
+            received.set()
+        return b"server committed"
+
+    def size(message: Any) -> int:
+        if message == b"debit":
+            return 5
+        raise ValueError("cannot size this message")
+
+    async def requests() -> AsyncIterator[bytes]:
+        yield b"debit"
+        await received.wait()
+        yield b"unsizable"
+
+    method = server.stream_unary("C", fn)
+    with anyio.fail_after(TEST_TIMEOUT):
+        with _loop_errors() as errors:
+            async with insecure_channel(
+                server.target, service_config=retry_config(), message_size=size
+            ) as ch:
+                call = ch.stream_unary(method)(requests())
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+                assert await call.code() is grpc.StatusCode.CANCELLED
+            gc.collect()
+            await asyncio.sleep(0)
+            assert errors.reports == []
+    assert server.count("C") == 1
+
+
+async def _blocked_stream(server: Server) -> tuple[str, asyncio.Event, asyncio.Event]:
+    release = asyncio.Event()
+    started = asyncio.Event()
+
+    async def fn(request: bytes, context: Any, attempt: int) -> AsyncIterator[bytes]:
+        started.set()
+        await release.wait()
+        yield b"late"
+
+    return server.unary_stream("S", fn), started, release
+
+
+async def test_timing_out_a_wait_on_the_call_does_not_end_it(server: Server) -> None:
+    """Cancelling the task that awaits call.code() raises in that task, like native."""
+    method, started, release = await _blocked_stream(server)
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=retry_config()) as ch:
+            call = ch.unary_stream(method)(b"m")
+            await started.wait()
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(call.code(), 0.05)
+            assert not call.done()
+            assert not call.cancelled()
+            release.set()
+            assert await collect(call) == [b"late"]
+            assert await call.code() is grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize(
+    "accessor", ["initial_metadata", "trailing_metadata", "code", "details", "debug_error_string"]
+)
+async def test_cancelling_a_task_awaiting_the_call_is_not_swallowed(
+    server: Server, accessor: str
+) -> None:
+    method, started, release = await _blocked_stream(server)
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=retry_config()) as ch:
+            call = ch.unary_stream(method)(b"m")
+            await started.wait()
+            waiter = asyncio.ensure_future(getattr(call, accessor)())
+            await asyncio.sleep(0)  # the waiter is now awaiting the call
+            waiter.cancel()
+            await asyncio.wait([waiter])
+            assert waiter.cancelled()
+            assert not call.cancelled()
+            release.set()
+            assert await collect(call) == [b"late"]
+
+
+async def test_cancelled_call_still_reports_cancelled(server: Server) -> None:
+    method, started, release = await _blocked_stream(server)
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=retry_config()) as ch:
+            call = ch.unary_stream(method)(b"m")
+            await started.wait()
+            assert call.cancel()
+            assert await call.code() is grpc.StatusCode.CANCELLED
+            assert await call.details() == "Locally cancelled by application!"
+            release.set()
+
+
+class _FailingInterceptor(aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    """Runs inside the retry loop; fails the attempt once ``gate`` is set."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        await self.gate.wait()
+        raise RuntimeError("an inner interceptor failed")
+
+
+async def test_wait_for_connection_leaves_no_task_behind(server: Server) -> None:
+    failing = _FailingInterceptor()
+
+    def helper_waits() -> list[asyncio.Task[Any]]:
+        return [t for t in asyncio.all_tasks() if "Event.wait" in repr(t.get_coro())]
+
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=retry_config(), interceptors=[failing]
+        ) as ch:
+            call = ch.unary_stream("/test.Svc/S")(b"m")
+            waiter = asyncio.ensure_future(call.wait_for_connection())
+            await wait_until(lambda: bool(helper_waits()))
+            failing.gate.set()
+            await waiter
+            with pytest.raises(RuntimeError, match="inner interceptor"):
+                await collect(call)
+            await asyncio.sleep(0)
+            assert helper_waits() == []
+
+
+async def test_committed_stream_error_reports_previous_attempts(server: Server) -> None:
+    async def fn(request: bytes, context: Any, attempt: int) -> AsyncIterator[bytes]:
+        if attempt == 1:
+            await abort(context, ABORTED)
+        yield b"first"
+        await abort(context, ABORTED)
+
+    method = server.unary_stream("S", fn)
+    got: list[bytes] = []
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=retry_config()) as ch:
+            call = ch.unary_stream(method)(b"m")
+            with pytest.raises(aio.AioRpcError) as info:
+                await drain_into(call, got)
+            assert await previous_rpc_attempts(call) == 1
+    assert got == [b"first"]
+    assert info.value.code() is ABORTED
+    assert await previous_rpc_attempts(info.value) == 1
+    assert server.count("S") == 2
+
+
+@pytest.mark.parametrize(
+    ("code", "pushback", "cost"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, "-1", 1000),  # "don't retry" pushback: a token
+        (grpc.StatusCode.INVALID_ARGUMENT, None, 0),  # not retryable, no pushback: free
+        (ABORTED, None, 1000),  # retryable: a token
+    ],
+)
+async def test_committed_stream_failure_throttle_cost(
+    server: Server, code: Any, pushback: str | None, cost: int
+) -> None:
+    """A committed call that fails costs a token by the same rule as any other failure."""
+
+    async def fn(request: bytes, context: Any, attempt: int) -> AsyncIterator[bytes]:
+        yield b"first"
+        trailing = () if pushback is None else (("grpc-retry-pushback-ms", pushback),)
+        await abort(context, code, trailing=trailing)
+
+    method = server.unary_stream("S", fn)
+    cfg = retry_config(throttling={"maxTokens": 10, "tokenRatio": 0.1})
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=cfg) as ch:
+            controller = retry_controller(ch)
+            throttler = controller.throttler
+            assert throttler is not None
+            before = throttler.milli_tokens
+            call = ch.unary_stream(method)(b"m")
+            with pytest.raises(aio.AioRpcError):
+                await collect(call)
+            # Accounted by the time the application sees the error.
+            assert before - throttler.milli_tokens == cost

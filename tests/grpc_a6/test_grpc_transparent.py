@@ -1,0 +1,349 @@
+"""A6 transparent retries: what grpc C-core does, what the interceptor does, and what
+neither may do (a server cannot make its own status look like a transparent case)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import anyio
+import pytest
+
+grpc = pytest.importorskip("grpc")
+from grpc import aio  # noqa: E402
+from grpc_server import (  # noqa: E402
+    TEST_TIMEOUT,
+    ReservedPort,
+    Server,
+    retry_config,
+    wait_until,
+)
+from h2_server import RawH2Server  # noqa: E402
+
+from sdkcore.grpc import (  # noqa: E402
+    RetryController,
+    insecure_channel,
+    previous_rpc_attempts,
+    retry_controller,
+    retry_stats,
+)
+
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+PREV = "grpc-previous-rpc-attempts"
+#: What grpc C-core says when no connection could be made; a server can say it too.
+CONNECT_FAILURE_TEXT = "failed to connect to all addresses; last error: upstream unreachable"
+#: Fast reconnects, so tests that wait for a server to come up stay short.
+FAST_RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 100),
+]
+
+
+def always_unavailable_like_a_proxy() -> Any:
+    async def fn(request: bytes, context: Any, attempt: int) -> bytes:
+        await context.abort(UNAVAILABLE, CONNECT_FAILURE_TEXT)
+        return b""
+
+    return fn
+
+
+def ok() -> Any:
+    async def fn(request: bytes, context: Any, attempt: int) -> bytes:
+        return b"ok:" + request
+
+    return fn
+
+
+@pytest.mark.asyncio
+async def test_server_sent_connection_failure_text_is_an_ordinary_status(server: Server) -> None:
+    """The server's words do not make a transparent retry: maxAttempts and the throttle apply."""
+    method = server.unary_unary("M", always_unavailable_like_a_proxy())
+    cfg = retry_config(max_attempts=2, throttling={"maxTokens": 100, "tokenRatio": 0.1})
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=cfg) as ch:
+            throttler = retry_controller(ch).throttler
+            assert throttler is not None
+            before = throttler.milli_tokens
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(method)(b"x", timeout=5)
+            spent = before - throttler.milli_tokens
+            stats = retry_stats(ch).for_method(method)
+    assert info.value.code() is UNAVAILABLE
+    assert info.value.details() == CONNECT_FAILURE_TEXT
+    assert await previous_rpc_attempts(info.value) == 1
+    assert server.count("M") == 2
+    assert spent == 2000  # one token per failed attempt
+    assert (stats.retry_attempts, stats.transparent_retries) == (1, 0)
+
+
+@pytest.mark.asyncio
+async def test_server_sent_connection_failure_text_without_service_config(server: Server) -> None:
+    method = server.unary_unary("M", always_unavailable_like_a_proxy())
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target) as ch:
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(method)(b"x", timeout=3)
+    assert info.value.code() is UNAVAILABLE
+    assert server.count("M") == 1
+
+
+@pytest.mark.asyncio
+async def test_transparent_retry_until_server_is_reachable() -> None:
+    """No connection could be made (channel in TRANSIENT_FAILURE, nothing received): the
+    call is retried transparently until the server listens; no A6 attempt is used."""
+    server = Server()
+    method = server.unary_unary("M", ok())
+    cfg = retry_config(max_attempts=2, throttling={"maxTokens": 10, "tokenRatio": 0.1})
+    with ReservedPort() as port:
+        try:
+            with anyio.fail_after(TEST_TIMEOUT):
+                async with insecure_channel(
+                    port.target, service_config=cfg, options=FAST_RECONNECT
+                ) as ch:
+                    stats = retry_stats(ch)
+                    throttler = retry_controller(ch).throttler
+                    assert throttler is not None
+                    before = throttler.milli_tokens
+                    call = ch.unary_unary(method)(b"x", timeout=10)
+                    pending = asyncio.ensure_future(call)
+                    await wait_until(lambda: stats.for_method(method).transparent_retries >= 1)
+                    assert not pending.done()
+                    await server.start(port.port)
+                    port.release()
+                    assert await pending == b"ok:x"
+                    assert throttler.milli_tokens == before
+                    snapshot = stats.for_method(method)
+        finally:
+            await server.stop()
+    assert snapshot.transparent_retries >= 1
+    assert snapshot.retry_attempts == 0
+    assert server.count("M") == 1
+    assert PREV not in server.attempts["M"][0]
+
+
+@pytest.mark.asyncio
+async def test_transparent_retries_can_be_switched_off() -> None:
+    method = "/test.Svc/M"
+    # UNAVAILABLE is not retryable here: only a transparent retry could retry it.
+    cfg = retry_config(codes=("ABORTED",))
+    outcomes: dict[bool, tuple[str, int]] = {}
+    with ReservedPort() as port, anyio.fail_after(TEST_TIMEOUT):
+        for enabled in (True, False):
+            async with insecure_channel(
+                port.target, service_config=cfg, transparent_retries=enabled
+            ) as ch:
+                with pytest.raises(aio.AioRpcError) as info:
+                    await ch.unary_unary(method)(b"x", timeout=0.5)
+                count = retry_stats(ch).for_method(method).transparent_retries
+                outcomes[enabled] = (info.value.code().name, min(count, 1))
+    # On: retried until the deadline. Off: the first failure is final.
+    assert outcomes == {True: ("DEADLINE_EXCEEDED", 1), False: ("UNAVAILABLE", 0)}
+
+
+def goaway_first(n: int) -> str:
+    return "goaway" if n == 1 else "respond"
+
+
+#: The opt-in to grpc C-core's own transparent retries (see RetryController.channel_options).
+NATIVE_TRANSPARENT = [("grpc.enable_retries", 1)]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("native", [False, True], ids=["default", "native_transparent"])
+async def test_stream_never_seen_by_the_server(native: bool) -> None:
+    """GOAWAY for a stream the server never processed. By default grpc C-core's retry
+    filter is off and the interceptor cannot prove the server did not see it, so it is an
+    ordinary retry. With the opt-in, C-core re-sends it inside the same attempt and the
+    interceptor never sees the failure."""
+    h2 = RawH2Server(goaway_first)
+    await h2.start()
+    cfg = retry_config(throttling={"maxTokens": 10, "tokenRatio": 0.1})
+    try:
+        with anyio.fail_after(TEST_TIMEOUT):
+            async with insecure_channel(
+                h2.target, service_config=cfg, options=NATIVE_TRANSPARENT if native else None
+            ) as ch:
+                throttler = retry_controller(ch).throttler
+                assert throttler is not None
+                throttler.record_failure()  # below the cap, so a success shows
+                before = throttler.milli_tokens
+                call = ch.unary_unary("/test.Svc/M")(b"x", timeout=5)
+                assert await call == b"ok"
+                previous = await previous_rpc_attempts(call)
+                spent = before - throttler.milli_tokens
+                stats = retry_stats(ch).for_method("/test.Svc/M")
+    finally:
+        await h2.stop()
+    assert [(s.connection, s.ended) for s in h2.streams] == [(1, "end_stream"), (2, "end_stream")]
+    if native:
+        assert (previous, spent, stats.retry_attempts, stats.transparent_retries) == (
+            0,
+            -100,  # the success only
+            0,
+            0,
+        )
+    else:
+        assert (previous, spent, stats.retry_attempts) == (1, 1000 - 100, 1)
+
+
+@pytest.mark.asyncio
+async def test_stream_never_seen_by_the_server_without_a_policy_fails() -> None:
+    h2 = RawH2Server(goaway_first)
+    await h2.start()
+    try:
+        with anyio.fail_after(TEST_TIMEOUT):
+            async with insecure_channel(h2.target) as ch:
+                with pytest.raises(aio.AioRpcError) as info:
+                    await ch.unary_unary("/test.Svc/M")(b"x", timeout=5)
+    finally:
+        await h2.stop()
+    assert info.value.code() is UNAVAILABLE
+    assert len(h2.streams) == 1
+
+
+@pytest.mark.asyncio
+async def test_native_transparent_opt_in_replaces_the_previous_attempts_header(
+    server: Server,
+) -> None:
+    """Why grpc C-core's retry filter is off by default: when on, it replaces the
+    grpc-previous-rpc-attempts header of every attempt (grpcio 1.85), so the server no
+    longer sees sdkcore's retry count."""
+
+    async def fn(request: bytes, context: Any, attempt: int) -> bytes:
+        if attempt == 1:
+            await context.abort(grpc.StatusCode.ABORTED, "scripted")
+        return b"ok"
+
+    method = server.unary_unary("M", fn)
+    headers: dict[bool, list[str | None]] = {}
+    with anyio.fail_after(TEST_TIMEOUT):
+        for native in (False, True):
+            server.attempts.clear()
+            async with insecure_channel(
+                server.target,
+                service_config=retry_config(),
+                options=NATIVE_TRANSPARENT if native else None,
+            ) as ch:
+                call = ch.unary_unary(method)(b"x")
+                assert await call == b"ok"
+                assert await previous_rpc_attempts(call) == 1  # the client still knows
+            headers[native] = [a.get(PREV) for a in server.attempts["M"]]
+    assert headers == {False: [None, "1"], True: [None, None]}
+
+
+@pytest.mark.asyncio
+async def test_refused_stream_goes_to_the_retry_policy() -> None:
+    """grpc C-core (grpcio 1.85) does not retry an RST_STREAM(REFUSED_STREAM) transparently
+    even with its retry filter on, and the interceptor cannot tell it from a server
+    status: it is an ordinary retry."""
+    h2 = RawH2Server(lambda n: "refuse" if n == 1 else "respond")
+    await h2.start()
+    try:
+        with anyio.fail_after(TEST_TIMEOUT):
+            async with insecure_channel(h2.target, service_config=retry_config()) as ch:
+                call = ch.unary_unary("/test.Svc/M")(b"x", timeout=5)
+                assert await call == b"ok"
+                assert await previous_rpc_attempts(call) == 1
+                stats = retry_stats(ch).for_method("/test.Svc/M")
+    finally:
+        await h2.stop()
+    assert len(h2.streams) == 2
+    assert (stats.retry_attempts, stats.transparent_retries) == (1, 0)
+
+
+def test_grpc_service_config_option_is_rejected() -> None:
+    with pytest.raises(ValueError, match=r"grpc\.service_config.*service_config="):
+        insecure_channel("127.0.0.1:1", options=[("grpc.service_config", "{}")])
+
+
+@pytest.mark.parametrize(
+    ("option", "kwargs"),
+    [
+        (("grpc.enable_retries", 1), {"retries_enabled": False}),
+        (("grpc.enable_retries", 1), {"transparent_retries": False}),
+        (("grpc.service_config_disable_resolution", 0), {}),
+    ],
+)
+def test_conflicting_retry_channel_options_are_rejected(
+    option: tuple[str, int], kwargs: dict[str, Any]
+) -> None:
+    with pytest.raises(ValueError, match=option[0].replace(".", r"\.")):
+        insecure_channel("127.0.0.1:1", options=[option], **kwargs)
+
+
+@pytest.mark.asyncio
+async def test_matching_retry_channel_options_are_accepted(server: Server) -> None:
+    method = server.unary_unary("M", ok())
+    options = [("grpc.enable_retries", 0), ("grpc.service_config_disable_resolution", 1)]
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, options=options) as ch:
+            assert await ch.unary_unary(method)(b"x") == b"ok:x"
+
+
+class FakeChannel:
+    """Just the connectivity state, which is all the interceptor reads from its channel."""
+
+    def __init__(self) -> None:
+        self.state = grpc.ChannelConnectivity.READY
+
+    def get_state(self, try_to_connect: bool = False) -> Any:
+        return self.state
+
+
+def status(code: Any) -> Any:
+    return aio.AioRpcError(code, aio.Metadata(), aio.Metadata(), f"scripted {code.name}", "")
+
+
+@pytest.mark.asyncio
+async def test_a_retry_resent_transparently_fails_once() -> None:
+    """Retry 1 first finds no connection (transparent re-send), then fails with a status:
+    one retry attempt, one failed retry attempt, one transparent retry."""
+    from sdkcore.grpc._interceptors import _Call
+
+    cfg = retry_config(max_attempts=2, initial="0.001s", maximum="0.001s")
+    controller = RetryController("resent-retry.invalid:1", cfg)
+    channel = FakeChannel()
+    controller.bind_channel(channel)
+    method = "/test.Svc/M"
+    plan = controller.plan(method)
+    assert plan is not None
+    c = _Call(controller, plan, aio.ClientCallDetails(method, None, None, None, None))
+    with anyio.fail_after(TEST_TIMEOUT):
+        c.next_details()  # attempt 1, connected
+        await c.failed(status(grpc.StatusCode.ABORTED))
+        channel.state = grpc.ChannelConnectivity.TRANSIENT_FAILURE
+        c.next_details()  # attempt 2 (retry 1), no connection
+        await c.failed(status(UNAVAILABLE))
+        channel.state = grpc.ChannelConnectivity.READY
+        details = c.next_details()  # attempt 2 re-sent
+        assert dict(details.metadata)[PREV] == "1"
+        with pytest.raises(aio.AioRpcError):
+            await c.failed(status(grpc.StatusCode.ABORTED))
+    stats = controller.stats.for_method(method)
+    assert (stats.retry_attempts, stats.failed_retry_attempts, stats.transparent_retries) == (
+        1,
+        1,
+        1,
+    )
+
+
+@pytest.mark.asyncio
+async def test_server_status_on_a_connected_attempt_is_never_transparent() -> None:
+    """UNAVAILABLE with nothing received, channel failing now, but it was READY when the
+    attempt started (the request may have reached the server): an ordinary status."""
+    from sdkcore.grpc._interceptors import _Call
+
+    cfg = retry_config(max_attempts=2, initial="0.001s", maximum="0.001s")
+    controller = RetryController("connected-attempt.invalid:1", cfg)
+    channel = FakeChannel()
+    controller.bind_channel(channel)
+    plan = controller.plan("/test.Svc/M")
+    assert plan is not None
+    c = _Call(controller, plan, aio.ClientCallDetails("/test.Svc/M", None, None, None, None))
+    with anyio.fail_after(TEST_TIMEOUT):
+        c.next_details()
+        channel.state = grpc.ChannelConnectivity.TRANSIENT_FAILURE
+        await c.failed(status(UNAVAILABLE))
+    stats = controller.stats.for_method("/test.Svc/M")
+    assert (stats.retry_attempts, stats.transparent_retries) == (1, 0)
