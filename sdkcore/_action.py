@@ -8,7 +8,7 @@ from datetime import timedelta
 import attrs
 
 from ._context import ErrorContext
-from ._duration import to_seconds
+from ._duration import MAX_SECONDS, to_seconds
 from ._errors import CouchbaseException
 
 __all__ = ["ExceptionFactory", "RetryAction"]
@@ -74,13 +74,17 @@ class RetryAction:
                 )
             if chosen is not None:
                 raise ValueError("RetryAction: only a refusal (duration=None) takes an exception")
-            seconds = to_seconds(duration, "RetryAction(duration)")
+            seconds = duration.total_seconds()
+            if seconds < 0:
+                raise ValueError(f"RetryAction(duration) must be >= 0 seconds, got {duration!r}")
         object.__setattr__(self, "_chosen", chosen)
         object.__setattr__(self, "_seconds", seconds)
 
     @classmethod
     def with_duration(cls, duration: timedelta | float) -> RetryAction:
         """Retry after ``duration`` (a ``timedelta`` or seconds, >= 0)."""
+        if type(duration) is float and 0.0 <= duration <= MAX_SECONDS:  # the common case
+            return cls(timedelta(seconds=duration))
         seconds = to_seconds(duration, "RetryAction.with_duration(duration)")
         if not isinstance(duration, timedelta):
             duration = timedelta(seconds=seconds)

@@ -56,6 +56,10 @@ _BUILTIN_RETRY_AFTER = frozenset(
 # type -> (its retry_after, kind, instances may carry their own retry_after)
 _kinds: dict[type, tuple[object, int, bool]] = {}
 _KINDS_LIMIT = 1024  # classes made on the fly must not grow the cache without bound
+# type -> its retry_after, for built-in kinds whose instances cannot override it
+_builtin_fast: dict[type, object] = {}
+_log_enabled = _log.enabled
+_DEBUG = _log.DEBUG
 _INF = float("inf")
 
 
@@ -101,7 +105,11 @@ def _kind_of(strategy: object) -> int:
         kind = _SYNC
     if len(_kinds) >= _KINDS_LIMIT:
         _kinds.clear()
-    _kinds[cls] = (method, kind, cls.__dictoffset__ != 0)
+        _builtin_fast.clear()
+    has_dict = cls.__dictoffset__ != 0
+    _kinds[cls] = (method, kind, has_dict)
+    if kind == _BUILTIN and not has_dict:
+        _builtin_fast[cls] = method
     return kind
 
 
@@ -221,13 +229,8 @@ class RetryOrchestrator:
             if decided is None:
                 strategy = request._strategy or self._default
                 cls = type(strategy)
-                entry = _kinds.get(cls)
-                if (  # fast path: a built-in class, slotted, not patched since cached
-                    entry is None
-                    or entry[1] != _BUILTIN
-                    or entry[2]
-                    or entry[0] is not cls.retry_after
-                ) and _kind_of(strategy) != _BUILTIN:
+                fast = _builtin_fast.get(cls)  # slotted built-in class, not patched since
+                if (fast is None or fast is not cls.retry_after) and _kind_of(strategy) != _BUILTIN:
                     return None
                 try:
                     action = strategy._decide(request, reason)
@@ -236,6 +239,8 @@ class RetryOrchestrator:
                     raise
             else:
                 action, strategy = decided
+                if request._state is not _PENDING:  # cancelled while the strategy ran
+                    raise self._already_completed(request, reason)
             if type(action) is not RetryAction:
                 self._check_action(request, reason, strategy, action)
             if action.duration is None:
@@ -244,8 +249,6 @@ class RetryOrchestrator:
                 # RFC 0049 "Network Time": a non-idempotent request that may have
                 # reached the server must fail, whatever a custom strategy says.
                 self._refuse(request, reason, _UNSAFE, strategy)
-            if request._state is not _PENDING:  # cancelled while deciding
-                raise self._already_completed(request, reason)
             duration = action.duration
             delay = action._seconds
 
@@ -266,7 +269,7 @@ class RetryOrchestrator:
                 delay = left if left > 0.0 else 0.0
                 duration = timedelta(seconds=delay)
 
-        log = _log.enabled(_log.DEBUG)
+        log = _log_enabled(_DEBUG)
         if log is not None:
             log.debug(
                 _log.EVENT_SCHEDULED,
