@@ -929,23 +929,30 @@ class _RetryingCall:
         left = self._c.request.time_left
         return None if left is None else left.total_seconds()
 
-    async def initial_metadata(self) -> Any:
+    async def _settled(self) -> _Outcome | None:
+        """How the call ended, or None when the call itself was cancelled.
+
+        A cancellation of the awaiting task (a timeout around ``code()``, say)
+        propagates: only the call's own cancellation is reported as CANCELLED.
+        """
         try:
-            out = await self._outcome()
+            return await self._outcome()
         except asyncio.CancelledError:
             if not self._driver.cancelled():
                 raise  # the awaiting task itself was cancelled
+            return None
+
+    async def initial_metadata(self) -> Any:
+        out = await self._settled()
+        if out is None:  # the call was cancelled
             return None
         if out.error is not None:
             return out.error.initial_metadata()
         return await out.call.initial_metadata()
 
     async def trailing_metadata(self) -> Any:
-        try:
-            out = await self._outcome()
-        except asyncio.CancelledError:
-            if not self._driver.cancelled():
-                raise  # the awaiting task itself was cancelled
+        out = await self._settled()
+        if out is None:  # the call was cancelled
             return None
         if out.error is not None:
             return out.error.trailing_metadata()
@@ -954,33 +961,24 @@ class _RetryingCall:
         return _with_attempts(md, previous) if previous > 0 else md
 
     async def code(self) -> Any:
-        try:
-            out = await self._outcome()
-        except asyncio.CancelledError:
-            if not self._driver.cancelled():
-                raise  # the awaiting task itself was cancelled
+        out = await self._settled()
+        if out is None:  # the call was cancelled
             return grpc.StatusCode.CANCELLED
         if out.error is not None:
             return out.error.code()
         return await out.call.code()
 
     async def details(self) -> str:
-        try:
-            out = await self._outcome()
-        except asyncio.CancelledError:
-            if not self._driver.cancelled():
-                raise  # the awaiting task itself was cancelled
+        out = await self._settled()
+        if out is None:  # the call was cancelled
             return "Locally cancelled by application!"
         if out.error is not None:
             return str(out.error.details())
         return str(await out.call.details())
 
     async def debug_error_string(self) -> str | None:
-        try:
-            out = await self._outcome()
-        except asyncio.CancelledError:
-            if not self._driver.cancelled():
-                raise  # the awaiting task itself was cancelled
+        out = await self._settled()
+        if out is None:  # the call was cancelled
             return ""
         if out.error is not None:
             return out.error.debug_error_string()  # type: ignore[no-any-return]
