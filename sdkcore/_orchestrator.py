@@ -324,10 +324,8 @@ class RetryOrchestrator:
     # -- strategies other than the built-ins (slow path, still no per-call inspect) ----
     async def _call_strategy(self, request: Request, reason: RetryReason) -> tuple[Any, Any]:
         strategy: Any = request._strategy or self._default
-        kind = _kind_of(strategy)
+        kind = _kind_of(strategy)  # not _BUILTIN: _plan decided those synchronously
         try:
-            if kind == _BUILTIN:
-                return strategy._decide(request, reason), strategy
             if kind == _ASYNC:
                 return await strategy.retry_after(request, reason), strategy
             action = strategy.retry_after(request, reason)

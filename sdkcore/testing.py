@@ -29,13 +29,13 @@ T = TypeVar("T")
 def capture_retry_events() -> Generator[list[MutableMapping[str, Any]], None, None]:
     """Capture sdkcore's structlog events (all levels) as dicts.
 
-    Like ``structlog.testing.capture_logs`` but keeps only events named ``retry.*``
-    (and other sdkcore events) and enables every level for the duration.
+    Like ``structlog.testing.capture_logs`` but keeps only sdkcore's events (named
+    ``retry.*``) and enables every level for the duration.
     """
     events: list[MutableMapping[str, Any]] = []
 
     def keep(_: Any, method: str, event_dict: MutableMapping[str, Any]) -> Any:
-        if str(event_dict.get("event", "")).startswith(("retry.", "grpc.", "hedge.")):
+        if str(event_dict.get("event", "")).startswith("retry."):
             event_dict.setdefault("log_level", method)
             events.append(dict(event_dict))
         raise structlog.DropEvent
