@@ -38,6 +38,7 @@ from ._strategy import (
     FastFailOnTerminalErrorRetryStrategy,
     RetryStrategy,
 )
+from ._version import __version__
 
 __all__ = [
     "DEFAULT_MAX_REQUESTS_IN_RETRY",
@@ -75,6 +76,7 @@ __all__ = [
     "TemporaryFailureException",
     "TimeoutException",
     "UnambiguousTimeoutException",
+    "__version__",
     "best_effort_backoff",
     "controlled_backoff",
     "exponential_backoff",
