@@ -1,0 +1,163 @@
+"""``sdkcore demo``: sdkcore against a small, troubled cluster (see rfc/0006-demo.md).
+
+An in-process grpc.aio server on 127.0.0.1 misbehaves the way a Couchbase cluster
+does (rebalance, a locked document, a restarting node, overload with pushback,
+wrong credentials, a slow replica); a mixed workload of idempotent reads and
+non-idempotent writes runs against it through ``RetryOrchestrator.execute`` with
+the mapping module, the ``sdkcore.grpc`` channels with a service config, and hedged
+reads, once per retry strategy. This package is the application: it configures
+structlog for its own run (and restores it); the library never does.
+
+Needs grpcio (``pip install 'sdkcore[grpc]'``); uses rich for the progress bar
+when it is installed (``pip install 'sdkcore[cli]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main"]
+
+# Kept here (not imported from _workload) so that --help and the grpcio check work
+# without grpcio.
+SCENARIO_NAMES = (
+    "rebalance",
+    "locked",
+    "node-restart",
+    "overload",
+    "bad-credentials",
+    "slow-replica",
+    "hedged-reads",
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sdkcore demo",
+        description=(
+            "Run a mixed workload (idempotent reads, non-idempotent writes) against an "
+            "in-process troubled cluster on 127.0.0.1, under each retry strategy, and "
+            "report what happened."
+        ),
+        epilog="scenarios: " + ", ".join(SCENARIO_NAMES) + " (default: all)",
+    )
+    parser.add_argument(
+        "--scenario",
+        action="append",
+        choices=SCENARIO_NAMES,
+        metavar="NAME",
+        help="run only this scenario (repeatable): " + ", ".join(SCENARIO_NAMES),
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the results as JSON on stdout (nothing else goes to stdout)",
+    )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="stream sdkcore's log events (retry.*, hedge.*) to stderr",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the demo; returns the exit code (0 ok, 1 a check failed, 2 usage / missing grpcio)."""
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if args_in[:1] == ["demo"]:
+        args_in = args_in[1:]
+    args = _parser().parse_args(args_in)
+    # grpc's C core logs connection teardown at info level unless told otherwise.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    try:
+        import grpc  # noqa: F401
+    except ImportError:
+        sys.stderr.write(
+            "sdkcore demo needs grpcio: pip install 'sdkcore[grpc]' "
+            "(or run it from a checkout with: uv run sdkcore demo)\n"
+        )
+        return 2
+    import asyncio
+
+    from ._run import run
+
+    names = args.scenario or list(SCENARIO_NAMES)
+    with _logging(args.verbose):
+        report = asyncio.run(run(names, progress=not args.json))
+    from ._report import bold, colour_enabled, render_text, to_json
+
+    if args.json:
+        text = json.dumps(to_json(report), indent=2) + "\n"
+    else:
+        style: Any = bold if colour_enabled(sys.stdout) else (lambda s: s)
+        text = "\n".join(render_text(report, style)) + "\n"
+    if not _write(text):
+        return 0  # the reader went away (e.g. `| head`): not an error
+    return 0 if report.ok else 1
+
+
+def _write(text: str) -> bool:
+    """Write to stdout; False (quietly) when the pipe closed."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that
+        # flush does not fail with a traceback either.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        return False
+    return True
+
+
+class _logging:
+    """structlog for this run: sdkcore's events to stderr (all with -v, else warnings).
+
+    The demo is an application, so it may configure structlog; the configuration
+    it found is restored afterwards (main() is also called in-process by tests).
+    """
+
+    def __init__(self, verbose: bool) -> None:
+        self.verbose = verbose
+        self._old: dict[str, Any] | None = None
+        self._was_configured = False
+
+    def __enter__(self) -> None:
+        import structlog
+
+        self._was_configured = structlog.is_configured()
+        self._old = structlog.get_config()
+        structlog.configure(
+            processors=[
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=False),
+                structlog.dev.ConsoleRenderer(colors=False),
+            ],
+            wrapper_class=structlog.make_filtering_bound_logger(
+                logging.DEBUG if self.verbose else logging.WARNING
+            ),
+            logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+            cache_logger_on_first_use=False,
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        import structlog
+
+        if self._was_configured and self._old is not None:
+            structlog.configure(**self._old)
+        else:
+            structlog.reset_defaults()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

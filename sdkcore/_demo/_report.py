@@ -1,0 +1,319 @@
+"""What the demo shows: the summary per strategy, as text (<= 100 columns) or JSON."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+import textwrap
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import IO, Any
+
+import attrs
+
+from ._workload import OpResult
+
+__all__ = ["WIDTH", "Progress", "Report", "Summary", "render_text", "summarize", "to_json"]
+
+#: The text report never exceeds this many columns.
+WIDTH = 100
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """Nearest-rank percentile (0 for no values)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, math.ceil(p / 100.0 * len(ordered)))
+    return ordered[rank - 1]
+
+
+@attrs.frozen(slots=True)
+class Summary:
+    """One scenario (or all of them) under one strategy."""
+
+    ops: int
+    successes: int
+    #: Failures before the timeout, by exception class name.
+    fast_fails: dict[str, int]
+    ambiguous_timeouts: int
+    unambiguous_timeouts: int
+    retries_per_op: float
+    p50_ms: float
+    p99_ms: float
+    retry_reasons: tuple[str, ...]
+    #: Retries made by the gRPC channel itself (A6 retry policy, pushback).
+    channel_retries: int
+    #: Failures that are not sdkcore exceptions (bugs).
+    unexpected: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ops": self.ops,
+            "successes": self.successes,
+            "fast_fails": dict(self.fast_fails),
+            "timeouts": {
+                "ambiguous": self.ambiguous_timeouts,
+                "unambiguous": self.unambiguous_timeouts,
+            },
+            "retries_per_op": round(self.retries_per_op, 3),
+            "p50_ms": round(self.p50_ms, 2),
+            "p99_ms": round(self.p99_ms, 2),
+            "retry_reasons": list(self.retry_reasons),
+            "channel_retries": self.channel_retries,
+            "unexpected": self.unexpected,
+        }
+
+
+def summarize(results: Sequence[OpResult], channel_retries: int) -> Summary:
+    latencies = [r.latency * 1000.0 for r in results]
+    fast: Counter[str] = Counter(r.error for r in results if r.error and not r.timeout)
+    reasons: dict[str, None] = {}
+    for r in results:
+        reasons.update(dict.fromkeys(r.reasons))
+    return Summary(
+        ops=len(results),
+        successes=sum(r.ok for r in results),
+        fast_fails=dict(sorted(fast.items())),
+        ambiguous_timeouts=sum(r.timeout and r.ambiguous for r in results),
+        unambiguous_timeouts=sum(r.timeout and not r.ambiguous for r in results),
+        retries_per_op=(sum(r.retries for r in results) / len(results)) if results else 0.0,
+        p50_ms=percentile(latencies, 50),
+        p99_ms=percentile(latencies, 99),
+        retry_reasons=tuple(sorted(reasons)),
+        channel_retries=channel_retries,
+        unexpected=sum(r.unexpected for r in results),
+    )
+
+
+@attrs.define
+class Report:
+    """Everything the demo measured."""
+
+    target: str
+    #: strategy label -> scenario name -> summary ("all" for the total).
+    tables: dict[str, dict[str, Summary]] = attrs.field(factory=dict)
+    #: exception class name -> (scenario, strategy, str(exc)) of its first occurrence.
+    examples: dict[str, tuple[str, str, str]] = attrs.field(factory=dict)
+    scenario_titles: dict[str, str] = attrs.field(factory=dict)
+    skipped: dict[str, str] = attrs.field(factory=dict)
+    writes_applied: int = 0
+    writes_succeeded: int = 0
+    duplicate_writes: list[tuple[str, str, int]] = attrs.field(factory=list)
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """The demo's checks: no write applied twice, no failure outside sdkcore's exceptions."""
+        unexpected = any(s.unexpected for t in self.tables.values() for s in t.values())
+        return not self.duplicate_writes and not unexpected
+
+
+def to_json(report: Report) -> dict[str, Any]:
+    return {
+        "target": report.target,
+        "elapsed_s": round(report.elapsed_s, 3),
+        "scenarios": dict(report.scenario_titles),
+        "skipped": dict(report.skipped),
+        "strategies": {
+            label: {name: s.to_json() for name, s in table.items()}
+            for label, table in report.tables.items()
+        },
+        "examples": {
+            name: {"scenario": sc, "strategy": st, "message": msg}
+            for name, (sc, st, msg) in report.examples.items()
+        },
+        "writes": {
+            "applied": report.writes_applied,
+            "succeeded": report.writes_succeeded,
+            "duplicates": [
+                {"key": k, "op": op, "applied": n} for k, op, n in report.duplicate_writes
+            ],
+        },
+        "ok": report.ok,
+    }
+
+
+# -- text ----------------------------------------------------------------------------------
+
+_HEAD = (
+    f"{'scenario':<16}{'ops':>5}{'ok':>5}{'fast-fail':>11}{'timeout a/u':>13}"
+    f"{'retries/op':>12}{'p50 ms':>9}{'p99 ms':>9}{'A6 retries':>12}"
+)
+
+LEGEND = (
+    ("ok", "operations that returned a value"),
+    ("fast-fail", "failed before the timeout, by exception: a strategy or the mapping decided"),
+    (
+        "timeout a/u",
+        "timed out: ambiguous (a write that may have been applied) / unambiguous "
+        "(nothing was applied)",
+    ),
+    ("retries/op", "retries per operation made by sdkcore's RetryOrchestrator"),
+    ("p50/p99", "latency of every operation (successes and failures), in milliseconds"),
+    ("A6 retries", "retries the gRPC channel made itself (service config retryPolicy, pushback)"),
+    ("reasons", "the RetryReasons (RFC 0049) the orchestrator was given"),
+)
+
+
+def _wrap(label: str, text: str, indent: int = 4) -> list[str]:
+    return textwrap.wrap(
+        text,
+        width=WIDTH,
+        initial_indent=" " * indent + label,
+        subsequent_indent=" " * (indent + len(label)),
+        break_on_hyphens=False,
+    )
+
+
+def _row(name: str, s: Summary) -> list[str]:
+    fast = sum(s.fast_fails.values())
+    timeouts = f"{s.ambiguous_timeouts}/{s.unambiguous_timeouts}"
+    lines = [
+        f"{name:<16.16}{s.ops:>5}{s.successes:>5}{fast:>11}{timeouts:>13}"
+        f"{s.retries_per_op:>12.2f}{s.p50_ms:>9.1f}{s.p99_ms:>9.1f}{s.channel_retries:>12}"
+    ]
+    if name == "all":
+        return lines
+    if s.retry_reasons:
+        lines += _wrap("reasons: ", ", ".join(s.retry_reasons))
+    if s.fast_fails:
+        lines += _wrap("fast-fails: ", ", ".join(f"{k} x{v}" for k, v in s.fast_fails.items()))
+    return lines
+
+
+def render_text(report: Report, style: Callable[[str], str] = lambda s: s) -> list[str]:
+    """The report as lines of at most :data:`WIDTH` columns."""
+    out: list[str] = []
+    n_ops = sum(t["all"].ops for t in report.tables.values() if "all" in t)
+    out.append(
+        style(f"sdkcore demo: {n_ops} operations against a troubled cluster at {report.target}")
+    )
+    out.append("")
+    out.append("Scenarios")
+    for name, title in report.scenario_titles.items():
+        out += _wrap(f"{name:<16}", title, indent=2)
+    for name, why in report.skipped.items():
+        out += _wrap(f"{name:<16}", f"skipped: {why}", indent=2)
+    for label, table in report.tables.items():
+        out.append("")
+        out.append(style(f"Strategy: {label}"))
+        out.append(_HEAD)
+        for name, summary in table.items():
+            out += _row(name, summary)
+    if report.examples:
+        out.append("")
+        out.append(style("One example of each failure (str(exc))"))
+        for name, (scenario, strategy, message) in report.examples.items():
+            out += _wrap("", f"{name}, in {scenario} under {strategy}:", indent=2)
+            out += textwrap.wrap(
+                message, width=WIDTH, initial_indent="    ", subsequent_indent="    "
+            )
+    out.append("")
+    out.append(style("Writes (non-idempotent)"))
+    lost = report.writes_applied - report.writes_succeeded
+    text = (
+        f"the server applied {report.writes_applied} writes; {report.writes_succeeded} "
+        f"returned success to the client"
+    )
+    if lost > 0:
+        text += (
+            f"; {lost} were applied but their reply was lost: the client got an error for "
+            "each and did not send it again"
+        )
+    out += _wrap("", text + ".", indent=2)
+    if report.duplicate_writes:
+        out.append(style("  FAILED: writes applied more than once:"))
+        for key, op, n in report.duplicate_writes[:10]:
+            out.append(f"    key {key!r} op {op!r}: {n} times")
+    else:
+        out.append("  OK: no write was applied twice.")
+    out.append("")
+    out.append(style("Legend"))
+    for term, meaning in LEGEND:
+        out += _wrap(f"{term:<13}", meaning, indent=2)
+    out.append("")
+    out.append(f"Finished in {report.elapsed_s:.1f} s.")
+    return out
+
+
+def colour_enabled(stream: IO[str]) -> bool:
+    if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
+        return False
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+def bold(text: str) -> str:
+    return f"\x1b[1m{text}\x1b[0m"
+
+
+class Progress:
+    """A live progress line on stderr while the demo runs (rich if installed).
+
+    Shown only when stderr is a terminal: piped or captured runs get nothing.
+    """
+
+    def __init__(self, total: int, stream: IO[str] | None = None) -> None:
+        self.stream = sys.stderr if stream is None else stream
+        self.total = total
+        self.done = 0
+        self.label = ""
+        isatty = getattr(self.stream, "isatty", None)
+        self.enabled = bool(isatty and isatty())
+        self._rich: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> Progress:
+        if not self.enabled:
+            return self
+        try:  # optional (extra "cli"): a plain line otherwise
+            console_mod: Any = importlib.import_module("rich.console")
+            progress_mod: Any = importlib.import_module("rich.progress")
+        except ImportError:
+            return self
+        console = console_mod.Console(file=self.stream, width=min(WIDTH, _terminal_width()))
+        self._rich = progress_mod.Progress(
+            progress_mod.TextColumn("{task.description}"),
+            progress_mod.BarColumn(bar_width=30),
+            progress_mod.MofNCompleteColumn(),
+            progress_mod.TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        )
+        self._rich.__enter__()
+        self._task = self._rich.add_task("starting", total=self.total)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._rich is not None:
+            self._rich.__exit__(None, None, None)
+        elif self.enabled:
+            self.stream.write("\r" + " " * (WIDTH - 1) + "\r")
+            self.stream.flush()
+
+    def stage(self, label: str) -> None:
+        self.label = label
+        self._draw()
+
+    def advance(self) -> None:
+        self.done += 1
+        self._draw()
+
+    def _draw(self) -> None:
+        if not self.enabled:
+            return
+        if self._rich is not None:
+            self._rich.update(self._task, completed=self.done, description=self.label[:50])
+            return
+        line = f"{self.label[:60]:<60} {self.done:>5}/{self.total} ops"
+        self.stream.write("\r" + line[: WIDTH - 1])
+        self.stream.flush()
+
+
+def _terminal_width() -> int:
+    import shutil
+
+    return shutil.get_terminal_size((WIDTH, 24)).columns

@@ -1,0 +1,61 @@
+"""The demo's run: the cluster, every scenario under every strategy, the report."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from ._report import Progress, Report, summarize
+from ._server import TroubledCluster
+from ._workload import SCENARIOS, STRATEGIES, OpResult, hedging_available, run_scenario
+
+__all__ = ["run"]
+
+HEDGING_MISSING = (
+    "hedging not available in this sdkcore (no RetryOrchestrator.hedge); "
+    "the slow-replica reads show the tail it would cut"
+)
+
+
+async def run(names: Sequence[str], *, progress: bool = True) -> Report:
+    """Run the named scenarios under each strategy against a fresh cluster."""
+    started = time.perf_counter()
+    chosen = [s for s in SCENARIOS if s.name in names]
+    report = Report(target="")
+    runnable = []
+    for scenario in chosen:
+        if scenario.hedged and not hedging_available():
+            report.skipped[scenario.name] = HEDGING_MISSING
+        else:
+            runnable.append(scenario)
+            report.scenario_titles[scenario.name] = scenario.title
+    total = sum(s.ops for s in runnable) * len(STRATEGIES)
+    writes_ok = 0
+    async with TroubledCluster() as cluster:
+        report.target = cluster.target
+        with Progress(total if progress else 0) as bar:
+            if not progress:
+                bar.enabled = False
+            for n, (label, make) in enumerate(STRATEGIES):
+                table = report.tables.setdefault(label, {})
+                every: list[OpResult] = []
+                a6_total = 0
+                for scenario in runnable:
+                    bar.stage(f"{scenario.name} / {label}")
+                    results, a6 = await run_scenario(
+                        cluster, scenario, make(), f"s{n}-{scenario.name}", bar.advance
+                    )
+                    table[scenario.name] = summarize(results, a6["retries"])
+                    every += results
+                    a6_total += a6["retries"]
+                    writes_ok += sum(r.ok and r.write for r in results)
+                    for r in results:
+                        if r.error is not None and r.message is not None:
+                            report.examples.setdefault(r.error, (scenario.name, label, r.message))
+                if runnable:
+                    table["all"] = summarize(every, a6_total)
+        report.writes_applied = sum(cluster.applied.values())
+        report.writes_succeeded = writes_ok
+        report.duplicate_writes = cluster.duplicate_writes()
+    report.elapsed_s = time.perf_counter() - started
+    return report

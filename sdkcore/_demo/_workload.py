@@ -1,0 +1,377 @@
+"""The demo's workload: idempotent reads and non-idempotent writes through sdkcore's real paths.
+
+Each operation is a :class:`~sdkcore.Request` run by ``RetryOrchestrator.execute``
+(or ``RetryOrchestrator.hedge`` for hedged reads). Its ``send`` makes one gRPC call
+on an ``sdkcore.grpc`` channel whose service config retries, per gRPC A6, what the
+channel can safely retry on its own (pushback for every method; UNAVAILABLE for
+reads only). What reaches ``send`` is mapped by :mod:`sdkcore.mapping`: KV statuses
+in the reply with ``kv_failure``, gRPC statuses with ``grpc_failure``, a connection
+lost after the request was written with ``dispatch_failure_reason(IN_FLIGHT)``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import anyio
+import attrs
+import grpc
+from grpc import aio
+
+import sdkcore.grpc
+from sdkcore import (
+    BestEffortRetryStrategy,
+    CouchbaseException,
+    FastFailOnTerminalErrorRetryStrategy,
+    Request,
+    RetryAction,
+    RetryOrchestrator,
+    RetryReason,
+    RetryStrategy,
+    TimeoutException,
+)
+from sdkcore.mapping import (
+    FailureStage,
+    KvOpcode,
+    dispatch_failure_reason,
+    grpc_failure,
+    kv_failure,
+    kv_request,
+    raise_failure,
+)
+
+from ._server import BAD_BUCKET, IN_FLIGHT_KEY, LOCKED_KEY, SERVICE, TroubledCluster
+
+__all__ = [
+    "OP_TIMEOUT",
+    "SCENARIOS",
+    "STRATEGIES",
+    "GiveUpAfterSix",
+    "OpResult",
+    "Scenario",
+    "hedging_available",
+    "run_scenario",
+]
+
+#: Every operation's timeout (seconds), across all its attempts.
+OP_TIMEOUT = 0.6
+
+#: The channel's service config (gRPC A6): the channel itself retries what is safe
+#: for the method: RESOURCE_EXHAUSTED (the node refused the call; pushback honoured)
+#: everywhere, UNAVAILABLE only for the idempotent reads.
+SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [
+                    {"service": SERVICE, "method": "Get"},
+                    {"service": SERVICE, "method": "GetReplica"},
+                ],
+                "retryPolicy": {
+                    "maxAttempts": 4,
+                    "initialBackoff": "0.02s",
+                    "maxBackoff": "0.1s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"],
+                },
+            },
+            {
+                "name": [{"service": SERVICE, "method": "Upsert"}],
+                "retryPolicy": {
+                    "maxAttempts": 5,
+                    "initialBackoff": "0.02s",
+                    "maxBackoff": "0.1s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["RESOURCE_EXHAUSTED"],
+                },
+            },
+        ]
+    }
+)
+
+
+class GiveUpAfterSix(BestEffortRetryStrategy):
+    """A user's strategy: best effort, but at most six retries per request."""
+
+    async def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:
+        if request.retry_attempts >= 6:
+            return RetryAction.no_retry()
+        return await super().retry_after(request, reason)
+
+
+#: (label shown to users, factory).
+STRATEGIES: tuple[tuple[str, Callable[[], RetryStrategy]], ...] = (
+    ("BestEffort", BestEffortRetryStrategy),
+    ("FastFailOnTerminalError (default)", FastFailOnTerminalErrorRetryStrategy),
+    ("GiveUpAfterSix (user strategy)", GiveUpAfterSix),
+)
+
+
+@attrs.frozen(slots=True)
+class Scenario:
+    name: str
+    #: What goes wrong, in a few words.
+    title: str
+    ops: int
+    #: Seconds between the starts of two operations.
+    spacing: float
+    #: Every ``write_every``-th operation is a write (0: reads only).
+    write_every: int = 2
+    bucket: str = "travel"
+    #: Reads go to replica 0 (the slow one) with GetReplica.
+    replica_reads: bool = False
+    hedged: bool = False
+    #: Every write goes to this key (None: keys spread over both nodes).
+    write_key: str | None = None
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario(
+        "rebalance", "rebalance: half the vbuckets answer NOT_MY_VBUCKET for 150 ms", 24, 0.01
+    ),
+    Scenario(
+        "locked",
+        f"document {LOCKED_KEY!r} locked by another client for 300 ms",
+        16,
+        0.015,
+        write_key=LOCKED_KEY,
+    ),
+    Scenario(
+        "node-restart",
+        "node B goes UNAVAILABLE for 300 ms; 2 writes lose their reply",
+        24,
+        0.012,
+    ),
+    Scenario("overload", "pushback: RESOURCE_EXHAUSTED + retry-pushback-ms=40", 20, 0.01),
+    Scenario(
+        "bad-credentials",
+        f"bucket {BAD_BUCKET!r} with a wrong password (UNAUTHENTICATED)",
+        8,
+        0.005,
+        bucket=BAD_BUCKET,
+    ),
+    Scenario(
+        "slow-replica",
+        "reads from a replica with a long tail (1 in 8 takes 300 ms)",
+        48,
+        0.006,
+        write_every=0,
+        replica_reads=True,
+    ),
+    Scenario(
+        "hedged-reads",
+        "the same reads, hedged to a second replica after 20 ms",
+        48,
+        0.006,
+        write_every=0,
+        replica_reads=True,
+        hedged=True,
+    ),
+)
+
+#: Hedged reads: a second replica after this delay, two attempts in all.
+HEDGE_DELAY = 0.02
+HEDGE_ATTEMPTS = 2
+
+
+def hedging_available() -> bool:
+    """True when this sdkcore has the hedging runner (``RetryOrchestrator.hedge``)."""
+    return hasattr(RetryOrchestrator, "hedge") and _hedge_policy() is not None
+
+
+def _hedge_policy() -> Any:
+    import sdkcore
+
+    for name in ("HedgePolicy", "Hedging", "HedgingPolicy"):
+        cls = getattr(sdkcore, name, None)
+        if cls is None:
+            continue
+        for kwargs in (
+            {"max_attempts": HEDGE_ATTEMPTS, "hedging_delay": HEDGE_DELAY},
+            {"max_attempts": HEDGE_ATTEMPTS, "delay": HEDGE_DELAY},
+        ):
+            try:
+                return cls(**kwargs)
+            except TypeError:
+                continue
+    return None
+
+
+@attrs.frozen(slots=True)
+class OpResult:
+    """One operation's outcome."""
+
+    write: bool
+    ok: bool
+    latency: float
+    retries: int
+    reasons: tuple[str, ...]
+    #: The exception's class name, for failures.
+    error: str | None = None
+    #: ``str(exc)`` of the failure.
+    message: str | None = None
+    timeout: bool = False
+    ambiguous: bool = False
+    #: A failure that is not a sdkcore exception: a bug, reported as such.
+    unexpected: bool = False
+
+
+class _Client:
+    """The demo's tiny SDK: one channel, one orchestrator, the mapping in ``send``."""
+
+    def __init__(self, channel: aio.Channel, orchestrator: RetryOrchestrator) -> None:
+        self.channel = channel
+        self.orchestrator = orchestrator
+        self._calls = {
+            name: channel.unary_unary(f"/{SERVICE}/{name}")
+            for name in ("Get", "Upsert", "GetReplica")
+        }
+
+    def _send(
+        self, method: str, body: dict[str, Any], opcode: KvOpcode
+    ) -> Callable[[Request], Awaitable[dict[str, Any]]]:
+        call = self._calls[method]
+        payload = json.dumps(body).encode()
+
+        async def send(request: Request) -> dict[str, Any]:
+            left = request.time_left
+            # The orchestrator's deadline fires first; the call's own is a backstop.
+            timeout = None if left is None else left.total_seconds() + 0.25
+            try:
+                raw = await call(payload, timeout=timeout)
+            except aio.AioRpcError as err:
+                raise_failure(_map_status(err, request), cause=err)
+            reply: dict[str, Any] = json.loads(raw)
+            status = int(reply["status"])
+            if status != 0:
+                raise_failure(kv_failure(status, opcode))
+            return reply
+
+        return send
+
+    async def get(self, request: Request, key: str, bucket: str) -> None:
+        await self.orchestrator.execute(
+            request, self._send("Get", {"bucket": bucket, "key": key}, KvOpcode.GET)
+        )
+
+    async def upsert(self, request: Request, key: str, op: str, bucket: str) -> None:
+        body = {"bucket": bucket, "key": key, "op": op, "value": {"n": op}}
+        await self.orchestrator.execute(request, self._send("Upsert", body, KvOpcode.SET))
+
+    async def get_replica(self, request: Request, key: str, bucket: str, hedged: bool) -> None:
+        if not hedged:
+            body = {"bucket": bucket, "key": key, "replica": 0}
+            await self.orchestrator.execute(request, self._send("GetReplica", body, KvOpcode.GET))
+            return
+        sends = [
+            self._send("GetReplica", {"bucket": bucket, "key": key, "replica": i}, KvOpcode.GET)
+            for i in range(HEDGE_ATTEMPTS)
+        ]
+
+        async def send(request: Request, index: int) -> dict[str, Any]:
+            return await sends[min(index, len(sends) - 1)](request)
+
+        hedge: Any = getattr(self.orchestrator, "hedge")  # noqa: B009 - newer sdkcore only
+        await hedge(request, send, _hedge_policy())
+
+
+def _map_status(err: aio.AioRpcError, request: Request) -> RetryReason | BaseException:
+    """A failed call's status: a RetryReason for the orchestrator, or the exception."""
+    trailing = err.trailing_metadata() or ()
+    if any(k == IN_FLIGHT_KEY for k, _ in trailing):
+        # Written, then the connection closed: retried only if idempotent (RFC 0049).
+        return dispatch_failure_reason(FailureStage.IN_FLIGHT)
+    code = err.code()
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        # Refused when the bucket's connection authenticated: the request never
+        # reached the data service, and the strategy decides (FastFailOnTerminalError
+        # fails at once, BestEffort keeps trying until the timeout).
+        return RetryReason.AUTHENTICATION_ERROR
+    return grpc_failure(code, err.details() or "", read_only=request.idempotent)
+
+
+def _outcome(write: bool, request: Request, start: float, exc: BaseException | None) -> OpResult:
+    latency = time.perf_counter() - start
+    seen = list(request.retry_reasons)
+    last = getattr(getattr(exc, "context", None), "reason", None)
+    if isinstance(last, RetryReason) and last not in seen:
+        seen.append(last)  # the reason of the attempt that ended the request
+    reasons = tuple(r.name for r in seen)
+    if exc is None:
+        return OpResult(write, True, latency, request.retry_attempts, reasons)
+    return OpResult(
+        write,
+        False,
+        latency,
+        request.retry_attempts,
+        reasons,
+        error=type(exc).__name__,
+        message=str(exc),
+        timeout=isinstance(exc, TimeoutException),
+        ambiguous=type(exc).__name__ == "AmbiguousTimeoutException",
+        unexpected=not isinstance(exc, CouchbaseException),
+    )
+
+
+async def run_scenario(
+    cluster: TroubledCluster,
+    scenario: Scenario,
+    strategy: RetryStrategy,
+    run_id: str,
+    on_done: Callable[[], None] = lambda: None,
+) -> tuple[list[OpResult], dict[str, int]]:
+    """Run one scenario's operations under ``strategy``.
+
+    Returns each operation's outcome and the channel's A6 retry counters
+    (``{"retries": n, "transparent": m}``).
+    """
+    stats = sdkcore.grpc.RetryStats()
+    results: list[OpResult] = []
+    orchestrator = RetryOrchestrator(default_strategy=strategy)
+    async with sdkcore.grpc.insecure_channel(
+        cluster.target, service_config=SERVICE_CONFIG, stats=stats
+    ) as channel:
+        client = _Client(channel, orchestrator)
+        await channel.channel_ready()
+        cluster.begin("warm-up")  # one untroubled call: connection and first-call costs
+        await client.get(kv_request(KvOpcode.GET, timeout=OP_TIMEOUT), "warm_up", "travel")
+        cluster.begin(scenario.name)
+
+        async def one(i: int) -> None:
+            await anyio.sleep(i * scenario.spacing)
+            write = scenario.write_every > 0 and i % scenario.write_every == 1
+            key = scenario.write_key if write and scenario.write_key else f"airline_{i % 12}"
+            opcode = KvOpcode.SET if write else KvOpcode.GET
+            name = "upsert" if write else ("get_replica" if scenario.replica_reads else "get")
+            request = kv_request(opcode, name=name, timeout=OP_TIMEOUT)
+            start = time.perf_counter()
+            try:
+                if write:
+                    await client.upsert(request, key, f"{run_id}-{i}", scenario.bucket)
+                elif scenario.replica_reads:
+                    await client.get_replica(request, key, scenario.bucket, scenario.hedged)
+                else:
+                    await client.get(request, key, scenario.bucket)
+                results.append(_outcome(write, request, start, None))
+            except Exception as exc:
+                results.append(_outcome(write, request, start, exc))
+            finally:
+                on_done()
+
+        async with anyio.create_task_group() as tg:
+            for i in range(scenario.ops):
+                tg.start_soon(one, i)
+    counters = stats.snapshot().values()
+    a6 = {
+        "retries": sum(s.retry_attempts for s in counters),
+        "transparent": sum(s.transparent_retries for s in counters),
+    }
+    return results, a6
+
+
+def count_errors(results: Sequence[OpResult]) -> Counter[str]:
+    return Counter(r.error for r in results if r.error is not None)
