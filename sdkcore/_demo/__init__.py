@@ -24,35 +24,38 @@ from typing import Any
 
 __all__ = ["main"]
 
-# Kept here (not imported from _workload) so that --help and the grpcio check work
-# without grpcio.
-SCENARIO_NAMES = (
-    "rebalance",
-    "locked",
-    "node-restart",
-    "overload",
-    "bad-credentials",
-    "slow-replica",
-    "hedged-reads",
-)
+# Kept here (not in _workload) so that --help and the grpcio check work without grpcio.
+SCENARIO_HELP = {
+    "rebalance": "half the vbuckets answer NOT_MY_VBUCKET for 150 ms (a rebalance)",
+    "locked": "document 'airline_10' is locked by another client for 300 ms",
+    "node-restart": "node B is UNAVAILABLE for 300 ms; 2 writes it applied lose their reply",
+    "overload": "the nodes push back for 200 ms: RESOURCE_EXHAUSTED, retry-pushback-ms 40",
+    "bad-credentials": "bucket 'billing' is opened with a wrong password (UNAUTHENTICATED)",
+    "slow-replica": "reads from replica 0, whose tail is long: 1 read in 8 takes 300 ms",
+    "hedged-reads": "the same reads, hedged to replica 1 when replica 0 has not answered in 20 ms",
+}
+SCENARIO_NAMES = tuple(SCENARIO_HELP)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sdkcore demo",
         description=(
-            "Run a mixed workload (idempotent reads, non-idempotent writes) against an "
-            "in-process troubled cluster on 127.0.0.1, under each retry strategy, and "
-            "report what happened."
+            "Run a mixed workload (idempotent reads, non-idempotent writes) against an\n"
+            "in-process troubled cluster on 127.0.0.1, once per retry strategy, and report\n"
+            "what each strategy did. Needs grpcio (extra 'grpc'); rich (extra 'cli') adds a\n"
+            "progress bar."
         ),
-        epilog="scenarios: " + ", ".join(SCENARIO_NAMES) + " (default: all)",
+        epilog="scenarios (default: all):\n"
+        + "\n".join(f"  {name:<16} {text}" for name, text in SCENARIO_HELP.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--scenario",
         action="append",
         choices=SCENARIO_NAMES,
         metavar="NAME",
-        help="run only this scenario (repeatable): " + ", ".join(SCENARIO_NAMES),
+        help="run only this scenario (repeatable; listed below)",
     )
     parser.add_argument(
         "--json",

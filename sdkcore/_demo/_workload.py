@@ -44,6 +44,7 @@ from sdkcore.mapping import (
     raise_failure,
 )
 
+from . import SCENARIO_HELP
 from ._server import BAD_BUCKET, IN_FLIGHT_KEY, LOCKED_KEY, SERVICE, TroubledCluster
 
 __all__ = [
@@ -129,42 +130,17 @@ class Scenario:
     write_key: str | None = None
 
 
+_T = SCENARIO_HELP
 SCENARIOS: tuple[Scenario, ...] = (
-    Scenario(
-        "rebalance", "rebalance: half the vbuckets answer NOT_MY_VBUCKET for 150 ms", 24, 0.01
-    ),
-    Scenario(
-        "locked",
-        f"document {LOCKED_KEY!r} locked by another client for 300 ms",
-        16,
-        0.015,
-        write_key=LOCKED_KEY,
-    ),
-    Scenario(
-        "node-restart",
-        "node B goes UNAVAILABLE for 300 ms; 2 writes lose their reply",
-        24,
-        0.012,
-    ),
-    Scenario("overload", "pushback: RESOURCE_EXHAUSTED + retry-pushback-ms=40", 20, 0.01),
-    Scenario(
-        "bad-credentials",
-        f"bucket {BAD_BUCKET!r} with a wrong password (UNAUTHENTICATED)",
-        8,
-        0.005,
-        bucket=BAD_BUCKET,
-    ),
-    Scenario(
-        "slow-replica",
-        "reads from a replica with a long tail (1 in 8 takes 300 ms)",
-        48,
-        0.006,
-        write_every=0,
-        replica_reads=True,
-    ),
+    Scenario("rebalance", _T["rebalance"], 24, 0.01),
+    Scenario("locked", _T["locked"], 16, 0.015, write_key=LOCKED_KEY),
+    Scenario("node-restart", _T["node-restart"], 24, 0.012),
+    Scenario("overload", _T["overload"], 20, 0.01),
+    Scenario("bad-credentials", _T["bad-credentials"], 8, 0.005, bucket=BAD_BUCKET),
+    Scenario("slow-replica", _T["slow-replica"], 48, 0.006, write_every=0, replica_reads=True),
     Scenario(
         "hedged-reads",
-        "the same reads, hedged to a second replica after 20 ms",
+        _T["hedged-reads"],
         48,
         0.006,
         write_every=0,

@@ -1,0 +1,225 @@
+"""``sdkcore demo``: its numbers, its checks, and how it behaves as a command.
+
+The demo's server is real (grpc.aio on 127.0.0.1); the runs here pick a few short
+scenarios so the whole file takes seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+
+from sdkcore._demo import SCENARIO_NAMES, main
+
+ROOT = Path(__file__).resolve().parent.parent
+BEST_EFFORT = "BestEffort"
+FAST_FAIL = "FastFailOnTerminalError (default)"
+USER = "GiveUpAfterSix (user strategy)"
+
+
+def _run_json(*args: str) -> dict[str, Any]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["--json", *args])
+    data: dict[str, Any] = json.loads(out.getvalue())  # stdout holds the JSON and nothing else
+    data["_exit_code"] = code
+    data["_stderr"] = err.getvalue()
+    return data
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, Any]:
+    pytest.importorskip("grpc")
+    return _run_json(
+        "--scenario",
+        "bad-credentials",
+        "--scenario",
+        "node-restart",
+        "--scenario",
+        "slow-replica",
+        "--scenario",
+        "hedged-reads",
+    )
+
+
+def test_fast_fail_ends_bad_credentials_at_once_while_best_effort_times_out(
+    results: dict[str, Any],
+) -> None:
+    from sdkcore._demo._workload import OP_TIMEOUT
+
+    timeout_ms = OP_TIMEOUT * 1000
+    fast = results["strategies"][FAST_FAIL]["bad-credentials"]
+    assert fast["fast_fails"] == {"AuthenticationFailureException": fast["ops"]}
+    assert fast["successes"] == 0
+    assert fast["timeouts"] == {"ambiguous": 0, "unambiguous": 0}
+    assert fast["retries_per_op"] == 0
+    # well under the timeout (it takes a few ms; the bound is loose for busy machines)
+    assert fast["p99_ms"] < timeout_ms / 2
+
+    best = results["strategies"][BEST_EFFORT]["bad-credentials"]
+    assert best["fast_fails"] == {}
+    # reads and writes alike: the credentials were refused before anything was applied
+    assert best["timeouts"] == {"ambiguous": 0, "unambiguous": best["ops"]}
+    assert best["retries_per_op"] > 1
+    assert best["p50_ms"] >= timeout_ms
+    assert best["retry_reasons"] == ["AUTHENTICATION_ERROR"]
+
+    user = results["strategies"][USER]["bad-credentials"]
+    assert user["fast_fails"] == {"RequestCanceledException": user["ops"]}
+    assert user["retries_per_op"] == 6
+
+    example = results["examples"]["AuthenticationFailureException"]["message"]
+    assert '"reason": "AUTHENTICATION_ERROR"' in example
+
+
+def test_no_write_is_applied_twice(results: dict[str, Any]) -> None:
+    writes = results["writes"]
+    assert writes["duplicates"] == []
+    assert results["ok"] is True
+    assert results["_exit_code"] == 0
+    # Each node-restart run loses the reply of writes the server applied: the client
+    # got an error for each and did not send it again.
+    assert writes["applied"] - writes["succeeded"] >= 2 * 3
+    for strategy in (BEST_EFFORT, FAST_FAIL, USER):
+        restart = results["strategies"][strategy]["node-restart"]
+        assert "SOCKET_CLOSED_WHILE_IN_FLIGHT" in restart["retry_reasons"]
+        assert restart["fast_fails"].get("RequestCanceledException", 0) >= 2
+        assert restart["channel_retries"] > 0  # reads retried by the channel's retryPolicy
+    assert (
+        "SOCKET_CLOSED_WHILE_IN_FLIGHT"
+        in (results["examples"]["RequestCanceledException"]["message"])
+    )
+
+
+def test_the_duplicate_write_check_can_fail() -> None:
+    pytest.importorskip("grpc")
+    from sdkcore._demo._server import TroubledCluster
+
+    cluster = TroubledCluster()
+    cluster._apply({"key": "k", "op": "1"})
+    cluster._apply({"key": "k", "op": "2"})
+    assert cluster.duplicate_writes() == []
+    cluster._apply({"key": "k", "op": "1"})
+    assert cluster.duplicate_writes() == [("k", "1", 2)]
+
+
+def test_hedged_reads_cut_the_slow_replica_tail(results: dict[str, Any]) -> None:
+    from sdkcore._demo._workload import hedging_available
+
+    plain = results["strategies"][BEST_EFFORT]["slow-replica"]
+    assert plain["successes"] == plain["ops"]
+    if not hedging_available():
+        assert "hedging not available" in results["skipped"]["hedged-reads"]
+        assert "hedged-reads" not in results["strategies"][BEST_EFFORT]
+        return
+    for strategy in (BEST_EFFORT, FAST_FAIL, USER):
+        plain = results["strategies"][strategy]["slow-replica"]
+        hedged = results["strategies"][strategy]["hedged-reads"]
+        assert hedged["successes"] == hedged["ops"]
+        # 1 read in 8 takes 300 ms on replica 0; a hedge to replica 1 goes after 20 ms
+        assert hedged["p99_ms"] < plain["p99_ms"] / 2
+
+
+def test_text_report_fits_100_columns_without_colour(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("grpc")
+    assert main(["--scenario", "locked"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    assert "\x1b[" not in out  # not a terminal: no colour
+    for label in (BEST_EFFORT, FAST_FAIL, USER):
+        assert f"Strategy: {label}" in out
+    assert "OK: no write was applied twice." in out
+    assert "Legend" in out
+    assert "KV_LOCKED" in out
+    assert "internal" not in out.lower()
+
+
+def test_piped_output_survives_a_closed_pipe() -> None:
+    pytest.importorskip("grpc")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sdkcore._demo", "--scenario", "locked"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
+    assert proc.stdout is not None
+    proc.stdout.close()  # like `| head -0`: the reader is gone before anything is written
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()
+    assert b"Traceback" not in err
+    assert b"BrokenPipeError" not in err
+
+
+def test_piped_into_head() -> None:
+    pytest.importorskip("grpc")
+    done = subprocess.run(
+        f"{sys.executable} -m sdkcore._demo --scenario locked | head -2",
+        shell=True,
+        cwd=ROOT,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0
+    assert len(done.stdout.decode().splitlines()) == 2
+    assert b"Traceback" not in done.stderr
+
+
+def test_verbose_streams_log_events_to_stderr_and_restores_structlog() -> None:
+    pytest.importorskip("grpc")
+    structlog.reset_defaults()
+    data = _run_json("-v", "--scenario", "locked")
+    assert "retry.scheduled" in data["_stderr"]
+    assert "KV_LOCKED" in data["_stderr"]
+    assert not structlog.is_configured()
+
+
+def test_quiet_by_default_keeps_stdout_json_only() -> None:
+    pytest.importorskip("grpc")
+    data = _run_json("--scenario", "locked")
+    assert "retry.scheduled" not in data["_stderr"]
+    assert set(data["strategies"]) == {BEST_EFFORT, FAST_FAIL, USER}
+
+
+def test_help_lists_the_scenarios(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for name in SCENARIO_NAMES:
+        assert name in out
+
+
+def test_unknown_scenario_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--scenario", "nope"])
+    assert exc.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_without_grpcio_it_names_the_extra_and_exits_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "grpc", None)  # `import grpc` raises ImportError
+    assert main(["--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "pip install 'sdkcore[grpc]'" in captured.err
+
+
+def test_scenario_names_match_the_workload() -> None:
+    pytest.importorskip("grpc")
+    from sdkcore._demo._workload import SCENARIOS
+
+    assert tuple(s.name for s in SCENARIOS) == SCENARIO_NAMES
