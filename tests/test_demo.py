@@ -70,7 +70,7 @@ def test_fast_fail_ends_bad_credentials_at_once_while_best_effort_times_out(
     # reads and writes alike: the credentials were refused before anything was applied
     assert best["timeouts"] == {"ambiguous": 0, "unambiguous": best["ops"]}
     assert best["retries_per_op"] > 1
-    assert best["p50_ms"] >= timeout_ms
+    assert best["p50_ms"] >= timeout_ms * 0.95  # each waited for its timeout
     assert best["retry_reasons"] == ["AUTHENTICATION_ERROR"]
 
     user = results["strategies"][USER]["bad-credentials"]

@@ -256,13 +256,13 @@ class Progress:
     Shown only when stderr is a terminal: piped or captured runs get nothing.
     """
 
-    def __init__(self, total: int, stream: IO[str] | None = None) -> None:
+    def __init__(self, total: int, *, enabled: bool = True, stream: IO[str] | None = None) -> None:
         self.stream = sys.stderr if stream is None else stream
         self.total = total
         self.done = 0
         self.label = ""
         isatty = getattr(self.stream, "isatty", None)
-        self.enabled = bool(isatty and isatty())
+        self.enabled = enabled and bool(isatty and isatty())
         self._rich: Any = None
         self._task: Any = None
 

@@ -33,9 +33,7 @@ async def run(names: Sequence[str], *, progress: bool = True) -> Report:
     writes_ok = 0
     async with TroubledCluster() as cluster:
         report.target = cluster.target
-        with Progress(total if progress else 0) as bar:
-            if not progress:
-                bar.enabled = False
+        with Progress(total, enabled=progress) as bar:
             for n, (label, make) in enumerate(STRATEGIES):
                 table = report.tables.setdefault(label, {})
                 every: list[OpResult] = []

@@ -107,19 +107,17 @@ class TroubledCluster:
         return [(k, op, n) for (k, op), n in sorted(self.applied.items()) if n > 1]
 
     # -- handlers ----------------------------------------------------------------
-    async def _node_trouble(self, request: dict[str, Any], context: Any, write: bool) -> bool:
-        """gRPC-level trouble common to every method; True when the call was aborted."""
+    async def _node_trouble(self, request: dict[str, Any], context: Any, write: bool) -> None:
+        """gRPC-level trouble common to every method: aborts the call (raises) or returns."""
         scenario, since = self.scenario, self._since()
         if request.get("bucket") == BAD_BUCKET:
             await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
                 f"bucket {BAD_BUCKET!r}: authentication failed (wrong password)",
             )
-            return True
         if scenario == "overload" and since < OVERLOAD_WINDOW:
             context.set_trailing_metadata((("grpc-retry-pushback-ms", str(PUSHBACK_MS)),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "node overloaded, back off")
-            return True
         if scenario == "node-restart" and since < OUTAGE_WINDOW and node_of(request["key"]) == "B":
             if write and self._lost_in_flight < IN_FLIGHT_LOSSES:
                 # The node applied the write, then went down before replying.
@@ -127,10 +125,7 @@ class TroubledCluster:
                 self._apply(request)
                 context.set_trailing_metadata(((IN_FLIGHT_KEY, "closed-in-flight"),))
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset by node B")
-                return True
             await context.abort(grpc.StatusCode.UNAVAILABLE, "node B is restarting")
-            return True
-        return False
 
     def _apply(self, request: dict[str, Any]) -> None:
         self.applied[(str(request["key"]), str(request["op"]))] += 1
@@ -138,8 +133,7 @@ class TroubledCluster:
     async def get(self, payload: bytes, context: Any) -> bytes:
         self.attempts["Get"] += 1
         request = json.loads(payload)
-        if await self._node_trouble(request, context, write=False):
-            return b""
+        await self._node_trouble(request, context, write=False)
         await asyncio.sleep(FAST_SECONDS)
         if self._moving(request["key"]):
             return _reply(_NOT_MY_VBUCKET)
@@ -148,8 +142,7 @@ class TroubledCluster:
     async def upsert(self, payload: bytes, context: Any) -> bytes:
         self.attempts["Upsert"] += 1
         request = json.loads(payload)
-        if await self._node_trouble(request, context, write=True):
-            return b""
+        await self._node_trouble(request, context, write=True)
         await asyncio.sleep(FAST_SECONDS)
         if self._moving(request["key"]):
             return _reply(_NOT_MY_VBUCKET)
@@ -165,8 +158,7 @@ class TroubledCluster:
     async def get_replica(self, payload: bytes, context: Any) -> bytes:
         self.attempts["GetReplica"] += 1
         request = json.loads(payload)
-        if await self._node_trouble(request, context, write=False):
-            return b""
+        await self._node_trouble(request, context, write=False)
         replica = int(request.get("replica", 0))
         delay = FAST_SECONDS
         if replica == 0:

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -347,7 +346,3 @@ async def run_scenario(
         "transparent": sum(s.transparent_retries for s in counters),
     }
     return results, a6
-
-
-def count_errors(results: Sequence[OpResult]) -> Counter[str]:
-    return Counter(r.error for r in results if r.error is not None)
