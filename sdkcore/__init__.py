@@ -6,7 +6,13 @@ names live here; everything in ``sdkcore._*`` is private.
 
 from ._action import ExceptionFactory, RetryAction
 from ._backoff import Backoff, best_effort_backoff, controlled_backoff, exponential_backoff
-from ._context import AttemptEffect, AttemptRecord, CancellationReason, ErrorContext
+from ._context import (
+    AttemptEffect,
+    AttemptRecord,
+    CancellationReason,
+    ErrorContext,
+    describe_error,
+)
 from ._errors import (
     AmbiguousTimeoutException,
     AuthenticationFailureException,
@@ -82,5 +88,6 @@ __all__ = [
     "__version__",
     "best_effort_backoff",
     "controlled_backoff",
+    "describe_error",
     "exponential_backoff",
 ]

@@ -787,7 +787,10 @@ class RetryOrchestrator:
                 # scope re-raised from an exception group) completes the request.
                 if isinstance(final, Exception):
                     if request._state is _PENDING and final is exc and in_flight:
-                        request._record(None, _MAYBE, exc, None)
+                        # a non-retryable answer: it is the last attempt's failure
+                        request._record(None, _MAYBE, exc, self._took(request))
+                        if isinstance(exc, CouchbaseException) and exc.context is None:
+                            exc.context = request.error_context(request._last_reason)
                     request._finish(RequestState.FAILED)
                 else:
                     request._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
