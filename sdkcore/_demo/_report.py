@@ -19,6 +19,8 @@ __all__ = ["WIDTH", "Progress", "Report", "Summary", "render_text", "summarize",
 
 #: The text report never exceeds this many columns.
 WIDTH = 100
+#: An example error is cut after this many lines in the text report.
+EXAMPLE_LINES = 8
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -208,9 +210,16 @@ def render_text(report: Report, style: Callable[[str], str] = lambda s: s) -> li
         out.append(style("One example of each failure (str(exc))"))
         for name, (scenario, strategy, message) in report.examples.items():
             out += _wrap("", f"{name}, in {scenario} under {strategy}:", indent=2)
-            out += textwrap.wrap(
+            lines = textwrap.wrap(
                 message, width=WIDTH, initial_indent="    ", subsequent_indent="    "
             )
+            if len(lines) > EXAMPLE_LINES + 2:  # never cut just a line or two
+                left = len(message) - sum(len(line) - 3 for line in lines[:EXAMPLE_LINES])
+                lines = [
+                    *lines[:EXAMPLE_LINES],
+                    f"    ... ({left} more characters; --json has all)",
+                ]
+            out += lines
     out.append("")
     out.append(style("Writes (non-idempotent)"))
     lost = report.writes_applied - report.writes_succeeded

@@ -47,9 +47,11 @@ async def run(names: Sequence[str], *, progress: bool = True) -> Report:
                     every += results
                     a6_total += a6["retries"]
                     writes_ok += sum(r.ok and r.write for r in results)
-                    for r in results:
+                    for r in results:  # the shortest message of each kind reads best
                         if r.error is not None and r.message is not None:
-                            report.examples.setdefault(r.error, (scenario.name, label, r.message))
+                            seen = report.examples.get(r.error)
+                            if seen is None or len(r.message) < len(seen[2]):
+                                report.examples[r.error] = (scenario.name, label, r.message)
                 if runnable:
                     table["all"] = summarize(every, a6_total)
         report.writes_applied = sum(cluster.applied.values())
