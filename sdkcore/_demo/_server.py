@@ -37,6 +37,9 @@ SERVICE = "demo.Kv"
 #: client reads it from this key instead.
 IN_FLIGHT_KEY = "demo-connection"
 
+#: The header gRPC A6 puts on every retry or hedge: how many attempts came before.
+PREVIOUS_ATTEMPTS = "grpc-previous-rpc-attempts"
+
 # KV statuses (memcached binary protocol).
 _SUCCESS = 0x00
 _NOT_MY_VBUCKET = 0x07
@@ -159,7 +162,17 @@ class TroubledCluster:
         self.attempts["GetReplica"] += 1
         request = json.loads(payload)
         await self._node_trouble(request, context, write=False)
-        replica = int(request.get("replica", 0))
+        return await self._read_replica(request, int(request.get("replica", 0)))
+
+    async def get_any_replica(self, payload: bytes, context: Any) -> bytes:
+        """A read any replica may answer: the n-th copy (A6 hedge n) goes to replica n."""
+        self.attempts["GetAnyReplica"] += 1
+        request = json.loads(payload)
+        await self._node_trouble(request, context, write=False)
+        metadata = dict(context.invocation_metadata() or ())
+        return await self._read_replica(request, int(metadata.get(PREVIOUS_ATTEMPTS, 0)))
+
+    async def _read_replica(self, request: dict[str, Any], replica: int) -> bytes:
         delay = FAST_SECONDS
         if replica == 0:
             self._replica_reads += 1
@@ -180,6 +193,7 @@ class TroubledCluster:
             "Get": grpc.unary_unary_rpc_method_handler(self.get),
             "Upsert": grpc.unary_unary_rpc_method_handler(self.upsert),
             "GetReplica": grpc.unary_unary_rpc_method_handler(self.get_replica),
+            "GetAnyReplica": grpc.unary_unary_rpc_method_handler(self.get_any_replica),
         }
 
         class Generic(grpc.GenericRpcHandler):  # type: ignore[misc]

@@ -60,38 +60,52 @@ __all__ = [
 #: Every operation's timeout (seconds), across all its attempts.
 OP_TIMEOUT = 0.6
 
+#: Hedged reads: a second replica after this delay, two attempts in all.
+HEDGE_DELAY = 0.02
+HEDGE_ATTEMPTS = 2
+
 #: The channel's service config (gRPC A6): the channel itself retries what is safe
 #: for the method: RESOURCE_EXHAUSTED (the node refused the call; pushback honoured)
-#: everywhere, UNAVAILABLE only for the idempotent reads.
-SERVICE_CONFIG = json.dumps(
+#: everywhere, UNAVAILABLE only for the idempotent reads. GetAnyReplica is hedged by
+#: the channel (A6 hedgingPolicy) where sdkcore supports it.
+_METHOD_CONFIGS: list[dict[str, Any]] = [
     {
-        "methodConfig": [
-            {
-                "name": [
-                    {"service": SERVICE, "method": "Get"},
-                    {"service": SERVICE, "method": "GetReplica"},
-                ],
-                "retryPolicy": {
-                    "maxAttempts": 4,
-                    "initialBackoff": "0.02s",
-                    "maxBackoff": "0.1s",
-                    "backoffMultiplier": 2,
-                    "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"],
-                },
-            },
-            {
-                "name": [{"service": SERVICE, "method": "Upsert"}],
-                "retryPolicy": {
-                    "maxAttempts": 5,
-                    "initialBackoff": "0.02s",
-                    "maxBackoff": "0.1s",
-                    "backoffMultiplier": 2,
-                    "retryableStatusCodes": ["RESOURCE_EXHAUSTED"],
-                },
-            },
-        ]
-    }
-)
+        "name": [
+            {"service": SERVICE, "method": "Get"},
+            {"service": SERVICE, "method": "GetReplica"},
+        ],
+        "retryPolicy": {
+            "maxAttempts": 4,
+            "initialBackoff": "0.02s",
+            "maxBackoff": "0.1s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"],
+        },
+    },
+    {
+        "name": [{"service": SERVICE, "method": "Upsert"}],
+        "retryPolicy": {
+            "maxAttempts": 5,
+            "initialBackoff": "0.02s",
+            "maxBackoff": "0.1s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["RESOURCE_EXHAUSTED"],
+        },
+    },
+]
+HEDGED_METHOD_CONFIG: dict[str, Any] = {
+    "name": [{"service": SERVICE, "method": "GetAnyReplica"}],
+    "hedgingPolicy": {
+        "maxAttempts": HEDGE_ATTEMPTS,
+        "hedgingDelay": f"{HEDGE_DELAY}s",
+        "nonFatalStatusCodes": ["UNAVAILABLE"],
+    },
+}
+
+
+def service_config(hedged: bool) -> str:
+    configs = [*_METHOD_CONFIGS, HEDGED_METHOD_CONFIG] if hedged else _METHOD_CONFIGS
+    return json.dumps({"methodConfig": configs})
 
 
 class GiveUpAfterSix(BestEffortRetryStrategy):
@@ -148,10 +162,6 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
 )
 
-#: Hedged reads: a second replica after this delay, two attempts in all.
-HEDGE_DELAY = 0.02
-HEDGE_ATTEMPTS = 2
-
 
 def hedging_available() -> bool:
     """True when this sdkcore has the hedging runner (``RetryOrchestrator.hedge``)."""
@@ -159,21 +169,11 @@ def hedging_available() -> bool:
 
 
 def _hedge_policy() -> Any:
+    """``HedgePolicy(max_attempts=2, delay=20 ms)``, or None in an sdkcore without hedging."""
     import sdkcore
 
-    for name in ("HedgePolicy", "Hedging", "HedgingPolicy"):
-        cls = getattr(sdkcore, name, None)
-        if cls is None:
-            continue
-        for kwargs in (
-            {"max_attempts": HEDGE_ATTEMPTS, "hedging_delay": HEDGE_DELAY},
-            {"max_attempts": HEDGE_ATTEMPTS, "delay": HEDGE_DELAY},
-        ):
-            try:
-                return cls(**kwargs)
-            except TypeError:
-                continue
-    return None
+    policy = getattr(sdkcore, "HedgePolicy", None)
+    return None if policy is None else policy(max_attempts=HEDGE_ATTEMPTS, delay=HEDGE_DELAY)
 
 
 @attrs.frozen(slots=True)
@@ -203,7 +203,7 @@ class _Client:
         self.orchestrator = orchestrator
         self._calls = {
             name: channel.unary_unary(f"/{SERVICE}/{name}")
-            for name in ("Get", "Upsert", "GetReplica")
+            for name in ("Get", "Upsert", "GetReplica", "GetAnyReplica")
         }
 
     def _send(
@@ -237,11 +237,18 @@ class _Client:
         body = {"bucket": bucket, "key": key, "op": op, "value": {"n": op}}
         await self.orchestrator.execute(request, self._send("Upsert", body, KvOpcode.SET))
 
-    async def get_replica(self, request: Request, key: str, bucket: str, hedged: bool) -> None:
-        if not hedged:
-            body = {"bucket": bucket, "key": key, "replica": 0}
-            await self.orchestrator.execute(request, self._send("GetReplica", body, KvOpcode.GET))
-            return
+    async def get_replica(self, request: Request, key: str, bucket: str) -> None:
+        """Read replica 0 (the slow one)."""
+        body = {"bucket": bucket, "key": key, "replica": 0}
+        await self.orchestrator.execute(request, self._send("GetReplica", body, KvOpcode.GET))
+
+    async def get_any_replica(self, request: Request, key: str, bucket: str) -> None:
+        """Read from any replica, hedged by the channel's hedgingPolicy (hedge n: replica n)."""
+        body = {"bucket": bucket, "key": key}
+        await self.orchestrator.execute(request, self._send("GetAnyReplica", body, KvOpcode.GET))
+
+    async def get_hedged(self, request: Request, key: str, bucket: str) -> None:
+        """Read hedged by the generic runner: copy ``index`` asks replica ``index``."""
         sends = [
             self._send("GetReplica", {"bucket": bucket, "key": key, "replica": i}, KvOpcode.GET)
             for i in range(HEDGE_ATTEMPTS)
@@ -308,7 +315,7 @@ async def run_scenario(
     results: list[OpResult] = []
     orchestrator = RetryOrchestrator(default_strategy=strategy)
     async with sdkcore.grpc.insecure_channel(
-        cluster.target, service_config=SERVICE_CONFIG, stats=stats
+        cluster.target, service_config=service_config(scenario.hedged), stats=stats
     ) as channel:
         client = _Client(channel, orchestrator)
         await channel.channel_ready()
@@ -327,8 +334,12 @@ async def run_scenario(
             try:
                 if write:
                     await client.upsert(request, key, f"{run_id}-{i}", scenario.bucket)
+                elif scenario.hedged and i % 2 == 0:
+                    await client.get_hedged(request, key, scenario.bucket)
+                elif scenario.hedged:
+                    await client.get_any_replica(request, key, scenario.bucket)
                 elif scenario.replica_reads:
-                    await client.get_replica(request, key, scenario.bucket, scenario.hedged)
+                    await client.get_replica(request, key, scenario.bucket)
                 else:
                     await client.get(request, key, scenario.bucket)
                 results.append(_outcome(write, request, start, None))
