@@ -227,3 +227,21 @@ def test_scenario_names_match_the_workload() -> None:
     from sdkcore._demo._workload import SCENARIOS
 
     assert tuple(s.name for s in SCENARIOS) == SCENARIO_NAMES
+
+
+def test_a_failure_outside_sdkcore_exceptions_fails_the_run() -> None:
+    pytest.importorskip("grpc")
+    from sdkcore._demo._report import Report, render_text, summarize, to_json
+    from sdkcore._demo._workload import OpResult
+
+    bug = OpResult(False, False, 0.001, 0, (), error="TypeError", message="boom", unexpected=True)
+    fine = OpResult(True, True, 0.002, 1, ("KV_LOCKED",))
+    summary = summarize([bug, fine], channel_retries=0)
+    assert summary.errors == {"TypeError": 1}
+    assert summary.fast_fails == {}
+    report = Report(target="127.0.0.1:1", tables={"BestEffort": {"x": summary, "all": summary}})
+    assert not report.ok
+    assert to_json(report)["ok"] is False
+    text = "\n".join(render_text(report))
+    assert "NOT sdkcore exceptions (a bug): TypeError x1" in text
+    assert "FAILED: 1 operations failed" in text

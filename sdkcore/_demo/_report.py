@@ -48,8 +48,12 @@ class Summary:
     retry_reasons: tuple[str, ...]
     #: Retries made by the gRPC channel itself (A6 retry policy, pushback).
     channel_retries: int
-    #: Failures that are not sdkcore exceptions (bugs).
-    unexpected: int
+    #: Failures that are not sdkcore exceptions (bugs), by exception class name.
+    errors: dict[str, int]
+
+    @property
+    def unexpected(self) -> int:
+        return sum(self.errors.values())
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -66,12 +70,16 @@ class Summary:
             "retry_reasons": list(self.retry_reasons),
             "channel_retries": self.channel_retries,
             "unexpected": self.unexpected,
+            "errors": dict(self.errors),
         }
 
 
 def summarize(results: Sequence[OpResult], channel_retries: int) -> Summary:
     latencies = [r.latency * 1000.0 for r in results]
-    fast: Counter[str] = Counter(r.error for r in results if r.error and not r.timeout)
+    fast: Counter[str] = Counter(
+        r.error for r in results if r.error and not r.timeout and not r.unexpected
+    )
+    errors: Counter[str] = Counter(r.error for r in results if r.error and r.unexpected)
     reasons: dict[str, None] = {}
     for r in results:
         reasons.update(dict.fromkeys(r.reasons))
@@ -86,7 +94,7 @@ def summarize(results: Sequence[OpResult], channel_retries: int) -> Summary:
         p99_ms=percentile(latencies, 99),
         retry_reasons=tuple(sorted(reasons)),
         channel_retries=channel_retries,
-        unexpected=sum(r.unexpected for r in results),
+        errors=dict(sorted(errors.items())),
     )
 
 
@@ -183,6 +191,11 @@ def _row(name: str, s: Summary) -> list[str]:
         lines += _wrap("reasons: ", ", ".join(s.retry_reasons))
     if s.fast_fails:
         lines += _wrap("fast-fails: ", ", ".join(f"{k} x{v}" for k, v in s.fast_fails.items()))
+    if s.errors:
+        lines += _wrap(
+            "NOT sdkcore exceptions (a bug): ",
+            ", ".join(f"{k} x{v}" for k, v in s.errors.items()),
+        )
     return lines
 
 
@@ -239,6 +252,12 @@ def render_text(report: Report, style: Callable[[str], str] = lambda s: s) -> li
             out.append(f"    key {key!r} op {op!r}: {n} times")
     else:
         out.append("  OK: no write was applied twice.")
+    unexpected = sum(t["all"].unexpected for t in report.tables.values() if "all" in t)
+    if unexpected:
+        out.append(
+            style(f"  FAILED: {unexpected} operations failed with an error that is not an sdkcore")
+        )
+        out.append(style("  exception (listed under each strategy): a bug."))
     out.append("")
     out.append(style("Legend"))
     for term, meaning in LEGEND:
