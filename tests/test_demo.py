@@ -189,11 +189,19 @@ def test_verbose_streams_log_events_to_stderr_and_restores_structlog() -> None:
     assert not structlog.is_configured()
 
 
-def test_quiet_by_default_keeps_stdout_json_only() -> None:
+def test_locked_document_quiet_by_default() -> None:
     pytest.importorskip("grpc")
     data = _run_json("--scenario", "locked")
     assert "retry.scheduled" not in data["_stderr"]
     assert set(data["strategies"]) == {BEST_EFFORT, FAST_FAIL, USER}
+    # The lock outlasts six short backoffs but not the timeout: best effort writes
+    # get through; the user strategy gives some up.
+    best = data["strategies"][BEST_EFFORT]["locked"]
+    assert best["successes"] == best["ops"]
+    assert best["retry_reasons"] == ["KV_LOCKED"]
+    user = data["strategies"][USER]["locked"]
+    assert user["fast_fails"].get("RequestCanceledException", 0) > 0
+    assert data["writes"]["duplicates"] == []
 
 
 def test_help_lists_the_scenarios(capsys: pytest.CaptureFixture[str]) -> None:
