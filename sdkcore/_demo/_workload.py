@@ -173,7 +173,12 @@ def _hedge_policy() -> Any:
     import sdkcore
 
     policy = getattr(sdkcore, "HedgePolicy", None)
-    return None if policy is None else policy(max_attempts=HEDGE_ATTEMPTS, delay=HEDGE_DELAY)
+    if policy is None:
+        return None
+    try:
+        return policy(max_attempts=HEDGE_ATTEMPTS, delay=HEDGE_DELAY)
+    except TypeError:  # a HedgePolicy this demo does not know how to build
+        return None
 
 
 @attrs.frozen(slots=True)
