@@ -27,12 +27,12 @@ from grpc.aio import _base_call
 
 from .._errors import CouchbaseException, RequestCanceledException, TimeoutException
 from .._orchestrator import RetryOrchestrator
+from .._reason import RetryReason
 from .._request import Request, RequestState
 from ._policy import (
     CALL_STATE_KEY,
     PUSHBACK_DONT_RETRY,
     PUSHBACK_KEY,
-    REASON_STATUS,
     REASON_TRANSPARENT,
     A6RetryStrategy,
     BackoffJitter,
@@ -511,11 +511,10 @@ class _Call:
                 raise self._final(err)
         st.transparent = kind
         committed = st.committed
+        reason = status_reason(st.code) if kind is None else REASON_TRANSPARENT
         self.in_backoff = True
         try:
-            await core.orchestrator.maybe_retry(
-                self.request, status_reason(st.code) if kind is None else REASON_TRANSPARENT
-            )
+            await core.orchestrator.maybe_retry(self.request, reason)
         except TimeoutException as exc:
             if kind is not None:
                 self._attempt_failed()
@@ -524,7 +523,7 @@ class _Call:
             if kind is not None:
                 self._attempt_failed()
             if st.committed and not committed:
-                raise self._final(err) from self._committed_while_waiting(exc)
+                raise self._final(err) from self._committed_while_waiting(exc, reason)
             raise self._final(err) from exc
         finally:
             self.in_backoff = False
@@ -532,7 +531,7 @@ class _Call:
             # Committed while waiting (replay buffer overflow): A6 allows no more attempts.
             if kind is not None:
                 self._attempt_failed()
-            raise self._final(err) from self._committed_while_waiting(None)
+            raise self._final(err) from self._committed_while_waiting(None, reason)
         if st.transparent is None:  # the strategy may hand a transparent case to the policy
             core.stats.record_retry(self.name, st.attempts)
         else:
@@ -542,11 +541,13 @@ class _Call:
         if self.state.attempts > 1:
             self.core.stats.record_failed_retry(self.name)
 
-    def _committed_while_waiting(self, cause: BaseException | None) -> BaseException:
+    def _committed_while_waiting(
+        self, cause: BaseException | None, reason: RetryReason
+    ) -> BaseException:
         why = "the call committed while waiting to retry (replay buffer limit reached)"
         self.state.refusal = why
         context = self.request.error_context(
-            REASON_STATUS, extra={"not_retried_because": why, "grpc_attempts": self.state.attempts}
+            reason, extra={"not_retried_because": why, "grpc_attempts": self.state.attempts}
         )
         exc = RequestCanceledException(f"not retried: {why}", context=context)
         exc.__cause__ = cause
