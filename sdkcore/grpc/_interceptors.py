@@ -25,10 +25,11 @@ import grpc
 from grpc import aio
 from grpc.aio import _base_call
 
+from .._context import AttemptEffect
 from .._errors import CouchbaseException, RequestCanceledException, TimeoutException
 from .._orchestrator import RetryOrchestrator
 from .._reason import RetryReason
-from .._request import Request, RequestState
+from .._request import Request
 from ._policy import (
     CALL_STATE_KEY,
     PUSHBACK_DONT_RETRY,
@@ -507,14 +508,19 @@ class _Call:
                     throttler = core.throttler
                     if throttler is not None:  # A6: counts for throttling whatever the status
                         throttler.record_failure()
-                self.request._finish(RequestState.FAILED)
-                raise self._final(err)
+                raise core.orchestrator.fail(self.request, self._final(err))
         st.transparent = kind
         committed = st.committed
-        reason = status_reason(st.code) if kind is None else REASON_TRANSPARENT
+        if kind is None:
+            # The server answered: whatever the status, it may have applied the call.
+            reason, effect = status_reason(st.code), AttemptEffect.MAYBE_APPLIED
+        else:
+            reason, effect = REASON_TRANSPARENT, AttemptEffect.NOT_SENT
         self.in_backoff = True
         try:
-            await core.orchestrator.maybe_retry(self.request, reason)
+            # The attempt's AioRpcError is the cause: logged as caused_by, the context's
+            # last_error, and the __cause__ of the orchestrator's refusal.
+            await core.orchestrator.maybe_retry(self.request, reason, cause=err, effect=effect)
         except TimeoutException as exc:
             if kind is not None:
                 self._attempt_failed()
@@ -523,15 +529,15 @@ class _Call:
             if kind is not None:
                 self._attempt_failed()
             if st.committed and not committed:
-                raise self._final(err) from self._committed_while_waiting(exc, reason)
-            raise self._final(err) from exc
+                raise self._final(err, copy=True) from self._committed_while_waiting(exc, reason)
+            raise self._final(err, copy=True) from exc
         finally:
             self.in_backoff = False
         if st.committed:
             # Committed while waiting (replay buffer overflow): A6 allows no more attempts.
             if kind is not None:
                 self._attempt_failed()
-            raise self._final(err) from self._committed_while_waiting(None, reason)
+            raise self._final(err, copy=True) from self._committed_while_waiting(err, reason)
         if st.transparent is None:  # the strategy may hand a transparent case to the policy
             core.stats.record_retry(self.name, st.attempts)
         else:
@@ -553,11 +559,16 @@ class _Call:
         exc.__cause__ = cause
         return exc
 
-    def _final(self, err: Any) -> Any:
+    def _final(self, err: Any, *, copy: bool = False) -> Any:
+        """The error the application gets for the last attempt's ``err``.
+
+        ``copy``: always a new AioRpcError (when it is raised from an exception whose
+        cause chain holds ``err``, so the chain has no cycle).
+        """
         previous = max(self.state.attempts - 1, 0)
         trailing = err.trailing_metadata()
         md = _client_trailing(trailing, previous)
-        if md is trailing:
+        if md is trailing and not copy:
             return err
         return aio.AioRpcError(
             err.code(), err.initial_metadata(), md, err.details(), err.debug_error_string()

@@ -17,9 +17,16 @@ import pytest
 
 grpc = pytest.importorskip("grpc")
 from grpc import aio  # noqa: E402
-from grpc_server import TEST_TIMEOUT, Server, abort, retry_config  # noqa: E402
+from grpc_server import TEST_TIMEOUT, ReservedPort, Server, abort, retry_config  # noqa: E402
 
-from sdkcore import Request, RequestState, RetryReason  # noqa: E402
+from sdkcore import (  # noqa: E402
+    AmbiguousTimeoutException,
+    AttemptEffect,
+    Request,
+    RequestState,
+    RetryReason,
+    UnambiguousTimeoutException,
+)
 from sdkcore.grpc import (  # noqa: E402
     PUSHBACK_DONT_RETRY,
     BackoffJitter,
@@ -446,3 +453,74 @@ async def test_dont_retry_pushback_on_a_non_retryable_status_still_costs_a_token
                 await ch.unary_unary(method)(b"x")
             assert throttler.milli_tokens == before - 1000
     assert events == []
+
+
+# -- 8. the attempt's AioRpcError is the cause; what the server may have done ------------
+
+
+def _chain(exc: BaseException | None) -> list[BaseException]:
+    seen: list[BaseException] = []
+    while exc is not None and all(exc is not e for e in seen):
+        seen.append(exc)
+        exc = exc.__cause__
+    return seen
+
+
+@pytest.mark.asyncio
+async def test_refused_retry_is_caused_by_the_attempts_grpc_error(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_interceptors, "Request", _Recording)
+    _Recording.made = []
+    method = server.unary_unary("M", fail_then_ok(99))
+    with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
+        async with insecure_channel(
+            server.target, service_config=retry_config(max_attempts=2)
+        ) as ch:
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(method)(b"x")
+    caused_by = [e.get("caused_by") for e in events]
+    assert caused_by == ["AioRpcError: ABORTED: scripted ABORTED"] * 2
+    chain = _chain(info.value)
+    assert [type(e).__name__ for e in chain] == [
+        "AioRpcError",
+        "RequestCanceledException",
+        "AioRpcError",
+    ]
+    assert chain[2].code() is ABORTED  # type: ignore[attr-defined]
+    assert chain[2].__cause__ is None, "no cycle back to the final error"
+    request = _Recording.made[0]
+    assert [a.effect for a in request.attempts] == [AttemptEffect.MAYBE_APPLIED] * 2
+    assert request.last_error is chain[2]
+
+
+@pytest.mark.asyncio
+async def test_server_unavailable_makes_a_timeout_ambiguous(server: Server) -> None:
+    """UNAVAILABLE is retried for SERVICE_NOT_AVAILABLE, yet the server answered: it may
+    have applied the call, so the timeout in the backoff is ambiguous."""
+    method = server.unary_unary("M", fail_then_ok(99, UNAVAILABLE))
+    cfg = retry_config(initial="5s", maximum="5s")
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=cfg) as ch:
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(method)(b"x", timeout=0.2)
+    assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert isinstance(info.value.__cause__, AmbiguousTimeoutException)
+
+
+@pytest.mark.asyncio
+async def test_never_sent_attempts_make_a_timeout_unambiguous(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_interceptors, "Request", _Recording)
+    _Recording.made = []
+    with ReservedPort() as port, anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(port.target, service_config=retry_config()) as ch:
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary("/test.Svc/M")(b"x", timeout=0.3)
+    assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert isinstance(info.value.__cause__, UnambiguousTimeoutException)
+    request = _Recording.made[0]
+    assert request.attempts, "the transparent retries are recorded"
+    assert {a.effect for a in request.attempts} == {AttemptEffect.NOT_SENT}
+    assert {a.reason for a in request.attempts} == {RetryReason.SOCKET_NOT_AVAILABLE}
