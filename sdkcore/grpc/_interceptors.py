@@ -927,11 +927,15 @@ class _RetryingCall:
         if self._accounted:
             return
         code = await call.code()
-        trailing = None if code is _OK else await call.trailing_metadata()
-        self._account_end(code, trailing)
+        if code is _OK:
+            self._account_end(code, None, None)
+            return
+        trailing = await call.trailing_metadata()
+        error = aio.AioRpcError(code, None, trailing, await call.details())
+        self._account_end(code, trailing, error)
 
-    def _account_end(self, code: Any, trailing: Any) -> None:
-        """How a committed call ended, for the throttler and stats (once per call)."""
+    def _account_end(self, code: Any, trailing: Any, error: BaseException | None) -> None:
+        """How a committed call ended, for the request, throttler and stats (once per call)."""
         if self._accounted:
             return
         self._accounted = True
@@ -939,6 +943,8 @@ class _RetryingCall:
         if code is _OK:
             c.succeeded()  # completes the request and feeds the throttler
             return
+        if error is not None:
+            c.core.orchestrator.fail(c.request, error)
         if c.state.attempts > 1:
             c.core.stats.record_failed_retry(c.name)
         policy = c.strategy.policy
@@ -1084,7 +1090,7 @@ class _RetryingCall:
             try:
                 message = await call.read()
             except aio.AioRpcError as err:
-                self._account_end(err.code(), err.trailing_metadata())
+                self._account_end(err.code(), err.trailing_metadata(), err)
                 raise self._c._final(err) from None
             if message is _EOF:
                 await self._account_committed(call)

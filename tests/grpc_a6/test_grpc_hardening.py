@@ -524,3 +524,33 @@ async def test_never_sent_attempts_make_a_timeout_unambiguous(
     assert request.attempts, "the transparent retries are recorded"
     assert {a.effect for a in request.attempts} == {AttemptEffect.NOT_SENT}
     assert {a.reason for a in request.attempts} == {RetryReason.SOCKET_NOT_AVAILABLE}
+
+
+async def _drain_into(call: Any, got: list[bytes]) -> None:
+    async for message in call:
+        got.append(message)
+
+
+@pytest.mark.asyncio
+async def test_committed_stream_that_fails_completes_its_request_as_failed(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_interceptors, "Request", _Recording)
+    _Recording.made = []
+
+    async def fn(request: bytes, context: Any, attempt: int) -> Any:
+        yield b"first"
+        await abort(context, ABORTED)
+
+    method = server.unary_stream("S", fn)
+    with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
+        async with insecure_channel(server.target, service_config=retry_config()) as ch:
+            call = ch.unary_stream(method)(b"x")
+            got: list[bytes] = []
+            with pytest.raises(aio.AioRpcError) as info:
+                await _drain_into(call, got)
+    assert got == [b"first"]
+    assert info.value.code() is ABORTED
+    assert events == []
+    assert [r.state for r in _Recording.made] == [RequestState.FAILED]
+    assert _Recording.made[0].last_error is not None
