@@ -931,7 +931,7 @@ class _RetryingCall:
             self._account_end(code, None, None)
             return
         trailing = await call.trailing_metadata()
-        error = aio.AioRpcError(code, None, trailing, await call.details())
+        error = aio.AioRpcError(code, await call.initial_metadata(), trailing, await call.details())
         self._account_end(code, trailing, error)
 
     def _account_end(self, code: Any, trailing: Any, error: BaseException | None) -> None:
@@ -943,7 +943,9 @@ class _RetryingCall:
         if code is _OK:
             c.succeeded()  # completes the request and feeds the throttler
             return
-        if error is not None:
+        if self._cancelled:  # the application cancelled the call
+            c.request.cancel()
+        elif error is not None:
             c.core.orchestrator.fail(c.request, error)
         if c.state.attempts > 1:
             c.core.stats.record_failed_retry(c.name)

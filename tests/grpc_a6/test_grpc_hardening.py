@@ -151,11 +151,17 @@ async def test_rejected_channel_leaves_the_live_throttler_alone(
 
 
 @pytest.mark.asyncio
-async def test_rejected_channel_with_a_new_target_registers_nothing(server: Server) -> None:
-    target = f"{server.target}-never-used"
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [({"max_attempts_cap": 0}, "max_attempts_cap"), ({"interceptors": [object()]}, "Interceptor")],
+)
+async def test_rejected_channel_with_a_new_target_leaves_no_bucket(
+    server: Server, bad: dict[str, Any], match: str
+) -> None:
+    target = f"{server.target}-{match}"
     cfg = retry_config(throttling={"maxTokens": 3, "tokenRatio": 1})
-    with pytest.raises(ValueError, match="max_attempts_cap"):
-        insecure_channel(target, service_config=cfg, max_attempts_cap=0)
+    with pytest.raises(ValueError, match=match):
+        insecure_channel(target, service_config=cfg, **bad)
     fresh = throttler_for_target(target, 7, 1)
     assert fresh.max_tokens == 7
     assert fresh.tokens == 7
