@@ -159,7 +159,7 @@ class ServiceConfig:
                         ServiceConfigViolation(
                             "",
                             "must be a JSON object; the text nests arrays/objects too deeply "
-                            "to decode (a service config needs 6 levels)",
+                            "to decode",
                         )
                     ]
                 ) from None
