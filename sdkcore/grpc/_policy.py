@@ -183,7 +183,7 @@ _TRANSPARENT_FIRST_DELAY = 0.01
 
 
 class A6RetryStrategy:
-    """A6 retry policy decisions, for :data:`REASON_STATUS` and :data:`REASON_TRANSPARENT`.
+    """A6 retry policy decisions: transparent retries, and status failures (any other reason).
 
     * Status failures: retry a status in ``retryableStatusCodes`` while fewer than
       ``min(maxAttempts, max_attempts_cap)`` attempts were made, the call is not
