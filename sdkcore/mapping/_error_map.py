@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import enum
 import json
+import math
+import reprlib
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from types import MappingProxyType
@@ -76,7 +78,7 @@ def _check_ms(instance: object, attribute: attrs.Attribute[Any], value: object) 
             f"RetrySpec.{attribute.name} must be an int number of milliseconds, got {value!r}"
         )
     if value < 0:
-        raise ValueError(f"RetrySpec.{attribute.name} must be >= 0, got {value}")
+        raise ValueError(f"RetrySpec.{attribute.name} must be >= 0, got {_show(value)}")
 
 
 @attrs.frozen(slots=True)
@@ -178,10 +180,14 @@ class ErrorMap:
                 f"ErrorMap.from_json(data) takes bytes or str, got {type(data).__name__}"
             )
         try:
-            doc = json.loads(text)
+            doc = json.loads(text, parse_int=_parse_int)
         except json.JSONDecodeError as exc:
             raise ErrorMapError(
                 "", f"is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+            ) from None
+        except RecursionError:
+            raise ErrorMapError(
+                "", "is not a usable JSON document: arrays/objects nest too deeply to decode"
             ) from None
         return cls.from_dict(doc)
 
@@ -232,7 +238,50 @@ _MISSING: Any = object()
 _STRATEGIES = {s.value: s for s in RetrySpecStrategy}
 
 
+#: Integers longer than this are kept as text (:class:`_LongInt`), never converted:
+#: CPython refuses int() of more than ``sys.get_int_max_str_digits()`` (>= 640) digits.
+_MAX_INT_DIGITS = 600
+
+
+class _LongInt:
+    """A JSON integer too long to be any valid value; only its length is kept."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"a {self.digits}-digit integer"
+
+
+def _parse_int(text: str) -> int | _LongInt:
+    digits = len(text) - (text[:1] == "-")
+    if digits > _MAX_INT_DIGITS:
+        return _LongInt(digits)
+    return int(text)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 3
+_REPR.maxstring = 80
+_REPR.maxother = 80
+_REPR.maxlong = 40
+
+
+def _show(value: object) -> str:
+    """A bounded repr for error messages: huge or deeply nested values never escape."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"a {int(math.log10(abs(value))) + 1}-digit integer"
+    try:
+        return _REPR.repr(value)
+    except Exception:  # a repr that raises (an int past the str-digits limit in a list, ...)
+        return f"a {type(value).__name__}"
+
+
 def _json_type(value: Any) -> str:
+    if isinstance(value, _LongInt):
+        return "number"
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -255,9 +304,9 @@ def _int(obj: dict[str, Any], key: str, path: str, *, minimum: int, default: Any
             raise ErrorMapError(path, "is required")
         return int(default)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ErrorMapError(path, f"must be an integer, got {_json_type(value)} {value!r}")
+        raise ErrorMapError(path, f"must be an integer, got {_json_type(value)} {_show(value)}")
     if value < minimum:
-        raise ErrorMapError(path, f"must be >= {minimum}, got {value}")
+        raise ErrorMapError(path, f"must be >= {minimum}, got {_show(value)}")
     return value
 
 
@@ -266,7 +315,7 @@ def _str(obj: dict[str, Any], key: str, path: str) -> str:
     if value is _MISSING:
         raise ErrorMapError(path, "is required")
     if not isinstance(value, str):
-        raise ErrorMapError(path, f"must be a string, got {_json_type(value)} {value!r}")
+        raise ErrorMapError(path, f"must be a string, got {_json_type(value)} {_show(value)}")
     return value
 
 
@@ -291,7 +340,7 @@ def _entry(code: int, raw: Any, path: str) -> ErrorCode:
     for i, attr in enumerate(raw_attrs):
         if not isinstance(attr, str):
             raise ErrorMapError(
-                f"{path}.attrs[{i}]", f"must be a string, got {_json_type(attr)} {attr!r}"
+                f"{path}.attrs[{i}]", f"must be a string, got {_json_type(attr)} {_show(attr)}"
             )
     retry = None
     raw_retry = raw.get("retry", _MISSING)
@@ -310,7 +359,7 @@ def _retry_spec(raw: Any, path: str) -> RetrySpec:
     if strategy is None:
         raise ErrorMapError(
             f"{path}.strategy",
-            f"must be one of constant, linear, exponential, got {strategy_name!r}",
+            f"must be one of constant, linear, exponential, got {_show(strategy_name)}",
         )
     return RetrySpec(
         strategy=strategy,
