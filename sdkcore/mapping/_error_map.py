@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import enum
 import json
-import math
-import reprlib
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from types import MappingProxyType
 from typing import Any
 
 import attrs
+
+from .._untrusted import LongInt as _LongInt
+from .._untrusted import parse_int as _parse_int
+from .._untrusted import show as _show
 
 __all__ = [
     "RETRY_ATTRIBUTES",
@@ -236,47 +238,6 @@ class ErrorMap:
 
 _MISSING: Any = object()
 _STRATEGIES = {s.value: s for s in RetrySpecStrategy}
-
-
-#: Integers longer than this are kept as text (:class:`_LongInt`), never converted:
-#: CPython refuses int() of more than ``sys.get_int_max_str_digits()`` (>= 640) digits.
-_MAX_INT_DIGITS = 600
-
-
-class _LongInt:
-    """A JSON integer too long to be any valid value; only its length is kept."""
-
-    __slots__ = ("digits",)
-
-    def __init__(self, digits: int) -> None:
-        self.digits = digits
-
-    def __repr__(self) -> str:
-        return f"a {self.digits}-digit integer"
-
-
-def _parse_int(text: str) -> int | _LongInt:
-    digits = len(text) - (text[:1] == "-")
-    if digits > _MAX_INT_DIGITS:
-        return _LongInt(digits)
-    return int(text)
-
-
-_REPR = reprlib.Repr()
-_REPR.maxlevel = 3
-_REPR.maxstring = 80
-_REPR.maxother = 80
-_REPR.maxlong = 40
-
-
-def _show(value: object) -> str:
-    """A bounded repr for error messages: huge or deeply nested values never escape."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
-        return f"a {int(math.log10(abs(value))) + 1}-digit integer"
-    try:
-        return _REPR.repr(value)
-    except Exception:  # a repr that raises (an int past the str-digits limit in a list, ...)
-        return f"a {type(value).__name__}"
 
 
 def _json_type(value: Any) -> str:
