@@ -647,9 +647,8 @@ class RetryOrchestrator:
     def _cause(request: Request) -> BaseException | None:
         """The ``__cause__`` of a timeout: the last attempt's failure, never a cancellation."""
         error = request._last_error
-        if error is None or isinstance(error, anyio.get_cancelled_exc_class()):
-            return None
-        return error
+        # cancellations (asyncio's, trio's) are BaseExceptions, never Exceptions
+        return error if isinstance(error, Exception) else None
 
     @staticmethod
     def _cut_by_us(scope: anyio.CancelScope, exc: BaseException, *, in_flight: bool) -> bool:
@@ -789,8 +788,12 @@ class RetryOrchestrator:
                     if request._state is _PENDING and final is exc and in_flight:
                         # a non-retryable answer: it is the last attempt's failure
                         request._record(None, _MAYBE, exc, self._took(request))
-                        if isinstance(exc, CouchbaseException) and exc.context is None:
-                            exc.context = request.error_context(request._last_reason)
+                        if isinstance(exc, CouchbaseException):
+                            old = exc.context  # none yet, or built by a mapper for this request
+                            if old is None or old.request_id == request.id:
+                                exc.context = request.error_context(
+                                    request._last_reason, extra=None if old is None else old.extra
+                                )
                     request._finish(RequestState.FAILED)
                 else:
                     request._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
@@ -864,6 +867,9 @@ class RetryOrchestrator:
                 request._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
                 raise
             if hasattr(result, "__await__"):
+                close = getattr(result, "close", None)
+                if close is not None:
+                    close()  # a coroutine never awaited: no warning, nothing ran
                 request._finish(RequestState.FAILED)
                 raise TypeError(
                     "execute_sync(request, send): send returned an awaitable; use "
