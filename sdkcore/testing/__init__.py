@@ -200,8 +200,7 @@ class ScriptedSend(Generic[T]):
             for index, steps in script.items():
                 if isinstance(index, bool) or not isinstance(index, int) or index < 0:
                     raise TypeError(
-                        "ScriptedSend({index: script}): indexes must be ints >= 0, "
-                        f"got {index!r}"
+                        f"ScriptedSend({{index: script}}): indexes must be ints >= 0, got {index!r}"
                     )
                 scripts[index] = list(steps)
             if not scripts:

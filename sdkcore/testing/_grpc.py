@@ -92,9 +92,7 @@ class ScriptedGrpcServer:
     async def _handle(self, method: str, request: bytes, context: Any) -> bytes:
         self.calls += 1
         self.calls_by_method[method] = self.calls_by_method.get(method, 0) + 1
-        self.metadata.append(
-            {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
-        )
+        self.metadata.append({k: v for k, v in context.invocation_metadata() if isinstance(v, str)})
         self.requests.append(request)
         step = self._next(method)
         while isinstance(step, Delay):
@@ -139,7 +137,7 @@ async def grpc_server(
         for method, steps in script.items():
             if not isinstance(method, str) or not method.startswith("/"):
                 raise TypeError(
-                    'grpc_server({method: script}): keys are full method names such as '
+                    "grpc_server({method: script}): keys are full method names such as "
                     f'"/pkg.Svc/Get", got {method!r}'
                 )
             scripts[method] = [_step(s, f"grpc_server[{method!r}]") for s in steps]
