@@ -261,15 +261,19 @@ def run(args: argparse.Namespace, out: Output) -> int:
     try:
         obj: Any = json.loads(text)
     except ValueError:
-        obj = text  # from_json reports it with the parser's words
+        obj = None
     warnings = lint(obj, cap)
     for warning in warnings:
         err.write(_wrap(f"warning: {warning}") + "\n")
     try:
-        config = ServiceConfig.from_json(obj)
+        # Not JSON, or not an object: from_json reports it in the parser's words.
+        config = ServiceConfig.from_json(obj if isinstance(obj, Mapping) else text)
     except ServiceConfigError as exc:
         n = len(exc.violations)
-        err.write(f"{source}: invalid gRPC service config ({n} problem{'s' if n != 1 else ''}):\n")
+        err.write(
+            _wrap(f"{source}: invalid gRPC service config ({n} problem{'s' if n != 1 else ''}):")
+            + "\n"
+        )
         for violation in exc.violations:
             err.write(_wrap(f"  {violation}") + "\n")
         return 1

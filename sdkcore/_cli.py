@@ -257,7 +257,9 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         return int(args.run(args, Output()))
     except UsageError as exc:
-        sys.stderr.write(f"sdkcore {args.command}: error: {exc}\n")
+        text = f"sdkcore {args.command}: error: {exc}"
+        lines = [textwrap.fill(line, WIDTH, subsequent_indent="  ") for line in text.split("\n")]
+        sys.stderr.write("\n".join(lines) + "\n")
         return 2
 
 

@@ -302,16 +302,18 @@ def _flags(out: Output, reason: RetryReason) -> None:
 
 def run(args: argparse.Namespace, out: Output) -> int:
     what, mapped, mapper = _map(args)
+    note = ""
     if args.kind == "kv":
-        idem = is_idempotent_kv(_kv_opcode(args.opcode))
-        note = "idempotent" if idem else "not idempotent"
-        what += f"; the opcode is {note} (RFC 0049 list)"
+        idempotent = is_idempotent_kv(_kv_opcode(args.opcode))
+        note = f"  (the opcode is {'' if idempotent else 'not '}idempotent: RFC 0049 list)"
     if isinstance(mapped, RetryReason):
         if mapper:
             out.heading(f"{what} -> retry reason {mapped.name}")
             out.line(f"  (mapped by {mapper})")
         else:
             out.heading(what)
+        if note:
+            out.line(note)
         out.line()
         _flags(out, mapped)
         out.line()
@@ -329,6 +331,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
     if isinstance(mapped, CouchbaseException):
         out.line(f"  -> {type(mapped).__name__}: {mapped.message}")
         out.line(f"  (mapped by {mapper})")
+        if note:
+            out.line(note)
         out.line()
         out.line(
             "Not a retry reason: the request completes with this exception at once, under every "
