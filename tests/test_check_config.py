@@ -126,10 +126,10 @@ def test_every_violation_with_its_json_path(
 
 
 def test_not_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = _check(tmp_path, capsys, "{methodConfig: []")
+    code, _, err = _check(tmp_path, capsys, "{methodConfig: []")
     assert code == 1
     assert "(root): must be a JSON object; the text is not JSON" in err
-    code, out, err = _check(tmp_path, capsys, "[]")
+    code, _out, err = _check(tmp_path, capsys, "[]")
     assert code == 1
     assert "(root): must be a JSON object, got an array" in err
 
@@ -179,7 +179,7 @@ def test_warnings_are_printed_with_the_errors(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     config = {"methodConfig": [{"name": [{"service": "s"}], "retryPolicy": {"max_attempts": 3}}]}
-    code, out, err = _check(tmp_path, capsys, config)
+    code, _out, err = _check(tmp_path, capsys, config)
     assert code == 1
     assert "did you mean 'maxAttempts'?" in err
     assert "methodConfig[0].retryPolicy.maxAttempts: is required" in err

@@ -1,4 +1,4 @@
-"""The ``sdkcore`` command frame: subcommands, --version, output rules, closed pipes, import cost."""
+"""The ``sdkcore`` command frame: subcommands, --version, output rules, closed pipes, import."""
 
 from __future__ import annotations
 

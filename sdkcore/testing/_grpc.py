@@ -110,10 +110,9 @@ class ScriptedGrpcServer:
         return step
 
 
-@contextlib.asynccontextmanager
-async def grpc_server(
+def grpc_server(
     script: Iterable[object] | Mapping[str, Iterable[object]],
-) -> AsyncGenerator[ScriptedGrpcServer, None]:
+) -> contextlib.AbstractAsyncContextManager[ScriptedGrpcServer]:
     """Run a grpc.aio server on 127.0.0.1 (a free port) that plays ``script``.
 
     Every unary-unary method (bytes in, bytes out) is served; each attempt takes the
@@ -126,7 +125,8 @@ async def grpc_server(
 
     ``script`` may be a mapping from full method name (``"/pkg.Svc/Get"``) to its own
     script; methods not named there answer UNIMPLEMENTED. Needs grpcio and asyncio
-    (grpc.aio); the server stops when the ``async with`` ends::
+    (grpc.aio); the server stops when the ``async with`` ends. A bad script raises
+    here, before anything starts::
 
         async with grpc_server([GrpcCode.UNAVAILABLE, b"ok"]) as server:
             async with sdkcore.grpc.insecure_channel(server.target, ...) as channel:
@@ -149,8 +149,11 @@ async def grpc_server(
         if not steps:
             where = "grpc_server(script)" if key is None else f"grpc_server[{key!r}]"
             raise ValueError(f"{where} needs at least one step")
-    state = ScriptedGrpcServer(scripts)
+    return _serve(ScriptedGrpcServer(scripts))
 
+
+@contextlib.asynccontextmanager
+async def _serve(state: ScriptedGrpcServer) -> AsyncGenerator[ScriptedGrpcServer, None]:
     def unary(method: str) -> Any:
         async def handler(request: bytes, context: Any) -> bytes:
             return await state._handle(method, request, context)
