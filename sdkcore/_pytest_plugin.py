@@ -9,7 +9,7 @@ Fixtures:
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, MutableMapping
 from typing import Any
 
 import pytest
@@ -27,7 +27,7 @@ def sdkcore_instant_retries() -> Generator[None, None, None]:
 
 
 @pytest.fixture
-def sdkcore_retry_events() -> Generator[list[dict[str, Any]], None, None]:
+def sdkcore_retry_events() -> Generator[list[MutableMapping[str, Any]], None, None]:
     """The sdkcore log events emitted during the test, as dicts (``event``, ``log_level``, ...)."""
     with capture_retry_events() as events:
         yield events

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import MutableMapping
 from typing import Any
 
 import anyio
@@ -20,7 +21,6 @@ from sdkcore import (
     RetryOrchestrator,
     RetryReason,
     _hooks,
-    _log,
 )
 from sdkcore.mapping import GrpcCode, KvOpcode, KvStatus
 from sdkcore.testing import (
@@ -32,13 +32,6 @@ from sdkcore.testing import (
 )
 
 pytestmark = pytest.mark.anyio
-
-CAPTURE_ON_MAIN = hasattr(_log, "CAPTURE")
-needs_capture = pytest.mark.xfail(
-    not CAPTURE_ON_MAIN,
-    reason="needs sdkcore._log.CAPTURE; until then capture configures structlog globally",
-    strict=True,
-)
 
 
 # -- ScriptedSend ----------------------------------------------------------------------------
@@ -211,8 +204,6 @@ async def test_instant_retries_is_scoped_to_its_task() -> None:
     assert seen == {"fast": True, "other": False}
 
 
-# Remove this marker once the orchestrator waits 0 under INSTANT_DELAYS (strict: it will XPASS).
-@pytest.mark.xfail(reason="orchestrator wiring of INSTANT_DELAYS is not on main yet", strict=True)
 async def test_instant_retries_skip_the_wait_but_not_the_decisions() -> None:
     orchestrator = RetryOrchestrator(default_strategy=BestEffortRetryStrategy(backoff=lambda n: 30))
     send: ScriptedSend[str] = ScriptedSend([RetryReason.KV_LOCKED, RetryReason.KV_LOCKED, "ok"])
@@ -258,7 +249,6 @@ async def test_capture_ignores_other_loggers() -> None:
     assert events == []
 
 
-@needs_capture
 async def test_capture_leaves_structlog_configuration_alone() -> None:
     structlog.configure(processors=[structlog.processors.KeyValueRenderer()])
     try:
@@ -270,7 +260,6 @@ async def test_capture_leaves_structlog_configuration_alone() -> None:
         structlog.reset_defaults()
 
 
-@needs_capture
 async def test_concurrent_captures_see_only_their_own_events() -> None:
     results: dict[str, list[str]] = {}
 
@@ -301,7 +290,7 @@ async def test_instant_retries_fixture_reaches_async_tests(sdkcore_instant_retri
     assert _hooks.INSTANT_DELAYS.get() is True
 
 
-async def test_retry_events_fixture(sdkcore_retry_events: list[dict[str, Any]]) -> None:
+async def test_retry_events_fixture(sdkcore_retry_events: list[MutableMapping[str, Any]]) -> None:
     await _one_refused_retry()
     assert [e["event"] for e in sdkcore_retry_events] == ["retry.not_retried"]
 

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import anyio
 import anyio.lowlevel
 import attrs
-import structlog
 
 from .. import _hooks, _log
 from .._errors import RetryableError
@@ -76,54 +75,22 @@ def instant_retries() -> Generator[None, None, None]:
 
 
 @contextlib.contextmanager
-def capture_retry_events() -> Generator[list[dict[str, Any]], None, None]:
+def capture_retry_events() -> Generator[list[MutableMapping[str, Any]], None, None]:
     """Capture sdkcore's log events (every level) as dicts, in the order emitted.
 
     Each dict holds ``event`` (e.g. ``"retry.scheduled"``), ``log_level`` and the
     event's fields (see the log-event table in the README). Only events that
     sdkcore emits inside the ``with`` (in this context, and tasks started from it)
-    are captured; structlog's configuration is not touched, so the application's
-    own logging and concurrent tests are unaffected.
+    are captured, and they are not logged anywhere else meanwhile. structlog's
+    configuration is not touched, so the application's own logging and concurrent
+    tests are unaffected.
     """
-    capture = getattr(_log, "CAPTURE", None)
-    if capture is not None:
-        events: list[dict[str, Any]] = []
-        token = capture.set(events)
-        try:
-            yield events
-        finally:
-            capture.reset(token)
-        return
-    # Before sdkcore._log.CAPTURE existed: a temporary structlog configuration.
-    with _capture_by_configuring() as events:  # pragma: no cover - replaced by CAPTURE
-        yield events
-
-
-@contextlib.contextmanager
-def _capture_by_configuring() -> Generator[list[dict[str, Any]], None, None]:
-    events: list[dict[str, Any]] = []
-
-    def keep(_: Any, method: str, event_dict: MutableMapping[str, Any]) -> Any:
-        if str(event_dict.get("event", "")).startswith("retry."):
-            event_dict.setdefault("log_level", method)
-            events.append(dict(event_dict))
-        raise structlog.DropEvent
-
-    was_configured = structlog.is_configured()
-    old = structlog.get_config()
-    structlog.configure(
-        processors=[keep],
-        wrapper_class=structlog.make_filtering_bound_logger(0),
-        cache_logger_on_first_use=False,
-    )
+    events: list[MutableMapping[str, Any]] = []
+    token = _log.CAPTURE.set(events)
     try:
         yield events
     finally:
-        if was_configured:
-            structlog.configure(**old)
-        else:  # leave structlog as unconfigured as we found it
-            structlog.reset_defaults()
-        _log.logger()  # re-resolve against the restored configuration
+        _log.CAPTURE.reset(token)
 
 
 # -- scripted failures -------------------------------------------------------------------
