@@ -398,3 +398,16 @@ def test_grpc_server_rejects_bad_scripts() -> None:
         GrpcStatus(GrpcCode.OK)
     with pytest.raises(TypeError, match="pushback_ms"):
         GrpcStatus(GrpcCode.UNAVAILABLE, pushback_ms="10")  # type: ignore[arg-type]
+
+
+def test_the_plugin_imports_the_helpers_only_when_used() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, sdkcore._pytest_plugin; print(sorted(m for m in sys.modules "
+        "if m.startswith(('sdkcore.testing', 'sdkcore.mapping'))))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
