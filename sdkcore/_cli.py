@@ -69,6 +69,9 @@ class Output:
         if self.color:
             width = max(40, min(WIDTH, shutil.get_terminal_size((WIDTH, 24)).columns))
         self.width = width
+        encoding = (getattr(self.stream, "encoding", None) or "utf-8").lower().replace("-", "")
+        #: False when the stream cannot take box-drawing characters (e.g. an ASCII locale).
+        self.unicode = encoding in ("utf8", "utf16", "utf32", "utf8sig")
         self.rich = _rich() if use_rich is None or use_rich else None
         if use_rich and self.rich is None:
             raise UsageError("rich is not installed: pip install 'sdkcore[cli]'")
@@ -179,7 +182,7 @@ class Output:
         table_mod = importlib.import_module("rich.table")
         padding_mod = importlib.import_module("rich.padding")
         table = table_mod.Table(
-            box=box.SIMPLE_HEAD,
+            box=box.SIMPLE_HEAD if self.unicode else box.Box(_ASCII_SIMPLE_HEAD, ascii=True),
             title=self._text(title) if title else None,
             title_justify="left",
             show_edge=False,
@@ -196,6 +199,10 @@ class Output:
         for row in rows:
             table.add_row(*(self._text(cell) for cell in row))
         self.write(self._render_rich(padding_mod.Padding(table, (0, 0, 0, indent))))
+
+
+# rich's SIMPLE_HEAD with a "-" rule, for streams that cannot encode box drawing.
+_ASCII_SIMPLE_HEAD = "    \n    \n -- \n    \n    \n    \n    \n    \n"
 
 
 def _silence_stdout() -> None:

@@ -43,9 +43,17 @@ def _check(
     return code, captured.out, captured.err
 
 
+@pytest.mark.parametrize("with_rich", [True, False])
 def test_summary_of_the_effective_policy(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    with_rich: bool,
 ) -> None:
+    if with_rich:
+        pytest.importorskip("rich")
+    else:
+        monkeypatch.setitem(sys.modules, "rich", None)
     config = {
         "methodConfig": [
             {

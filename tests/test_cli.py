@@ -96,6 +96,19 @@ def test_output_plain_without_rich(monkeypatch: pytest.MonkeyPatch) -> None:
     assert text.count("word") == 60  # wrapped, not cut
 
 
+def test_ascii_stream_gets_ascii_tables() -> None:
+    pytest.importorskip("rich")
+
+    class Ascii(io.StringIO):
+        encoding = "ascii"
+
+    buf = Ascii()
+    Output(buf).table(("flag", "meaning"), [("always_retry", "yes")])
+    text = buf.getvalue()
+    text.encode("ascii")  # nothing a strict ASCII stream would reject
+    assert "-----" in text
+
+
 class _Tty(io.StringIO):
     def isatty(self) -> bool:
         return True
