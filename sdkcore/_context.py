@@ -92,12 +92,11 @@ def describe_error(error: BaseException | None) -> str | None:
         else:
             status_name = getattr(status, "name", status)
             return f"{name}: {status_name}: {text}" if text else f"{name}: {status_name}"
-    if type(error).__str__ is BaseException.__str__ and error.args:
-        message = str(error)
-    else:
+    message = getattr(error, "message", None)  # CouchbaseException: without its context
+    if not isinstance(message, str):
         try:
             message = str(error)
-        except Exception:
+        except Exception:  # a broken __str__ must not hide the failure it describes
             message = ""
     if len(message) > 500:
         message = message[:497] + "..."

@@ -788,8 +788,12 @@ class RetryOrchestrator:
                     if request._state is _PENDING and final is exc and in_flight:
                         # a non-retryable answer: it is the last attempt's failure
                         request._record(None, _MAYBE, exc, self._took(request))
-                        if isinstance(exc, CouchbaseException) and exc.context is None:
-                            exc.context = request.error_context(request._last_reason)
+                        if isinstance(exc, CouchbaseException):
+                            old = exc.context  # none yet, or built by a mapper for this request
+                            if old is None or old.request_id == request.id:
+                                exc.context = request.error_context(
+                                    request._last_reason, extra=None if old is None else old.extra
+                                )
                     request._finish(RequestState.FAILED)
                 else:
                     request._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)

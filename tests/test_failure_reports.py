@@ -377,3 +377,24 @@ async def test_loop_deadline_is_on_the_event_loop_clock() -> None:
     left = req.loop_deadline() - anyio.current_time()
     assert 1.5 < left <= 2.0
     assert Request(timeout=None).loop_deadline() == math.inf
+
+
+async def test_mapper_exception_carries_the_full_request_context() -> None:
+    from sdkcore.mapping import KvOpcode, KvStatus, kv_failure, kv_request, raise_failure
+
+    statuses = [KvStatus.TEMPORARY_FAILURE, KvStatus.KEY_NOT_FOUND]
+
+    async def send(request: Request) -> bytes:
+        raise_failure(kv_failure(statuses.pop(0), KvOpcode.GET), request=request)
+
+    req = kv_request(KvOpcode.GET)
+    with pytest.raises(DocumentNotFoundException) as info:
+        await RetryOrchestrator().execute(req, send)
+    ctx = info.value.context
+    assert ctx is not None
+    assert ctx.request_id == req.id
+    assert len(ctx.attempts) == 2
+    # the error is described by its message, not its whole context again
+    assert ctx.last_error == "DocumentNotFoundException: document not found (KV status 0x01 " + (
+        "KEY_NOT_FOUND on GET)"
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import attrs
@@ -56,7 +57,9 @@ def blocks(text: str) -> list[Block]:
             end = start
             while end < len(lines) and lines[end].strip() != "```":
                 end += 1
-            found.append(Block(heading, start + 1, "\n".join(lines[start:end]) + "\n"))
+            # a block inside a list item is indented like its fence
+            code = textwrap.dedent("\n".join(lines[start:end]))
+            found.append(Block(heading, start + 1, code + "\n"))
             i = end
         i += 1
     return found
@@ -83,11 +86,15 @@ def test_the_readme_has_python_blocks() -> None:
 
 
 def test_block_extraction() -> None:
-    text = "# A\n```python\nx = 1\n```\n## B\n```sh\nls\n```\n```python\ndef test_x(): pass\n```\n"
+    text = (
+        "# A\n```python\nx = 1\n```\n## B\n```sh\nls\n```\n```python\ndef test_x(): pass\n```\n"
+        "* item:\n\n  ```python\n  if x:\n      y = 2\n  ```\n"
+    )
     got = blocks(text)
     assert [(b.heading, b.line, b.code, b.is_pytest) for b in got] == [
         ("A", 3, "x = 1\n", False),
         ("B", 10, "def test_x(): pass\n", True),
+        ("B", 15, "if x:\n    y = 2\n", False),
     ]
 
 
