@@ -81,7 +81,7 @@ class Output:
         self.stream.write(text)
 
     def line(self, text: str = "", *, style: str | None = None) -> None:
-        """One line (wrapped at the width, continuation lines indented like the first)."""
+        """One line, wrapped at the width (continuation lines indented two more spaces)."""
         if style is not None and self.rich is not None and self.color:
             self.write(self._render_rich(self._text(text, style)))
             return
