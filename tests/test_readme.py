@@ -22,9 +22,7 @@ TIMEOUT = 120
 
 #: Headings (prefixes) of README sections whose blocks are known not to run yet. Each is
 #: an xfail(strict=True): once its block runs, the test fails until it leaves this list.
-KNOWN_FAILING: tuple[str, ...] = (
-    "gRPC: A6 retries from a service config",  # top-level `async with`, `target`, `config_json`
-)
+KNOWN_FAILING: tuple[str, ...] = ()
 
 
 @attrs.frozen
