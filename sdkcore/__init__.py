@@ -29,6 +29,7 @@ from ._errors import (
     TimeoutException,
     UnambiguousTimeoutException,
 )
+from ._hedge import HedgePolicy, HedgeThrottler
 from ._orchestrator import DEFAULT_MAX_REQUESTS_IN_RETRY, RetryOrchestrator
 from ._reason import RetryReason
 from ._request import DEFAULT_TIMEOUT, Request, RequestState
@@ -59,6 +60,8 @@ __all__ = [
     "FailFastRetryStrategy",
     "FastFailOnTerminalErrorRetryStrategy",
     "FeatureNotAvailableException",
+    "HedgePolicy",
+    "HedgeThrottler",
     "InternalServerFailureException",
     "InvalidArgumentException",
     "QuotaLimitedException",
