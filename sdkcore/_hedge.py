@@ -185,6 +185,7 @@ class _Chain:
         "attempts",
         "delay",
         "fatal",
+        "first_elapsed",
         "last_failure",
         "limit",
         "next_at",
@@ -194,7 +195,6 @@ class _Chain:
         "policy",
         "request",
         "result",
-        "scope",
         "send",
         "stop",
         "throttler",
@@ -217,6 +217,7 @@ class _Chain:
         self.delay = 0.0 if INSTANT_DELAYS.get() else policy.delay.total_seconds()
         self.attempts: list[_Attempt] = []
         self.outstanding = 0
+        self.first_elapsed = 0.0
         self.origin = anyio.current_time()
         self.next_at = self.origin
         self.next_trigger = "first"
@@ -226,12 +227,14 @@ class _Chain:
         self.fatal: BaseException | None = None
         self.last_failure: RetryableError | None = None
         self.wake = anyio.Event()
-        self.scope: anyio.CancelScope | None = None
 
     # -- scheduling ----------------------------------------------------------------
     async def schedule(self, tg: Any) -> None:
-        self.scope = tg.cancel_scope
         while True:
+            if self.winner is not None or self.fatal is not None:
+                if self.outstanding:  # the others are cancelled now
+                    tg.cancel_scope.cancel()
+                return
             sent = len(self.attempts)
             can_send = self.stop is None and sent < self.limit
             now = anyio.current_time()
@@ -241,7 +244,7 @@ class _Chain:
                     # A6: the hedge is cancelled; no more hedges while throttled.
                     self.stop = "throttled"
                     continue
-                await self._start(tg, sent, now)
+                self._start(tg, sent, now)
                 continue
             if not can_send and self.outstanding == 0:
                 return
@@ -252,7 +255,7 @@ class _Chain:
             else:
                 await self.wake.wait()
 
-    async def _start(self, tg: Any, index: int, now: float) -> None:
+    def _start(self, tg: Any, index: int, now: float) -> None:
         attempt = _Attempt(index, self.next_trigger, now)
         self.attempts.append(attempt)
         self.outstanding += 1
@@ -260,7 +263,7 @@ class _Chain:
         request._sent = True
         if index > 0:
             request._attempts += 1
-        self.next_at = now + self.delay
+        self.next_at = now + self.delay - (self.first_elapsed if index == 0 else 0.0)
         self.next_trigger = "delay"
         log = _log.enabled(_log.DEBUG)
         if log is not None:
@@ -272,15 +275,13 @@ class _Chain:
                 trigger=attempt.trigger,
                 max_attempts=self.limit,
             )
-        # start (not start_soon): hedge i is handed to send before hedge i + 1.
-        await tg.start(self._run, attempt, name=f"sdkcore hedge {index} of request {request.id}")
+        # send(request, i) is called here, in index order; hedges started at the same
+        # instant may then run their first step in any order.
+        tg.start_soon(self._run, attempt, self.send(request, index))
 
-    async def _run(
-        self, attempt: _Attempt, *, task_status: Any = anyio.TASK_STATUS_IGNORED
-    ) -> None:
+    async def _run(self, attempt: _Attempt, sending: Awaitable[Any]) -> None:
         try:
-            task_status.started()
-            result = await self.send(self.request, attempt.index)
+            result = await sending
         except RetryableError as failure:
             self.outstanding -= 1
             non_fatal = self.policy.non_fatal
@@ -316,8 +317,6 @@ class _Chain:
         self.result = result
         if self.throttler is not None:
             self.throttler.record_success()
-        assert self.scope is not None
-        self.scope.cancel()
         log = _log.enabled(_log.DEBUG)
         if log is not None:
             log.debug(
@@ -384,8 +383,6 @@ class _Chain:
         if self._over():
             return
         self.fatal = error
-        assert self.scope is not None
-        self.scope.cancel()
         log = _log.enabled(_log.INFO)
         if log is not None:
             log.info(
@@ -432,8 +429,15 @@ async def run_hedged(
     send: Callable[[Request, int], Awaitable[T]],
     policy: HedgePolicy,
     throttler: HedgeThrottler | None = None,
+    *,
+    first_elapsed: float = 0.0,
 ) -> T:
-    """The body of :meth:`RetryOrchestrator.hedge` (see there and rfc/0004)."""
+    """The body of :meth:`RetryOrchestrator.hedge` (see there and rfc/0004).
+
+    ``first_elapsed``: seconds the first attempt has already been in flight (a
+    caller that sent it itself and hands it over once the hedging delay passed);
+    the second hedge is then due that much sooner.
+    """
     if type(request) is not Request and not isinstance(request, Request):
         raise TypeError(
             f"hedge(request, send, policy): request must be an sdkcore.Request, got {request!r}"
@@ -470,12 +474,14 @@ async def run_hedged(
         raise orchestrator._timeout(request, request._last_reason)
 
     chain = _Chain(request, send, policy, throttler)
-    outer = anyio.CancelScope(deadline=anyio.current_time() + left)
-    request._cancel_scope = outer  # Request.cancel() stops every hedge
+    chain.first_elapsed = first_elapsed
     try:
-        with outer:
-            async with anyio.create_task_group() as tg:
-                await chain.schedule(tg)
+        async with anyio.create_task_group() as tg:
+            outer = tg.cancel_scope  # one scope: the deadline, Request.cancel(), the winner
+            if left != math.inf:
+                outer.deadline = chain.origin + left
+            request._cancel_scope = outer
+            await chain.schedule(tg)
     except BaseException as exc:
         request._cancel_scope = None
         if isinstance(exc, Exception):
@@ -501,7 +507,7 @@ async def run_hedged(
             raise error
         request._finish(RequestState.FAILED)
         raise fatal
-    if outer.cancelled_caught:
+    if outer.cancel_called:  # the deadline or Request.cancel()
         if request.cancelled:  # Request.cancel()
             error = orchestrator._already_completed(request, request._last_reason)
         else:

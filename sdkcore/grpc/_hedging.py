@@ -8,6 +8,7 @@ hedge's outcome is final, even a non-fatal status.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 import weakref
@@ -24,7 +25,8 @@ except ImportError:  # pragma: no cover - depends on grpcio internals
     _UnaryStreamCall = None
 
 from .._errors import RequestCanceledException, RetryableError, TimeoutException
-from .._hedge import HedgePolicy
+from .._hedge import HedgePolicy, run_hedged
+from .._hooks import INSTANT_DELAYS
 from .._request import Request
 from ._interceptors import (
     PREVIOUS_ATTEMPTS_KEY,
@@ -141,7 +143,13 @@ async def hedged_unary_unary(
     details: Any,
     message: Any,
 ) -> Any:
-    """Run one unary-unary call as A6 hedges; return the committed call or raise its error."""
+    """Run one unary-unary call as A6 hedges; return the committed call or raise its error.
+
+    The first attempt is grpc.aio's own unary call (its cheapest path); the call
+    waits for it up to the hedging delay without starting any task. Only when the
+    delay passes (or it fails with a non-fatal status) does the generic runner take
+    over, with that attempt as hedge 0 and header-aware hedges after it.
+    """
     method = details.method
     name: str = method.decode() if isinstance(method, bytes) else str(method)
     timeout = details.timeout
@@ -159,29 +167,103 @@ async def hedged_unary_unary(
     stats = core.stats
     throttler = core.throttler
     non_fatal = plan.non_fatal
-    last: list[int] = [0]  # index of the last hedge whose failure arrived
+    last = [0]  # index of the last hedge whose failure arrived
 
-    open_streamed = _streamed_opener(continuation, message)
-
-    async def send(request: Request, index: int) -> tuple[int, Any, Any]:
-        if index > 0:
-            stats.record_retry(name, index)  # A6: hedges after the first are retries
+    def attempt_details(index: int) -> Any:
         left = request.time_left
-        attempt_details = aio.ClientCallDetails(
+        return aio.ClientCallDetails(
             method,
             None if left is None else left.total_seconds(),
             base_md if index == 0 else _with_attempts(base_md, index),
             details.credentials,
             wait_for_ready,
         )
-        if open_streamed is not None:
-            call = open_streamed(attempt_details)
+
+    def failed(err: Any, index: int) -> BaseException:
+        """A hedge failed without headers: RetryableError if non-fatal, else ``err``."""
+        if index > 0:
+            stats.record_failed_retry(name)
+        last[0] = index
+        code = err.code().value[0]
+        if code in non_fatal:
+            failure = RetryableError(
+                REASON_STATUS, f"{status_name(code)}: {err.details()}", cause=err
+            )
+            return failure
+        if throttler is not None and _pushback_ms(err) == PUSHBACK_DONT_RETRY:
+            throttler.record_failure()  # A6: a "don't retry" pushback counts
+        return err  # type: ignore[no-any-return]
+
+    def committed_failure(err: Any, index: int) -> Any:
+        """The committed hedge ended with ``err``: account it, return the final error."""
+        if index > 0:
+            stats.record_failed_retry(name)
+        if throttler is not None and (
+            err.code().value[0] in non_fatal or _pushback_ms(err) == PUSHBACK_DONT_RETRY
+        ):
+            throttler.record_failure()
+        return _error(err, index)
+
+    # -- hedge 0: a plain unary call, awaited up to the hedging delay -------------------
+    loop = asyncio.get_running_loop()
+    sent_at = loop.time()
+    first = await continuation(attempt_details(0), message)
+    adopted: Any = first
+    try:
+        if not first.done():
+            woken = loop.create_future()
+
+            def wake(_: Any = None) -> None:
+                if not woken.done():
+                    woken.set_result(None)
+
+            first.add_done_callback(wake)
+            delay = 0.0 if INSTANT_DELAYS.get() else plan.policy.delay.total_seconds()
+            timer = None
+            if plan.policy.effective_max_attempts > 1:
+                timer = loop.call_later(delay, wake)
+            try:
+                await woken
+            finally:
+                if timer is not None:
+                    timer.cancel()
+        if first.done():
+            try:
+                response = await first
+            except aio.AioRpcError as err:
+                if err.initial_metadata():  # headers, then a status: final
+                    raise committed_failure(err, 0) from None
+                adopted = failed(err, 0)
+                if adopted is err:  # a fatal status
+                    raise
+            else:
+                if throttler is not None:
+                    throttler.record_success()
+                return first
+    except BaseException:
+        first.cancel()
+        raise
+
+    # -- the delay passed (or hedge 0 failed with a non-fatal status): hedge -------------
+    open_streamed = _streamed_opener(continuation, message)
+
+    async def send(request: Request, index: int) -> tuple[int, Any, Any]:
+        if index == 0:  # the attempt sent above
+            if isinstance(adopted, RetryableError):
+                raise adopted
+            call = adopted
+            streamed = False
         else:
-            call = await continuation(attempt_details, message)
-        try:
-            if await call.initial_metadata():
-                return index, call, _PENDING  # headers: commit to this hedge now (A6)
+            stats.record_retry(name, index)  # A6: hedges after the first are retries
+            streamed = open_streamed is not None
             if open_streamed is not None:
+                call = open_streamed(attempt_details(index))
+            else:
+                call = await continuation(attempt_details(index), message)
+        try:
+            if streamed:
+                if await call.initial_metadata():
+                    return index, call, _PENDING  # headers: commit to this hedge now (A6)
                 response = await call.read()  # the response message commits too
             else:
                 response = await call
@@ -189,24 +271,23 @@ async def hedged_unary_unary(
         except aio.AioRpcError as err:
             if err.initial_metadata():
                 return index, call, _PENDING  # headers, then a status: this hedge is final
-            if index > 0:
-                stats.record_failed_retry(name)
-            last[0] = index
-            code = err.code().value[0]
-            if code in non_fatal:
-                raise RetryableError(
-                    REASON_STATUS, f"{status_name(code)}: {err.details()}", cause=err
-                ) from err
-            if throttler is not None and _pushback_ms(err) == PUSHBACK_DONT_RETRY:
-                throttler.record_failure()  # A6: a "don't retry" pushback counts
-            raise
+            failure = failed(err, index)
+            if failure is err:  # a fatal status
+                raise
+            raise failure  # noqa: B904 - its cause is the status (set by failed)
         except BaseException:
             call.cancel()
             raise
 
+    winner: Any = None
     try:
-        index, call, response = await core.orchestrator.hedge(
-            request, send, plan.policy, throttler=plan.throttler
+        index, winner, response = await run_hedged(
+            core.orchestrator,
+            request,
+            send,
+            plan.policy,
+            plan.throttler,
+            first_elapsed=loop.time() - sent_at,
         )
     except aio.AioRpcError as err:  # a fatal status
         raise _error(err, last[0]) from None
@@ -224,10 +305,15 @@ async def hedged_unary_unary(
         if isinstance(cause, aio.AioRpcError):  # every hedge failed: the last one's status
             raise _error(cause, last[0]) from exc
         raise
+    finally:
+        if winner is not first and not isinstance(adopted, BaseException):
+            first.cancel()
 
     # Committed to hedge ``index``: its outcome is the call's.
+    call = winner
+    streamed = index > 0 and open_streamed is not None
     try:
-        if open_streamed is not None:
+        if streamed:
             if response is _PENDING:
                 response = await call.read()
             code = await call.code()
@@ -242,19 +328,13 @@ async def hedged_unary_unary(
         elif response is _PENDING:
             response = await call
     except aio.AioRpcError as err:
-        if index > 0:
-            stats.record_failed_retry(name)
-        if throttler is not None and (
-            err.code().value[0] in non_fatal or _pushback_ms(err) == PUSHBACK_DONT_RETRY
-        ):
-            throttler.record_failure()
-        raise _error(err, index) from None
+        raise committed_failure(err, index) from None
     except BaseException:
         call.cancel()
         raise
     if throttler is not None:
         throttler.record_success()
-    if open_streamed is not None:
+    if streamed:
         return _HedgedUnaryCall(call, response, index)
     return call if index == 0 else _FinishedUnaryCall(call, index)
 
