@@ -258,7 +258,8 @@ async def runner_runs(
 
 def table(results: dict[str, Any]) -> str:
     lines = [
-        "| run | p50 ms | p99 ms | p99.9 ms | max ms | extra attempts | completed req/s | client CPU / req |",
+        "| run | p50 ms | p99 ms | p99.9 ms | max ms | extra attempts | completed req/s "
+        "| client CPU / req |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for label, (_, s) in results.items():
