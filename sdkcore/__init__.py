@@ -6,7 +6,13 @@ names live here; everything in ``sdkcore._*`` is private.
 
 from ._action import ExceptionFactory, RetryAction
 from ._backoff import Backoff, best_effort_backoff, controlled_backoff, exponential_backoff
-from ._context import CancellationReason, ErrorContext
+from ._context import (
+    AttemptEffect,
+    AttemptRecord,
+    CancellationReason,
+    ErrorContext,
+    describe_error,
+)
 from ._errors import (
     AmbiguousTimeoutException,
     AuthenticationFailureException,
@@ -35,9 +41,11 @@ from ._reason import RetryReason
 from ._request import DEFAULT_TIMEOUT, Request, RequestState
 from ._strategy import (
     BestEffortRetryStrategy,
-    FailFastRetryStrategy,
     FastFailOnTerminalErrorRetryStrategy,
     RetryStrategy,
+)
+from ._strategy import (
+    FailFastRetryStrategy as FailFastRetryStrategy,  # internal (RFC 0049): not in __all__
 )
 from ._version import __version__
 
@@ -45,6 +53,8 @@ __all__ = [
     "DEFAULT_MAX_REQUESTS_IN_RETRY",
     "DEFAULT_TIMEOUT",
     "AmbiguousTimeoutException",
+    "AttemptEffect",
+    "AttemptRecord",
     "AuthenticationFailureException",
     "Backoff",
     "BestEffortRetryStrategy",
@@ -57,7 +67,6 @@ __all__ = [
     "DocumentNotFoundException",
     "ErrorContext",
     "ExceptionFactory",
-    "FailFastRetryStrategy",
     "FastFailOnTerminalErrorRetryStrategy",
     "FeatureNotAvailableException",
     "HedgePolicy",
@@ -82,5 +91,6 @@ __all__ = [
     "__version__",
     "best_effort_backoff",
     "controlled_backoff",
+    "describe_error",
     "exponential_backoff",
 ]

@@ -13,7 +13,7 @@ import attrs
 
 from ._reason import RetryReason
 
-__all__ = ["CancellationReason", "ErrorContext"]
+__all__ = ["AttemptEffect", "AttemptRecord", "CancellationReason", "ErrorContext", "describe_error"]
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
@@ -33,8 +33,110 @@ class CancellationReason(enum.Enum):
     TASK_CANCELLED = "TASK_CANCELLED"
 
 
+class AttemptEffect(enum.Enum):
+    """What is known about the server side of one failed attempt (see rfc/0001, "Ambiguity").
+
+    A timeout of a non-idempotent request is unambiguous only if no attempt is
+    ``MAYBE_APPLIED``.
+    """
+
+    #: The attempt never left the client (no connection, circuit open, rejected locally).
+    NOT_SENT = "not_sent"
+    #: The server answered with a status that by its protocol proves nothing was applied
+    #: (e.g. KV LOCKED, TEMPORARY_FAILURE, NOT_MY_VBUCKET).
+    NOT_APPLIED = "not_applied"
+    #: The attempt reached, or may have reached, the server and may have been applied
+    #: (socket closed in flight, gRPC UNAVAILABLE from the server, cut at the deadline, ...).
+    MAYBE_APPLIED = "maybe_applied"
+
+    @classmethod
+    def for_reason(cls, reason: RetryReason) -> AttemptEffect:
+        """The default for a failure with ``reason``, from its RFC 0049 flags.
+
+        ``after_dispatch`` false: never sent. Sent, but the reason allows retrying a
+        non-idempotent request: the RFC allows that only because the server provably
+        did not apply it. Otherwise (UNKNOWN, SOCKET_CLOSED_WHILE_IN_FLIGHT): maybe applied.
+        """
+        return _EFFECT_OF[reason]
+
+
+_EFFECT_OF = {
+    r: (
+        AttemptEffect.NOT_SENT
+        if not r.after_dispatch
+        else AttemptEffect.NOT_APPLIED
+        if r.allows_non_idempotent_retry
+        else AttemptEffect.MAYBE_APPLIED
+    )
+    for r in RetryReason
+}
+
+
+def describe_error(error: BaseException | None) -> str | None:
+    """``"Type: message"`` for logs and error contexts (None for None).
+
+    gRPC errors (objects with ``code()`` and ``details()``, e.g. ``grpc.aio.AioRpcError``)
+    render as ``"AioRpcError: UNAVAILABLE: <details>"``.
+    """
+    if error is None:
+        return None
+    name = type(error).__name__
+    code = getattr(error, "code", None)
+    details = getattr(error, "details", None)
+    if callable(code) and callable(details):
+        try:
+            status = code()
+            text = details()
+        except Exception:  # a half-built error object: fall back to str()
+            pass
+        else:
+            status_name = getattr(status, "name", status)
+            return f"{name}: {status_name}: {text}" if text else f"{name}: {status_name}"
+    message = getattr(error, "message", None)  # CouchbaseException: without its context
+    if not isinstance(message, str):
+        try:
+            message = str(error)
+        except Exception:  # a broken __str__ must not hide the failure it describes
+            message = ""
+    if len(message) > 500:
+        message = message[:497] + "..."
+    return f"{name}: {message}" if message else name
+
+
 def _ms(d: timedelta | None) -> float | None:
     return None if d is None else round(d.total_seconds() * 1000.0, 3)
+
+
+@attrs.frozen(slots=True)
+class AttemptRecord:
+    """One attempt of a request, as its error context reports it.
+
+    ``number`` is 1-based (the first send is attempt 1). ``reason`` is the retry
+    reason it failed with (None: it failed otherwise, or was cut in flight);
+    ``error`` the failure as ``"Type: message"``; ``duration`` how long the attempt
+    was in flight (None when not measured, e.g. in a hand-wired loop);
+    ``delay`` the backoff scheduled after it (None: not retried).
+    """
+
+    number: int
+    reason: RetryReason | None
+    effect: AttemptEffect
+    error: str | None = None
+    duration: timedelta | None = None
+    delay: timedelta | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"attempt": self.number}
+        if self.reason is not None:
+            out["reason"] = self.reason.name
+        out["effect"] = self.effect.value
+        if self.error is not None:
+            out["error"] = self.error
+        if self.duration is not None:
+            out["duration_ms"] = _ms(self.duration)
+        if self.delay is not None:
+            out["delay_ms"] = _ms(self.delay)
+        return out
 
 
 @attrs.frozen(slots=True)
@@ -58,6 +160,12 @@ class ErrorContext:
     strategy: str | None = None
     #: Free-form details added by mappers and adapters (status codes, server messages, ...).
     extra: Mapping[str, Any] = _EMPTY
+    #: The last attempt's failure as ``"Type: message"`` (None if no attempt failed).
+    last_error: str | None = None
+    #: True when the request ended while an attempt was in flight (it was cut).
+    in_flight: bool = False
+    #: Every attempt so far, oldest first.
+    attempts: tuple[AttemptRecord, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly dict of every field that is set."""
@@ -76,6 +184,12 @@ class ErrorContext:
             out["cancellation_reason"] = self.cancellation_reason.name
         if self.strategy is not None:
             out["strategy"] = self.strategy
+        if self.last_error is not None:
+            out["last_error"] = self.last_error
+        if self.in_flight:
+            out["in_flight"] = True
+        if self.attempts:
+            out["attempts"] = [a.to_dict() for a in self.attempts]
         if self.extra:
             out["extra"] = dict(self.extra)
         return out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._context import ErrorContext
+from ._context import AttemptEffect, ErrorContext
 from ._reason import RetryReason
 
 __all__ = [
@@ -112,19 +112,35 @@ class RetryableError(Exception):
 
     It reports that one attempt failed for ``reason``; the orchestrator then
     decides whether to retry. Chain the original error
-    (``raise RetryableError(reason) from exc``) or pass ``cause=``: it becomes the
+    (``raise RetryableError(reason) from exc``) or pass ``cause=``: it is logged as
+    ``caused_by``, recorded as the context's ``last_error``, and becomes the
     ``__cause__`` of the final exception when the request is not retried.
+
+    ``effect`` says what is known about the server side of this attempt (see
+    :class:`AttemptEffect`); the default follows from the reason's flags. Pass
+    ``AttemptEffect.MAYBE_APPLIED`` when the server answered with a status that does
+    not prove the operation was not applied (e.g. gRPC UNAVAILABLE from the server).
     """
 
-    __slots__ = ("reason",)
+    __slots__ = ("effect", "reason")
 
     def __init__(
-        self, reason: RetryReason, message: str = "", *, cause: BaseException | None = None
+        self,
+        reason: RetryReason,
+        message: str = "",
+        *,
+        cause: BaseException | None = None,
+        effect: AttemptEffect | None = None,
     ):
         if type(reason) is not RetryReason:
             raise TypeError(f"RetryableError reason must be a RetryReason, got {reason!r}")
+        if effect is not None and type(effect) is not AttemptEffect:
+            raise TypeError(
+                f"RetryableError effect must be an AttemptEffect or None, got {effect!r}"
+            )
         super().__init__(message)
         self.reason = reason
+        self.effect = effect
         if cause is not None:
             self.__cause__ = cause
 
@@ -132,8 +148,22 @@ class RetryableError(Exception):
         message = super().__str__()
         return f"{self.reason.name}: {message}" if message else self.reason.name
 
+    def __repr__(self) -> str:
+        parts = [f"RetryReason.{self.reason.name}"]
+        if self.args and self.args[0]:
+            parts.append(repr(self.args[0]))
+        if self.effect is not None:
+            parts.append(f"effect=AttemptEffect.{self.effect.name}")
+        return f"{type(self).__name__}({', '.join(parts)})"
+
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.reason, *self.args))
+        return (_rebuild_retryable, (type(self), self.reason, *self.args[:1], self.effect))
+
+
+def _rebuild_retryable(
+    cls: type[RetryableError], reason: RetryReason, message: str, effect: AttemptEffect | None
+) -> RetryableError:
+    return cls(reason, message, effect=effect)
 
 
 # -- errors produced by the failure mappers (sdkcore.mapping) and adapters --------------

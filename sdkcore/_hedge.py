@@ -18,7 +18,7 @@ import anyio
 import attrs
 
 from . import _log
-from ._context import CancellationReason
+from ._context import AttemptEffect, CancellationReason
 from ._duration import to_seconds
 from ._errors import (
     CouchbaseException,
@@ -295,6 +295,8 @@ class _Chain:
         except BaseException:
             self.outstanding -= 1
             attempt.outcome = _CANCELLED
+            # cut in flight: it may have reached the server
+            self.request._record(None, AttemptEffect.MAYBE_APPLIED, None, self._took(attempt))
             self._log_cancelled(attempt)
             raise
         else:
@@ -304,6 +306,10 @@ class _Chain:
             self.wake.set()
 
     # -- outcomes --------------------------------------------------------------------
+    @staticmethod
+    def _took(attempt: _Attempt) -> float:
+        return anyio.current_time() - attempt.started
+
     def _over(self) -> bool:
         return self.winner is not None or self.fatal is not None
 
@@ -333,11 +339,12 @@ class _Chain:
         attempt.outcome = _FAILED
         attempt.reason = reason
         attempt.error = str(failure)
+        request = self.request
+        effect = failure.effect or AttemptEffect.for_reason(reason)
+        request._record(reason, effect, failure.__cause__ or failure, self._took(attempt))
         if self._over():
             return
-        request = self.request
         request._reasons[reason] = None
-        request._last_reason = reason
         self.last_failure = failure
         if self.throttler is not None:
             self.throttler.record_failure()
@@ -378,8 +385,13 @@ class _Chain:
     def _fatal(self, attempt: _Attempt, error: BaseException) -> None:
         attempt.outcome = _FATAL
         attempt.error = repr(error) if not isinstance(error, RetryableError) else str(error)
+        effect = AttemptEffect.MAYBE_APPLIED
+        cause: BaseException = error
         if isinstance(error, RetryableError):
             attempt.reason = error.reason
+            effect = error.effect or AttemptEffect.for_reason(error.reason)
+            cause = error.__cause__ or error
+        self.request._record(attempt.reason, effect, cause, self._took(attempt))
         if self._over():
             return
         self.fatal = error
@@ -416,11 +428,11 @@ class _Chain:
         }
 
 
-def _with_extra(exc: BaseException, chain: _Chain) -> None:
+def _with_extra(exc: BaseException, chain: _Chain, *, in_flight: bool) -> None:
     if isinstance(exc, CouchbaseException) and exc.context is not None:
         extra = dict(exc.context.extra)
         extra.update(chain.extra())
-        exc.context = exc.context.evolve(extra=extra)
+        exc.context = exc.context.evolve(extra=extra, in_flight=in_flight)
 
 
 async def run_hedged(
@@ -510,10 +522,10 @@ async def run_hedged(
     if outer.cancel_called:  # the deadline or Request.cancel()
         if request.cancelled:  # Request.cancel()
             error = orchestrator._already_completed(request, request._last_reason)
-        else:
-            error = orchestrator._timeout(request, request._last_reason, in_flight=True)
-        _with_extra(error, chain)
-        raise error
+        else:  # every hedge still in flight was cut and recorded as such
+            error = orchestrator._timeout(request, request._last_reason)
+        _with_extra(error, chain, in_flight=any(a.outcome == _CANCELLED for a in chain.attempts))
+        raise error from orchestrator._cause(request)
     # Every copy failed (or no more could be sent and none is outstanding): the last
     # failure to arrive is the answer.
     last = chain.last_failure

@@ -1,19 +1,30 @@
 """Structured log events (names and fields are a stable interface; see rfc/0001).
 
-sdkcore never configures structlog: the application does. To keep the per-attempt
-path cheap, the bound logger is resolved once and reused until the application
-changes structlog's configuration; callers ask :func:`enabled` before building
-an event, so a filtered-out level costs one method call.
+sdkcore never configures structlog: the application does. Where the events go:
+
+* structlog configured by the application (``structlog.is_configured()``): through
+  ``structlog.get_logger("sdkcore")``, i.e. the application's own pipeline;
+* structlog left unconfigured: to the stdlib logger ``logging.getLogger("sdkcore")``
+  (through structlog's stdlib wrapper, without configuring structlog), so an
+  application that only uses ``logging`` sees them in its handlers and nothing is
+  printed (structlog's unconfigured default would print every debug line to stdout);
+* inside ``sdkcore.testing.capture_retry_events()``: into the capture list only.
+
+To keep the per-attempt path cheap, callers ask :func:`enabled` before building an
+event: a filtered level costs a few attribute reads and one comparison.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import MutableMapping
+from contextvars import ContextVar
 from typing import Any
 
 import structlog
 
 __all__ = [
+    "CAPTURE",
     "EVENT_NOT_RETRIED",
     "EVENT_SCHEDULED",
     "EVENT_STRATEGY_FAILED",
@@ -27,7 +38,7 @@ LOGGER_NAME = "sdkcore"
 
 #: debug: a retry was scheduled (after backoff the request is re-dispatched).
 EVENT_SCHEDULED = "retry.scheduled"
-#: info: the request was not retried (strategy refused, or backpressure).
+#: info: the request was not retried (strategy refused, idempotency, or backpressure).
 EVENT_NOT_RETRIED = "retry.not_retried"
 #: info: the request timed out while in retry or in flight.
 EVENT_TIMED_OUT = "retry.timed_out"
@@ -38,67 +49,123 @@ DEBUG = logging.DEBUG
 INFO = logging.INFO
 WARNING = logging.WARNING
 
-_STRUCTLOG_CONFIG: Any
-try:  # structlog's global configuration object; fall back to re-binding if it moves.
-    from structlog._config import _CONFIG as _STRUCTLOG_CONFIG
-except ImportError:  # pragma: no cover - depends on structlog internals
-    _STRUCTLOG_CONFIG = None
+#: When set to a list, every sdkcore event (any level) is appended to it as a dict
+#: (``event``, ``log_level`` and the fields) instead of being logged. Set only by
+#: ``sdkcore.testing``; a contextvar, so concurrent tests keep their events apart.
+CAPTURE: ContextVar[list[MutableMapping[str, Any]] | None] = ContextVar(
+    "sdkcore_capture", default=None
+)
 
+_stdlib_logger = logging.getLogger(LOGGER_NAME)
+_LEVEL_NAMES = {DEBUG: "debug", INFO: "info", WARNING: "warning"}
+
+
+def _to_stdlib(_: Any, method: str, event_dict: MutableMapping[str, Any]) -> dict[str, Any]:
+    """Render an event for a stdlib logger: ``retry.scheduled key=value ...``.
+
+    The fields are also on the LogRecord, as ``record.sdkcore`` (a dict), for
+    handlers that want them structured.
+    """
+    fields = dict(event_dict)
+    event = fields.pop("event", "")
+    text = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in fields.items())
+    return {"msg": f"{event} {text}" if text else str(event), "extra": {"sdkcore": fields}}
+
+
+_stdlib_bound: Any = structlog.wrap_logger(
+    _stdlib_logger,
+    processors=[_to_stdlib],
+    wrapper_class=structlog.stdlib.BoundLogger,
+    context_class=dict,
+)
+
+
+class _Capture:
+    """A logger that appends events to a capture list (see CAPTURE)."""
+
+    __slots__ = ("_events",)
+
+    def __init__(self, events: list[MutableMapping[str, Any]]) -> None:
+        self._events = events
+
+    def _add(self, level: str, event: str, fields: dict[str, Any]) -> None:
+        self._events.append({"event": event, "log_level": level, **fields})
+
+    def debug(self, event: str, **fields: Any) -> None:
+        self._add("debug", event, fields)
+
+    def info(self, event: str, **fields: Any) -> None:
+        self._add("info", event, fields)
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self._add("warning", event, fields)
+
+
+# The application's structlog configuration the cached logger was resolved for,
+# compared by identity (structlog.get_config() returns the live objects). Reading it
+# through the public get_config() costs a small dict per check (about 0.3 us).
 _cached: Any = None
-_min_level: int | None = None  # fixed level of structlog's native filtering loggers
-_key: tuple[Any, Any, Any, Any] = (None, None, None, None)
+_cached_key: tuple[Any, ...] = (None, None, None, None)
+_cached_floor: int | None = None  # level fixed by a make_filtering_bound_logger class
+_get_config = structlog.get_config
+_is_configured = structlog.is_configured
+_capture = CAPTURE.get
+_stdlib_enabled = _stdlib_logger.isEnabledFor
 
 
-def _refresh() -> Any:
-    global _cached, _min_level, _key
-    c = _STRUCTLOG_CONFIG
+def _structlog_logger() -> tuple[Any, int | None]:
+    global _cached, _cached_key, _cached_floor
+    config = _get_config()
+    k = _cached_key
+    if (
+        config["wrapper_class"] is k[1]
+        and config["processors"] is k[0]
+        and config["logger_factory"] is k[2]
+        and config["context_class"] is k[3]
+        and _cached is not None
+    ):
+        return _cached, _cached_floor
     log = structlog.get_logger(LOGGER_NAME).bind()
-    level = None
-    # make_filtering_bound_logger() classes filter at a level fixed for the class.
-    if type(log).__module__ == "structlog._native" and hasattr(log, "get_effective_level"):
-        level = int(log.get_effective_level())
-    _cached, _min_level = log, level
-    if c is not None:
-        _key = (
-            c.default_processors,
-            c.default_wrapper_class,
-            c.logger_factory,
-            c.default_context_class,
-        )
-    return log
+    floor = None
+    level_of = getattr(log, "get_effective_level", None)
+    if level_of is not None and not hasattr(log, "isEnabledFor"):
+        # filtering bound loggers: the level is fixed for the class
+        floor = int(level_of())
+    _cached, _cached_floor = log, floor
+    _cached_key = (
+        config["processors"],
+        config["wrapper_class"],
+        config["logger_factory"],
+        config["context_class"],
+    )
+    return log, floor
 
 
 def logger() -> Any:
-    """The bound logger for sdkcore events, re-resolved when structlog is reconfigured."""
-    c = _STRUCTLOG_CONFIG
-    k = _key
-    if (
-        c is None
-        or c.default_processors is not k[0]
-        or c.default_wrapper_class is not k[1]
-        or c.logger_factory is not k[2]
-        or c.default_context_class is not k[3]
-    ):
-        return _refresh()
-    return _cached
+    """The logger sdkcore events go to right now (see the module docstring)."""
+    events = _capture()
+    if events is not None:
+        return _Capture(events)
+    if not _is_configured():
+        return _stdlib_bound
+    return _structlog_logger()[0]
 
 
 def enabled(level: int) -> Any:
-    """The bound logger if ``level`` is enabled, else None (cheap: called per attempt).
-
-    Fast path: while the configured wrapper class is the one the cached level was
-    read from, a level below it is rejected with one identity check and one
-    comparison. Anything else goes through :func:`logger` (full staleness check).
-    """
-    if _STRUCTLOG_CONFIG is not None and _STRUCTLOG_CONFIG.default_wrapper_class is _key[1]:
-        floor = _min_level
-        if floor is not None and level < floor:
-            return None
-    log = logger()
-    floor = _min_level
+    """The logger if ``level`` is enabled, else None (cheap: called per attempt)."""
+    events = _capture()
+    if events is not None:
+        return _Capture(events)
+    if not _is_configured():
+        return _stdlib_bound if _stdlib_enabled(level) else None
+    log, floor = _structlog_logger()
     if floor is not None:
         return log if level >= floor else None
-    check = getattr(log, "is_enabled_for", None)
+    check = getattr(log, "isEnabledFor", None) or getattr(log, "is_enabled_for", None)
     if check is None or check(level):
         return log
     return None
+
+
+def level_name(level: int) -> str:
+    return _LEVEL_NAMES.get(level, logging.getLevelName(level).lower())

@@ -11,7 +11,7 @@ from datetime import timedelta
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from ._context import CancellationReason, ErrorContext
+from ._context import AttemptEffect, AttemptRecord, CancellationReason, ErrorContext, describe_error
 from ._duration import MAX_SECONDS, to_seconds
 from ._reason import RetryReason
 
@@ -25,6 +25,8 @@ DEFAULT_TIMEOUT = timedelta(milliseconds=2500)
 
 _DEFAULT_SECONDS = DEFAULT_TIMEOUT.total_seconds()
 _ids = itertools.count(1)
+_NOT_SENT = AttemptEffect.NOT_SENT
+_MAYBE = AttemptEffect.MAYBE_APPLIED
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
@@ -55,13 +57,17 @@ class Request:
         "_clock",
         "_context",
         "_deadline",
+        "_history",
         "_id",
         "_idempotent",
         "_in_flight",
+        "_last_error",
         "_last_reason",
+        "_maybe_applied",
         "_name",
         "_reasons",
         "_sent",
+        "_sent_at",
         "_start",
         "_state",
         "_strategy",
@@ -124,6 +130,11 @@ class Request:
         self._in_flight = False
         self._last_reason: RetryReason | None = None
         self._cancel_scope: Any = None
+        # One entry per failed attempt: [reason, effect, error, duration s, delay s].
+        self._history: list[list[Any]] = []
+        self._last_error: BaseException | None = None
+        self._maybe_applied = False
+        self._sent_at = -1.0  # clock time the attempt in flight was sent (-1: none)
 
     # -- what the application set (read-only once built) ----------------------
     @property
@@ -167,8 +178,25 @@ class Request:
 
     @property
     def deadline(self) -> float:
-        """The deadline on ``clock`` (``math.inf`` without a timeout)."""
+        """The deadline on the request's ``clock`` (``math.inf`` without a timeout).
+
+        ``clock`` defaults to ``time.monotonic``, which is not the event loop's clock on
+        every backend (trio's differs): to arm a cancel scope use :meth:`loop_deadline`.
+        """
         return self._deadline
+
+    def loop_deadline(self) -> float:
+        """The deadline on the running event loop's clock (``anyio.current_time()``).
+
+        ``math.inf`` without a timeout. Call it from async code; it is what
+        ``anyio.CancelScope(deadline=...)`` expects.
+        """
+        if self._deadline == math.inf:
+            return math.inf
+        import anyio  # already imported by any running anyio backend
+
+        now = anyio.current_time()  # first: its first call may import the backend
+        return now + (self._deadline - self._clock())
 
     @property
     def elapsed(self) -> timedelta:
@@ -202,11 +230,29 @@ class Request:
     def reached_network(self) -> bool:
         """True if some attempt may have been written to the network.
 
-        Set by ``execute`` when an attempt is cut off in flight, or when a retry
-        reason with ``after_dispatch`` was recorded. Decides ambiguous vs
-        unambiguous timeouts for non-idempotent requests.
+        Set when an attempt is cut off in flight, or when a failed attempt was
+        recorded whose effect is not ``AttemptEffect.NOT_SENT``.
         """
         return self._sent
+
+    @property
+    def maybe_applied(self) -> bool:
+        """True if some attempt may have been applied on the server.
+
+        A timeout of a non-idempotent request is ambiguous exactly when this is true
+        (see rfc/0001, "Ambiguity").
+        """
+        return self._maybe_applied
+
+    @property
+    def attempts(self) -> tuple[AttemptRecord, ...]:
+        """Every failed attempt so far, oldest first (see :class:`AttemptRecord`)."""
+        return self._records()
+
+    @property
+    def last_error(self) -> BaseException | None:
+        """The last attempt's failure (its cause when it was a ``RetryableError``)."""
+        return self._last_error
 
     # -- application control ----------------------------------------------------
     def cancel(self) -> None:
@@ -232,12 +278,46 @@ class Request:
             self._state = state
             self._cancellation = why
 
+    def _record(
+        self,
+        reason: RetryReason | None,
+        effect: AttemptEffect,
+        error: BaseException | None,
+        duration: float | None,
+    ) -> list[Any]:
+        """Book one failed (or cut) attempt; returns its entry (the delay is set later)."""
+        entry = [reason, effect, error, duration, None]
+        self._history.append(entry)
+        if error is not None:
+            self._last_error = error
+        if reason is not None:
+            self._last_reason = reason
+        if effect is not _NOT_SENT:
+            self._sent = True
+            if effect is _MAYBE:
+                self._maybe_applied = True
+        return entry
+
+    def _records(self) -> tuple[AttemptRecord, ...]:
+        return tuple(
+            AttemptRecord(
+                number=n,
+                reason=reason,
+                effect=effect,
+                error=describe_error(error),
+                duration=None if duration is None else timedelta(seconds=duration),
+                delay=None if delay is None else timedelta(seconds=delay),
+            )
+            for n, (reason, effect, error, duration, delay) in enumerate(self._history, 1)
+        )
+
     def error_context(
         self,
         reason: RetryReason | None = None,
         *,
         strategy: str | None = None,
         extra: Mapping[str, Any] | None = None,
+        in_flight: bool = False,
     ) -> ErrorContext:
         """A snapshot of this request for an exception's ``context``."""
         return ErrorContext(
@@ -252,6 +332,9 @@ class Request:
             cancellation_reason=self._cancellation,
             strategy=strategy,
             extra=_EMPTY if extra is None else MappingProxyType(dict(extra)),
+            last_error=describe_error(self._last_error),
+            in_flight=in_flight,
+            attempts=self._records(),
         )
 
     def __repr__(self) -> str:

@@ -47,6 +47,7 @@ class RetryStrategy(Protocol):
 _DEFAULT_ACTIONS = tuple(RetryAction.with_duration(best_effort_backoff(n)) for n in range(64))
 _DEFAULT_LAST = _DEFAULT_ACTIONS[-1]
 _NO_RETRY = RetryAction.no_retry()
+_UNSET = object()
 
 
 class BestEffortRetryStrategy:
@@ -69,7 +70,7 @@ class BestEffortRetryStrategy:
         self._backoff = backoff
         # The last (delay, action) built from a custom backoff: constant or capped
         # backoffs then reuse one RetryAction instead of building one per attempt.
-        self._memo: tuple[object, RetryAction] = (None, _NO_RETRY)
+        self._memo: tuple[object, RetryAction] = (_UNSET, _NO_RETRY)
 
     @property
     def backoff(self) -> Backoff:
@@ -87,6 +88,12 @@ class BestEffortRetryStrategy:
             memo = self._memo
             if delay == memo[0] and type(delay) is type(memo[0]):
                 return memo[1]
+            if delay is None:
+                raise TypeError(
+                    f"{type(self).__name__}: backoff({attempt}) returned None; a backoff must "
+                    "return a timedelta or seconds >= 0 (to stop retrying, return "
+                    "RetryAction.no_retry() from retry_after instead)"
+                )
             action = RetryAction.with_duration(delay)
             self._memo = (delay, action)
             return action

@@ -163,13 +163,13 @@ async def test_timeout_while_in_retry_before_dispatch_is_unambiguous() -> None:
     assert sum(vc.sleeps) == pytest.approx(10.0)
 
 
-async def test_timeout_while_in_retry_after_dispatch_is_ambiguous() -> None:
+async def test_timeout_after_answers_that_prove_nothing_applied_is_unambiguous() -> None:
     orch, vc = virtual(BestEffortRetryStrategy(backoff=lambda n: 1.0))
     send: ScriptedSend[str] = ScriptedSend(
         [RetryReason.SOCKET_NOT_AVAILABLE, RetryReason.KV_LOCKED]
     )
     req = Request(idempotent=False, timeout=10, clock=vc.clock)
-    with pytest.raises(AmbiguousTimeoutException) as info:
+    with pytest.raises(UnambiguousTimeoutException) as info:
         await orch.execute(req, send)
     assert info.value.context is not None
     assert info.value.context.retry_reasons == (
@@ -374,7 +374,7 @@ async def test_strategy_exception_inside_execute_propagates_and_fails_the_reques
 async def test_bad_arguments_are_type_errors_and_leave_the_request_pending() -> None:
     orch = RetryOrchestrator()
     req = Request(timeout=5)
-    with pytest.raises(TypeError, match=r"send must be a callable"):
+    with pytest.raises(TypeError, match=r"send must be an async callable"):
         await orch.execute(req, "not callable")  # type: ignore[arg-type]
     assert req.state is RequestState.PENDING
     with pytest.raises(TypeError, match=r"request must be an sdkcore\.Request"):

@@ -209,6 +209,9 @@ async def test_all_fail_returns_the_last_failure_to_arrive() -> None:
     assert exc.context.cancellation_reason is not None
     assert exc.context.cancellation_reason.name == "NO_MORE_RETRIES"
     assert set(request.retry_reasons) == {TEMP, LOCKED}
+    assert len(exc.context.attempts) == 3  # every hedge's failure, in arrival order
+    assert [a.reason for a in exc.context.attempts] == [TEMP, TEMP, LOCKED]
+    assert exc.context.last_error == "OSError: last"
     extra = exc.context.extra
     assert extra["hedge_winner"] is None
     assert extra["hedges_sent"] == 3
@@ -316,6 +319,8 @@ async def test_one_deadline_covers_the_chain() -> None:
     assert request.cancellation_reason.name == "TIMEOUT"
     assert info.value.context is not None
     assert [h["outcome"] for h in info.value.context.extra["hedges"]] == ["cancelled"] * 3
+    assert info.value.context.in_flight
+    assert [a.effect.name for a in info.value.context.attempts] == ["MAYBE_APPLIED"] * 3
 
 
 async def test_non_idempotent_refused_nothing_sent() -> None:

@@ -35,6 +35,7 @@ SCHEDULED_FIELDS = {
     "capped",
     "idempotent",
     "strategy",
+    "caused_by",
 }
 
 
@@ -61,6 +62,7 @@ async def test_retry_scheduled_event() -> None:
             "capped": False,
             "idempotent": True,
             "strategy": "BestEffortRetryStrategy",
+            "caused_by": None,
         },
         {
             "event": "retry.scheduled",
@@ -73,6 +75,7 @@ async def test_retry_scheduled_event() -> None:
             "capped": False,
             "idempotent": True,
             "strategy": "controlled_backoff",
+            "caused_by": None,
         },
     ]
     assert set(events[0]) == SCHEDULED_FIELDS
@@ -97,7 +100,8 @@ async def test_capped_retry_logs_capped_then_timed_out() -> None:
     assert timed_out["request_id"] == req.id
     assert timed_out["request_name"] == "kv.replace"
     assert timed_out["reason"] == "KV_LOCKED"
-    assert timed_out["ambiguous"] is True
+    # KV LOCKED proves the write was not applied: not ambiguous (rfc/0001 Ambiguity)
+    assert timed_out["ambiguous"] is False
     assert timed_out["idempotent"] is False
 
 
@@ -113,9 +117,10 @@ async def test_retry_not_retried_event() -> None:
     assert event["request_id"] == req.id
     assert event["request_name"] == "kv.insert"
     assert event["reason"] == "KV_TEMPORARY_FAILURE"
-    assert event["attempt"] == 0
+    assert event["attempt"] == 1  # the attempt that failed (1-based)
     assert event["idempotent"] is False
     assert event["strategy"] == "FailFastRetryStrategy"
+    assert event["why"] == "strategy_declined"
     assert event["cancellation_reason"] == "NO_MORE_RETRIES"
 
 

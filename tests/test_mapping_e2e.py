@@ -7,7 +7,6 @@ from collections.abc import Iterable
 import pytest
 
 from sdkcore import (
-    AmbiguousTimeoutException,
     BestEffortRetryStrategy,
     CasMismatchException,
     FailFastRetryStrategy,
@@ -97,8 +96,9 @@ async def test_tmpfail_until_timeout_on_a_get_is_an_unambiguous_timeout() -> Non
 async def test_busy_until_timeout_on_an_upsert_lists_tmpfail() -> None:
     request, orchestrator = setup(KvOpcode.SET, timeout=0.25)
     server = FakeKvServer(KvOpcode.SET, [KvStatus.BUSY])
-    # Non-idempotent and the attempts reached the server: the core reports it as ambiguous.
-    with pytest.raises(AmbiguousTimeoutException) as info:
+    # Non-idempotent and the attempts reached the server, but BUSY (a temporary failure)
+    # proves each was not applied: unambiguous (rfc/0001 "Ambiguity").
+    with pytest.raises(UnambiguousTimeoutException) as info:
         await orchestrator.execute(request, server.send)
     assert info.value.context is not None
     assert info.value.context.retry_reasons == (RetryReason.KV_TEMPORARY_FAILURE,)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from sdkcore import (
     DEFAULT_MAX_REQUESTS_IN_RETRY,
     AmbiguousTimeoutException,
+    AttemptEffect,
     BestEffortRetryStrategy,
     CancellationReason,
     CouchbaseException,
@@ -290,16 +291,62 @@ async def test_non_idempotent_never_dispatched_timeout_is_unambiguous(
     ],
     ids=lambda rs: "+".join(r.name for r in rs),
 )
-async def test_non_idempotent_after_dispatch_timeout_is_ambiguous(
+async def test_non_idempotent_answers_that_prove_nothing_applied_time_out_unambiguous(
     reasons: list[RetryReason],
 ) -> None:
+    """Reached the server, but every answer proves nothing was applied (rfc/0001 Ambiguity)."""
     vc = VirtualClock()
     req = Request(idempotent=False, timeout=0.35, clock=vc.clock)
     exc = await _time_out(req, reasons, vc)
-    assert type(exc) is AmbiguousTimeoutException
+    assert type(exc) is UnambiguousTimeoutException
     assert req.reached_network is True
+    assert req.maybe_applied is False
     assert exc.context is not None
     assert exc.context.idempotent is False
+    assert {a.effect for a in exc.context.attempts} <= {
+        AttemptEffect.NOT_APPLIED,
+        AttemptEffect.NOT_SENT,
+    }
+
+
+async def test_one_maybe_applied_attempt_makes_a_non_idempotent_timeout_ambiguous() -> None:
+    """gRPC UNAVAILABLE from the server maps to SERVICE_NOT_AVAILABLE, which alone would say
+    "never sent": the adapter's effect overrides it, and one such attempt is enough."""
+    vc = VirtualClock()
+    req = Request(idempotent=False, timeout=0.35, clock=vc.clock)
+    orch = RetryOrchestrator(Fixed(0.1), sleep=vc.sleep)
+    await orch.maybe_retry(req, RetryReason.KV_LOCKED)
+    await orch.maybe_retry(
+        req, RetryReason.SERVICE_NOT_AVAILABLE, effect=AttemptEffect.MAYBE_APPLIED
+    )
+
+    async def until_timeout() -> None:
+        for _ in range(10):
+            await orch.maybe_retry(req, RetryReason.KV_LOCKED)
+
+    with pytest.raises(AmbiguousTimeoutException) as info:
+        await until_timeout()
+    assert req.maybe_applied is True
+    ctx = info.value.context
+    assert ctx is not None
+    assert [a.effect for a in ctx.attempts][:2] == [
+        AttemptEffect.NOT_APPLIED,
+        AttemptEffect.MAYBE_APPLIED,
+    ]
+
+
+async def test_an_idempotent_request_is_never_ambiguous() -> None:
+    vc = VirtualClock()
+    req = Request(idempotent=True, timeout=0.35, clock=vc.clock)
+    orch = RetryOrchestrator(Fixed(0.1), sleep=vc.sleep)
+
+    async def until_timeout() -> None:
+        for _ in range(10):
+            await orch.maybe_retry(req, RetryReason.UNKNOWN)
+
+    with pytest.raises(UnambiguousTimeoutException):
+        await until_timeout()
+    assert req.maybe_applied is True
 
 
 # -- backpressure ------------------------------------------------------------------

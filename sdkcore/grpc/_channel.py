@@ -35,20 +35,26 @@ def _build(
     retry_options: dict[str, Any],
 ) -> aio.Channel:
     controller = RetryController(target, service_config, orchestrator=orchestrator, **retry_options)
-    channel_options = controller.channel_options(options)
-    chain = [*controller.interceptors(), *(interceptors or ())]
-    if credentials is None:
-        channel = aio.insecure_channel(
-            target, options=channel_options, compression=compression, interceptors=chain
-        )
-    else:
-        channel = aio.secure_channel(
-            target,
-            credentials,
-            options=channel_options,
-            compression=compression,
-            interceptors=chain,
-        )
+    try:
+        channel_options = controller.channel_options(options)
+        chain = [*controller.interceptors(), *(interceptors or ())]
+        if credentials is None:
+            channel = aio.insecure_channel(
+                target, options=channel_options, compression=compression, interceptors=chain
+            )
+        else:
+            channel = aio.secure_channel(
+                target,
+                credentials,
+                options=channel_options,
+                compression=compression,
+                interceptors=chain,
+            )
+    except BaseException:
+        # A rejected option, interceptor or compression: other channels to the target
+        # keep the throttler they had.
+        controller._abandon()
+        raise
     controller.bind_channel(channel)
     _controllers[channel] = controller
     return channel

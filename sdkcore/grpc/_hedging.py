@@ -24,6 +24,7 @@ try:  # grpc.aio's own call class (see _streamed_opener)
 except ImportError:  # pragma: no cover - depends on grpcio internals
     _UnaryStreamCall = None
 
+from .._context import AttemptEffect
 from .._errors import RequestCanceledException, RetryableError, TimeoutException
 from .._hedge import HedgePolicy, run_hedged
 from .._hooks import INSTANT_DELAYS
@@ -31,10 +32,11 @@ from .._request import Request
 from ._interceptors import (
     PREVIOUS_ATTEMPTS_KEY,
     RetryController,
+    _client_trailing,
     _FinishedUnaryCall,
     _with_attempts,
 )
-from ._policy import PUSHBACK_DONT_RETRY, PUSHBACK_KEY, REASON_STATUS, parse_pushback
+from ._policy import PUSHBACK_DONT_RETRY, PUSHBACK_KEY, parse_pushback, status_reason
 from ._status import status_name
 from ._throttle import RetryThrottler
 
@@ -125,12 +127,14 @@ def hedge_plan(core: RetryController, method: Any) -> HedgePlan | None:
 
 def _error(err: Any, previous: int) -> Any:
     """``err`` reporting which hedge's status it is (``grpc-previous-rpc-attempts``)."""
-    if previous <= 0:
+    trailing = err.trailing_metadata()
+    corrected = _client_trailing(trailing, previous)
+    if corrected is trailing:
         return err
     return aio.AioRpcError(
         err.code(),
         err.initial_metadata(),
-        _with_attempts(err.trailing_metadata(), previous),
+        corrected,
         err.details(),
         err.debug_error_string(),
     )
@@ -186,8 +190,12 @@ async def hedged_unary_unary(
         last[0] = index
         code = err.code().value[0]
         if code in non_fatal:
+            # The server answered: whatever the status, it may have applied the call.
             failure = RetryableError(
-                REASON_STATUS, f"{status_name(code)}: {err.details()}", cause=err
+                status_reason(code),
+                f"{status_name(code)}: {err.details()}",
+                cause=err,
+                effect=AttemptEffect.MAYBE_APPLIED,
             )
             return failure
         if throttler is not None and _pushback_ms(err) == PUSHBACK_DONT_RETRY:
@@ -239,7 +247,10 @@ async def hedged_unary_unary(
             else:
                 if throttler is not None:
                     throttler.record_success()
-                return first
+                md = await first.trailing_metadata()
+                if _client_trailing(md, 0) is md:
+                    return first  # nothing to correct: the call as grpc.aio made it
+                return _FinishedUnaryCall(first, 0)
     except BaseException:
         first.cancel()
         raise
@@ -336,7 +347,7 @@ async def hedged_unary_unary(
         throttler.record_success()
     if streamed:
         return _HedgedUnaryCall(call, response, index)
-    return call if index == 0 else _FinishedUnaryCall(call, index)
+    return _FinishedUnaryCall(call, index)
 
 
 class _HedgedUnaryCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
@@ -366,8 +377,7 @@ class _HedgedUnaryCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
         return await self._call.initial_metadata()
 
     async def trailing_metadata(self) -> Any:
-        md = await self._call.trailing_metadata()
-        return _with_attempts(md, self._previous) if self._previous else md
+        return _client_trailing(await self._call.trailing_metadata(), self._previous)
 
     async def code(self) -> Any:
         return await self._call.code()

@@ -14,6 +14,7 @@ rfc/0003-grpc-retry-design.md.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import sys
 import threading
 import weakref
@@ -24,24 +25,27 @@ import grpc
 from grpc import aio
 from grpc.aio import _base_call
 
+from .._context import AttemptEffect
 from .._errors import CouchbaseException, RequestCanceledException, TimeoutException
 from .._orchestrator import RetryOrchestrator
+from .._reason import RetryReason
 from .._request import Request
 from ._policy import (
     CALL_STATE_KEY,
     PUSHBACK_DONT_RETRY,
     PUSHBACK_KEY,
-    REASON_STATUS,
     REASON_TRANSPARENT,
     A6RetryStrategy,
     BackoffJitter,
     CallState,
     TransparentKind,
     parse_pushback,
+    status_reason,
 )
 from ._service_config import DEFAULT_MAX_ATTEMPTS_CAP, MethodConfig, ServiceConfig
 from ._stats import RetryStats
-from ._throttle import RetryThrottler, throttler_for_target
+from ._throttle import RetryThrottler, _nothing
+from ._throttle import _acquire as _acquire_throttler
 
 __all__ = [
     "DEFAULT_CHANNEL_BUFFER_LIMIT",
@@ -90,19 +94,40 @@ def default_message_size(message: Any) -> int:
     return sys.getsizeof(message)
 
 
-async def previous_rpc_attempts(call_or_error: Any) -> int:
+def previous_rpc_attempts(error_or_metadata: Any) -> int:
     """How many attempts preceded the final one (0 when the first attempt decided).
 
-    Takes a finished call or the ``AioRpcError`` it raised; reads the
-    ``grpc-previous-rpc-attempts`` entry sdkcore adds to its trailing metadata.
+    A plain function. Pass the ``AioRpcError`` a call raised, or the trailing
+    metadata of a finished call: ``previous_rpc_attempts(await
+    call.trailing_metadata())`` (grpc.aio makes a call's metadata awaitable; the
+    count in it is not). A call object itself raises TypeError saying so.
+
+    The count is the client's own: on a call that sdkcore retries (a method with a
+    plan: a retryPolicy, transparent retries, throttling or a method timeout),
+    sdkcore replaces any ``grpc-previous-rpc-attempts`` the server put in its
+    trailing metadata, and sets it only when retries happened. A value that is
+    not a non-negative integer of at most 10 digits counts as 0.
     """
-    md = call_or_error.trailing_metadata()
-    if asyncio.iscoroutine(md):
-        md = await md
+    md = error_or_metadata
+    trailing = getattr(md, "trailing_metadata", None)
+    if trailing is not None:
+        if inspect.iscoroutinefunction(trailing):
+            raise TypeError(
+                "previous_rpc_attempts(call): a call's trailing metadata must be awaited; "
+                "pass `await call.trailing_metadata()` (or the AioRpcError the call raised)"
+            )
+        md = trailing()
     if not md:
         return 0
-    values = [v for k, v in md if k == PREVIOUS_ATTEMPTS_KEY]
-    return int(values[-1]) if values else 0
+    value: Any = None
+    for key, v in md:
+        if key == PREVIOUS_ATTEMPTS_KEY:
+            value = v
+    if isinstance(value, bytes):
+        value = value.decode("ascii", "replace")
+    if not isinstance(value, str) or not value.isascii() or not value.isdigit() or len(value) > 10:
+        return 0
+    return int(value)
 
 
 def _truthy(value: Any) -> bool:
@@ -113,9 +138,18 @@ def _truthy(value: Any) -> bool:
 
 
 def _with_attempts(md: Any, previous: int) -> aio.Metadata:
+    """``md`` without any ``grpc-previous-rpc-attempts``, plus sdkcore's count if > 0."""
     out = aio.Metadata(*[(k, v) for k, v in (md or ()) if k != PREVIOUS_ATTEMPTS_KEY])
-    out.add(PREVIOUS_ATTEMPTS_KEY, str(previous))
+    if previous > 0:
+        out.add(PREVIOUS_ATTEMPTS_KEY, str(previous))
     return out
+
+
+def _client_trailing(md: Any, previous: int) -> Any:
+    """Trailing metadata for the application: the previous-attempts count is the client's."""
+    if previous > 0 or (md and any(k == PREVIOUS_ATTEMPTS_KEY for k, _ in md)):
+        return _with_attempts(md, previous)
+    return md
 
 
 class _Plan:
@@ -163,6 +197,12 @@ class RetryController:
         stats: RetryStats | None = None,
         message_size: Callable[[Any], int] | None = None,
     ) -> None:
+        # Every argument is checked before any shared state (the process-wide
+        # throttler of the target) is touched: a rejected controller changes nothing.
+        if not isinstance(target, str):
+            raise TypeError(
+                f"RetryController(target) must be a str (the server name), got {target!r}"
+            )
         if service_config is not None and not isinstance(service_config, ServiceConfig):
             service_config = ServiceConfig.from_json(service_config)
         for name, value in (
@@ -173,8 +213,28 @@ class RetryController:
                 raise ValueError(
                     f"RetryController({name}=...) must be an integer >= 0 bytes, got {value!r}"
                 )
-        if not isinstance(enabled, bool):
-            raise TypeError(f"RetryController(enabled=...) must be a bool, got {enabled!r}")
+        for name, value in (("enabled", enabled), ("transparent_retries", transparent_retries)):
+            if not isinstance(value, bool):
+                raise TypeError(f"RetryController({name}=...) must be a bool, got {value!r}")
+        if not isinstance(backoff_jitter, BackoffJitter):
+            raise TypeError(
+                "RetryController(backoff_jitter=...) must be a BackoffJitter (FULL or "
+                f"PROPORTIONAL), got {backoff_jitter!r}"
+            )
+        if stats is not None and not isinstance(stats, RetryStats):
+            raise TypeError(f"RetryController(stats=...) must be a RetryStats, got {stats!r}")
+        if message_size is not None and not callable(message_size):
+            raise TypeError(
+                "RetryController(message_size=...) must be a callable returning bytes, "
+                f"got {message_size!r}"
+            )
+        # max_attempts_cap and transparent_retry_limit, with the strategy's own messages.
+        A6RetryStrategy(
+            None,
+            max_attempts_cap=max_attempts_cap,
+            jitter=backoff_jitter,
+            transparent_retry_limit=transparent_retry_limit,
+        )
         self.target = target
         self.service_config: ServiceConfig | None = service_config
         self.orchestrator = orchestrator if orchestrator is not None else RetryOrchestrator()
@@ -187,19 +247,18 @@ class RetryController:
         self._buffered = 0
         self._buffer_lock = threading.Lock()
         throttling = None if service_config is None else service_config.retry_throttling
-        self.throttler: RetryThrottler | None = (
-            None
-            if throttling is None or not enabled
-            else throttler_for_target(target, throttling.max_tokens, throttling.token_ratio)
-        )
+        self.throttler: RetryThrottler | None = None
+        self._abandon: Callable[[], None] = _nothing
+        if throttling is not None and enabled:  # last: the one shared state a controller changes
+            self.throttler, self._abandon = _acquire_throttler(
+                target, throttling.max_tokens, throttling.token_ratio
+            )
         self._strategy_args: dict[str, Any] = {
             "throttler": self.throttler,
             "max_attempts_cap": max_attempts_cap,
             "jitter": backoff_jitter,
             "transparent_retry_limit": transparent_retry_limit,
         }
-        # Validate the arguments now rather than on the first call.
-        A6RetryStrategy(None, **self._strategy_args)
         self._plans: dict[Any, _Plan | None] = {}
         self._channel: weakref.ref[Any] | None = None
 
@@ -441,15 +500,27 @@ class _Call:
         # re-send continues the same A6 attempt.
         if kind is None:
             self._attempt_failed()
-            if self.strategy.policy is None:
-                raise self._final(err)
+            policy = self.strategy.policy
+            if policy is None or st.code not in policy.retryable_status_codes:
+                # An ordinary answer, not a retry decision: the call fails with it and
+                # the orchestrator (and its retry log) never sees it.
+                if st.pushback == PUSHBACK_DONT_RETRY and policy is not None:
+                    throttler = core.throttler
+                    if throttler is not None:  # A6: counts for throttling whatever the status
+                        throttler.record_failure()
+                raise core.orchestrator.fail(self.request, self._final(err))
         st.transparent = kind
         committed = st.committed
+        if kind is None:
+            # The server answered: whatever the status, it may have applied the call.
+            reason, effect = status_reason(st.code), AttemptEffect.MAYBE_APPLIED
+        else:
+            reason, effect = REASON_TRANSPARENT, AttemptEffect.NOT_SENT
         self.in_backoff = True
         try:
-            await core.orchestrator.maybe_retry(
-                self.request, REASON_STATUS if kind is None else REASON_TRANSPARENT
-            )
+            # The attempt's AioRpcError is the cause: logged as caused_by, the context's
+            # last_error, and the __cause__ of the orchestrator's refusal.
+            await core.orchestrator.maybe_retry(self.request, reason, cause=err, effect=effect)
         except TimeoutException as exc:
             if kind is not None:
                 self._attempt_failed()
@@ -458,15 +529,15 @@ class _Call:
             if kind is not None:
                 self._attempt_failed()
             if st.committed and not committed:
-                raise self._final(err) from self._committed_while_waiting(exc)
-            raise self._final(err) from exc
+                raise self._final(err, copy=True) from self._committed_while_waiting(exc, reason)
+            raise self._final(err, copy=True) from exc
         finally:
             self.in_backoff = False
         if st.committed:
             # Committed while waiting (replay buffer overflow): A6 allows no more attempts.
             if kind is not None:
                 self._attempt_failed()
-            raise self._final(err) from self._committed_while_waiting(None)
+            raise self._final(err, copy=True) from self._committed_while_waiting(err, reason)
         if st.transparent is None:  # the strategy may hand a transparent case to the policy
             core.stats.record_retry(self.name, st.attempts)
         else:
@@ -476,35 +547,39 @@ class _Call:
         if self.state.attempts > 1:
             self.core.stats.record_failed_retry(self.name)
 
-    def _committed_while_waiting(self, cause: BaseException | None) -> BaseException:
+    def _committed_while_waiting(
+        self, cause: BaseException | None, reason: RetryReason
+    ) -> BaseException:
         why = "the call committed while waiting to retry (replay buffer limit reached)"
         self.state.refusal = why
         context = self.request.error_context(
-            REASON_STATUS, extra={"not_retried_because": why, "grpc_attempts": self.state.attempts}
+            reason, extra={"not_retried_because": why, "grpc_attempts": self.state.attempts}
         )
         exc = RequestCanceledException(f"not retried: {why}", context=context)
         exc.__cause__ = cause
         return exc
 
-    def _final(self, err: Any) -> Any:
-        previous = self.state.attempts - 1
-        if previous <= 0:
+    def _final(self, err: Any, *, copy: bool = False) -> Any:
+        """The error the application gets for the last attempt's ``err``.
+
+        ``copy``: always a new AioRpcError (when it is raised from an exception whose
+        cause chain holds ``err``, so the chain has no cycle).
+        """
+        previous = max(self.state.attempts - 1, 0)
+        trailing = err.trailing_metadata()
+        md = _client_trailing(trailing, previous)
+        if md is trailing and not copy:
             return err
         return aio.AioRpcError(
-            err.code(),
-            err.initial_metadata(),
-            _with_attempts(err.trailing_metadata(), previous),
-            err.details(),
-            err.debug_error_string(),
+            err.code(), err.initial_metadata(), md, err.details(), err.debug_error_string()
         )
 
     def _deadline(self, err: Any) -> Any:
         previous = max(self.state.attempts - 1, 0)
-        trailing = err.trailing_metadata()
         return aio.AioRpcError(
             grpc.StatusCode.DEADLINE_EXCEEDED,
             err.initial_metadata(),
-            _with_attempts(trailing, previous) if previous else trailing,
+            _client_trailing(err.trailing_metadata(), previous),
             "Deadline Exceeded",
             f"deadline reached while waiting to retry after {err.code().name}: {err.details()}",
         )
@@ -616,7 +691,11 @@ class RetryUnaryUnaryInterceptor(_Interceptor, aio.UnaryUnaryClientInterceptor):
                     continue
                 c.succeeded()
                 previous = c.state.attempts - 1
-                return call if previous == 0 else _FinishedUnaryCall(call, previous)
+                if previous == 0:
+                    md = await call.trailing_metadata()
+                    if _client_trailing(md, 0) is md:
+                        return call  # nothing to correct: the call as grpc.aio made it
+                return _FinishedUnaryCall(call, previous)
         finally:
             c.release()
 
@@ -856,11 +935,15 @@ class _RetryingCall:
         if self._accounted:
             return
         code = await call.code()
-        trailing = None if code is _OK else await call.trailing_metadata()
-        self._account_end(code, trailing)
+        if code is _OK:
+            self._account_end(code, None, None)
+            return
+        trailing = await call.trailing_metadata()
+        error = aio.AioRpcError(code, await call.initial_metadata(), trailing, await call.details())
+        self._account_end(code, trailing, error)
 
-    def _account_end(self, code: Any, trailing: Any) -> None:
-        """How a committed call ended, for the throttler and stats (once per call)."""
+    def _account_end(self, code: Any, trailing: Any, error: BaseException | None) -> None:
+        """How a committed call ended, for the request, throttler and stats (once per call)."""
         if self._accounted:
             return
         self._accounted = True
@@ -868,6 +951,10 @@ class _RetryingCall:
         if code is _OK:
             c.succeeded()  # completes the request and feeds the throttler
             return
+        if self._cancelled:  # the application cancelled the call
+            c.request.cancel()
+        elif error is not None:
+            c.core.orchestrator.fail(c.request, error)
         if c.state.attempts > 1:
             c.core.stats.record_failed_retry(c.name)
         policy = c.strategy.policy
@@ -964,9 +1051,7 @@ class _RetryingCall:
             return None
         if out.error is not None:
             return out.error.trailing_metadata()
-        md = await out.call.trailing_metadata()
-        previous = self._c.state.attempts - 1
-        return _with_attempts(md, previous) if previous > 0 else md
+        return _client_trailing(await out.call.trailing_metadata(), self._c.state.attempts - 1)
 
     async def code(self) -> Any:
         out = await self._settled()
@@ -1015,7 +1100,7 @@ class _RetryingCall:
             try:
                 message = await call.read()
             except aio.AioRpcError as err:
-                self._account_end(err.code(), err.trailing_metadata())
+                self._account_end(err.code(), err.trailing_metadata(), err)
                 raise self._c._final(err) from None
             if message is _EOF:
                 await self._account_committed(call)

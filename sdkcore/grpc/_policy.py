@@ -17,6 +17,7 @@ from .._context import ErrorContext
 from .._errors import RequestCanceledException
 from .._reason import RetryReason
 from .._request import Request
+from ..mapping._grpc_status import STATUS_REASONS, GrpcCode
 from ._service_config import DEFAULT_MAX_ATTEMPTS_CAP, RetryPolicy
 from ._status import status_name
 from ._throttle import RetryThrottler
@@ -32,6 +33,7 @@ __all__ = [
     "CallState",
     "TransparentKind",
     "parse_pushback",
+    "status_reason",
 ]
 
 #: Trailing metadata key of A6 server pushback.
@@ -40,12 +42,30 @@ PUSHBACK_KEY = "grpc-retry-pushback-ms"
 PUSHBACK_DONT_RETRY = -1
 #: Key of the per-call :class:`CallState` in ``Request.client_context``.
 CALL_STATE_KEY = "sdkcore.grpc.call"
-#: The reason a failed attempt with a status is handed to the orchestrator for.
+#: The reason a failed attempt with a status is handed to the orchestrator for,
+#: except UNAVAILABLE (SERVICE_NOT_AVAILABLE): see :func:`status_reason`.
 REASON_STATUS = RetryReason.SERVICE_RESPONSE_CODE_INDICATED
 #: The reason of a transparent retry (the request never reached the server application).
 REASON_TRANSPARENT = RetryReason.SOCKET_NOT_AVAILABLE
 
+# By status number, from the one table the Couchbase mapping uses too.
+_REASON_BY_CODE: tuple[RetryReason, ...] = tuple(
+    STATUS_REASONS.get(code, REASON_STATUS) for code in GrpcCode
+)
+
+
+def status_reason(code: int) -> RetryReason:
+    """The RetryReason a failed attempt with status number ``code`` is retried for.
+
+    The table is ``sdkcore.mapping``'s (``grpc_failure`` names the same reason for
+    the same status): SERVICE_NOT_AVAILABLE for UNAVAILABLE, else
+    SERVICE_RESPONSE_CODE_INDICATED.
+    """
+    return _REASON_BY_CODE[code] if 0 <= code < len(_REASON_BY_CODE) else REASON_STATUS
+
+
 _INT32_MAX = 2**31 - 1
+_INT32_DIGITS = len(str(_INT32_MAX))
 _PUSHBACK_VALUE = re.compile(r"-?[0-9]+")
 
 
@@ -53,8 +73,9 @@ def parse_pushback(values: Iterable[str | bytes]) -> int | None:
     """Interpret the ``grpc-retry-pushback-ms`` values of one response.
 
     ``None`` when absent; the delay in ms (``0`` included: retry at once) for a
-    single non-negative 32-bit integer; :data:`PUSHBACK_DONT_RETRY` for a
-    negative, unparsable, out-of-range or repeated value.
+    single non-negative 32-bit integer in ASCII decimal; :data:`PUSHBACK_DONT_RETRY`
+    for a negative, unparsable, out-of-range (however many digits) or repeated
+    value (A6: the server asks not to retry). Never raises for what a server sends.
     """
     found: list[str | bytes] = list(values)
     if not found:
@@ -69,8 +90,14 @@ def parse_pushback(values: Iterable[str | bytes]) -> int | None:
             return PUSHBACK_DONT_RETRY
     if not isinstance(raw, str) or _PUSHBACK_VALUE.fullmatch(raw) is None:
         return PUSHBACK_DONT_RETRY
-    ms = int(raw)
-    if ms < 0 or ms > _INT32_MAX:
+    if raw[0] == "-":
+        return PUSHBACK_DONT_RETRY
+    # Out of range is decided on the digits: int() of a long text would raise.
+    digits = raw.lstrip("0") or "0"
+    if len(digits) > _INT32_DIGITS:
+        return PUSHBACK_DONT_RETRY
+    ms = int(digits)
+    if ms > _INT32_MAX:
         return PUSHBACK_DONT_RETRY
     return ms
 
@@ -156,7 +183,7 @@ _TRANSPARENT_FIRST_DELAY = 0.01
 
 
 class A6RetryStrategy:
-    """A6 retry policy decisions, for :data:`REASON_STATUS` and :data:`REASON_TRANSPARENT`.
+    """A6 retry policy decisions: transparent retries, and status failures (any other reason).
 
     * Status failures: retry a status in ``retryableStatusCodes`` while fewer than
       ``min(maxAttempts, max_attempts_cap)`` attempts were made, the call is not

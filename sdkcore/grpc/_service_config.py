@@ -16,6 +16,9 @@ from typing import Any
 
 import attrs
 
+from .._untrusted import LongInt as _LongInt
+from .._untrusted import parse_int as _parse_int
+from .._untrusted import show as _show
 from ._duration import parse_duration
 from ._status import STATUS_BY_NAME, STATUS_NAMES
 
@@ -143,12 +146,22 @@ class ServiceConfig:
         """Parse and validate; raises :class:`ServiceConfigError` listing every violation."""
         if isinstance(data, (str, bytes, bytearray)):
             try:
-                obj: Any = json.loads(data)
+                obj: Any = json.loads(data, parse_int=_parse_int)
             except (ValueError, UnicodeDecodeError) as exc:
                 raise ServiceConfigError(
                     [
                         ServiceConfigViolation(
                             "", f"must be a JSON object; the text is not JSON: {exc}"
+                        )
+                    ]
+                ) from None
+            except RecursionError:
+                raise ServiceConfigError(
+                    [
+                        ServiceConfigViolation(
+                            "",
+                            "must be a JSON object; the text nests arrays/objects too deeply "
+                            "to decode",
                         )
                     ]
                 ) from None
@@ -189,7 +202,13 @@ def _is_int(v: object) -> bool:
 
 
 def _is_number(v: object) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+    """A JSON number that is a finite float (a huge integer is not: it has no float value)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int beyond the float range
+        return False
 
 
 class _Parser:
@@ -244,7 +263,7 @@ class _Parser:
             timeout = self.duration(f"{path}.timeout", raw["timeout"], positive=True)
         wait_for_ready = raw.get("waitForReady")
         if wait_for_ready is not None and not isinstance(wait_for_ready, bool):
-            self.err(f"{path}.waitForReady", f"must be true or false, got {wait_for_ready!r}")
+            self.err(f"{path}.waitForReady", f"must be true or false, got {_show(wait_for_ready)}")
             wait_for_ready = None
         return MethodConfig(tuple(names), retry, hedging, timeout, wait_for_ready)
 
@@ -273,13 +292,17 @@ class _Parser:
                 continue
             if method and not service:
                 self.err(
-                    p, f"method {method!r} needs a service (an empty service is the default entry)"
+                    p,
+                    f"method {_show(method)} needs a service "
+                    "(an empty service is the default entry)",
                 )
                 continue
             name = MethodName(service, method)
             if name in seen:
                 self.err(
-                    p, f"duplicate method name {service!r}/{method!r}, already used at {seen[name]}"
+                    p,
+                    f"duplicate method name {_show(service)}/{_show(method)}, "
+                    f"already used at {seen[name]}",
                 )
                 continue
             seen[name] = p
@@ -293,7 +316,7 @@ class _Parser:
             return 0
         v = raw["maxAttempts"]
         if not _is_int(v) or v < 2:
-            self.err(f"{path}.maxAttempts", f"must be an integer >= 2, got {v!r}")
+            self.err(f"{path}.maxAttempts", f"must be an integer >= 2, got {_show(v)}")
             return 0
         return int(v)
 
@@ -320,7 +343,9 @@ class _Parser:
         else:
             v = raw["backoffMultiplier"]
             if not _is_number(v) or v <= 0:
-                self.err(f"{path}.backoffMultiplier", f"must be a number > 0, got {v!r}")
+                self.err(
+                    f"{path}.backoffMultiplier", f"must be a finite number > 0, got {_show(v)}"
+                )
             else:
                 multiplier = float(v)
         codes: frozenset[int] = frozenset()
@@ -366,7 +391,7 @@ class _Parser:
                 out.add(STATUS_BY_NAME[code.upper()])
             else:
                 self.err(
-                    f"{path}[{k}]", f"must be a valid status code ({_CODE_HELP}), got {code!r}"
+                    f"{path}[{k}]", f"must be a valid status code ({_CODE_HELP}), got {_show(code)}"
                 )
         return frozenset(out)
 
@@ -377,10 +402,10 @@ class _Parser:
             self.err(path, str(exc))
             return None
         if positive and nanos <= 0:
-            self.err(path, f"must be a duration > 0, got {raw!r}")
+            self.err(path, f"must be a duration > 0, got {_show(raw)}")
             return None
         if not positive and nanos < 0:
-            self.err(path, f"must be a duration >= 0, got {raw!r}")
+            self.err(path, f"must be a duration >= 0, got {_show(raw)}")
             return None
         # timedelta holds microseconds: round up, so a duration > 0 never becomes 0.
         return timedelta(microseconds=-(-nanos // 1000))
@@ -399,7 +424,7 @@ class _Parser:
             if not _is_int(v) or not 0 < v <= _MAX_TOKENS_LIMIT:
                 self.err(
                     f"{path}.maxTokens",
-                    f"must be an integer in (0, {_MAX_TOKENS_LIMIT}], got {v!r}",
+                    f"must be an integer in (0, {_MAX_TOKENS_LIMIT}], got {_show(v)}",
                 )
             else:
                 max_tokens = int(v)
@@ -410,12 +435,12 @@ class _Parser:
             v = raw["tokenRatio"]
             milli = _milli(v) if _is_number(v) else None
             if milli is None or v <= 0:
-                self.err(f"{path}.tokenRatio", f"must be a number > 0, got {v!r}")
+                self.err(f"{path}.tokenRatio", f"must be a finite number > 0, got {_show(v)}")
             elif milli == 0:
                 self.err(
                     f"{path}.tokenRatio",
                     "must be at least 0.001 (digits past the third decimal are dropped), "
-                    f"got {v!r}",
+                    f"got {_show(v)}",
                 )
             else:
                 ratio = milli / 1000
@@ -442,5 +467,7 @@ def _kind(value: object) -> str:
     if isinstance(value, list):
         return "an array"
     if isinstance(value, str):
-        return f"string {value!r}"
-    return f"{type(value).__name__} {value!r}"
+        return f"string {_show(value)}"
+    if isinstance(value, _LongInt):
+        return repr(value)
+    return f"{type(value).__name__} {_show(value)}"

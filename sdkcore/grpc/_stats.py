@@ -14,6 +14,9 @@ __all__ = ["HISTOGRAM_BUCKETS", "MethodRetryStats", "RetryStats"]
 #: Lower bounds of the A6 histogram buckets (">=1", ">=2", ..., ">=1000").
 HISTOGRAM_BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 5, 10, 100, 1000)
 
+# A repr lists this many methods, then says how many more there are.
+_REPR_METHODS = 8
+
 
 def bucket_of(retry_number: int) -> int:
     """The bucket (its lower bound) the ``retry_number``-th retry (1-based) is counted in."""
@@ -44,6 +47,14 @@ class MethodRetryStats:
     histogram: Mapping[int, int] = attrs.field(
         factory=lambda: MappingProxyType(dict.fromkeys(HISTOGRAM_BUCKETS, 0))
     )
+
+    def __repr__(self) -> str:
+        used = {bucket: n for bucket, n in self.histogram.items() if n}
+        return (
+            f"MethodRetryStats(retry_attempts={self.retry_attempts}, "
+            f"failed_retry_attempts={self.failed_retry_attempts}, "
+            f"transparent_retries={self.transparent_retries}, histogram={used})"
+        )
 
 
 class _Counters:
@@ -113,6 +124,19 @@ class RetryStats:
         with self._lock:
             names = list(self._methods)
         return {name: self.for_method(name) for name in names}
+
+    def __repr__(self) -> str:
+        with self._lock:
+            items = [
+                (name, c.retries, c.failed, c.transparent) for name, c in self._methods.items()
+            ]
+        shown = "; ".join(
+            f"{name}: retries={retries} failed={failed} transparent={transparent}"
+            for name, retries, failed, transparent in items[:_REPR_METHODS]
+        )
+        more = len(items) - _REPR_METHODS
+        tail = f" ... and {more} more" if more > 0 else ""
+        return f"<RetryStats methods={len(items)}{' ' if shown else ''}{shown}{tail}>"
 
     def export_to_opentelemetry(self, meter: Any = None) -> None:
         """Also record into OpenTelemetry metrics (needs the ``sdkcore[otel]`` extra).

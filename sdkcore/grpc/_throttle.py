@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from decimal import Decimal
 
 __all__ = ["RetryThrottler", "throttler_for_target"]
@@ -125,14 +126,43 @@ def throttler_for_target(
     settings replace it (see :class:`RetryThrottler`). A bucket lives as long as
     some channel uses it.
     """
+    return _acquire(target, max_tokens, token_ratio)[0]
+
+
+def _acquire(
+    target: str, max_tokens: int | float, token_ratio: float
+) -> tuple[RetryThrottler, Callable[[], None]]:
+    """:func:`throttler_for_target` plus an undo for a channel that is then not created.
+
+    The undo puts back the bucket the new one replaced (or forgets the target);
+    it does nothing when the bucket was shared or has been replaced since.
+    """
     with _registry_lock:
         old = _registry.get(target)
-        if old is not None:
-            cur = old._current()
-            if cur._max == _to_milli(max_tokens) and cur._ratio == _to_milli(token_ratio):
-                return cur
-            new = RetryThrottler(max_tokens, token_ratio, replaces=cur)
-        else:
-            new = RetryThrottler(max_tokens, token_ratio)
+        cur = None if old is None else old._current()
+        if (
+            cur is not None
+            and cur._max == _to_milli(max_tokens)
+            and cur._ratio == _to_milli(token_ratio)
+        ):
+            return cur, _nothing
+        # Built before anything is changed: a bad max_tokens / token_ratio raises here.
+        new = RetryThrottler(max_tokens, token_ratio, replaces=cur)
         _registry[target] = new
-        return new
+
+    def undo() -> None:
+        with _registry_lock:
+            if _registry.get(target) is not new or new._replaced_by is not None:
+                return
+            if cur is None:
+                del _registry[target]
+                return
+            with cur._lock:
+                cur._replaced_by = None
+            _registry[target] = cur
+
+    return new, undo
+
+
+def _nothing() -> None:
+    return None

@@ -27,6 +27,10 @@ from typing import Any
 
 import attrs
 
+from .._untrusted import LongInt as _LongInt
+from .._untrusted import parse_int as _parse_int
+from .._untrusted import show as _show
+
 __all__ = [
     "RETRY_ATTRIBUTES",
     "ErrorCode",
@@ -76,7 +80,7 @@ def _check_ms(instance: object, attribute: attrs.Attribute[Any], value: object) 
             f"RetrySpec.{attribute.name} must be an int number of milliseconds, got {value!r}"
         )
     if value < 0:
-        raise ValueError(f"RetrySpec.{attribute.name} must be >= 0, got {value}")
+        raise ValueError(f"RetrySpec.{attribute.name} must be >= 0, got {_show(value)}")
 
 
 @attrs.frozen(slots=True)
@@ -178,10 +182,14 @@ class ErrorMap:
                 f"ErrorMap.from_json(data) takes bytes or str, got {type(data).__name__}"
             )
         try:
-            doc = json.loads(text)
+            doc = json.loads(text, parse_int=_parse_int)
         except json.JSONDecodeError as exc:
             raise ErrorMapError(
                 "", f"is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+            ) from None
+        except RecursionError:
+            raise ErrorMapError(
+                "", "is not a usable JSON document: arrays/objects nest too deeply to decode"
             ) from None
         return cls.from_dict(doc)
 
@@ -233,6 +241,8 @@ _STRATEGIES = {s.value: s for s in RetrySpecStrategy}
 
 
 def _json_type(value: Any) -> str:
+    if isinstance(value, _LongInt):
+        return "number"
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -255,9 +265,9 @@ def _int(obj: dict[str, Any], key: str, path: str, *, minimum: int, default: Any
             raise ErrorMapError(path, "is required")
         return int(default)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ErrorMapError(path, f"must be an integer, got {_json_type(value)} {value!r}")
+        raise ErrorMapError(path, f"must be an integer, got {_json_type(value)} {_show(value)}")
     if value < minimum:
-        raise ErrorMapError(path, f"must be >= {minimum}, got {value}")
+        raise ErrorMapError(path, f"must be >= {minimum}, got {_show(value)}")
     return value
 
 
@@ -266,7 +276,7 @@ def _str(obj: dict[str, Any], key: str, path: str) -> str:
     if value is _MISSING:
         raise ErrorMapError(path, "is required")
     if not isinstance(value, str):
-        raise ErrorMapError(path, f"must be a string, got {_json_type(value)} {value!r}")
+        raise ErrorMapError(path, f"must be a string, got {_json_type(value)} {_show(value)}")
     return value
 
 
@@ -291,7 +301,7 @@ def _entry(code: int, raw: Any, path: str) -> ErrorCode:
     for i, attr in enumerate(raw_attrs):
         if not isinstance(attr, str):
             raise ErrorMapError(
-                f"{path}.attrs[{i}]", f"must be a string, got {_json_type(attr)} {attr!r}"
+                f"{path}.attrs[{i}]", f"must be a string, got {_json_type(attr)} {_show(attr)}"
             )
     retry = None
     raw_retry = raw.get("retry", _MISSING)
@@ -310,7 +320,7 @@ def _retry_spec(raw: Any, path: str) -> RetrySpec:
     if strategy is None:
         raise ErrorMapError(
             f"{path}.strategy",
-            f"must be one of constant, linear, exponential, got {strategy_name!r}",
+            f"must be one of constant, linear, exponential, got {_show(strategy_name)}",
         )
     return RetrySpec(
         strategy=strategy,

@@ -49,6 +49,7 @@ from __future__ import annotations
 import enum
 import importlib
 from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from .._context import ErrorContext
@@ -86,7 +87,7 @@ from ._exceptions import (
     ValueTooLargeException,
 )
 
-__all__ = ["GrpcCode", "grpc_code", "grpc_failure"]
+__all__ = ["STATUS_REASONS", "GrpcCode", "grpc_code", "grpc_failure", "grpc_status_reason"]
 
 
 class GrpcCode(enum.IntEnum):
@@ -142,6 +143,41 @@ def grpc_code(code: object) -> GrpcCode:
         f"gRPC status code must be a grpc.StatusCode, int or name, got {code!r} "
         f"({type(code).__name__})"
     )
+
+
+# -- status -> RetryReason: the one table both gRPC paths use ---------------------------
+
+#: The RetryReason a failed gRPC call is handed to the orchestrator for, by status.
+#: Used by :func:`grpc_failure` (for the statuses Couchbase retries on its own:
+#: UNAVAILABLE) and by ``sdkcore.grpc`` channels (for the statuses a method's A6
+#: ``retryableStatusCodes`` lists), so a status is logged under the same reason on
+#: both paths. UNAVAILABLE is SERVICE_NOT_AVAILABLE (RFC 0049: the service is not
+#: available; gRPC: "most likely a transient condition"); every other status is
+#: SERVICE_RESPONSE_CODE_INDICATED: the response code itself asked for the retry.
+#: Both allow retrying a non-idempotent call: A6 decides by status code alone.
+STATUS_REASONS: Mapping[GrpcCode, RetryReason] = MappingProxyType(
+    {
+        code: (
+            RetryReason.SERVICE_NOT_AVAILABLE
+            if code is GrpcCode.UNAVAILABLE
+            else RetryReason.SERVICE_RESPONSE_CODE_INDICATED
+        )
+        for code in GrpcCode
+        if code is not GrpcCode.OK
+    }
+)
+
+
+def grpc_status_reason(code: object) -> RetryReason:
+    """The RetryReason of a retry after a failed call with status ``code``.
+
+    ``code`` as for :func:`grpc_code`. ``OK`` raises ValueError: it is not a failure.
+    """
+    status = grpc_code(code)
+    try:
+        return STATUS_REASONS[status]
+    except KeyError:
+        raise ValueError("grpc_status_reason(code): OK is not a failure") from None
 
 
 # -- details ---------------------------------------------------------------------------
@@ -388,14 +424,17 @@ def grpc_failure(
         decided = _from_detail(kind, detail, violations, status, describe, context)
         if decided is not None:
             return decided
-    if status is GrpcCode.UNAVAILABLE:
-        return RetryReason.SERVICE_NOT_AVAILABLE
+    if status in _RETRIED:
+        return STATUS_REASONS[status]
     if status is GrpcCode.DEADLINE_EXCEEDED:
         timeout = UnambiguousTimeoutException if read_only else AmbiguousTimeoutException
         return timeout(f"{timeout.default_message} ({describe})", context=context)
     cls = _BY_CODE.get(status, CouchbaseException)
     return cls(f"{cls.default_message} ({describe})", context=context)
 
+
+#: Statuses a Couchbase gRPC call is retried for without details deciding otherwise.
+_RETRIED = frozenset({GrpcCode.UNAVAILABLE})
 
 _BY_CODE: dict[GrpcCode, type[CouchbaseException]] = {
     GrpcCode.CANCELLED: RequestCanceledException,

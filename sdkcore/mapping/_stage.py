@@ -17,8 +17,9 @@ from __future__ import annotations
 import enum
 from typing import NoReturn
 
-from .._errors import RetryableError
+from .._errors import CouchbaseException, RetryableError
 from .._reason import RetryReason
+from .._request import Request
 
 __all__ = ["FailureStage", "dispatch_failure_reason", "raise_failure", "retry_allowed"]
 
@@ -84,16 +85,27 @@ def retry_allowed(reason: RetryReason, *, idempotent: bool) -> bool:
 
 
 def raise_failure(
-    result: RetryReason | BaseException, *, cause: BaseException | None = None
+    result: RetryReason | BaseException,
+    *,
+    cause: BaseException | None = None,
+    request: Request | None = None,
 ) -> NoReturn:
     """Raise what a mapper returned, from a ``send`` given to ``RetryOrchestrator.execute``.
 
     A RetryReason becomes :class:`RetryableError` (the orchestrator decides); an
     exception is raised as is and completes the request. ``cause`` is chained.
+    Given the ``request``, a CouchbaseException without a context gets the
+    request's (``execute`` also does this for whatever its ``send`` raises).
     """
     if isinstance(result, RetryReason):
         raise RetryableError(result, cause=cause)
     if isinstance(result, BaseException):
+        if (
+            request is not None
+            and isinstance(result, CouchbaseException)
+            and result.context is None
+        ):
+            result.context = request.error_context(request._last_reason)
         if cause is not None:
             raise result from cause
         raise result

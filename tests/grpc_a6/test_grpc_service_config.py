@@ -180,7 +180,7 @@ def test_multiplier_required() -> None:
 @pytest.mark.parametrize("value", [0, -1, -0.5, "2", True, None])
 def test_multiplier_must_be_positive_number(value: Any) -> None:
     assert violations(with_retry(backoffMultiplier=value)) == [
-        f"{RP}.backoffMultiplier: must be a number > 0, got {value!r}"
+        f"{RP}.backoffMultiplier: must be a finite number > 0, got {value!r}"
     ]
 
 
@@ -285,7 +285,7 @@ def test_max_tokens_required_and_1000_allowed() -> None:
 @pytest.mark.parametrize("value", [0, -0.1, "0.1", None])
 def test_token_ratio_must_be_positive(value: Any) -> None:
     assert violations({"retryThrottling": {"maxTokens": 10, "tokenRatio": value}}) == [
-        f"retryThrottling.tokenRatio: must be a number > 0, got {value!r}"
+        f"retryThrottling.tokenRatio: must be a finite number > 0, got {value!r}"
     ]
 
 

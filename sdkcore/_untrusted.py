@@ -1,0 +1,53 @@
+"""Reading untrusted JSON documents (service configs, KV error maps) without surprises.
+
+Pure helpers shared by the parsers: integers too long for CPython are kept as their
+length, and values shown in error messages are bounded.
+"""
+
+from __future__ import annotations
+
+import math
+import reprlib
+
+__all__ = ["MAX_INT_DIGITS", "LongInt", "parse_int", "show"]
+
+#: Integers longer than this are kept as text (:class:`LongInt`), never converted:
+#: CPython refuses int() of more than ``sys.get_int_max_str_digits()`` (>= 640) digits.
+MAX_INT_DIGITS = 600
+
+
+class LongInt:
+    """A JSON integer too long to be any valid value; only its length is kept."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"a {self.digits}-digit integer"
+
+
+def parse_int(text: str) -> int | LongInt:
+    """``json.loads(..., parse_int=parse_int)``: never raises on a long integer."""
+    digits = len(text) - (text[:1] == "-")
+    if digits > MAX_INT_DIGITS:
+        return LongInt(digits)
+    return int(text)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 3
+_REPR.maxstring = 80
+_REPR.maxother = 80
+_REPR.maxlong = 40
+
+
+def show(value: object) -> str:
+    """A bounded repr for error messages: huge or deeply nested values never escape."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"a {int(math.log10(abs(value))) + 1}-digit integer"
+    try:
+        return _REPR.repr(value)
+    except Exception:  # a repr that raises (an int past the str-digits limit in a list, ...)
+        return f"a {type(value).__name__}"
