@@ -275,13 +275,12 @@ class _Chain:
                 trigger=attempt.trigger,
                 max_attempts=self.limit,
             )
-        # send(request, i) is called here, in index order; hedges started at the same
-        # instant may then run their first step in any order.
-        tg.start_soon(self._run, attempt, self.send(request, index))
+        # Hedges started at the same instant may take their first step in any order.
+        tg.start_soon(self._run, attempt)
 
-    async def _run(self, attempt: _Attempt, sending: Awaitable[Any]) -> None:
+    async def _run(self, attempt: _Attempt) -> None:
         try:
-            result = await sending
+            result = await self.send(self.request, attempt.index)
         except RetryableError as failure:
             self.outstanding -= 1
             non_fatal = self.policy.non_fatal

@@ -419,3 +419,17 @@ async def test_instant_delays_send_hedges_without_waiting() -> None:
         INSTANT_DELAYS.reset(token)
     assert result == "r2"
     assert sorted(send.started) == [0, 1, 2]
+
+
+async def test_send_raising_before_awaiting_is_a_fatal_failure() -> None:
+    calls: list[int] = []
+
+    def send(request: Request, index: int) -> Any:  # not a coroutine function
+        calls.append(index)
+        raise LookupError("no such replica")
+
+    request = idem()
+    with anyio.fail_after(SAFETY), pytest.raises(LookupError, match="no such replica"):
+        await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=5.0))
+    assert calls == [0]
+    assert request.state is RequestState.FAILED
