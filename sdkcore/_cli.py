@@ -1,169 +1,287 @@
-"""The ``sdkcore`` command line: ``sdkcore demo`` and ``sdkcore version``."""
+"""The ``sdkcore`` command line: ``demo``, ``explain``, ``check-config`` and ``--version``.
+
+The frame every command shares lives here: :class:`Output` (rich tables and
+colour when the optional ``rich`` is installed, plain text otherwise; no colour
+when stdout is not a terminal or ``NO_COLOR`` is set; 100 columns at most) and
+:func:`main`, which turns a closed pipe (``sdkcore ... | head -2``) into a quiet
+exit instead of a traceback. Nothing here is imported by ``import sdkcore``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import io
+import os
+import shutil
 import sys
-import time
-from collections.abc import Callable, MutableMapping, Sequence
-from typing import Any
+import textwrap
+from collections.abc import Sequence
+from typing import Any, TextIO
 
-import anyio
-import structlog
+from ._version import __version__
 
-from ._action import RetryAction
-from ._errors import CouchbaseException
-from ._orchestrator import RetryOrchestrator
-from ._reason import RetryReason
-from ._request import Request
-from ._strategy import (
-    BestEffortRetryStrategy,
-    FailFastRetryStrategy,
-    FastFailOnTerminalErrorRetryStrategy,
-    RetryStrategy,
-)
-from .testing import ScriptedSend
+__all__ = ["WIDTH", "Output", "UsageError", "main"]
 
-__all__ = ["main"]
+#: The widest line any command prints.
+WIDTH = 100
 
-R = RetryReason
+#: Exit code after stdout was closed early by the reader (128 + SIGPIPE, as a shell reports it).
+EXIT_BROKEN_PIPE = 141
 
 
-class NoRobots(BestEffortRetryStrategy):
-    """The RFC's example: never retry requests flagged as coming from a robot."""
-
-    async def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:
-        if request.client_context.get("isRobotRequest"):
-            return RetryAction.no_retry()
-        return await super().retry_after(request, reason)
+class UsageError(Exception):
+    """Bad input on the command line: printed on stderr, exit code 2."""
 
 
-# (title, request kwargs, script of attempt outcomes)
-SCENARIOS: list[tuple[str, dict[str, Any], list[Any]]] = [
-    (
-        "get: NOT_MY_VBUCKET twice, then the value",
-        {"name": "get", "idempotent": True},
-        [R.KV_NOT_MY_VBUCKET, R.KV_NOT_MY_VBUCKET, b"value"],
-    ),
-    (
-        "upsert: socket closed while in flight",
-        {"name": "upsert", "idempotent": False},
-        [R.SOCKET_CLOSED_WHILE_IN_FLIGHT, b"stored"],
-    ),
-    (
-        "get: socket closed while in flight, then the value",
-        {"name": "get", "idempotent": True},
-        [R.SOCKET_CLOSED_WHILE_IN_FLIGHT, b"value"],
-    ),
-    (
-        "upsert: locked, locked, then stored",
-        {"name": "upsert", "idempotent": False},
-        [R.KV_LOCKED, R.KV_LOCKED, b"stored"],
-    ),
-    (
-        "get (timeout 150 ms): bad credentials (AUTHENTICATION_ERROR) on every attempt",
-        {"name": "get", "idempotent": True, "timeout": 0.15},
-        [R.AUTHENTICATION_ERROR],
-    ),
-    (
-        "get from a robot: temporary failure, then the value",
-        {"name": "get", "idempotent": True, "client_context": {"isRobotRequest": True}},
-        [R.KV_TEMPORARY_FAILURE, b"value"],
-    ),
-]
-
-STRATEGIES: list[tuple[str, Callable[[], RetryStrategy]]] = [
-    ("FastFailOnTerminalError (default)", FastFailOnTerminalErrorRetryStrategy),
-    ("BestEffort", BestEffortRetryStrategy),
-    ("FailFast (internal)", FailFastRetryStrategy),
-    ("NoRobots (BestEffort subclass)", NoRobots),
-]
-
-
-def _write(line: str = "") -> None:
-    sys.stdout.write(line + "\n")
-
-
-def _event_line(event: MutableMapping[str, Any]) -> str:
-    fields = " ".join(
-        f"{k}={event[k]}"
-        for k in ("reason", "attempt", "delay_ms", "capped", "cancellation_reason", "ambiguous")
-        if k in event
-    )
-    return f"      {event.get('log_level', ''):<5} {event['event']:<18} {fields}"
-
-
-async def _demo(show_events: bool) -> int:
-    events: list[MutableMapping[str, Any]] = []
-
-    def collect(_: Any, method: str, event_dict: MutableMapping[str, Any]) -> Any:
-        event_dict["log_level"] = method
-        events.append(dict(event_dict))
-        raise structlog.DropEvent
-
-    was_configured = structlog.is_configured()
-    old = structlog.get_config()
-    # The demo is an application: it may configure structlog (the library never does).
-    structlog.configure(
-        processors=[collect], wrapper_class=structlog.make_filtering_bound_logger(0)
-    )
+def color_wanted(stream: TextIO) -> bool:
+    """Colour only on a terminal, and never with ``NO_COLOR`` set (https://no-color.org)."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    isatty = getattr(stream, "isatty", None)
     try:
-        return await _run_scenarios(events, show_events)
-    finally:
-        if was_configured:
-            structlog.configure(**old)
+        return bool(isatty and isatty())
+    except (ValueError, OSError):  # a closed or detached stream
+        return False
+
+
+def _rich() -> Any:
+    """The ``rich`` package, or None when the optional ``cli`` extra is not installed."""
+    try:
+        return importlib.import_module("rich")
+    except ImportError:
+        return None
+
+
+class Output:
+    """Where a command writes: lines, headings and tables that fit :data:`WIDTH` columns.
+
+    With ``rich`` installed, tables are drawn by rich (coloured only when
+    :func:`color_wanted`); without it, as aligned plain text. Every piece is rendered
+    to a string first and then written, so a closed pipe surfaces as one
+    ``BrokenPipeError`` that :func:`main` handles.
+    """
+
+    def __init__(self, stream: TextIO | None = None, *, use_rich: bool | None = None) -> None:
+        self.stream: TextIO = sys.stdout if stream is None else stream
+        self.color = color_wanted(self.stream)
+        width = WIDTH
+        if self.color:
+            width = max(40, min(WIDTH, shutil.get_terminal_size((WIDTH, 24)).columns))
+        self.width = width
+        encoding = (getattr(self.stream, "encoding", None) or "utf-8").lower().replace("-", "")
+        #: False when the stream cannot take box-drawing characters (e.g. an ASCII locale).
+        self.unicode = encoding in ("utf8", "utf16", "utf32", "utf8sig")
+        self.rich = _rich() if use_rich is None or use_rich else None
+        if use_rich and self.rich is None:
+            raise UsageError("rich is not installed: pip install 'sdkcore[cli]'")
+
+    # -- plain pieces ------------------------------------------------------------------
+    def write(self, text: str) -> None:
+        self.stream.write(text)
+
+    def line(self, text: str = "", *, style: str | None = None) -> None:
+        """One line, wrapped at the width (continuation lines indented two more spaces)."""
+        if style is not None and self.rich is not None and self.color:
+            self.write(self._render_rich(self._text(text, style)))
+            return
+        self.write(self.wrap(text) + "\n")
+
+    def wrap(self, text: str, indent: str | None = None) -> str:
+        if len(text) <= self.width:
+            return text
+        lead = text[: len(text) - len(text.lstrip(" "))]
+        return textwrap.fill(
+            text,
+            self.width,
+            subsequent_indent=lead + "  " if indent is None else indent,
+            break_on_hyphens=False,
+        )
+
+    def heading(self, text: str) -> None:
+        self.line(text, style="bold")
+
+    # -- tables ------------------------------------------------------------------------
+    def table(
+        self,
+        columns: Sequence[str],
+        rows: Sequence[Sequence[str]],
+        *,
+        title: str | None = None,
+        indent: int = 2,
+    ) -> None:
+        """A table; the last column wraps to keep every line within the width."""
+        if self.rich is not None:
+            self._rich_table(columns, rows, title=title, indent=indent)
         else:
-            structlog.reset_defaults()
+            self._plain_table(columns, rows, title=title, indent=indent)
 
+    def _plain_table(
+        self,
+        columns: Sequence[str],
+        rows: Sequence[Sequence[str]],
+        *,
+        title: str | None,
+        indent: int,
+    ) -> None:
+        pad = " " * indent
+        if title:
+            self.line(pad + title)
+        widths = [len(c) for c in columns]
+        for row in rows:
+            for i, cell in enumerate(row[:-1]):
+                widths[i] = max(widths[i], len(cell))
+        lead = sum(w + 2 for w in widths[:-1])
+        last = max(20, self.width - indent - lead)
+        lines = []
 
-async def _run_scenarios(events: list[MutableMapping[str, Any]], show_events: bool) -> int:
-    failures = 0
-    for title, kwargs, script in SCENARIOS:
-        _write(f"\n== {title}")
-        for label, make in STRATEGIES:
-            orchestrator = RetryOrchestrator(default_strategy=make())
-            request = Request(**{"timeout": 1.0, **kwargs})
-            send = ScriptedSend(script)
-            events.clear()
-            start = time.perf_counter()
-            try:
-                result = await orchestrator.execute(request, send)
-                outcome = f"ok {result!r}"
-            except CouchbaseException as exc:
-                outcome = f"{type(exc).__name__}"
-            except Exception as exc:  # the demo must report, not crash
-                outcome = f"unexpected {type(exc).__name__}: {exc}"
-                failures += 1
-            elapsed = (time.perf_counter() - start) * 1000
-            reasons = ",".join(r.name for r in request.retry_reasons) or "-"
-            _write(
-                f"  {label:<34} -> {outcome:<32} attempts={send.calls} "
-                f"retries={request.retry_attempts} reasons={reasons} {elapsed:.0f} ms"
+        def emit(cells: Sequence[str]) -> None:
+            head = "".join(f"{c:<{w}}  " for c, w in zip(cells[:-1], widths, strict=False))
+            wrapped = textwrap.wrap(cells[-1], last, break_on_hyphens=False) or [""]
+            lines.append((pad + head + wrapped[0]).rstrip())
+            for more in wrapped[1:]:
+                lines.append((pad + " " * lead + more).rstrip())
+
+        emit(columns)
+        emit(["-" * w for w in widths[:-1]] + ["-" * min(last, max(len(columns[-1]), 8))])
+        for row in rows:
+            emit(row)
+        self.write("\n".join(lines) + "\n")
+
+    def _text(self, text: str, style: str | None = None) -> Any:
+        return importlib.import_module("rich.text").Text(text, style=style or "")
+
+    def _render_rich(self, renderable: Any) -> str:
+        console_mod = importlib.import_module("rich.console")
+        buffer = io.StringIO()
+        console = console_mod.Console(
+            file=buffer,
+            width=self.width,
+            force_terminal=self.color,
+            no_color=not self.color,
+            color_system="auto" if self.color else None,
+            highlight=False,
+            markup=False,
+            emoji=False,
+            soft_wrap=False,
+            legacy_windows=False,
+        )
+        console.print(renderable)
+        # rich pads cells to the column width: no trailing blanks in what we print
+        return "\n".join(line.rstrip() for line in buffer.getvalue().split("\n"))
+
+    def _rich_table(
+        self,
+        columns: Sequence[str],
+        rows: Sequence[Sequence[str]],
+        *,
+        title: str | None,
+        indent: int,
+    ) -> None:
+        box = importlib.import_module("rich.box")
+        table_mod = importlib.import_module("rich.table")
+        padding_mod = importlib.import_module("rich.padding")
+        table = table_mod.Table(
+            box=box.SIMPLE_HEAD if self.unicode else box.Box(_ASCII_SIMPLE_HEAD, ascii=True),
+            title=self._text(title) if title else None,
+            title_justify="left",
+            show_edge=False,
+            pad_edge=False,
+            header_style="bold" if self.color else "",
+        )
+        for i, column in enumerate(columns):
+            last = i == len(columns) - 1
+            table.add_column(
+                self._text(column),
+                no_wrap=not last,
+                overflow="fold",
             )
-            if show_events:
-                for event in events:
-                    _write(_event_line(event))
-    return 1 if failures else 0
+        for row in rows:
+            table.add_row(*(self._text(cell) for cell in row))
+        self.write(self._render_rich(padding_mod.Padding(table, (0, 0, 0, indent))))
+
+
+# rich's SIMPLE_HEAD with a "-" rule, for streams that cannot encode box drawing.
+_ASCII_SIMPLE_HEAD = "    \n    \n -- \n    \n    \n    \n    \n    \n"
+
+
+def _silence_stdout() -> None:
+    """After the reader closed the pipe: send what is still buffered to /dev/null."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # pragma: no cover - no real stdout
+        pass
+
+
+def _run_demo(argv: Sequence[str]) -> int:
+    try:
+        demo = importlib.import_module("sdkcore._demo")
+    except ModuleNotFoundError as exc:
+        if exc.name == "sdkcore._demo":
+            sys.stderr.write(
+                "sdkcore demo: not available in this installation (the sdkcore._demo package "
+                "is missing)\n"
+            )
+            return 2
+        if exc.name is not None and exc.name.split(".")[0] in ("grpc", "rich"):
+            extra = "grpc" if exc.name.startswith("grpc") else "cli"
+            sys.stderr.write(
+                f"sdkcore demo needs {exc.name.split('.')[0]}: pip install 'sdkcore[{extra}]'\n"
+            )
+            return 2
+        raise
+    return int(demo.main(list(argv)))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import _check_config, _explain
+
+    parser = argparse.ArgumentParser(
+        prog="sdkcore",
+        description="sdkcore: the retry brain of a database/RPC SDK core.",
+        epilog="Run 'sdkcore COMMAND --help' for a command's options.",
+    )
+    parser.add_argument("--version", action="version", version=f"sdkcore {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser(
+        "demo",
+        help="run a workload against a troubled in-process server under each retry strategy",
+        add_help=False,
+    )
+    _explain.add_parser(sub)
+    _check_config.add_parser(sub)
+    return parser
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list and args_list[0] == "demo":  # the demo parses its own options
+        return _run_demo(args_list[1:])
+    parser = build_parser()
+    args = parser.parse_args(args_list)
+    try:
+        return int(args.run(args, Output()))
+    except UsageError as exc:
+        text = f"sdkcore {args.command}: error: {exc}"
+        lines = [textwrap.fill(line, WIDTH, subsequent_indent="  ") for line in text.split("\n")]
+        sys.stderr.write("\n".join(lines) + "\n")
+        return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sdkcore", description="sdkcore: retry handling core")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser(
-        "demo", help="drive scripted failures through each retry strategy and show the log events"
-    )
-    demo.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
-    demo.add_argument("--quiet", action="store_true", help="hide the log events")
-    sub.add_parser("version", help="print the installed version")
-    args = parser.parse_args(argv)
-    if args.command == "version":
-        from importlib.metadata import version
-
-        _write(version("sdkcore"))
-        return 0
-    _write("sdkcore demo: a scripted in-process failure source driven through")
-    _write("RetryOrchestrator.execute, once per retry strategy (timeout 1 s unless shown).")
-    return anyio.run(_demo, not args.quiet, backend=args.backend)
+    """Run the command line; returns the exit code (``python -m sdkcore`` raises SystemExit)."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # `sdkcore ... | head -2`: the reader has what it wanted; no traceback.
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -12,16 +12,19 @@ sdkcore never configures structlog: the application does. Where the events go:
 
 To keep the per-attempt path cheap, callers ask :func:`enabled` before building an
 event: a filtered level costs a few attribute reads and one comparison.
+
+structlog is imported on first use, not with sdkcore: an application that never
+imported structlog cannot have configured it, and ``import structlog`` costs tens of
+milliseconds (it loads rich when installed).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import MutableMapping
 from contextvars import ContextVar
 from typing import Any
-
-import structlog
 
 __all__ = [
     "CAPTURE",
@@ -72,12 +75,21 @@ def _to_stdlib(_: Any, method: str, event_dict: MutableMapping[str, Any]) -> dic
     return {"msg": f"{event} {text}" if text else str(event), "extra": {"sdkcore": fields}}
 
 
-_stdlib_bound: Any = structlog.wrap_logger(
-    _stdlib_logger,
-    processors=[_to_stdlib],
-    wrapper_class=structlog.stdlib.BoundLogger,
-    context_class=dict,
-)
+_stdlib_bound: Any = None  # structlog's stdlib wrapper around the "sdkcore" logger
+
+
+def _stdlib_logger_bound() -> Any:
+    global _stdlib_bound
+    if _stdlib_bound is None:
+        import structlog
+
+        _stdlib_bound = structlog.wrap_logger(
+            _stdlib_logger,
+            processors=[_to_stdlib],
+            wrapper_class=structlog.stdlib.BoundLogger,
+            context_class=dict,
+        )
+    return _stdlib_bound
 
 
 class _Capture:
@@ -107,15 +119,14 @@ class _Capture:
 _cached: Any = None
 _cached_key: tuple[Any, ...] = (None, None, None, None)
 _cached_floor: int | None = None  # level fixed by a make_filtering_bound_logger class
-_get_config = structlog.get_config
-_is_configured = structlog.is_configured
+_modules = sys.modules
 _capture = CAPTURE.get
 _stdlib_enabled = _stdlib_logger.isEnabledFor
 
 
-def _structlog_logger() -> tuple[Any, int | None]:
+def _structlog_logger(structlog: Any) -> tuple[Any, int | None]:
     global _cached, _cached_key, _cached_floor
-    config = _get_config()
+    config = structlog.get_config()
     k = _cached_key
     if (
         config["wrapper_class"] is k[1]
@@ -146,9 +157,10 @@ def logger() -> Any:
     events = _capture()
     if events is not None:
         return _Capture(events)
-    if not _is_configured():
-        return _stdlib_bound
-    return _structlog_logger()[0]
+    structlog = _modules.get("structlog")
+    if structlog is None or not structlog.is_configured():
+        return _stdlib_logger_bound()
+    return _structlog_logger(structlog)[0]
 
 
 def enabled(level: int) -> Any:
@@ -156,9 +168,10 @@ def enabled(level: int) -> Any:
     events = _capture()
     if events is not None:
         return _Capture(events)
-    if not _is_configured():
-        return _stdlib_bound if _stdlib_enabled(level) else None
-    log, floor = _structlog_logger()
+    structlog = _modules.get("structlog")
+    if structlog is None or not structlog.is_configured():
+        return _stdlib_logger_bound() if _stdlib_enabled(level) else None
+    log, floor = _structlog_logger(structlog)
     if floor is not None:
         return log if level >= floor else None
     check = getattr(log, "isEnabledFor", None) or getattr(log, "is_enabled_for", None)

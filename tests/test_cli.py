@@ -1,76 +1,192 @@
-"""The ``sdkcore demo`` command: runs, and reports what each strategy did."""
+"""The ``sdkcore`` command frame: subcommands, --version, output rules, closed pipes, import."""
 
 from __future__ import annotations
 
-import re
+import io
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
 
 import pytest
-import structlog
 
-from sdkcore._cli import main
+import sdkcore
+from sdkcore._cli import WIDTH, Output, main
 
-
-def _rows(out: str, section: str) -> dict[str, str]:
-    """The strategy -> outcome rows under the scenario heading that contains ``section``."""
-    block = out.split("== ")
-    text = next(b for b in block if section in b.splitlines()[0])
-    rows = {}
-    for line in text.splitlines()[1:]:
-        m = re.match(r"\s+(.+?)\s+-> (\S+)", line)
-        if m:
-            rows[m.group(1)] = m.group(2)
-    return rows
+ROOT = Path(__file__).resolve().parent.parent
+ANSI = "\x1b["
 
 
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_demo_reports_each_strategy(capsys: pytest.CaptureFixture[str], backend: str) -> None:
-    assert main(["demo", "--quiet", "--backend", backend]) == 0
-    out = capsys.readouterr().out
-
-    nmvb = _rows(out, "NOT_MY_VBUCKET twice")
-    assert set(nmvb.values()) == {"ok"}, nmvb  # always-retry, even under FailFast
-    assert len(nmvb) == 4
-
-    upsert = _rows(out, "upsert: socket closed")
-    assert set(upsert.values()) == {"RequestCanceledException"}  # never sent twice
-
-    auth = _rows(out, "AUTHENTICATION_ERROR")
-    assert auth["FastFailOnTerminalError (default)"] == "AuthenticationFailureException"
-    assert auth["BestEffort"] == "UnambiguousTimeoutException"
-
-    robot = _rows(out, "robot")
-    assert robot["NoRobots (BestEffort subclass)"] == "RequestCanceledException"
-    assert robot["BestEffort"] == "ok"
+def _run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sdkcore", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, **env},
+    )
 
 
-def test_demo_prints_log_events(capsys: pytest.CaptureFixture[str]) -> None:
-    structlog.configure(processors=[structlog.processors.KeyValueRenderer()])
-    before = structlog.get_config()
-    try:
-        assert main(["demo"]) == 0
-        after = structlog.get_config()
-    finally:
-        structlog.reset_defaults()
-    out = capsys.readouterr().out
-    assert "retry.scheduled" in out
-    assert "retry.not_retried" in out
-    assert "retry.timed_out" in out
-    # the demo is an application, but when called as a function it restores the
-    # configuration it found
-    assert after == before
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"sdkcore {sdkcore.__version__}\n"
 
 
-def test_unknown_command_exits_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
+def test_unknown_command_exits_2_naming_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["nope"])
     assert exc.value.code == 2
-    assert "invalid choice" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "invalid choice: 'nope'" in err
+    for command in ("demo", "explain", "check-config"):
+        assert command in err
 
 
-def test_demo_leaves_an_unconfigured_structlog_unconfigured(
-    capsys: pytest.CaptureFixture[str],
+def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([])
+    assert exc.value.code == 2
+    assert "usage: sdkcore" in capsys.readouterr().err
+
+
+def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for command in ("demo", "explain", "check-config", "--version"):
+        assert command in out
+
+
+def test_demo_is_delegated_with_its_own_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[list[str]] = []
+
+    def fake_main(argv: list[str]) -> int:
+        seen.append(argv)
+        return 3
+
+    fake = types.ModuleType("sdkcore._demo")
+    fake.main = fake_main  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "sdkcore._demo", fake)
+    assert main(["demo", "--json", "--scenario", "auth", "-v"]) == 3
+    assert seen == [["--json", "--scenario", "auth", "-v"]]
+
+
+def test_demo_without_its_package_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    structlog.reset_defaults()
-    assert main(["demo", "--quiet"]) == 0
-    capsys.readouterr()
-    assert not structlog.is_configured()
+    monkeypatch.setitem(sys.modules, "sdkcore._demo", None)  # import fails as if missing
+    assert main(["demo"]) == 2
+    assert "sdkcore demo: not available" in capsys.readouterr().err
+
+
+def test_output_plain_without_rich(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "rich", None)
+    buf = io.StringIO()
+    out = Output(buf)
+    assert out.rich is None
+    out.table(("a", "long text"), [("x", "word " * 60)], title="t")
+    text = buf.getvalue()
+    assert ANSI not in text
+    assert "-" in text.splitlines()[2]  # the plain rule under the header
+    assert all(len(line) <= WIDTH for line in text.splitlines())
+    assert text.count("word") == 60  # wrapped, not cut
+
+
+def test_ascii_stream_gets_ascii_tables() -> None:
+    pytest.importorskip("rich")
+
+    class Ascii(io.StringIO):
+        encoding = "ascii"
+
+    buf = Ascii()
+    Output(buf).table(("flag", "meaning"), [("always_retry", "yes")])
+    text = buf.getvalue()
+    text.encode("ascii")  # nothing a strict ASCII stream would reject
+    assert "-----" in text
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_colour_only_on_a_terminal_and_never_with_no_color(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("rich")
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    tty = _Tty()
+    Output(tty).heading("hello")
+    assert ANSI in tty.getvalue()
+
+    pipe = io.StringIO()
+    Output(pipe).heading("hello")
+    assert pipe.getvalue() == "hello\n"
+
+    monkeypatch.setenv("NO_COLOR", "1")
+    tty = _Tty()
+    Output(tty).heading("hello")
+    Output(tty).table(("a", "b"), [("1", "2")])
+    assert ANSI not in tty.getvalue()
+
+
+def test_closed_pipe_exits_quietly() -> None:
+    """`sdkcore explain ... | head -0`: the reader is gone before anything is written."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "sdkcore", "explain", "reason", "KV_LOCKED"],
+            stdout=w,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+    finally:
+        os.close(w)
+    assert done.stderr == ""
+    assert done.returncode == 141
+
+
+def test_piped_head_gets_the_first_lines() -> None:
+    done = subprocess.run(
+        f"'{sys.executable}' -m sdkcore explain reason KV_LOCKED | head -2",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0
+    assert done.stderr == ""
+    assert done.stdout.splitlines()[0] == "RetryReason KV_LOCKED"
+
+
+def test_import_sdkcore_stays_lean() -> None:
+    """``import sdkcore`` loads none of the command line, rich, argparse or grpc, and not
+    structlog either (imported on the first event: ``import structlog`` loads rich when it is
+    installed, and an application that never imported structlog cannot have configured it)."""
+    code = (
+        "import sys; before = set(sys.modules); import sdkcore; "
+        "new = set(sys.modules) - before; "
+        "bad = sorted(m for m in new if m.split('.')[0] in ('rich', 'grpc', 'argparse', "
+        "'structlog') "
+        "or m.startswith(('sdkcore._cli', 'sdkcore._explain', 'sdkcore._check_config', "
+        "'sdkcore._demo', 'sdkcore.testing', 'sdkcore.grpc', 'sdkcore.mapping'))); print(bad)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_console_script_runs() -> None:
+    done = _run("--version")
+    assert done.returncode == 0
+    assert done.stdout.strip() == f"sdkcore {sdkcore.__version__}"

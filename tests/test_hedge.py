@@ -6,14 +6,11 @@ and rough spacing of sends, never a precise latency.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Generator, MutableMapping
 from datetime import timedelta
 from typing import Any
 
 import anyio
 import pytest
-import structlog
 
 from sdkcore import (
     HedgePolicy,
@@ -25,10 +22,9 @@ from sdkcore import (
     RetryOrchestrator,
     RetryReason,
     UnambiguousTimeoutException,
-    _log,
 )
-from sdkcore._hooks import INSTANT_DELAYS
 from sdkcore.grpc import RetryThrottler
+from sdkcore.testing import capture_retry_events, instant_retries
 
 pytestmark = pytest.mark.anyio
 
@@ -88,33 +84,6 @@ class Script:
         assert set(self.started) == self.finished
 
 
-@contextlib.contextmanager
-def hedge_events() -> Generator[list[MutableMapping[str, Any]], None, None]:
-    events: list[MutableMapping[str, Any]] = []
-
-    def keep(_: Any, method: str, event_dict: MutableMapping[str, Any]) -> Any:
-        if str(event_dict.get("event", "")).startswith("hedge."):
-            event_dict["log_level"] = method
-            events.append(dict(event_dict))
-        raise structlog.DropEvent
-
-    old = structlog.get_config()
-    was = structlog.is_configured()
-    structlog.configure(
-        processors=[keep],
-        wrapper_class=structlog.make_filtering_bound_logger(0),
-        cache_logger_on_first_use=False,
-    )
-    try:
-        yield events
-    finally:
-        if was:
-            structlog.configure(**old)
-        else:
-            structlog.reset_defaults()
-        _log.logger()
-
-
 def idem(timeout: float | None = 5.0) -> Request:
     return Request(name="get", idempotent=True, timeout=timeout)
 
@@ -123,7 +92,7 @@ async def test_hedges_spaced_winner_cancels_others() -> None:
     send = Script({0: (None, None), 1: (None, None), 2: (0.0, "r2")})
     request = idem()
     before = live_tasks()
-    with anyio.fail_after(SAFETY), hedge_events() as events:
+    with anyio.fail_after(SAFETY), capture_retry_events() as events:
         result = await RetryOrchestrator().hedge(request, send, HedgePolicy(4, delay=0.05))
     assert result == "r2"
     assert sorted(send.started) == [0, 1, 2]  # the 4th was never sent
@@ -411,12 +380,8 @@ async def test_replica_per_index() -> None:
 
 async def test_instant_delays_send_hedges_without_waiting() -> None:
     send = Script({2: (0.0, "r2")})
-    token = INSTANT_DELAYS.set(True)
-    try:
-        with anyio.fail_after(SAFETY):
-            result = await RetryOrchestrator().hedge(idem(), send, HedgePolicy(3, delay=30.0))
-    finally:
-        INSTANT_DELAYS.reset(token)
+    with anyio.fail_after(SAFETY), instant_retries():
+        result = await RetryOrchestrator().hedge(idem(), send, HedgePolicy(3, delay=30.0))
     assert result == "r2"
     assert sorted(send.started) == [0, 1, 2]
 

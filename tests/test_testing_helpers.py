@@ -1,14 +1,40 @@
-"""sdkcore.testing: ScriptedSend, VirtualClock, capture_retry_events."""
+"""sdkcore.testing: instant retries, capture, scripted sends, scripted gRPC server, fixtures."""
 
 from __future__ import annotations
 
+import json
+import threading
+from collections.abc import MutableMapping
+from typing import Any
+
+import anyio
+import anyio.lowlevel
 import pytest
 import structlog
 
-from sdkcore import Request, RetryableError, RetryReason
-from sdkcore.testing import ScriptedSend, VirtualClock, capture_retry_events
+from sdkcore import (
+    AuthenticationFailureException,
+    BestEffortRetryStrategy,
+    DocumentNotFoundException,
+    Request,
+    RetryableError,
+    RetryOrchestrator,
+    RetryReason,
+    _hooks,
+)
+from sdkcore.mapping import GrpcCode, KvOpcode, KvStatus
+from sdkcore.testing import (
+    Delay,
+    ScriptedSend,
+    VirtualClock,
+    capture_retry_events,
+    instant_retries,
+)
 
 pytestmark = pytest.mark.anyio
+
+
+# -- ScriptedSend ----------------------------------------------------------------------------
 
 
 async def test_scripted_send_plays_steps_then_repeats_the_last() -> None:
@@ -25,11 +51,104 @@ async def test_scripted_send_plays_steps_then_repeats_the_last() -> None:
     assert await send(req) == "ok"
     assert send.calls == 4
     assert send.seen == [0, 0, 0, 0]
+    assert send.indexes == [None, None, None, None]
 
 
-def test_scripted_send_needs_a_step() -> None:
-    with pytest.raises(ValueError, match="at least one step"):
-        ScriptedSend([])
+async def test_kv_statuses_go_through_the_kv_mapping() -> None:
+    send: ScriptedSend[Any] = ScriptedSend(
+        [KvStatus.NOT_MY_VBUCKET, KvStatus.KEY_NOT_FOUND], kv_opcode=KvOpcode.GET
+    )
+    with pytest.raises(RetryableError) as info:
+        await send(Request())
+    assert info.value.reason is RetryReason.KV_NOT_MY_VBUCKET
+    with pytest.raises(DocumentNotFoundException, match="KEY_NOT_FOUND on GET"):
+        await send(Request())
+    locked_on_unlock: ScriptedSend[Any] = ScriptedSend([KvStatus.LOCKED], kv_opcode=KvOpcode.UNLOCK)
+    with pytest.raises(Exception, match="LOCKED on UNLOCK") as info3:
+        await locked_on_unlock(Request())
+    assert not isinstance(info3.value, RetryableError)  # RFC 0049: not retried on UNLOCK
+
+
+async def test_grpc_codes_go_through_the_grpc_mapping() -> None:
+    send: ScriptedSend[Any] = ScriptedSend([GrpcCode.UNAVAILABLE, GrpcCode.UNAUTHENTICATED])
+    with pytest.raises(RetryableError) as info:
+        await send(Request())
+    assert info.value.reason is RetryReason.SERVICE_NOT_AVAILABLE
+    with pytest.raises(AuthenticationFailureException):
+        await send(Request())
+
+
+async def test_delay_then_a_step() -> None:
+    send: ScriptedSend[Any] = ScriptedSend([Delay(0, then=Delay(0.001, then=b"late")), Delay(0)])
+    assert await send(Request()) == b"late"
+    assert await send(Request()) is None
+
+
+async def test_exception_classes_are_raised() -> None:
+    send: ScriptedSend[Any] = ScriptedSend([KeyError])
+    with pytest.raises(KeyError):
+        await send(Request())
+
+
+async def test_drives_execute_with_the_mapping() -> None:
+    clock = VirtualClock()
+    orchestrator = RetryOrchestrator(sleep=clock.sleep)
+    send: ScriptedSend[bytes] = ScriptedSend(
+        [KvStatus.NOT_MY_VBUCKET, GrpcCode.UNAVAILABLE, RetryReason.KV_LOCKED, b"value"]
+    )
+    request = Request(name="get", idempotent=True, clock=clock.clock)
+    assert await orchestrator.execute(request, send) == b"value"
+    assert send.calls == 4
+    assert send.seen == [0, 1, 2, 3]
+    assert request.retry_reasons == (
+        RetryReason.KV_NOT_MY_VBUCKET,
+        RetryReason.SERVICE_NOT_AVAILABLE,
+        RetryReason.KV_LOCKED,
+    )
+
+
+async def test_per_index_scripts_for_hedged_attempts() -> None:
+    send: ScriptedSend[str] = ScriptedSend({0: [Delay(0.001, then="slow")], 1: ["fast"]})
+    request = Request()
+    assert await send(request, 1) == "fast"
+    assert await send(request, 0) == "slow"
+    assert await send(request, 1) == "fast"  # each index repeats its own last step
+    assert send.indexes == [1, 0, 1]
+    with pytest.raises(LookupError, match="no script for attempt index 2; scripts exist for 0, 1"):
+        await send(request, 2)
+
+
+async def test_one_script_shared_by_every_index() -> None:
+    send: ScriptedSend[str] = ScriptedSend([RetryReason.KV_LOCKED, "second"])
+    with pytest.raises(RetryableError):
+        await send(Request(), 0)
+    assert await send(Request(), 1) == "second"
+
+
+@pytest.mark.parametrize(
+    ("script", "error", "match"),
+    [
+        ([], ValueError, r"ScriptedSend\(script\) needs at least one step"),
+        ({}, ValueError, "needs at least one index"),
+        ({0: []}, ValueError, r"ScriptedSend\(\{0: \.\.\.\}\) needs at least one step"),
+        ({-1: ["x"]}, TypeError, "indexes must be ints >= 0"),
+        ("abc", TypeError, "takes a list of steps"),
+        ([KvStatus.SUCCESS], ValueError, r"\[0\]: KvStatus.SUCCESS is not a failure"),
+        (["x", GrpcCode.OK], ValueError, r"\[1\]: GrpcCode.OK is not a failure"),
+    ],
+)
+def test_bad_scripts_are_rejected(script: Any, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        ScriptedSend(script)
+
+
+@pytest.mark.parametrize("seconds", [-1, float("nan"), float("inf"), "1", True])
+def test_bad_delays_are_rejected(seconds: Any) -> None:
+    with pytest.raises(ValueError, match=r"Delay\(seconds\) must be a finite number"):
+        Delay(seconds)
+
+
+# -- VirtualClock -----------------------------------------------------------------------------
 
 
 async def test_virtual_clock() -> None:
@@ -43,9 +162,252 @@ async def test_virtual_clock() -> None:
     assert vc.sleeps == [0.25, 0]
 
 
-def test_capture_keeps_only_sdkcore_events() -> None:
-    log = structlog.get_logger("app")
+# -- instant_retries --------------------------------------------------------------------------
+
+
+def test_instant_retries_sets_and_restores_the_switch() -> None:
+    assert _hooks.INSTANT_DELAYS.get() is False
+    with instant_retries():
+        assert _hooks.INSTANT_DELAYS.get() is True
+        with instant_retries():
+            assert _hooks.INSTANT_DELAYS.get() is True
+        assert _hooks.INSTANT_DELAYS.get() is True
+    assert _hooks.INSTANT_DELAYS.get() is False
+
+
+def test_instant_retries_is_not_seen_by_other_threads() -> None:
+    seen: list[bool] = []
+    with instant_retries():
+        thread = threading.Thread(target=lambda: seen.append(_hooks.INSTANT_DELAYS.get()))
+        thread.start()
+        thread.join()
+    assert seen == [False]
+
+
+async def test_instant_retries_is_scoped_to_its_task() -> None:
+    seen: dict[str, bool] = {}
+    inside = anyio.Event()
+
+    async def fast() -> None:
+        with instant_retries():
+            inside.set()
+            await anyio.sleep(0.01)
+            seen["fast"] = _hooks.INSTANT_DELAYS.get()
+
+    async def other() -> None:
+        await inside.wait()
+        seen["other"] = _hooks.INSTANT_DELAYS.get()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(fast)
+        tg.start_soon(other)
+    assert seen == {"fast": True, "other": False}
+
+
+async def test_instant_retries_skip_the_wait_but_not_the_decisions() -> None:
+    orchestrator = RetryOrchestrator(default_strategy=BestEffortRetryStrategy(backoff=lambda n: 30))
+    send: ScriptedSend[str] = ScriptedSend([RetryReason.KV_LOCKED, RetryReason.KV_LOCKED, "ok"])
+    request = Request(name="get", idempotent=True, timeout=None)
+    with instant_retries(), capture_retry_events() as events:
+        with anyio.fail_after(1):  # two 30 s backoffs, waited as zero
+            assert await orchestrator.execute(request, send) == "ok"
+    assert send.calls == 3
+    assert request.retry_attempts == 2
+    scheduled = [e for e in events if e["event"] == "retry.scheduled"]
+    assert [e["delay_ms"] for e in scheduled] == [30000.0, 30000.0]
+
+
+# -- capture_retry_events ---------------------------------------------------------------------
+
+
+async def _one_refused_retry() -> None:
+    orchestrator = RetryOrchestrator()
+    request = Request(name="get", idempotent=True)
+    with pytest.raises(AuthenticationFailureException):
+        await orchestrator.maybe_retry(request, RetryReason.AUTHENTICATION_ERROR)
+
+
+async def test_capture_sees_sdkcore_events_at_every_level() -> None:
+    clock = VirtualClock()
+    orchestrator = RetryOrchestrator(sleep=clock.sleep)
+    request = Request(name="get", idempotent=True, clock=clock.clock)
     with capture_retry_events() as events:
-        log.info("user.event", x=1)
-        log.debug("retry.scheduled", attempt=1)
-    assert events == [{"event": "retry.scheduled", "attempt": 1, "log_level": "debug"}]
+        await orchestrator.maybe_retry(request, RetryReason.KV_LOCKED)
+        await _one_refused_retry()
+    assert [(e["event"], e["log_level"]) for e in events] == [
+        ("retry.scheduled", "debug"),
+        ("retry.not_retried", "info"),
+    ]
+    assert events[0]["reason"] == "KV_LOCKED"
+    assert events[0]["delay_ms"] == 1.0
+    assert events[1]["cancellation_reason"] == "NO_MORE_RETRIES"
+
+
+async def test_capture_ignores_other_loggers() -> None:
+    with capture_retry_events() as events:
+        structlog.get_logger("app").info("user.event", x=1)
+    assert events == []
+
+
+async def test_capture_leaves_structlog_configuration_alone() -> None:
+    structlog.configure(processors=[structlog.processors.KeyValueRenderer()])
+    try:
+        before = structlog.get_config()
+        with capture_retry_events():
+            during = structlog.get_config()
+        assert during == before
+    finally:
+        structlog.reset_defaults()
+
+
+async def test_concurrent_captures_see_only_their_own_events() -> None:
+    results: dict[str, list[str]] = {}
+
+    async def run(name: str, reason: RetryReason) -> None:
+        clock = VirtualClock()
+        orchestrator = RetryOrchestrator(sleep=clock.sleep)
+        with capture_retry_events() as events:
+            for _ in range(3):
+                request = Request(name=name, idempotent=True, clock=clock.clock)
+                await orchestrator.maybe_retry(request, reason)
+                await anyio.lowlevel.checkpoint()
+        results[name] = [e["request_name"] for e in events]
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run, "a", RetryReason.KV_LOCKED)
+        tg.start_soon(run, "b", RetryReason.KV_TEMPORARY_FAILURE)
+    assert results == {"a": ["a"] * 3, "b": ["b"] * 3}
+
+
+# -- the pytest plugin's fixtures ---------------------------------------------------------------
+
+
+def test_instant_retries_fixture(sdkcore_instant_retries: None) -> None:
+    assert _hooks.INSTANT_DELAYS.get() is True
+
+
+async def test_instant_retries_fixture_reaches_async_tests(sdkcore_instant_retries: None) -> None:
+    assert _hooks.INSTANT_DELAYS.get() is True
+
+
+async def test_retry_events_fixture(sdkcore_retry_events: list[MutableMapping[str, Any]]) -> None:
+    await _one_refused_retry()
+    assert [e["event"] for e in sdkcore_retry_events] == ["retry.not_retried"]
+
+
+def test_fixtures_reset_after_the_test() -> None:
+    assert _hooks.INSTANT_DELAYS.get() is False
+
+
+def test_public_names() -> None:
+    import sdkcore.testing as testing
+
+    assert set(testing.__all__) == {
+        "Delay",
+        "GrpcStatus",
+        "ScriptedGrpcServer",
+        "ScriptedSend",
+        "VirtualClock",
+        "capture_retry_events",
+        "grpc_server",
+        "instant_retries",
+    }
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        _ = testing.nope
+
+
+# -- the scripted gRPC server (grpc.aio: asyncio only) -------------------------------------------
+
+asyncio_only = pytest.mark.parametrize("anyio_backend", ["asyncio"])
+
+SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": "demo.Kv"}],
+                "retryPolicy": {
+                    "maxAttempts": 4,
+                    "initialBackoff": "0.01s",
+                    "maxBackoff": "0.05s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
+
+
+@asyncio_only
+async def test_grpc_server_drives_an_sdkcore_channel() -> None:
+    pytest.importorskip("grpc")
+    import sdkcore.grpc
+    from sdkcore.testing import grpc_server
+
+    with anyio.fail_after(15):
+        script = [GrpcCode.UNAVAILABLE, GrpcCode.UNAVAILABLE, b"value"]
+        async with (
+            grpc_server(script) as server,
+            sdkcore.grpc.insecure_channel(server.target, service_config=SERVICE_CONFIG) as channel,
+        ):
+            reply = await channel.unary_unary("/demo.Kv/Get")(b"key", timeout=5)
+    assert reply == b"value"
+    assert server.calls == 3
+    assert server.calls_by_method == {"/demo.Kv/Get": 3}
+    assert server.requests == [b"key"] * 3
+    assert [m.get("grpc-previous-rpc-attempts") for m in server.metadata] == [None, "1", "2"]
+
+
+@asyncio_only
+async def test_grpc_server_pushback_and_per_method_scripts() -> None:
+    grpc = pytest.importorskip("grpc")
+    import sdkcore.grpc
+    from sdkcore.testing import GrpcStatus, grpc_server
+
+    script = {
+        "/demo.Kv/Get": [GrpcStatus("UNAVAILABLE", "overloaded", pushback_ms=-1)],
+        "/demo.Kv/Set": [Delay(0.01, then=b"stored")],
+    }
+    with anyio.fail_after(15):
+        async with (
+            grpc_server(script) as server,
+            sdkcore.grpc.insecure_channel(server.target, service_config=SERVICE_CONFIG) as channel,
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await channel.unary_unary("/demo.Kv/Get")(b"k", timeout=5)
+            assert await channel.unary_unary("/demo.Kv/Set")(b"k", timeout=5) == b"stored"
+            with pytest.raises(grpc.aio.AioRpcError) as missing:
+                await channel.unary_unary("/demo.Kv/Nope")(b"k", timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert info.value.details() == "overloaded"
+    assert missing.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert server.calls_by_method["/demo.Kv/Get"] == 1  # pushback -1: not retried
+
+
+def test_grpc_server_rejects_bad_scripts() -> None:
+    pytest.importorskip("grpc")
+    from sdkcore.testing import GrpcStatus, grpc_server
+
+    with pytest.raises(TypeError, match="a grpc_server step is reply bytes"):
+        grpc_server(["text"])
+    with pytest.raises(TypeError, match="keys are full method names"):
+        grpc_server({"Get": [b"x"]})
+    with pytest.raises(ValueError, match="needs at least one step"):
+        grpc_server([])
+    with pytest.raises(ValueError, match="OK is not a failure"):
+        GrpcStatus(GrpcCode.OK)
+    with pytest.raises(TypeError, match="pushback_ms"):
+        GrpcStatus(GrpcCode.UNAVAILABLE, pushback_ms="10")  # type: ignore[arg-type]
+
+
+def test_the_plugin_imports_the_helpers_only_when_used() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, sdkcore._pytest_plugin; print(sorted(m for m in sys.modules "
+        "if m.startswith(('sdkcore.testing', 'sdkcore.mapping'))))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Generator, MutableMapping
 from typing import Any
 
 import anyio
 import pytest
 
 grpc = pytest.importorskip("grpc")
-import contextlib  # noqa: E402
 
-import structlog  # noqa: E402
 from grpc import aio  # noqa: E402
 from grpc_server import TEST_TIMEOUT, Server, wait_until  # noqa: E402
 from hedge_server import (  # noqa: E402
@@ -32,7 +29,6 @@ from hedge_server import (  # noqa: E402
     ok,
 )
 
-from sdkcore import _log  # noqa: E402
 from sdkcore.grpc import (  # noqa: E402
     ServiceConfig,
     ServiceConfigError,
@@ -41,6 +37,7 @@ from sdkcore.grpc import (  # noqa: E402
     retry_controller,
     retry_stats,
 )
+from sdkcore.testing import capture_retry_events  # noqa: E402
 
 pytestmark = pytest.mark.asyncio
 
@@ -55,35 +52,9 @@ async def call(server: Server, script: HedgeScript, config: str, **kw: Any) -> A
             return err, c, retry_stats(ch).for_method(script.method)
 
 
-@contextlib.contextmanager
-def hedge_events() -> Generator[list[MutableMapping[str, Any]], None, None]:
-    events: list[MutableMapping[str, Any]] = []
-
-    def keep(_: Any, method: str, event_dict: MutableMapping[str, Any]) -> Any:
-        if str(event_dict.get("event", "")).startswith("hedge."):
-            event_dict["log_level"] = method
-            events.append(dict(event_dict))
-        raise structlog.DropEvent
-
-    old, was = structlog.get_config(), structlog.is_configured()
-    structlog.configure(
-        processors=[keep],
-        wrapper_class=structlog.make_filtering_bound_logger(0),
-        cache_logger_on_first_use=False,
-    )
-    try:
-        yield events
-    finally:
-        if was:
-            structlog.configure(**old)
-        else:
-            structlog.reset_defaults()
-        _log.logger()
-
-
 async def test_hedges_spaced_headers_and_winner_cancels_others(server: Server) -> None:
     script = HedgeScript(server, "M", {2: ok(body=b"from 2")})
-    with anyio.fail_after(TEST_TIMEOUT), hedge_events() as events:
+    with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
         result, c, stats = await call(server, script, hedging_config(max_attempts=4, delay="0.1s"))
         assert result == b"from 2"
         assert previous_rpc_attempts(await c.trailing_metadata()) == 2
@@ -300,7 +271,7 @@ async def test_retry_and_hedging_policy_together_rejected() -> None:
 
 async def test_failed_hedge_logged_with_status(server: Server) -> None:
     script = HedgeScript(server, "M", {0: fail(UNAVAILABLE), 1: ok()})
-    with anyio.fail_after(TEST_TIMEOUT), hedge_events() as events:
+    with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
         result, _, _ = await call(server, script, hedging_config(delay="1s"))
     assert result == b"ok"
     [failed] = [e for e in events if e["event"] == "hedge.failed"]

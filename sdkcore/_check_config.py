@@ -1,0 +1,298 @@
+"""``sdkcore check-config FILE``: validate a gRPC service config as sdkcore applies it.
+
+Validation is :meth:`sdkcore.grpc.ServiceConfig.from_json` (gRPC A6 rules; no
+grpcio needed). On top, warnings for what parses but is almost surely a mistake:
+unknown keys (``retryPolicyy``, snake_case ``max_attempts``), a methodConfig that
+names no method, ``OK`` among the retryable codes, a maxAttempts above the
+client cap, an initialBackoff above maxBackoff.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import sys
+import textwrap
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+from ._cli import WIDTH, Output, UsageError
+from .grpc._service_config import (
+    DEFAULT_MAX_ATTEMPTS_CAP,
+    MethodConfig,
+    MethodName,
+    ServiceConfig,
+    ServiceConfigError,
+)
+from .grpc._status import STATUS_BY_NAME, status_name
+
+__all__ = ["add_parser", "lint", "run", "summary"]
+
+# The keys of the gRPC service config that sdkcore knows (the ones it reads, and the
+# ones other parts of gRPC read, which are valid and ignored here).
+_ROOT = {"methodConfig", "retryThrottling", "loadBalancingConfig", "loadBalancingPolicy",
+         "healthCheckConfig"}  # fmt: skip
+_METHOD = {"name", "waitForReady", "timeout", "maxRequestMessageBytes", "maxResponseMessageBytes",
+           "retryPolicy", "hedgingPolicy"}  # fmt: skip
+_NAME = {"service", "method"}
+_RETRY = {"maxAttempts", "initialBackoff", "maxBackoff", "backoffMultiplier",
+          "retryableStatusCodes", "perAttemptRecvTimeout"}  # fmt: skip
+_HEDGING = {"maxAttempts", "hedgingDelay", "nonFatalStatusCodes"}
+_THROTTLING = {"maxTokens", "tokenRatio"}
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser(
+        "check-config",
+        help="validate a gRPC service config and show the effective retry policy per method",
+        description=(
+            "Validate a gRPC service config with the A6 rules (retryPolicy, hedgingPolicy, "
+            "retryThrottling) as sdkcore.grpc applies it. Exit 1 with every problem and its "
+            "JSON path, or 0 with the effective policy per method. Warnings go to stderr."
+        ),
+    )
+    parser.add_argument("file", metavar="FILE", help="the service config (JSON); - reads stdin")
+    parser.add_argument(
+        "--max-attempts-cap",
+        type=int,
+        default=DEFAULT_MAX_ATTEMPTS_CAP,
+        metavar="N",
+        help=f"the client's cap on maxAttempts (default {DEFAULT_MAX_ATTEMPTS_CAP}, as in A6)",
+    )
+    parser.set_defaults(run=run)
+
+
+# -- warnings --------------------------------------------------------------------------------
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part[:1].upper() + part[1:] for part in rest)
+
+
+def _unknown_keys(path: str, obj: Mapping[str, Any], known: set[str]) -> list[str]:
+    out = []
+    for key in obj:
+        if key in known:
+            continue
+        where = f"{path}.{key}" if path else str(key)
+        hint = ""
+        if isinstance(key, str) and "_" in key and _camel(key) in known:
+            hint = f"; did you mean {_camel(key)!r}? (service config keys are camelCase)"
+        else:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.75)
+            if close:
+                hint = f"; did you mean {close[0]!r}?"
+        out.append(f"{where}: unknown key, ignored{hint}")
+    return out
+
+
+def _codes_with_ok(path: str, raw: Any, what: str) -> list[str]:
+    if not isinstance(raw, list):
+        return []
+    out = []
+    for k, code in enumerate(raw):
+        is_ok = (code == 0 and not isinstance(code, bool)) or (
+            isinstance(code, str) and STATUS_BY_NAME.get(code.upper()) == 0
+        )
+        if is_ok:
+            out.append(f"{path}[{k}]: OK is not a failure; listing it among {what} has no effect")
+    return out
+
+
+def _int_above(value: Any, cap: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > cap
+
+
+def lint(obj: Any, cap: int = DEFAULT_MAX_ATTEMPTS_CAP) -> list[str]:
+    """Warnings for a decoded service config: what parses but is almost surely a mistake."""
+    if not isinstance(obj, Mapping):
+        return []
+    out = _unknown_keys("", obj, _ROOT)
+    mcs = obj.get("methodConfig")
+    for i, mc in enumerate(mcs if isinstance(mcs, list) else []):
+        path = f"methodConfig[{i}]"
+        if not isinstance(mc, Mapping):
+            continue
+        out += _unknown_keys(path, mc, _METHOD)
+        names = mc.get("name")
+        if names is None or names == []:
+            out.append(
+                f"{path}: no name, so it applies to no method; "
+                'name [{"service": "pkg.Svc"}] for a service, [{}] for every method'
+            )
+        for j, name in enumerate(names if isinstance(names, list) else []):
+            if isinstance(name, Mapping):
+                out += _unknown_keys(f"{path}.name[{j}]", name, _NAME)
+        for key, known, codes_key, what in (
+            ("retryPolicy", _RETRY, "retryableStatusCodes", "the retryable codes"),
+            ("hedgingPolicy", _HEDGING, "nonFatalStatusCodes", "the non-fatal codes"),
+        ):
+            policy = mc.get(key)
+            if not isinstance(policy, Mapping):
+                continue
+            ppath = f"{path}.{key}"
+            out += _unknown_keys(ppath, policy, known)
+            out += _codes_with_ok(f"{ppath}.{codes_key}", policy.get(codes_key), what)
+            attempts = policy.get("maxAttempts")
+            if _int_above(attempts, cap):
+                out.append(
+                    f"{ppath}.maxAttempts: {attempts} is above the client cap of {cap}: "
+                    f"treated as {cap}"
+                )
+        retry = mc.get("retryPolicy")
+        if isinstance(retry, Mapping):
+            out += _backoff_order(f"{path}.retryPolicy", retry)
+    throttling = obj.get("retryThrottling")
+    if isinstance(throttling, Mapping):
+        out += _unknown_keys("retryThrottling", throttling, _THROTTLING)
+    return out
+
+
+def _backoff_order(path: str, retry: Mapping[str, Any]) -> list[str]:
+    from .grpc._duration import parse_duration
+
+    try:
+        initial = parse_duration(retry.get("initialBackoff"))
+        maximum = parse_duration(retry.get("maxBackoff"))
+    except (ValueError, TypeError):
+        return []  # reported as an error
+    if initial > maximum > 0:
+        return [
+            f"{path}.initialBackoff: {retry['initialBackoff']} is above maxBackoff "
+            f"{retry['maxBackoff']}: every backoff is capped at maxBackoff"
+        ]
+    return []
+
+
+# -- summary --------------------------------------------------------------------------------
+
+
+def _seconds(delay: timedelta) -> str:
+    return f"{delay.total_seconds():g}s"
+
+
+def _codes(codes: frozenset[int]) -> str:
+    return ", ".join(status_name(c) for c in sorted(codes)) or "none"
+
+
+def _names(names: tuple[MethodName, ...]) -> str:
+    if not names:
+        return "(no method)"
+    parts = []
+    for name in names:
+        if not name.service:
+            parts.append("(every method)")
+        elif not name.method:
+            parts.append(f"{name.service}/*")
+        else:
+            parts.append(f"{name.service}/{name.method}")
+    return ", ".join(parts)
+
+
+def _policy(mc: MethodConfig, cap: int) -> str:
+    parts = []
+    retry = mc.retry_policy
+    if retry is not None:
+        attempts = retry.effective_max_attempts(cap)
+        capped = (
+            f" (configured {retry.max_attempts}, cap {cap})"
+            if attempts != retry.max_attempts
+            else ""
+        )
+        parts.append(
+            f"retry: {attempts} attempts{capped}; backoff {_seconds(retry.initial_backoff)}, "
+            f"x{retry.backoff_multiplier:g} per retry, at most {_seconds(retry.max_backoff)} "
+            f"(jittered); retry on {_codes(retry.retryable_status_codes)}"
+        )
+    hedging = mc.hedging_policy
+    if hedging is not None:
+        attempts = hedging.effective_max_attempts(cap)
+        capped = (
+            f" (configured {hedging.max_attempts}, cap {cap})"
+            if attempts != hedging.max_attempts
+            else ""
+        )
+        parts.append(
+            f"hedging: {attempts} attempts{capped}, {_seconds(hedging.hedging_delay)} apart; "
+            f"non-fatal: {_codes(hedging.non_fatal_status_codes)}"
+        )
+    if retry is None and hedging is None:
+        parts.append("no retries (transparent retries only)")
+    parts.append(f"timeout {_seconds(mc.timeout)}" if mc.timeout is not None else "no timeout")
+    if mc.wait_for_ready is not None:
+        parts.append(f"waitForReady {str(mc.wait_for_ready).lower()}")
+    return "; ".join(parts)
+
+
+def summary(config: ServiceConfig, cap: int = DEFAULT_MAX_ATTEMPTS_CAP) -> list[tuple[str, str]]:
+    """(methods, effective policy) for each methodConfig, in file order."""
+    return [(_names(mc.names), _policy(mc, cap)) for mc in config.method_configs]
+
+
+# -- the command ----------------------------------------------------------------------------
+
+
+def _read(file: str) -> str:
+    if file == "-":
+        return sys.stdin.read()
+    try:
+        with open(file, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise UsageError(f"cannot read {file}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{file} is not UTF-8 text: {exc}") from None
+
+
+def _wrap(text: str) -> str:
+    return textwrap.fill(text, WIDTH, subsequent_indent="    ", break_on_hyphens=False)
+
+
+def run(args: argparse.Namespace, out: Output) -> int:
+    cap = args.max_attempts_cap
+    if cap < 2:
+        raise UsageError(f"--max-attempts-cap must be an integer >= 2, got {cap}")
+    text = _read(args.file)
+    source = "stdin" if args.file == "-" else args.file
+    err = sys.stderr
+    try:
+        obj: Any = json.loads(text)
+    except ValueError:
+        obj = None
+    warnings = lint(obj, cap)
+    for warning in warnings:
+        err.write(_wrap(f"warning: {warning}") + "\n")
+    try:
+        # Not JSON, or not an object: from_json reports it in the parser's words.
+        config = ServiceConfig.from_json(obj if isinstance(obj, Mapping) else text)
+    except ServiceConfigError as exc:
+        n = len(exc.violations)
+        err.write(
+            _wrap(f"{source}: invalid gRPC service config ({n} problem{'s' if n != 1 else ''}):")
+            + "\n"
+        )
+        for violation in exc.violations:
+            err.write(_wrap(f"  {violation}") + "\n")
+        return 1
+    n = len(config.method_configs)
+    out.heading(f"{source}: valid gRPC service config, {n} methodConfig{'s' if n != 1 else ''}")
+    if warnings:
+        out.line(f"  ({len(warnings)} warning{'s' if len(warnings) != 1 else ''} on stderr)")
+    if config.method_configs:
+        out.line()
+        out.table(("methods", "effective policy"), summary(config, cap))
+    throttling = config.retry_throttling
+    out.line()
+    if throttling is None:
+        out.line("retry throttling: off")
+    else:
+        out.line(
+            f"retry throttling: maxTokens {throttling.max_tokens}, tokenRatio "
+            f"{throttling.token_ratio:g}: retries and hedges stop while the tokens are at or "
+            f"below {throttling.max_tokens / 2:g}; a failure takes 1 token, a success gives "
+            f"{throttling.token_ratio:g} back"
+        )
+    return 0

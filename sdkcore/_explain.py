@@ -1,0 +1,352 @@
+"""``sdkcore explain``: what sdkcore does with one server answer.
+
+The answer is mapped with :mod:`sdkcore.mapping` (the same functions an SDK's I/O
+code calls), then, for a retry reason, the real orchestrator and built-in
+strategies are driven on throwaway requests with a virtual clock: the table shows
+what they decide, never a re-statement of the rules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import anyio
+
+from ._cli import Output, UsageError
+from ._errors import CouchbaseException
+from ._orchestrator import RetryOrchestrator
+from ._reason import RetryReason
+from ._request import Request
+from ._strategy import (
+    BestEffortRetryStrategy,
+    FailFastRetryStrategy,
+    FastFailOnTerminalErrorRetryStrategy,
+    RetryStrategy,
+)
+from .mapping import (
+    GrpcCode,
+    KvOpcode,
+    KvStatus,
+    analytics_retry_reason,
+    grpc_code,
+    grpc_failure,
+    is_idempotent_kv,
+    kv_failure,
+    query_retry_reason,
+    search_exception,
+    search_retry_reason,
+    views_retry_reason,
+)
+from .testing import VirtualClock, capture_retry_events
+
+__all__ = ["KINDS", "add_parser", "explain_reason", "run"]
+
+#: How many retries the strategy table plays.
+RETRIES_SHOWN = 5
+
+STRATEGIES: tuple[tuple[str, Callable[[], RetryStrategy]], ...] = (
+    ("BestEffort", BestEffortRetryStrategy),
+    ("FastFailOnTerminalError", FastFailOnTerminalErrorRetryStrategy),
+    ("FailFast", FailFastRetryStrategy),
+)
+
+_FLAG_HELP = {
+    "allows_non_idempotent_retry": (
+        "a non-idempotent request may be retried: the attempt did not change server state",
+        "a non-idempotent request is never retried: the attempt may have been applied",
+    ),
+    "always_retry": (
+        "retried with controlled backoff (1, 10, 50, 100, 500, 1000 ms) whatever the strategy",
+        "the request's retry strategy decides",
+    ),
+    "after_dispatch": (
+        "the attempt may have reached the network: a later timeout of a non-idempotent "
+        "request is ambiguous",
+        "found before anything was sent: a later timeout is unambiguous",
+    ),
+}
+
+#: kind -> (value metavar, help, accepted values for error messages)
+KINDS: dict[str, tuple[str, str, str]] = {
+    "kv": ("STATUS", "a KV status", "a number (0x07, 7) or a name such as NOT_MY_VBUCKET"),
+    "query": ("CODE", "a query error code", "an integer error code such as 4050"),
+    "analytics": ("CODE", "an analytics error code", "an integer error code such as 23000"),
+    "search": ("HTTP_STATUS", "a search HTTP status", "an HTTP status 100..599 such as 429"),
+    "views": ("HTTP_STATUS", "a views HTTP status", "an HTTP status 100..599 such as 302"),
+    "grpc": (
+        "CODE",
+        "a Couchbase gRPC status code",
+        "a status name such as UNAVAILABLE or a number 0..16",
+    ),
+    "reason": ("NAME", "a RetryReason", "a RetryReason name such as KV_LOCKED"),
+}
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser(
+        "explain",
+        help="explain what a server answer or retry reason leads to under each strategy",
+        description=(
+            "Map a server answer to its retry reason (or exception) with sdkcore.mapping, and "
+            "show what BestEffort, FastFailOnTerminalError and FailFast do with it."
+        ),
+    )
+    kinds = parser.add_subparsers(dest="kind", required=True, metavar="KIND")
+    for kind, (metavar, what, accepted) in KINDS.items():
+        p = kinds.add_parser(kind, help=f"explain {what}", description=f"{what}: {accepted}")
+        p.add_argument("value", metavar=metavar, help=accepted)
+        if kind == "kv":
+            p.add_argument(
+                "--opcode",
+                default="GET",
+                help="the request's opcode: a name (GET, UPSERT, ...) or a number (default GET)",
+            )
+        elif kind == "query":
+            p.add_argument("--message", default="", help="the error's msg text")
+            p.add_argument("--retry", action="store_true", help='the error has "retry": true')
+        elif kind in ("search", "views"):
+            p.add_argument("--body", default="", help="the response body")
+        elif kind == "grpc":
+            p.add_argument(
+                "--read-only",
+                action="store_true",
+                help="the call was read-only (DEADLINE_EXCEEDED is then unambiguous)",
+            )
+    parser.set_defaults(run=run)
+
+
+# -- parsing the value ---------------------------------------------------------------------
+
+
+def _int(text: str, kind: str) -> int:
+    try:
+        return int(text, 0)
+    except ValueError:
+        raise UsageError(f"{kind}: {text!r} is not a number; expected {KINDS[kind][2]}") from None
+
+
+def _names(names: Sequence[str]) -> str:
+    return textwrap.fill(", ".join(names), 96, initial_indent="  ", subsequent_indent="  ")
+
+
+def _kv_status(text: str) -> int:
+    name = text.strip().upper()
+    if name in KvStatus.__members__:
+        return KvStatus[name].value
+    try:
+        value = int(text, 0)
+    except ValueError:
+        raise UsageError(
+            f"kv: unknown status {text!r}; expected a number (0x07, 7) or one of:\n"
+            + _names(list(KvStatus.__members__))
+        ) from None
+    if not 0 <= value <= 0xFFFF:
+        raise UsageError(f"kv: status {text!r} is out of range; expected 0..0xffff")
+    if value == 0:
+        raise UsageError("kv: status 0x00 is SUCCESS, not a failure")
+    return value
+
+
+def _kv_opcode(text: str) -> int:
+    name = text.strip().upper()
+    aliases = {"UPSERT": "SET", "INSERT": "ADD", "REMOVE": "DELETE", "GET_AND_LOCK": "GET_AND_LOCK"}
+    name = aliases.get(name, name)
+    if name in KvOpcode.__members__:
+        return KvOpcode[name].value
+    try:
+        value = int(text, 0)
+    except ValueError:
+        raise UsageError(
+            f"kv --opcode: unknown opcode {text!r}; expected a number (0x00) or one of "
+            "(upsert, insert, remove are accepted for SET, ADD, DELETE):\n"
+            + _names([n for n in KvOpcode.__members__ if not n.startswith("DCP_")])
+        ) from None
+    if not 0 <= value <= 0xFF:
+        raise UsageError(f"kv --opcode: {text!r} is out of range; expected 0..0xff")
+    return value
+
+
+def _reason(text: str) -> RetryReason:
+    name = text.strip().upper()
+    if name.startswith("RETRYREASON."):
+        name = name[len("RETRYREASON.") :]
+    if name in RetryReason.__members__:
+        return RetryReason[name]
+    raise UsageError(
+        f"reason: unknown retry reason {text!r}; one of:\n" + _names(list(RetryReason.__members__))
+    )
+
+
+def _opcode_name(opcode: int) -> str:
+    try:
+        return f"{KvOpcode(opcode).name} (0x{opcode:02x})"
+    except ValueError:
+        return f"opcode 0x{opcode:02x}"
+
+
+def _status_name(status: int) -> str:
+    try:
+        return f"0x{status:02x} {KvStatus(status).name}"
+    except ValueError:
+        return f"0x{status:02x} (not a status sdkcore knows)"
+
+
+def _map(args: argparse.Namespace) -> tuple[str, RetryReason | CouchbaseException | None, str]:
+    """(what was asked, what the mapping says, which mapper said it)."""
+    kind = args.kind
+    value = args.value
+    if kind == "reason":
+        reason = _reason(value)
+        return f"RetryReason {reason.name}", reason, ""
+    if kind == "kv":
+        status = _kv_status(value)
+        opcode = _kv_opcode(args.opcode)
+        what = f"KV status {_status_name(status)} on {_opcode_name(opcode)}"
+        return what, kv_failure(status, opcode), "sdkcore.mapping.kv_failure"
+    if kind == "grpc":
+        try:
+            code = grpc_code(value if not value.strip().isdigit() else int(value))
+        except ValueError:
+            raise UsageError(
+                f"grpc: unknown status code {value!r}; a number 0..16 or one of:\n"
+                + _names([c.name for c in GrpcCode])
+            ) from None
+        if code is GrpcCode.OK:
+            raise UsageError("grpc: OK is not a failure")
+        what = f"gRPC status {code.name} ({code.value})" + (
+            " on a read-only call" if args.read_only else ""
+        )
+        return what, grpc_failure(code, read_only=args.read_only), "sdkcore.mapping.grpc_failure"
+    if kind == "query":
+        number = _int(value, kind)
+        error: dict[str, Any] = {"code": number, "msg": args.message}
+        if args.retry:
+            error["retry"] = True
+        what = f"query error {number}" + (f" ({args.message!r})" if args.message else "")
+        what += ' with "retry": true' if args.retry else ""
+        return what, query_retry_reason([error]), "sdkcore.mapping.query_retry_reason"
+    if kind == "analytics":
+        number = _int(value, kind)
+        mapped = analytics_retry_reason([{"code": number, "msg": ""}])
+        return f"analytics error {number}", mapped, "sdkcore.mapping.analytics_retry_reason"
+    status = _int(value, kind)
+    if not 100 <= status <= 599:
+        raise UsageError(f"{kind}: {value!r} is not an HTTP status; expected 100..599")
+    if kind == "search":
+        found: RetryReason | CouchbaseException | None = search_retry_reason(status, args.body)
+        mapper = "sdkcore.mapping.search_retry_reason"
+        if found is None and status >= 400:
+            found = search_exception(status, args.body)
+            mapper = "sdkcore.mapping.search_exception"
+        return f"search HTTP {status}", found, mapper
+    return (
+        f"views HTTP {status}",
+        views_retry_reason(status, args.body),
+        ("sdkcore.mapping.views_retry_reason"),
+    )
+
+
+# -- driving the orchestrator ------------------------------------------------------------------
+
+
+def _ms(delay: timedelta) -> str:
+    return f"{delay.total_seconds() * 1000:g}"
+
+
+async def _play(make: Callable[[], RetryStrategy], reason: RetryReason, idempotent: bool) -> str:
+    """What the orchestrator does with ``reason`` on a fresh request, retry after retry."""
+    clock = VirtualClock()
+    orchestrator = RetryOrchestrator(default_strategy=make(), sleep=clock.sleep)
+    request = Request(name="explain", idempotent=idempotent, timeout=None, clock=clock.clock)
+    delays: list[str] = []
+    for _ in range(RETRIES_SHOWN):
+        try:
+            delays.append(_ms(await orchestrator.maybe_retry(request, reason)))
+        except CouchbaseException as exc:
+            why = ""
+            context = exc.context
+            if context is not None and context.cancellation_reason is not None:
+                why = f" ({context.cancellation_reason.name})"
+            failed = f"fails: {type(exc).__name__}{why}"
+            return f"retry after {', '.join(delays)} ms, then {failed}" if delays else failed
+    return f"retry after {', '.join(delays)} ms, ..."
+
+
+def explain_reason(reason: RetryReason) -> list[tuple[str, str, str]]:
+    """(strategy, request kind, what happens) for each built-in strategy."""
+
+    async def table() -> list[tuple[str, str, str]]:
+        rows = []
+        for label, make in STRATEGIES:
+            for idempotent in (True, False):
+                kind = "idempotent" if idempotent else "non-idempotent"
+                rows.append((label, kind, await _play(make, reason, idempotent)))
+        return rows
+
+    with capture_retry_events():  # the decisions are shown, not logged
+        return anyio.run(table)
+
+
+def _flags(out: Output, reason: RetryReason) -> None:
+    rows = []
+    for flag, (yes, no) in _FLAG_HELP.items():
+        on = bool(getattr(reason, flag))
+        rows.append((flag, "yes" if on else "no", yes if on else no))
+    out.table(("flag", "", "meaning"), rows)
+
+
+def run(args: argparse.Namespace, out: Output) -> int:
+    what, mapped, mapper = _map(args)
+    note = ""
+    if args.kind == "kv":
+        idempotent = is_idempotent_kv(_kv_opcode(args.opcode))
+        note = f"  (the opcode is {'' if idempotent else 'not '}idempotent: RFC 0049 list)"
+    if isinstance(mapped, RetryReason):
+        if mapper:
+            out.heading(f"{what} -> retry reason {mapped.name}")
+            out.line(f"  (mapped by {mapper})")
+        else:
+            out.heading(what)
+        if note:
+            out.line(note)
+        out.line()
+        _flags(out, mapped)
+        out.line()
+        out.heading(f"What each strategy does (first {RETRIES_SHOWN} retries, no timeout)")
+        out.table(("strategy", "request", "outcome"), explain_reason(mapped))
+        out.line()
+        out.line(
+            "'...': the retries go on until the request's timeout. "
+            "With a timeout, a delay that reaches the deadline is cut short and the request "
+            "times out (ambiguous if it is non-idempotent and may have been sent). FailFast "
+            "is meant for SDK-internal requests."
+        )
+        return 0
+    out.heading(what)
+    if isinstance(mapped, CouchbaseException):
+        out.line(f"  -> {type(mapped).__name__}: {mapped.message}")
+        out.line(f"  (mapped by {mapper})")
+        if note:
+            out.line(note)
+        out.line()
+        out.line(
+            "Not a retry reason: the request completes with this exception at once, under every "
+            "retry strategy (no strategy is consulted)."
+        )
+        return 0
+    out.line(f"  -> not a retry reason ({mapper} returns None)")
+    out.line()
+    out.line(
+        "The request is not handed to the orchestrator: it completes with the service's own "
+        "error, under every retry strategy."
+    )
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use: sdkcore explain ...")

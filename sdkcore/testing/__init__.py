@@ -1,0 +1,279 @@
+"""Helpers for testing code that uses sdkcore (public, stable, typed).
+
+* :func:`instant_retries`: every retry delay is waited as zero inside a ``with``,
+  while every decision, attempt count and logged delay stays the same.
+* :func:`capture_retry_events`: the sdkcore log events emitted inside a ``with``.
+* :class:`ScriptedSend`: a ``send`` for ``RetryOrchestrator.execute`` (or a hedging
+  runner's ``send(request, index)``) that plays a script of retry reasons, KV
+  statuses, gRPC status codes, exceptions, delays and values.
+* :class:`Delay`: a script step that waits, then plays another step.
+* :func:`grpc_server`: a scripted ``grpc.aio`` server on 127.0.0.1 (needs grpcio).
+* :class:`VirtualClock`: a clock and sleep that jump instead of waiting.
+
+With pytest, the fixtures ``sdkcore_instant_retries`` and ``sdkcore_retry_events``
+are registered automatically (the ``sdkcore`` pytest plugin).
+
+Every helper is scoped by contextvars, never by global state, so tests that run
+concurrently (tasks or threads) do not see each other's settings or events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Generator, Iterable, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import anyio
+import anyio.lowlevel
+import attrs
+
+from .. import _hooks, _log
+from .._errors import RetryableError
+from .._reason import RetryReason
+from .._request import Request
+from ..mapping import GrpcCode, KvOpcode, KvStatus, grpc_failure, kv_failure
+
+if TYPE_CHECKING:
+    from ._grpc import GrpcStatus, ScriptedGrpcServer, grpc_server
+
+__all__ = [
+    "Delay",
+    "GrpcStatus",
+    "ScriptedGrpcServer",
+    "ScriptedSend",
+    "VirtualClock",
+    "capture_retry_events",
+    "grpc_server",
+    "instant_retries",
+]
+
+T = TypeVar("T")
+
+
+# -- instant retries ---------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def instant_retries() -> Generator[None, None, None]:
+    """Inside the ``with``, every retry backoff (and hedging delay) is waited as zero.
+
+    Decisions, attempt counts, ``retry.scheduled`` delays and exception contexts are
+    unchanged: only the wait is skipped (one checkpoint instead). The switch is a
+    contextvar: tasks started inside the ``with`` inherit it, concurrent tests do
+    not see it. Timeouts still run on the real clock, so a request whose retries
+    never end fails with its usual timeout, just after more attempts.
+    """
+    token = _hooks.INSTANT_DELAYS.set(True)
+    try:
+        yield
+    finally:
+        _hooks.INSTANT_DELAYS.reset(token)
+
+
+# -- log capture -------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def capture_retry_events() -> Generator[list[MutableMapping[str, Any]], None, None]:
+    """Capture sdkcore's log events (every level) as dicts, in the order emitted.
+
+    Each dict holds ``event`` (e.g. ``"retry.scheduled"``), ``log_level`` and the
+    event's fields (see the log-event table in the README). Only events that
+    sdkcore emits inside the ``with`` (in this context, and tasks started from it)
+    are captured, and they are not logged anywhere else meanwhile. structlog's
+    configuration is not touched, so the application's own logging and concurrent
+    tests are unaffected.
+    """
+    events: list[MutableMapping[str, Any]] = []
+    token = _log.CAPTURE.set(events)
+    try:
+        yield events
+    finally:
+        _log.CAPTURE.reset(token)
+
+
+# -- scripted failures -------------------------------------------------------------------
+
+
+def _check_seconds(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(f"Delay(seconds) must be a finite number of seconds >= 0, got {value!r}")
+
+
+@attrs.frozen(slots=True)
+class Delay:
+    """A script step: wait ``seconds`` (real time, like a slow server), then play ``then``.
+
+    ``then`` is any other step (a value, a RetryReason, a status, an exception, or
+    another Delay); the default None makes the attempt return None.
+    """
+
+    seconds: float = attrs.field(validator=_check_seconds)
+    then: Any = None
+
+
+def _check_step(step: object, where: str) -> None:
+    if isinstance(step, Delay):
+        _check_step(step.then, where)
+    elif isinstance(step, KvStatus) and step is KvStatus.SUCCESS:
+        raise ValueError(
+            f"{where}: KvStatus.SUCCESS is not a failure; put the value the attempt returns "
+            "in the script instead"
+        )
+    elif isinstance(step, GrpcCode) and step is GrpcCode.OK:
+        raise ValueError(
+            f"{where}: GrpcCode.OK is not a failure; put the value the attempt returns "
+            "in the script instead"
+        )
+
+
+class ScriptedSend(Generic[T]):
+    """A ``send`` that plays a script, one step per attempt.
+
+    Steps:
+
+    * a :class:`~sdkcore.RetryReason`: raise ``RetryableError(reason)``;
+    * a :class:`~sdkcore.mapping.KvStatus`: what ``kv_failure(status, kv_opcode)``
+      maps it to (a RetryableError, or the exception, e.g. DocumentNotFoundException);
+    * a :class:`~sdkcore.mapping.GrpcCode`: what ``grpc_failure(code)`` maps it to;
+    * an exception instance or class: raised;
+    * a :class:`Delay`: wait, then play its ``then`` step;
+    * anything else: returned as the attempt's result.
+
+    After the script ends, its last step repeats. ``script`` may also be a mapping
+    from attempt index to script, for a hedging runner that calls
+    ``send(request, index)``: each index then plays its own script. With a plain
+    script, every attempt (whatever its index) takes the next step.
+
+    ``calls`` counts attempts, ``seen`` holds ``request.retry_attempts`` at each
+    call and ``indexes`` the index each call was made with (None without one).
+    """
+
+    def __init__(
+        self,
+        script: Iterable[Any] | Mapping[int, Iterable[Any]],
+        *,
+        kv_opcode: int = KvOpcode.GET,
+        read_only: bool = False,
+    ) -> None:
+        scripts: dict[int | None, list[Any]] = {}
+        if isinstance(script, Mapping):
+            for index, steps in script.items():
+                if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+                    raise TypeError(
+                        f"ScriptedSend({{index: script}}): indexes must be ints >= 0, got {index!r}"
+                    )
+                scripts[index] = list(steps)
+            if not scripts:
+                raise ValueError("ScriptedSend({index: script}) needs at least one index")
+        elif isinstance(script, (str, bytes)):
+            raise TypeError(
+                "ScriptedSend(script) takes a list of steps, not a single "
+                f"{type(script).__name__}; wrap it: ScriptedSend([{script!r}])"
+            )
+        else:
+            scripts[None] = list(script)
+        for index, steps in scripts.items():
+            where = "ScriptedSend(script)" if index is None else f"ScriptedSend({{{index}: ...}})"
+            if not steps:
+                raise ValueError(f"{where} needs at least one step")
+            for n, step in enumerate(steps):
+                _check_step(step, f"{where}[{n}]")
+        self.script: list[Any] = scripts.get(None, [])
+        self._scripts = scripts
+        self._positions: dict[int | None, int] = dict.fromkeys(scripts, 0)
+        self.kv_opcode = int(kv_opcode)
+        self.read_only = read_only
+        self.calls = 0
+        self.seen: list[int] = []
+        self.indexes: list[int | None] = []
+
+    def _next(self, index: int | None) -> Any:
+        key: int | None = None if None in self._scripts else index
+        steps = self._scripts.get(key)
+        if steps is None:
+            known = ", ".join(str(k) for k in self._scripts)
+            raise LookupError(
+                f"ScriptedSend: no script for attempt index {index!r}; scripts exist for {known}"
+            )
+        position = self._positions[key]
+        self._positions[key] = position + 1
+        return steps[min(position, len(steps) - 1)]
+
+    async def __call__(self, request: Request, index: int | None = None) -> T:
+        step = self._next(index)
+        self.calls += 1
+        self.seen.append(request.retry_attempts)
+        self.indexes.append(index)
+        await anyio.lowlevel.checkpoint()
+        while isinstance(step, Delay):
+            await anyio.sleep(step.seconds)
+            step = step.then
+        return self._play(step)
+
+    def _play(self, step: Any) -> T:
+        if isinstance(step, RetryReason):
+            raise RetryableError(step)
+        if isinstance(step, KvStatus):
+            failure: Any = kv_failure(step.value, self.kv_opcode)
+        elif isinstance(step, GrpcCode):
+            failure = grpc_failure(step, read_only=self.read_only)
+        elif isinstance(step, BaseException) or (
+            isinstance(step, type) and issubclass(step, BaseException)
+        ):
+            raise step
+        else:
+            result: T = step
+            return result
+        if isinstance(failure, RetryReason):
+            raise RetryableError(failure, f"scripted {step.name}")
+        raise failure
+
+
+class VirtualClock:
+    """A monotonic clock that only moves when slept on.
+
+    Pass ``clock`` to ``Request(clock=...)`` and ``sleep`` to
+    ``RetryOrchestrator(sleep=...)``: backoffs then take no real time and
+    ``sleeps`` records each requested delay.
+    """
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+        self.sleeps: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+        await anyio.lowlevel.checkpoint()
+
+
+_LAZY = {"GrpcStatus", "ScriptedGrpcServer", "grpc_server"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'sdkcore.testing' has no attribute {name!r}")
+    try:
+        from . import _grpc
+    except ImportError as exc:
+        if exc.name is not None and exc.name.split(".")[0] == "grpc":
+            raise ImportError(
+                f"sdkcore.testing.{name} needs grpcio: pip install 'sdkcore[grpc]'"
+            ) from exc
+        raise
+    value = getattr(_grpc, name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,232 @@
+"""``sdkcore check-config``: errors with JSON paths, warnings, stdin, and the effective policy."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sdkcore._check_config import lint
+from sdkcore._cli import WIDTH, main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # short relative file names in the messages
+
+
+RETRY = {
+    "maxAttempts": 4,
+    "initialBackoff": "0.1s",
+    "maxBackoff": "1s",
+    "backoffMultiplier": 2,
+    "retryableStatusCodes": ["UNAVAILABLE", 10],
+}
+
+
+def _check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], config: Any, *extra: str
+) -> tuple[int, str, str]:
+    path = tmp_path / "service_config.json"
+    path.write_text(config if isinstance(config, str) else json.dumps(config))
+    code = main(["check-config", path.name, *extra])
+    captured = capsys.readouterr()
+    for line in (captured.out + captured.err).splitlines():
+        assert len(line) <= WIDTH, line
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("with_rich", [True, False])
+def test_summary_of_the_effective_policy(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    with_rich: bool,
+) -> None:
+    if with_rich:
+        pytest.importorskip("rich")
+    else:
+        monkeypatch.setitem(sys.modules, "rich", None)
+    config = {
+        "methodConfig": [
+            {
+                "name": [{"service": "pkg.Kv", "method": "Get"}, {"service": "pkg.Query"}],
+                "retryPolicy": RETRY,
+                "timeout": "2.5s",
+                "waitForReady": True,
+            },
+            {
+                "name": [{}],
+                "hedgingPolicy": {
+                    "maxAttempts": 3,
+                    "hedgingDelay": "0.05s",
+                    "nonFatalStatusCodes": ["UNAVAILABLE"],
+                },
+            },
+        ],
+        "retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1},
+    }
+    code, out, err = _check(tmp_path, capsys, config)
+    assert code == 0
+    assert err == ""
+    assert out.startswith("service_config.json: valid gRPC service config, 2 methodConfigs\n")
+    text = " ".join(out.split())  # table cells may wrap
+    assert "pkg.Kv/Get, pkg.Query/*" in text
+    assert "retry: 4 attempts; backoff 0.1s, x2 per retry, at most 1s (jittered)" in text
+    assert "retry on ABORTED, UNAVAILABLE; timeout 2.5s; waitForReady true" in text
+    assert "(every method)" in text
+    assert "hedging: 3 attempts, 0.05s apart; non-fatal: UNAVAILABLE; no timeout" in text
+    assert "retry throttling: maxTokens 10, tokenRatio 0.1" in text
+    assert "at or below 5" in text
+
+
+def test_max_attempts_above_the_cap(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = {
+        "methodConfig": [{"name": [{"service": "s"}], "retryPolicy": {**RETRY, "maxAttempts": 9}}]
+    }
+    code, out, err = _check(tmp_path, capsys, config)
+    assert code == 0
+    assert "retry: 5 attempts (configured 9, cap 5)" in " ".join(out.split())
+    assert "methodConfig[0].retryPolicy.maxAttempts: 9 is above the client cap of 5" in err
+    code, out, err = _check(tmp_path, capsys, config, "--max-attempts-cap", "10")
+    assert code == 0
+    assert "retry: 9 attempts;" in out
+    assert err == ""
+
+
+def test_every_violation_with_its_json_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = {
+        "methodConfig": [
+            {
+                "name": [{"service": "s"}],
+                "retryPolicy": {
+                    "maxAttempts": 1,
+                    "initialBackoff": "fast",
+                    "maxBackoff": "1s",
+                    "backoffMultiplier": 0,
+                    "retryableStatusCodes": ["SOMETIMES"],
+                },
+            }
+        ],
+        "retryThrottling": {"maxTokens": 0, "tokenRatio": 0.1},
+    }
+    code, out, err = _check(tmp_path, capsys, config)
+    assert code == 1
+    assert out == ""
+    assert err.startswith("service_config.json: invalid gRPC service config (5 problems):\n")
+    for path in (
+        "methodConfig[0].retryPolicy.maxAttempts: must be an integer >= 2, got 1",
+        "methodConfig[0].retryPolicy.initialBackoff:",
+        "methodConfig[0].retryPolicy.backoffMultiplier: must be a",
+        "methodConfig[0].retryPolicy.retryableStatusCodes[0]: must be a valid status code",
+        "retryThrottling.maxTokens: must be an integer in (0, 1000], got 0",
+    ):
+        assert path in err
+
+
+def test_not_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _check(tmp_path, capsys, "{methodConfig: []")
+    assert code == 1
+    assert "(root): must be a JSON object; the text is not JSON" in err
+    code, _out, err = _check(tmp_path, capsys, "[]")
+    assert code == 1
+    assert "(root): must be a JSON object, got an array" in err
+
+
+def test_warnings_for_likely_mistakes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = {
+        "methodConfig": [
+            {
+                "name": [{"service": "s", "methd": "Get"}],
+                "retryPolicyy": RETRY,
+            },
+            {"retryPolicy": {**RETRY, "retryableStatusCodes": ["UNAVAILABLE", "OK"]}},
+            {"name": [{"service": "t"}], "retryPolicy": {**RETRY, "max_attempts": 3}},
+            {"name": [{"service": "u"}], "retryPolicy": {**RETRY, "initialBackoff": "5s"}},
+        ],
+        "retry_throttling": {"maxTokens": 10, "tokenRatio": 0.1},
+    }
+    code, out, err = _check(tmp_path, capsys, config)
+    assert code == 0  # warnings do not fail the check
+    assert "(7 warnings on stderr)" in out
+    warnings = [w for w in err.split("warning: ") if w]
+    assert len(warnings) == 7, err
+    text = " ".join(err.split())
+    for expected in (
+        "methodConfig[0].name[0].methd: unknown key, ignored; did you mean 'method'?",
+        "methodConfig[0].retryPolicyy: unknown key, ignored; did you mean 'retryPolicy'?",
+        "methodConfig[1]: no name, so it applies to no method",
+        "methodConfig[1].retryPolicy.retryableStatusCodes[1]: OK is not a failure",
+        "methodConfig[2].retryPolicy.max_attempts: unknown key, ignored; did you mean "
+        "'maxAttempts'? (service config keys are camelCase)",
+        "methodConfig[3].retryPolicy.initialBackoff: 5s is above maxBackoff 1s",
+    ):
+        assert expected in text
+    assert "retry_throttling: unknown key, ignored; did you mean 'retryThrottling'?" in text
+    assert "retry throttling: off" in out  # the misspelt key is ignored, and the summary says so
+
+
+def test_retry_throttling_snake_case_is_warned() -> None:
+    warnings = lint({"retry_throttling": {}})
+    assert warnings == [
+        "retry_throttling: unknown key, ignored; did you mean 'retryThrottling'? "
+        "(service config keys are camelCase)"
+    ]
+
+
+def test_warnings_are_printed_with_the_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = {"methodConfig": [{"name": [{"service": "s"}], "retryPolicy": {"max_attempts": 3}}]}
+    code, _out, err = _check(tmp_path, capsys, config)
+    assert code == 1
+    assert "did you mean 'maxAttempts'?" in err
+    assert "methodConfig[0].retryPolicy.maxAttempts: is required" in err
+
+
+def test_stdin(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    config = {"methodConfig": [{"name": [{"service": "s"}], "retryPolicy": RETRY}]}
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(config)))
+    assert main(["check-config", "-"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("stdin: valid gRPC service config, 1 methodConfig\n")
+
+
+def test_missing_file_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check-config", str(tmp_path / "nope.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sdkcore check-config: error: cannot read ")
+    assert "No such file or directory" in err
+
+
+def test_bad_cap_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _check(tmp_path, capsys, {}, "--max-attempts-cap", "1")
+    assert code == 2
+    assert "--max-attempts-cap must be an integer >= 2, got 1" in err
+
+
+def test_runs_without_grpcio(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"methodConfig": [{"name": [{}], "retryPolicy": RETRY}]}))
+    code = (
+        "import sys; sys.modules['grpc'] = None; "  # importing grpc now fails
+        "from sdkcore._cli import main; sys.exit(main(['check-config', sys.argv[1]]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "valid gRPC service config" in done.stdout

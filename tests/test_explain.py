@@ -1,0 +1,188 @@
+"""``sdkcore explain``: each kind of input, what the real strategies decide, and bad input."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+import structlog
+
+from sdkcore import RetryReason
+from sdkcore._cli import WIDTH, main
+from sdkcore._explain import explain_reason
+
+
+@pytest.fixture(params=["plain", "rich"])
+def output(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run each test with the plain-text output and, when installed, with rich."""
+    if request.param == "plain":
+        monkeypatch.setitem(sys.modules, "rich", None)
+    else:
+        pytest.importorskip("rich")
+    return str(request.param)
+
+
+def _explain(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    assert main(["explain", *args]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    lines = captured.out.splitlines()
+    assert all(len(line) <= WIDTH for line in lines), max(lines, key=len)
+    return captured.out
+
+
+def _rows(out: str) -> dict[tuple[str, str], str]:
+    """(strategy, request kind) -> outcome, from the strategy table (wrapped cells joined)."""
+    rows: dict[tuple[str, str], str] = {}
+    last: tuple[str, str] | None = None
+    pattern = r"\s+(BestEffort|FastFailOnTerminalError|FailFast)\s+(idempotent|non-idempotent)\s+"
+    for line in out.split("What each strategy does", 1)[1].splitlines()[2:]:
+        m = re.match(pattern + r"(.*)", line)
+        if m:
+            last = (m.group(1), m.group(2))
+            rows[last] = m.group(3).strip()
+        elif last is not None and line.startswith(" " * 20) and line.strip():
+            rows[last] += " " + line.strip()
+        else:
+            last = None
+    return rows
+
+
+def test_kv_not_my_vbucket_is_always_retried_with_controlled_backoff(
+    output: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _explain(capsys, "kv", "0x07", "--opcode", "get")
+    assert "KV status 0x07 NOT_MY_VBUCKET on GET (0x00)" in out
+    assert "retry reason KV_NOT_MY_VBUCKET" in out
+    assert "kv_failure" in out
+    assert re.search(r"always_retry\s+yes", out)
+    rows = _rows(out)
+    assert len(rows) == 6
+    # the strategy is not consulted: even FailFast retries, non-idempotent requests too
+    assert set(rows.values()) == {"retry after 1, 10, 50, 100, 500 ms, ..."}
+
+
+def test_kv_status_by_name_and_a_non_retryable_status(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _explain(capsys, "kv", "locked", "--opcode", "UNLOCK")
+    assert "0x09 LOCKED on UNLOCK (0x95)" in out
+    assert "CasMismatchException" in out  # RFC 0049: LOCKED on UNLOCK is never retried
+    assert "Not a retry reason" in out
+    out = _explain(capsys, "kv", "1")
+    assert "DocumentNotFoundException" in out
+    assert "(the opcode is idempotent: RFC 0049 list)" in out
+    out = _explain(capsys, "kv", "0x07", "--opcode", "upsert")
+    assert "on SET (0x01) -> retry reason KV_NOT_MY_VBUCKET" in out
+    assert "(the opcode is not idempotent: RFC 0049 list)" in out
+
+
+def test_query_prepared_statement_failure(output: str, capsys: pytest.CaptureFixture[str]) -> None:
+    out = _explain(capsys, "query", "4050")
+    assert "query error 4050 -> retry reason QUERY_PREPARED_STATEMENT_FAILURE" in out
+    rows = _rows(out)
+    assert rows[("BestEffort", "idempotent")] == "retry after 1, 2, 4, 8, 16 ms, ..."
+    assert rows[("BestEffort", "non-idempotent")] == "retry after 1, 2, 4, 8, 16 ms, ..."
+    assert rows[("FailFast", "idempotent")] == "fails: RequestCanceledException (NO_MORE_RETRIES)"
+
+
+def test_query_code_that_is_no_retry_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _explain(capsys, "query", "1234")
+    assert "not a retry reason (sdkcore.mapping.query_retry_reason returns None)" in out
+    out = _explain(capsys, "query", "1234", "--retry")
+    assert "QUERY_ERROR_RETRYABLE" in out
+
+
+def test_views_302(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _explain(capsys, "views", "302")
+    assert "retry reason VIEWS_NO_ACTIVE_PARTITION" in out
+    assert set(_rows(out).values()) == {"retry after 1, 10, 50, 100, 500 ms, ..."}
+
+
+def test_grpc_unavailable_and_not_found(output: str, capsys: pytest.CaptureFixture[str]) -> None:
+    out = _explain(capsys, "grpc", "UNAVAILABLE")
+    assert "gRPC status UNAVAILABLE (14) -> retry reason SERVICE_NOT_AVAILABLE" in out
+    assert re.search(r"after_dispatch\s+no", out)
+    out = _explain(capsys, "grpc", "5")
+    assert "DocumentNotFoundException" in out
+    out = _explain(capsys, "grpc", "DEADLINE_EXCEEDED", "--read-only")
+    assert "UnambiguousTimeoutException" in out
+
+
+def test_reason_kv_locked(output: str, capsys: pytest.CaptureFixture[str]) -> None:
+    out = _explain(capsys, "reason", "KV_LOCKED")
+    assert out.startswith("RetryReason KV_LOCKED\n")
+    assert re.search(r"allows_non_idempotent_retry\s+yes", out)
+    assert re.search(r"always_retry\s+no", out)
+    rows = _rows(out)
+    assert rows[("FastFailOnTerminalError", "non-idempotent")] == (
+        "retry after 1, 2, 4, 8, 16 ms, ..."
+    )
+
+
+def test_reason_terminal_and_in_flight(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = _rows(_explain(capsys, "reason", "authentication_error"))
+    assert rows[("FastFailOnTerminalError", "idempotent")] == (
+        "fails: AuthenticationFailureException (NO_MORE_RETRIES)"
+    )
+    assert rows[("BestEffort", "idempotent")] == "retry after 1, 2, 4, 8, 16 ms, ..."
+    rows = _rows(_explain(capsys, "reason", "SOCKET_CLOSED_WHILE_IN_FLIGHT"))
+    assert rows[("BestEffort", "idempotent")] == "retry after 1, 2, 4, 8, 16 ms, ..."
+    assert rows[("BestEffort", "non-idempotent")].startswith("fails: RequestCanceledException")
+
+
+def test_analytics_and_search(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "ANALYTICS_TEMPORARY_FAILURE" in _explain(capsys, "analytics", "23000")
+    assert "not a retry reason" in _explain(capsys, "analytics", "24045")
+    assert "SEARCH_TOO_MANY_REQUESTS" in _explain(capsys, "search", "429")
+    out = _explain(capsys, "search", "429", "--body", "num_queries_per_min exceeded")
+    assert "RateLimitedException" in out
+
+
+def test_explain_reason_drives_the_strategies() -> None:
+    rows = {(s, k): o for s, k, o in explain_reason(RetryReason.TLS_ERROR)}
+    assert rows[("FastFailOnTerminalError", "idempotent")] == (
+        "fails: CouchbaseException (NO_MORE_RETRIES)"
+    )
+    assert rows[("BestEffort", "non-idempotent")] == "retry after 1, 2, 4, 8, 16 ms, ..."
+
+
+def test_no_log_lines_leak_into_the_output(capsys: pytest.CaptureFixture[str]) -> None:
+    structlog.reset_defaults()  # unconfigured structlog prints every event to stdout
+    out = _explain(capsys, "reason", "KV_TEMPORARY_FAILURE")
+    assert "retry.scheduled" not in out
+    assert not structlog.is_configured()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["kv", "zz"], "kv: unknown status 'zz'; expected a number (0x07, 7) or one of:"),
+        (["kv", "0x10000"], "kv: status '0x10000' is out of range"),
+        (["kv", "0"], "SUCCESS, not a failure"),
+        (["kv", "7", "--opcode", "fly"], "kv --opcode: unknown opcode 'fly'"),
+        (["query", "x"], "query: 'x' is not a number; expected an integer error code"),
+        (["views", "42"], "views: '42' is not an HTTP status; expected 100..599"),
+        (["search", "abc"], "search: 'abc' is not a number"),
+        (["grpc", "SOMETIMES"], "grpc: unknown status code 'SOMETIMES'; a number 0..16 or one of:"),
+        (["grpc", "OK"], "grpc: OK is not a failure"),
+        (["reason", "NOPE"], "reason: unknown retry reason 'NOPE'; one of:"),
+    ],
+)
+def test_bad_input_exits_2_with_what_is_accepted(
+    capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    assert main(["explain", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("sdkcore explain: error: ")
+    assert message in captured.err
+    assert all(len(line) <= WIDTH for line in captured.err.splitlines())
+
+
+def test_unknown_kind_exits_2_listing_the_kinds(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["explain", "disk", "3"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    for kind in ("kv", "query", "analytics", "search", "views", "grpc", "reason"):
+        assert f"'{kind}'" in err
