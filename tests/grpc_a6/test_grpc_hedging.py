@@ -303,3 +303,13 @@ async def test_hedging_through_an_application_interceptor(server: Server) -> Non
             assert previous_rpc_attempts(await c.trailing_metadata()) == 1
     assert extra.calls == 2
     assert script.by_index()[1].header == "1"
+
+
+async def test_first_hedge_headers_seen_when_it_ends(server: Server) -> None:
+    """rfc/0004: hedge 0 is a plain unary call; its early headers do not stop hedge 1."""
+    script = HedgeScript(server, "M", {0: headers_then(ok(0.5, b"from 0")), 1: ok(body=b"from 1")})
+    with anyio.fail_after(TEST_TIMEOUT):
+        result, _, _ = await call(server, script, hedging_config(delay="0.1s"))
+        await wait_until(lambda: script.cancelled() == {0})
+    assert result == b"from 1"
+    assert script.count == 2
