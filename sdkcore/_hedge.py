@@ -260,7 +260,6 @@ class _Chain:
         self.attempts.append(attempt)
         self.outstanding += 1
         request = self.request
-        request._sent = True
         if index > 0:
             request._attempts += 1
         self.next_at = now + self.delay - (self.first_elapsed if index == 0 else 0.0)
