@@ -243,7 +243,7 @@ async def hedged_unary_unary(
                     raise committed_failure(err, 0) from None
                 adopted = failed(err, 0)
                 if adopted is err:  # a fatal status
-                    raise
+                    raise _error(err, 0) from None
             else:
                 if throttler is not None:
                     throttler.record_success()
