@@ -35,6 +35,7 @@ from ._errors import (
     TimeoutException,
     UnambiguousTimeoutException,
 )
+from ._hedge import HedgePolicy, HedgeThrottler
 from ._orchestrator import DEFAULT_MAX_REQUESTS_IN_RETRY, RetryOrchestrator
 from ._reason import RetryReason
 from ._request import DEFAULT_TIMEOUT, Request, RequestState
@@ -68,6 +69,8 @@ __all__ = [
     "ExceptionFactory",
     "FastFailOnTerminalErrorRetryStrategy",
     "FeatureNotAvailableException",
+    "HedgePolicy",
+    "HedgeThrottler",
     "InternalServerFailureException",
     "InvalidArgumentException",
     "QuotaLimitedException",

@@ -29,6 +29,7 @@ from ._errors import (
     TimeoutException,
     UnambiguousTimeoutException,
 )
+from ._hedge import HedgePolicy, HedgeThrottler, run_hedged
 from ._reason import RetryReason
 from ._request import Request, RequestState
 from ._strategy import (
@@ -927,3 +928,30 @@ class RetryOrchestrator:
                 self._resume(request, reason, plan)
             except CouchbaseException as exc:
                 raise exc from self._cause(request)
+
+    # -- hedged requests (rfc/0004) ------------------------------------------------
+    async def hedge(
+        self,
+        request: Request,
+        send: Callable[[Request, int], Awaitable[T]],
+        policy: HedgePolicy,
+        *,
+        throttler: HedgeThrottler | None = None,
+    ) -> T:
+        """Send copies of an idempotent ``request`` ahead of failures; return the first success.
+
+        ``send(request, index)`` sends hedge ``index`` (0 for the first; an SDK may
+        send hedge ``i`` to another replica). The first attempt goes at once, the
+        next after each ``policy.delay`` without an answer, up to
+        ``policy.max_attempts`` (capped). The first result wins and every other
+        attempt is cancelled; its result is returned. ``RetryableError`` with a
+        non-fatal reason sends the next hedge at once (or after the pushback); any
+        other exception cancels everything and propagates. When every copy failed,
+        ``RequestCanceledException`` (NO_MORE_RETRIES) is raised for the *last*
+        failure to arrive (its ``__cause__``). The request's timeout covers the
+        whole chain (``UnambiguousTimeoutException``). ``throttler`` (e.g.
+        ``sdkcore.grpc.RetryThrottler``) gates every hedge after the first.
+        A request that is not idempotent is refused (InvalidArgumentException)
+        and nothing is sent. Error contexts list every hedge under ``extra``.
+        """
+        return await run_hedged(self, request, send, policy, throttler)

@@ -667,6 +667,14 @@ class RetryUnaryUnaryInterceptor(_Interceptor, aio.UnaryUnaryClientInterceptor):
         self, continuation: Callable[..., Any], client_call_details: Any, request: Any
     ) -> Any:
         core = self.controller
+        if core.service_config is not None:  # A6 hedgingPolicy (rfc/0004)
+            from ._hedging import hedge_plan, hedged_unary_unary
+
+            hedging = hedge_plan(core, client_call_details.method)
+            if hedging is not None:
+                return await hedged_unary_unary(
+                    core, hedging, continuation, client_call_details, request
+                )
         plan = core.plan(client_call_details.method)
         if plan is None:
             return await continuation(client_call_details, request)

@@ -1,0 +1,437 @@
+"""A6 ``hedgingPolicy`` for unary-unary calls, on the generic runner (rfc/0004).
+
+Each hedge is its own grpc.aio call carrying ``grpc-previous-rpc-attempts`` = its
+index. A hedge commits the call when its response headers arrive (or when it ends
+with a response): the runner then cancels every other hedge, and the committed
+hedge's outcome is final, even a non-fatal status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+import weakref
+from collections.abc import Callable, Generator
+from typing import Any
+
+import grpc
+from grpc import aio
+from grpc.aio import _base_call
+
+try:  # grpc.aio's own call class (see _streamed_opener)
+    from grpc.aio._call import UnaryStreamCall as _UnaryStreamCall
+except ImportError:  # pragma: no cover - depends on grpcio internals
+    _UnaryStreamCall = None
+
+from .._context import AttemptEffect
+from .._errors import RequestCanceledException, RetryableError, TimeoutException
+from .._hedge import HedgePolicy, run_hedged
+from .._hooks import INSTANT_DELAYS
+from .._request import Request
+from ._interceptors import (
+    PREVIOUS_ATTEMPTS_KEY,
+    RetryController,
+    _client_trailing,
+    _FinishedUnaryCall,
+    _with_attempts,
+)
+from ._policy import PUSHBACK_DONT_RETRY, PUSHBACK_KEY, parse_pushback, status_reason
+from ._status import status_name
+from ._throttle import RetryThrottler
+
+__all__ = ["HedgePlan", "hedge_plan", "hedged_unary_unary"]
+
+_OK = grpc.StatusCode.OK
+_PENDING: Any = object()  # committed on headers, the response is still to come
+
+
+class HedgePlan:
+    """What a method with a ``hedgingPolicy`` gets: the core policy and the call settings."""
+
+    __slots__ = ("non_fatal", "policy", "throttler", "timeout", "wait_for_ready")
+
+    def __init__(self, core: RetryController, method_config: Any) -> None:
+        hp = method_config.hedging_policy
+        self.non_fatal: frozenset[int] = hp.non_fatal_status_codes
+        self.policy = HedgePolicy(
+            hp.max_attempts,
+            delay=hp.hedging_delay,
+            pushback=_pushback_seconds,
+            max_attempts_cap=core._strategy_args["max_attempts_cap"],
+        )
+        self.throttler = None if core.throttler is None else _Gate(core.throttler)
+        timeout = method_config.timeout
+        self.timeout = None if timeout is None else timeout.total_seconds()
+        self.wait_for_ready = method_config.wait_for_ready
+
+
+class _Gate:
+    """The channel's throttler for the runner: gating and non-fatal failures only.
+
+    A success is recorded once the committed hedge ends OK (a hedge commits on its
+    headers, before its status is known).
+    """
+
+    __slots__ = ("_t",)
+
+    def __init__(self, throttler: RetryThrottler) -> None:
+        self._t = throttler
+
+    def allows_retry(self) -> bool:
+        return self._t.allows_retry()
+
+    def record_failure(self) -> bool:
+        return self._t.record_failure()
+
+    def record_success(self) -> None:
+        return None
+
+
+def _pushback_ms(err: Any) -> int | None:
+    trailing = err.trailing_metadata()
+    return parse_pushback(trailing.get_all(PUSHBACK_KEY)) if trailing else None
+
+
+def _pushback_seconds(failure: RetryableError) -> float | None:
+    err = failure.__cause__
+    if err is None:
+        return None
+    ms = _pushback_ms(err)
+    if ms is None:
+        return None
+    return -1.0 if ms == PUSHBACK_DONT_RETRY else ms / 1000.0
+
+
+_plans: weakref.WeakKeyDictionary[RetryController, dict[Any, HedgePlan | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def hedge_plan(core: RetryController, method: Any) -> HedgePlan | None:
+    """The hedging plan of ``method`` (bytes or str), or None when it is not hedged."""
+    plans = _plans.get(core)
+    if plans is None:
+        plans = _plans.setdefault(core, {})
+    try:
+        return plans[method]
+    except KeyError:
+        pass
+    name = method.decode() if isinstance(method, bytes) else str(method)
+    config = core.service_config
+    mc = None if config is None or not core.enabled else config.method_config(name)
+    plan = None if mc is None or mc.hedging_policy is None else HedgePlan(core, mc)
+    plans[method] = plan
+    return plan
+
+
+def _error(err: Any, previous: int) -> Any:
+    """``err`` reporting which hedge's status it is (``grpc-previous-rpc-attempts``)."""
+    trailing = err.trailing_metadata()
+    corrected = _client_trailing(trailing, previous)
+    if corrected is trailing:
+        return err
+    return aio.AioRpcError(
+        err.code(),
+        err.initial_metadata(),
+        corrected,
+        err.details(),
+        err.debug_error_string(),
+    )
+
+
+async def hedged_unary_unary(
+    core: RetryController,
+    plan: HedgePlan,
+    continuation: Callable[..., Any],
+    details: Any,
+    message: Any,
+) -> Any:
+    """Run one unary-unary call as A6 hedges; return the committed call or raise its error.
+
+    The first attempt is grpc.aio's own unary call (its cheapest path); the call
+    waits for it up to the hedging delay without starting any task. Only when the
+    delay passes (or it fails with a non-fatal status) does the generic runner take
+    over, with that attempt as hedge 0 and header-aware hedges after it.
+    """
+    method = details.method
+    name: str = method.decode() if isinstance(method, bytes) else str(method)
+    timeout = details.timeout
+    if plan.timeout is not None and (timeout is None or plan.timeout < timeout):
+        timeout = plan.timeout
+    request = Request(
+        name=name, idempotent=True, timeout=None if timeout is None else max(timeout, 1e-6)
+    )
+    wait_for_ready = (
+        details.wait_for_ready if details.wait_for_ready is not None else plan.wait_for_ready
+    )
+    base_md = details.metadata
+    if base_md and any(k == PREVIOUS_ATTEMPTS_KEY for k, _ in base_md):
+        base_md = aio.Metadata(*[(k, v) for k, v in base_md if k != PREVIOUS_ATTEMPTS_KEY])
+    stats = core.stats
+    throttler = core.throttler
+    non_fatal = plan.non_fatal
+    last = [0]  # index of the last hedge whose failure arrived
+
+    def attempt_details(index: int) -> Any:
+        left = request.time_left
+        return aio.ClientCallDetails(
+            method,
+            None if left is None else left.total_seconds(),
+            base_md if index == 0 else _with_attempts(base_md, index),
+            details.credentials,
+            wait_for_ready,
+        )
+
+    def failed(err: Any, index: int) -> BaseException:
+        """A hedge failed without headers: RetryableError if non-fatal, else ``err``."""
+        if index > 0:
+            stats.record_failed_retry(name)
+        last[0] = index
+        code = err.code().value[0]
+        if code in non_fatal:
+            # The server answered: whatever the status, it may have applied the call.
+            failure = RetryableError(
+                status_reason(code),
+                f"{status_name(code)}: {err.details()}",
+                cause=err,
+                effect=AttemptEffect.MAYBE_APPLIED,
+            )
+            return failure
+        if throttler is not None and _pushback_ms(err) == PUSHBACK_DONT_RETRY:
+            throttler.record_failure()  # A6: a "don't retry" pushback counts
+        return err  # type: ignore[no-any-return]
+
+    def committed_failure(err: Any, index: int) -> Any:
+        """The committed hedge ended with ``err``: account it, return the final error."""
+        if index > 0:
+            stats.record_failed_retry(name)
+        if throttler is not None and (
+            err.code().value[0] in non_fatal or _pushback_ms(err) == PUSHBACK_DONT_RETRY
+        ):
+            throttler.record_failure()
+        return _error(err, index)
+
+    # -- hedge 0: a plain unary call, awaited up to the hedging delay -------------------
+    loop = asyncio.get_running_loop()
+    sent_at = loop.time()
+    first = await continuation(attempt_details(0), message)
+    adopted: Any = first
+    try:
+        if not first.done():
+            woken = loop.create_future()
+
+            def wake(_: Any = None) -> None:
+                if not woken.done():
+                    woken.set_result(None)
+
+            first.add_done_callback(wake)
+            delay = 0.0 if INSTANT_DELAYS.get() else plan.policy.delay.total_seconds()
+            timer = None
+            if plan.policy.effective_max_attempts > 1:
+                timer = loop.call_later(delay, wake)
+            try:
+                await woken
+            finally:
+                if timer is not None:
+                    timer.cancel()
+        if first.done():
+            try:
+                response = await first
+            except aio.AioRpcError as err:
+                if err.initial_metadata():  # headers, then a status: final
+                    raise committed_failure(err, 0) from None
+                adopted = failed(err, 0)
+                if adopted is err:  # a fatal status
+                    raise _error(err, 0) from None
+            else:
+                if throttler is not None:
+                    throttler.record_success()
+                md = await first.trailing_metadata()
+                if _client_trailing(md, 0) is md:
+                    return first  # nothing to correct: the call as grpc.aio made it
+                return _FinishedUnaryCall(first, 0)
+    except BaseException:
+        first.cancel()
+        raise
+
+    # -- the delay passed (or hedge 0 failed with a non-fatal status): hedge -------------
+    open_streamed = _streamed_opener(continuation, message)
+
+    async def send(request: Request, index: int) -> tuple[int, Any, Any]:
+        if index == 0:  # the attempt sent above
+            if isinstance(adopted, RetryableError):
+                raise adopted
+            call = adopted
+            streamed = False
+        else:
+            stats.record_retry(name, index)  # A6: hedges after the first are retries
+            streamed = open_streamed is not None
+            if open_streamed is not None:
+                call = open_streamed(attempt_details(index))
+            else:
+                call = await continuation(attempt_details(index), message)
+        try:
+            if streamed:
+                if await call.initial_metadata():
+                    return index, call, _PENDING  # headers: commit to this hedge now (A6)
+                response = await call.read()  # the response message commits too
+            else:
+                response = await call
+            return index, call, response
+        except aio.AioRpcError as err:
+            if err.initial_metadata():
+                return index, call, _PENDING  # headers, then a status: this hedge is final
+            failure = failed(err, index)
+            if failure is err:  # a fatal status
+                raise
+            raise failure  # noqa: B904 - its cause is the status (set by failed)
+        except BaseException:
+            call.cancel()
+            raise
+
+    winner: Any = None
+    try:
+        index, winner, response = await run_hedged(
+            core.orchestrator,
+            request,
+            send,
+            plan.policy,
+            plan.throttler,
+            first_elapsed=loop.time() - sent_at,
+        )
+    except aio.AioRpcError as err:  # a fatal status
+        raise _error(err, last[0]) from None
+    except TimeoutException as exc:
+        previous = request.retry_attempts
+        raise aio.AioRpcError(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            aio.Metadata(),
+            _with_attempts(aio.Metadata(), previous) if previous else aio.Metadata(),
+            "Deadline Exceeded",
+            f"deadline reached with {previous + 1} hedge(s) in flight",
+        ) from exc
+    except RequestCanceledException as exc:
+        cause = exc.__cause__
+        if isinstance(cause, aio.AioRpcError):  # every hedge failed: the last one's status
+            raise _error(cause, last[0]) from exc
+        raise
+    finally:
+        if winner is not first and not isinstance(adopted, BaseException):
+            first.cancel()
+
+    # Committed to hedge ``index``: its outcome is the call's.
+    call = winner
+    streamed = index > 0 and open_streamed is not None
+    try:
+        if streamed:
+            if response is _PENDING:
+                response = await call.read()
+            code = await call.code()
+            if code is not _OK or response is aio.EOF:
+                raise aio.AioRpcError(
+                    code if code is not _OK else grpc.StatusCode.INTERNAL,
+                    await call.initial_metadata(),
+                    await call.trailing_metadata(),
+                    await call.details() if code is not _OK else "no response message",
+                    await call.debug_error_string(),
+                )
+        elif response is _PENDING:
+            response = await call
+    except aio.AioRpcError as err:
+        raise committed_failure(err, index) from None
+    except BaseException:
+        call.cancel()
+        raise
+    if throttler is not None:
+        throttler.record_success()
+    if streamed:
+        return _HedgedUnaryCall(call, response, index)
+    return _FinishedUnaryCall(call, index)
+
+
+class _HedgedUnaryCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
+    """The finished unary-unary call a hedge sent as a unary-stream RPC ended in."""
+
+    def __init__(self, call: Any, response: Any, previous: int) -> None:
+        self._call = call
+        self._response = response
+        self._previous = previous
+
+    def cancel(self) -> bool:
+        return False
+
+    def cancelled(self) -> bool:
+        return False
+
+    def done(self) -> bool:
+        return True
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        callback(self)
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    async def initial_metadata(self) -> Any:
+        return await self._call.initial_metadata()
+
+    async def trailing_metadata(self) -> Any:
+        return _client_trailing(await self._call.trailing_metadata(), self._previous)
+
+    async def code(self) -> Any:
+        return await self._call.code()
+
+    async def details(self) -> str:
+        return str(await self._call.details())
+
+    async def debug_error_string(self) -> str | None:
+        return await self._call.debug_error_string()  # type: ignore[no-any-return]
+
+    async def wait_for_connection(self) -> None:
+        return None
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._result().__await__()
+
+    async def _result(self) -> Any:
+        return self._response
+
+
+def _streamed_opener(continuation: Any, message: Any) -> Callable[[Any], Any] | None:
+    """Open hedges as unary-stream RPCs on the channel, when grpc.aio lets us.
+
+    grpc.aio runs a unary-unary RPC as one batch: its response headers are seen
+    only when the call ends. The same method called as a unary-stream RPC (the
+    same bytes on the wire) reports its headers when they arrive, which A6 hedging
+    commits on. This needs our interceptor to be the last one (the continuation
+    then makes the call itself) and grpc.aio's call class; otherwise hedges go
+    through the continuation and commit when their response arrives.
+    """
+    if _UnaryStreamCall is None or not isinstance(continuation, functools.partial):
+        return None
+    args = continuation.args
+    owner = getattr(continuation.func, "__self__", None)
+    if len(args) != 4 or args[0] or continuation.keywords or owner is None:
+        return None
+    channel = getattr(owner, "_channel", None)
+    loop = getattr(owner, "_loop", None)
+    if channel is None or loop is None:
+        return None
+    _, _, serializer, deserializer = args
+
+    def open_call(d: Any) -> Any:
+        return _UnaryStreamCall(
+            message,
+            None if d.timeout is None else time.time() + d.timeout,
+            d.metadata if d.metadata is not None else aio.Metadata(),
+            d.credentials,
+            d.wait_for_ready,
+            channel,
+            d.method,
+            serializer,
+            deserializer,
+            loop,
+        )
+
+    return open_call

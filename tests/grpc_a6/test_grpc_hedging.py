@@ -1,0 +1,315 @@
+"""A6 hedgingPolicy on sdkcore's grpc.aio channels, against a real server on 127.0.0.1.
+
+Spacing checks compare server-side start times with generous tolerance; they check
+order and rough spacing, not latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import anyio
+import pytest
+
+grpc = pytest.importorskip("grpc")
+
+from grpc import aio  # noqa: E402
+from grpc_server import TEST_TIMEOUT, Server, wait_until  # noqa: E402
+from hedge_server import (  # noqa: E402
+    ABORTED,
+    INVALID_ARGUMENT,
+    PREV,
+    UNAVAILABLE,
+    HedgeScript,
+    fail,
+    headers_then,
+    hedging_config,
+    ok,
+)
+
+from sdkcore.grpc import (  # noqa: E402
+    ServiceConfig,
+    ServiceConfigError,
+    insecure_channel,
+    previous_rpc_attempts,
+    retry_controller,
+    retry_stats,
+)
+from sdkcore.testing import capture_retry_events  # noqa: E402
+
+pytestmark = pytest.mark.asyncio
+
+
+async def call(server: Server, script: HedgeScript, config: str, **kw: Any) -> Any:
+    """One call through a hedging channel: the response, or the AioRpcError raised."""
+    async with insecure_channel(server.target, service_config=config) as ch:
+        c = ch.unary_unary(script.method)(b"x", **kw)
+        try:
+            return await c, c, retry_stats(ch).for_method(script.method)
+        except aio.AioRpcError as err:
+            return err, c, retry_stats(ch).for_method(script.method)
+
+
+async def test_hedges_spaced_headers_and_winner_cancels_others(server: Server) -> None:
+    script = HedgeScript(server, "M", {2: ok(body=b"from 2")})
+    with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
+        result, c, stats = await call(server, script, hedging_config(max_attempts=4, delay="0.1s"))
+        assert result == b"from 2"
+        assert previous_rpc_attempts(await c.trailing_metadata()) == 2
+        await wait_until(lambda: script.cancelled() == {0, 1})
+    assert script.count == 3  # the 4th hedge was pending and never sent
+    by = script.by_index()
+    assert by[0].header is None
+    assert (by[1].header, by[2].header) == ("1", "2")
+    assert by[1].start - by[0].start >= 0.08
+    assert by[2].start - by[1].start >= 0.08
+    assert stats.retry_attempts == 2
+    assert stats.failed_retry_attempts == 0  # cancelled hedges did not fail
+    assert stats.histogram[1] == 1
+    assert stats.histogram[2] == 1
+    kinds = [(e["event"], e["hedge"]) for e in events]
+    assert ("hedge.won", 2) in kinds
+    assert all(e["request_name"] == script.method for e in events)
+
+
+async def test_max_attempts_clamped_to_five_and_delay_zero(server: Server) -> None:
+    script = HedgeScript(server, "M", {4: ok(0.3)})
+    with anyio.fail_after(TEST_TIMEOUT):
+        result, _, stats = await call(server, script, hedging_config(max_attempts=9, delay=None))
+        await wait_until(lambda: script.cancelled() == {0, 1, 2, 3})
+    assert result == b"ok"
+    assert script.count == 5
+    starts = [a.start for a in script.attempts]
+    assert max(starts) - min(starts) < 0.25  # all sent before the first answer
+    assert stats.retry_attempts == 4
+
+
+async def test_winner_cancels_outstanding_and_pending(server: Server) -> None:
+    script = HedgeScript(server, "M", {1: ok(0.02)})
+    with anyio.fail_after(TEST_TIMEOUT):
+        result, _, _ = await call(server, script, hedging_config(max_attempts=4, delay="0.15s"))
+        await wait_until(lambda: script.cancelled() == {0})
+        await asyncio.sleep(0.4)  # well past when hedges 2 and 3 were due
+    assert result == b"ok"
+    assert script.count == 2
+
+
+async def test_non_fatal_shortcut_then_spacing_resumes(server: Server) -> None:
+    script = HedgeScript(server, "M", {0: fail(UNAVAILABLE, 0.03), 2: ok()})
+    with anyio.fail_after(TEST_TIMEOUT):
+        result, _, stats = await call(server, script, hedging_config(delay="0.4s"))
+    assert result == b"ok"
+    assert script.start(1) - script.start(0) < 0.3  # sent when hedge 0 failed
+    assert script.start(2) - script.start(1) >= 0.3  # then the delay again
+    assert stats.failed_retry_attempts == 0  # hedge 0 is the original attempt
+
+
+async def test_non_fatal_then_fatal(server: Server) -> None:
+    script = HedgeScript(
+        server, "M", {0: fail(UNAVAILABLE), 1: fail(INVALID_ARGUMENT, 0.02), 2: ok()}
+    )
+    with anyio.fail_after(TEST_TIMEOUT):
+        err, _, stats = await call(server, script, hedging_config(delay="1s"))
+    assert isinstance(err, aio.AioRpcError)
+    assert err.code() is INVALID_ARGUMENT
+    assert previous_rpc_attempts(err) == 1
+    assert script.count == 2
+    assert stats.failed_retry_attempts == 1
+
+
+async def test_all_fail_returns_the_last_failure(server: Server) -> None:
+    script = HedgeScript(
+        server,
+        "M",
+        {0: fail(UNAVAILABLE, 0.05), 1: fail(ABORTED, 0.25), 2: fail(UNAVAILABLE, 0.0)},
+    )
+    with anyio.fail_after(TEST_TIMEOUT):
+        err, _, stats = await call(server, script, hedging_config(delay=None))
+    assert isinstance(err, aio.AioRpcError)
+    assert err.code() is ABORTED  # hedge 1 was the last to answer
+    assert previous_rpc_attempts(err) == 1
+    assert script.count == 3
+    assert stats.retry_attempts == 2
+    assert stats.failed_retry_attempts == 2
+    assert err.__cause__ is None or isinstance(err.__cause__, Exception)
+
+
+async def test_without_non_fatal_codes_every_failure_is_fatal(server: Server) -> None:
+    script = HedgeScript(server, "M", {0: fail(UNAVAILABLE), 1: ok()})
+    with anyio.fail_after(TEST_TIMEOUT):
+        err, _, _ = await call(server, script, hedging_config(delay="0.3s", non_fatal=None))
+    assert isinstance(err, aio.AioRpcError)
+    assert err.code() is UNAVAILABLE
+    assert script.count == 1
+
+
+@pytest.mark.parametrize("value", ["-1", "soon"])
+async def test_pushback_dont_retry_stops_hedging(server: Server, value: str) -> None:
+    script = HedgeScript(server, "M", {0: fail(UNAVAILABLE, pushback=value), 1: ok()})
+    with anyio.fail_after(TEST_TIMEOUT):  # without the pushback, hedge 1 would go at once
+        err, _, _ = await call(server, script, hedging_config(delay="1s"))
+    assert isinstance(err, aio.AioRpcError)
+    assert err.code() is UNAVAILABLE
+    assert script.count == 1
+
+
+async def test_pushback_dont_retry_outstanding_hedge_still_wins(server: Server) -> None:
+    script = HedgeScript(
+        server, "M", {0: ok(0.6, b"from 0"), 1: fail(UNAVAILABLE, pushback="-1"), 2: ok()}
+    )
+    with anyio.fail_after(TEST_TIMEOUT):
+        result, _, _ = await call(server, script, hedging_config(delay="0.15s"))
+    assert result == b"from 0"
+    assert script.count == 2
+
+
+async def test_pushback_ms_delays_the_next_hedge(server: Server) -> None:
+    script = HedgeScript(server, "M", {0: fail(UNAVAILABLE, pushback="250"), 1: ok()})
+    with anyio.fail_after(TEST_TIMEOUT):  # without the pushback, hedge 1 would go at once
+        result, _, _ = await call(server, script, hedging_config(delay="1s"))
+    assert result == b"ok"
+    assert script.start(1) - script.start(0) >= 0.2
+
+
+async def test_throttling(server: Server) -> None:
+    throttling = {"maxTokens": 4, "tokenRatio": 0.5}  # hedges only while tokens > 2
+    script = HedgeScript(server, "M", {}, default=fail(UNAVAILABLE))
+    config = hedging_config(max_attempts=5, delay="5s", throttling=throttling)
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=config) as ch:
+            throttler = retry_controller(ch).throttler
+            assert throttler is not None
+            with anyio.fail_after(2.5):  # throttled with nothing outstanding: no 5 s wait
+                with pytest.raises(aio.AioRpcError) as info:
+                    await ch.unary_unary(script.method)(b"x")
+            assert info.value.code() is UNAVAILABLE
+            assert script.count == 2  # 4 -> 3 (hedge 1 allowed) -> 2 (throttled)
+            assert throttler.tokens == 2.0
+            # Throttled: only the first attempt goes, whatever the policy.
+            with pytest.raises(aio.AioRpcError):
+                await ch.unary_unary(script.method)(b"x")
+            assert script.count == 3
+            assert throttler.tokens == 1.0
+            # A fatal status takes no token; a success adds tokenRatio.
+            script.default = fail(INVALID_ARGUMENT)
+            with pytest.raises(aio.AioRpcError):
+                await ch.unary_unary(script.method)(b"x")
+            assert throttler.tokens == 1.0
+            script.default = ok()
+            assert await ch.unary_unary(script.method)(b"x") == b"ok"
+            assert throttler.tokens == 1.5
+
+
+async def test_method_timeout_covers_the_chain(server: Server) -> None:
+    script = HedgeScript(server, "M", {})
+    config = hedging_config(max_attempts=5, delay="0.1s", timeout="0.35s")
+    with anyio.fail_after(TEST_TIMEOUT):
+        err, _, _ = await call(server, script, config)
+        await wait_until(lambda: script.cancelled() == {a.index for a in script.attempts})
+    assert isinstance(err, aio.AioRpcError)
+    assert err.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert 2 <= script.count <= 4
+
+
+async def test_headers_commit_on_arrival(server: Server) -> None:
+    """Hedge 0 is cancelled when hedge 1's headers arrive, not when hedge 1 ends."""
+    script = HedgeScript(server, "M", {1: headers_then(ok(0.4, b"from 1"))})
+    with anyio.fail_after(TEST_TIMEOUT):
+        result, c, _ = await call(server, script, hedging_config(delay="0.05s"))
+        await wait_until(lambda: script.cancelled() == {0})
+    assert result == b"from 1"
+    assert previous_rpc_attempts(await c.trailing_metadata()) == 1
+    by = script.by_index()
+    assert by[0].end is not None
+    assert by[1].end is not None
+    assert by[0].end < by[1].end - 0.2  # cancelled well before the winner finished
+    assert script.count == 2  # committed: hedge 2 never sent
+
+
+async def test_headers_then_non_fatal_status_is_final(server: Server) -> None:
+    script = HedgeScript(server, "M", {0: headers_then(fail(UNAVAILABLE)), 1: ok()})
+    with anyio.fail_after(TEST_TIMEOUT):
+        err, _, _ = await call(server, script, hedging_config(delay="0.3s"))
+    assert isinstance(err, aio.AioRpcError)
+    assert err.code() is UNAVAILABLE
+    assert script.count == 1
+
+
+async def test_application_cancel_reaches_every_hedge(server: Server) -> None:
+    script = HedgeScript(server, "M", {})
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=hedging_config(delay=None)) as ch:
+            c = ch.unary_unary(script.method)(b"x")
+            await wait_until(lambda: script.count == 3)
+            assert c.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await c
+            await wait_until(lambda: script.cancelled() == {0, 1, 2})
+
+
+async def test_retry_and_hedging_policy_together_rejected() -> None:
+    cfg = {
+        "methodConfig": [
+            {
+                "name": [{"service": "test.Svc"}],
+                "retryPolicy": {
+                    "maxAttempts": 2,
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "1s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+                "hedgingPolicy": {"maxAttempts": 2},
+            }
+        ]
+    }
+    with pytest.raises(ServiceConfigError, match="not both"):
+        ServiceConfig.from_json(json.dumps(cfg))
+
+
+async def test_failed_hedge_logged_with_status(server: Server) -> None:
+    script = HedgeScript(server, "M", {0: fail(UNAVAILABLE), 1: ok()})
+    with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
+        result, _, _ = await call(server, script, hedging_config(delay="1s"))
+    assert result == b"ok"
+    [failed] = [e for e in events if e["event"] == "hedge.failed"]
+    assert failed["hedge"] == 0
+    assert failed["reason"] == "SERVICE_NOT_AVAILABLE"
+    assert failed["error"].startswith("SERVICE_NOT_AVAILABLE: UNAVAILABLE")
+    assert PREV == "grpc-previous-rpc-attempts"
+
+
+class _PassThrough(aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        self.calls += 1
+        return await continuation(details, request)
+
+
+async def test_hedging_through_an_application_interceptor(server: Server) -> None:
+    """With an interceptor after sdkcore's, hedges go through it (commit on the response)."""
+    script = HedgeScript(server, "M", {0: fail(UNAVAILABLE, 0.02), 1: ok(body=b"from 1")})
+    extra = _PassThrough()
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=hedging_config(delay="1s"), interceptors=[extra]
+        ) as ch:
+            c = ch.unary_unary(script.method)(b"x")
+            assert await c == b"from 1"
+            assert previous_rpc_attempts(await c.trailing_metadata()) == 1
+    assert extra.calls == 2
+    assert script.by_index()[1].header == "1"
+
+
+async def test_first_hedge_headers_seen_when_it_ends(server: Server) -> None:
+    """rfc/0004: hedge 0 is a plain unary call; its early headers do not stop hedge 1."""
+    script = HedgeScript(server, "M", {0: headers_then(ok(0.5, b"from 0")), 1: ok(body=b"from 1")})
+    with anyio.fail_after(TEST_TIMEOUT):
+        result, _, _ = await call(server, script, hedging_config(delay="0.1s"))
+        await wait_until(lambda: script.cancelled() == {0})
+    assert result == b"from 1"
+    assert script.count == 2

@@ -1,0 +1,400 @@
+"""RetryOrchestrator.hedge: the generic hedging runner, on asyncio and trio (rfc/0004).
+
+Timing checks use small real delays with generous tolerance: they check the order
+and rough spacing of sends, never a precise latency.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import anyio
+import pytest
+
+from sdkcore import (
+    HedgePolicy,
+    InvalidArgumentException,
+    Request,
+    RequestCanceledException,
+    RequestState,
+    RetryableError,
+    RetryOrchestrator,
+    RetryReason,
+    UnambiguousTimeoutException,
+)
+from sdkcore.grpc import RetryThrottler
+from sdkcore.testing import capture_retry_events, instant_retries
+
+pytestmark = pytest.mark.anyio
+
+TEMP = RetryReason.KV_TEMPORARY_FAILURE
+LOCKED = RetryReason.KV_LOCKED
+SAFETY = 10.0  # every test fails instead of hanging after this long
+
+
+def live_tasks() -> int:
+    """Tasks alive in this event loop (asyncio) or this trio run."""
+    import asyncio
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        import trio
+
+        def count(task: Any) -> int:
+            return 1 + sum(count(t) for n in task.child_nurseries for t in n.child_tasks)
+
+        return count(trio.lowlevel.current_root_task())
+    return len(asyncio.all_tasks())
+
+
+class Script:
+    """A send(request, index) whose behaviour per index is scripted.
+
+    ``plan[index]`` is a tuple ``(delay_seconds, outcome)``: after the delay the
+    outcome is returned, or raised if it is an exception. ``None`` as the delay
+    blocks until cancelled. Records start times, who saw the cancellation, who ended.
+    """
+
+    def __init__(self, plan: dict[int, tuple[float | None, Any]]) -> None:
+        self.plan = plan
+        self.started: dict[int, float] = {}
+        self.cancelled: set[int] = set()
+        self.finished: set[int] = set()
+        self.t0 = anyio.current_time()
+
+    async def __call__(self, request: Request, index: int) -> Any:
+        self.started[index] = anyio.current_time() - self.t0
+        delay, outcome = self.plan.get(index, (None, None))
+        try:
+            if delay is None:
+                await anyio.sleep_forever()
+            await anyio.sleep(delay)  # type: ignore[arg-type]
+        except anyio.get_cancelled_exc_class():
+            self.cancelled.add(index)
+            raise
+        finally:
+            self.finished.add(index)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def assert_nothing_left(self) -> None:
+        assert set(self.started) == self.finished
+
+
+def idem(timeout: float | None = 5.0) -> Request:
+    return Request(name="get", idempotent=True, timeout=timeout)
+
+
+async def test_hedges_spaced_winner_cancels_others() -> None:
+    send = Script({0: (None, None), 1: (None, None), 2: (0.0, "r2")})
+    request = idem()
+    before = live_tasks()
+    with anyio.fail_after(SAFETY), capture_retry_events() as events:
+        result = await RetryOrchestrator().hedge(request, send, HedgePolicy(4, delay=0.1))
+    assert result == "r2"
+    assert sorted(send.started) == [0, 1, 2]  # the 4th was never sent
+    assert send.started[0] < 0.05
+    assert send.started[1] >= 0.08
+    assert send.started[2] - send.started[1] >= 0.08
+    assert send.cancelled == {0, 1}
+    send.assert_nothing_left()
+    assert live_tasks() == before
+    assert request.state is RequestState.SUCCEEDED
+    assert request.retry_attempts == 2
+    names = [(e["event"], e["hedge"]) for e in events]
+    assert names[:3] == [("hedge.sent", 0), ("hedge.sent", 1), ("hedge.sent", 2)]
+    assert ("hedge.won", 2) in names
+    assert {("hedge.cancelled", 0), ("hedge.cancelled", 1)} <= set(names)
+    sent = [e for e in events if e["event"] == "hedge.sent"]
+    assert [e["trigger"] for e in sent] == ["first", "delay", "delay"]
+    assert all(e["request_id"] == request.id and e["request_name"] == "get" for e in events)
+
+
+async def test_delay_zero_sends_all_at_once_and_caps_at_five() -> None:
+    send = Script({4: (0.3, "last")})
+    with anyio.fail_after(SAFETY):
+        result = await RetryOrchestrator().hedge(idem(), send, HedgePolicy(9))
+    assert result == "last"
+    assert sorted(send.started) == [0, 1, 2, 3, 4]
+    assert max(send.started.values()) < 0.25  # all sent before the first answer
+    assert send.cancelled == {0, 1, 2, 3}
+
+
+async def test_cap_can_be_raised_and_lowered() -> None:
+    send = Script({})
+    policy = HedgePolicy(9, max_attempts_cap=2)
+    assert policy.effective_max_attempts == 2
+    with anyio.fail_after(SAFETY), pytest.raises(UnambiguousTimeoutException):
+        await RetryOrchestrator().hedge(idem(0.05), send, policy)
+    assert sorted(send.started) == [0, 1]
+
+
+async def test_non_fatal_failure_shortcuts_then_spacing_resumes() -> None:
+    send = Script(
+        {0: (0.02, RetryableError(TEMP)), 1: (None, None), 2: (0.0, "r2")},
+    )
+    request = idem()
+    with anyio.fail_after(SAFETY):
+        result = await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.3))
+    assert result == "r2"
+    assert send.started[1] < 0.2  # sent when 0 failed, not after the 0.3 s delay
+    assert send.started[2] - send.started[1] >= 0.25  # then the delay again
+    assert request.retry_reasons == (TEMP,)
+    assert send.cancelled == {1}
+
+
+async def test_non_fatal_then_fatal_returns_the_fatal_error() -> None:
+    boom = ValueError("boom")
+    send = Script({0: (None, None), 1: (0.0, RetryableError(TEMP)), 2: (0.01, boom)})
+    request = idem()
+    with anyio.fail_after(SAFETY), pytest.raises(ValueError, match="boom") as info:
+        await RetryOrchestrator().hedge(request, send, HedgePolicy(4, delay=0.0))
+    assert info.value is boom
+    assert send.cancelled == {0, 3}
+    send.assert_nothing_left()
+    assert request.state is RequestState.FAILED
+
+
+async def test_all_fail_returns_the_last_failure_to_arrive() -> None:
+    first = OSError("first")
+    last = OSError("last")
+    send = Script(
+        {
+            0: (0.2, RetryableError(LOCKED, cause=last)),
+            1: (0.0, RetryableError(TEMP, cause=first)),
+            2: (0.1, RetryableError(TEMP)),
+        }
+    )
+    request = idem()
+    with anyio.fail_after(SAFETY), pytest.raises(RequestCanceledException) as info:
+        await RetryOrchestrator().hedge(request, send, HedgePolicy(3))
+    exc = info.value
+    assert exc.__cause__ is last
+    assert exc.context is not None
+    assert exc.context.reason is LOCKED
+    assert exc.context.cancellation_reason is not None
+    assert exc.context.cancellation_reason.name == "NO_MORE_RETRIES"
+    assert set(request.retry_reasons) == {TEMP, LOCKED}
+    assert len(exc.context.attempts) == 3  # every hedge's failure, in arrival order
+    assert [a.reason for a in exc.context.attempts] == [TEMP, TEMP, LOCKED]
+    assert exc.context.last_error == "OSError: last"
+    extra = exc.context.extra
+    assert extra["hedge_winner"] is None
+    assert extra["hedges_sent"] == 3
+    assert [h["outcome"] for h in extra["hedges"]] == ["failed"] * 3
+    assert [h["reason"] for h in extra["hedges"]] == ["KV_LOCKED", "KV_TEMPORARY_FAILURE"] * 1 + [
+        "KV_TEMPORARY_FAILURE"
+    ]
+
+
+async def test_reason_outside_non_fatal_is_fatal() -> None:
+    send = Script({0: (None, None), 1: (0.0, RetryableError(LOCKED))})
+    policy = HedgePolicy(2, non_fatal={TEMP})
+    with anyio.fail_after(SAFETY), pytest.raises(RequestCanceledException) as info:
+        await RetryOrchestrator().hedge(idem(), send, policy)
+    assert info.value.context is not None
+    assert info.value.context.reason is LOCKED
+    assert send.cancelled == {0}
+
+
+async def test_pushback_negative_stops_hedging_outstanding_keep_running() -> None:
+    send = Script(
+        {0: (0.4, "r0"), 1: (0.0, RetryableError(TEMP, "stop")), 2: (0.0, "never")},
+    )
+
+    def pushback(failure: RetryableError) -> float | None:
+        return -1.0 if str(failure).endswith("stop") else None
+
+    with anyio.fail_after(SAFETY):
+        result = await RetryOrchestrator().hedge(
+            idem(), send, HedgePolicy(3, delay=0.1, pushback=pushback)
+        )
+    assert result == "r0"  # the first attempt was not cancelled
+    assert sorted(send.started) == [0, 1]
+
+
+async def test_pushback_negative_with_nothing_outstanding_returns_at_once() -> None:
+    send = Script({0: (0.0, RetryableError(TEMP))})
+    with anyio.fail_after(SAFETY), pytest.raises(RequestCanceledException) as info:
+        await RetryOrchestrator().hedge(
+            idem(), send, HedgePolicy(3, delay=5.0, pushback=lambda _: -1)
+        )
+    assert sorted(send.started) == [0]
+    assert info.value.context is not None
+    assert info.value.context.extra["hedge_stopped_by"] == "pushback"
+
+
+async def test_pushback_positive_delays_the_next_hedge() -> None:
+    send = Script({0: (0.0, RetryableError(TEMP)), 1: (0.0, "r1")})
+    with anyio.fail_after(SAFETY):
+        result = await RetryOrchestrator().hedge(
+            idem(), send, HedgePolicy(3, delay=1.0, pushback=lambda _: 0.15)
+        )
+    assert result == "r1"
+    assert send.started[1] >= 0.12  # not at once, and not after the 1 s delay either
+
+
+async def test_throttling_gates_hedges_and_counts_non_fatal_failures() -> None:
+    throttler = RetryThrottler(4, 0.5)  # threshold 2 tokens
+    send = Script({i: (0.0, RetryableError(TEMP)) for i in range(5)})
+    with anyio.fail_after(SAFETY), pytest.raises(RequestCanceledException) as info:
+        await RetryOrchestrator().hedge(
+            idem(), send, HedgePolicy(5, delay=5.0), throttler=throttler
+        )
+    # 4 -> 3 (still above 2: hedge 1 goes) -> 2 (at the threshold: no hedge 2)
+    assert sorted(send.started) == [0, 1]
+    assert throttler.tokens == 2.0
+    assert info.value.context is not None
+    assert info.value.context.extra["hedge_stopped_by"] == "throttled"
+
+
+async def test_throttled_first_attempt_always_sent_and_success_adds_tokens() -> None:
+    throttler = RetryThrottler(4, 0.5)
+    throttler.record_failure()
+    throttler.record_failure()  # 2: throttled
+    send = Script({0: (0.05, "r0")})
+    with anyio.fail_after(SAFETY):
+        assert (
+            await RetryOrchestrator().hedge(
+                idem(), send, HedgePolicy(3, delay=0.0), throttler=throttler
+            )
+            == "r0"
+        )
+    assert sorted(send.started) == [0]
+    assert throttler.tokens == 2.5
+
+
+async def test_fatal_failure_takes_no_token() -> None:
+    throttler = RetryThrottler(4, 0.5)
+    send = Script({0: (0.0, KeyError("k"))})
+    with anyio.fail_after(SAFETY), pytest.raises(KeyError):
+        await RetryOrchestrator().hedge(idem(), send, HedgePolicy(3), throttler=throttler)
+    assert throttler.tokens == 4.0
+
+
+async def test_one_deadline_covers_the_chain() -> None:
+    send = Script({})
+    request = idem(0.15)
+    before = live_tasks()
+    with anyio.fail_after(SAFETY), pytest.raises(UnambiguousTimeoutException) as info:
+        await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.05))
+    assert sorted(send.started) == [0, 1, 2]
+    assert send.cancelled == {0, 1, 2}
+    assert live_tasks() == before
+    assert request.cancellation_reason is not None
+    assert request.cancellation_reason.name == "TIMEOUT"
+    assert info.value.context is not None
+    assert [h["outcome"] for h in info.value.context.extra["hedges"]] == ["cancelled"] * 3
+    assert info.value.context.in_flight
+    assert [a.effect.name for a in info.value.context.attempts] == ["MAYBE_APPLIED"] * 3
+
+
+async def test_non_idempotent_refused_nothing_sent() -> None:
+    send = Script({0: (0.0, "x")})
+    request = Request(name="upsert", idempotent=False)
+    with pytest.raises(InvalidArgumentException, match="not idempotent"):
+        await RetryOrchestrator().hedge(request, send, HedgePolicy(2))
+    assert send.started == {}
+    assert request.state is RequestState.PENDING
+
+
+async def test_bad_arguments_are_refused() -> None:
+    orch = RetryOrchestrator()
+    with pytest.raises(TypeError, match=r"policy must be an sdkcore\.HedgePolicy"):
+        await orch.hedge(idem(), Script({}), 3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="send must be a callable"):
+        await orch.hedge(idem(), None, HedgePolicy(2))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="allows_retry"):
+        await orch.hedge(idem(), Script({}), HedgePolicy(2), throttler=object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"max_attempts must be an integer >= 1"):
+        HedgePolicy(0)
+    with pytest.raises(ValueError, match=r"HedgePolicy\.delay must be >= 0"):
+        HedgePolicy(2, delay=-1)
+    with pytest.raises(TypeError, match="single reason"):
+        HedgePolicy(2, non_fatal=TEMP)  # type: ignore[arg-type]
+    assert HedgePolicy(2, delay=timedelta(milliseconds=5)).delay == timedelta(milliseconds=5)
+
+
+async def test_application_cancel_stops_every_hedge() -> None:
+    send = Script({})
+    request = idem(None)
+    caught: list[BaseException] = []
+
+    async def run() -> None:
+        try:
+            await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.0))
+        except RequestCanceledException as exc:
+            caught.append(exc)
+
+    with anyio.fail_after(SAFETY):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await anyio.sleep(0.05)
+            request.cancel()
+    assert send.cancelled == {0, 1, 2}
+    [exc] = caught
+    assert isinstance(exc, RequestCanceledException)
+    assert exc.context is not None
+    assert exc.context.cancellation_reason is not None
+    assert exc.context.cancellation_reason.name == "CANCELLED_VIA_CONTEXT"
+
+
+async def test_task_cancellation_propagates_and_leaves_nothing() -> None:
+    send = Script({})
+    request = idem()
+    before = live_tasks()
+    with anyio.fail_after(SAFETY):
+        with anyio.move_on_after(0.05):
+            await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.0))
+    assert send.cancelled == {0, 1, 2}
+    assert live_tasks() == before
+    assert request.cancellation_reason is not None
+    assert request.cancellation_reason.name == "TASK_CANCELLED"
+
+
+async def test_replica_per_index() -> None:
+    """Get-from-any-replica: hedge 0 reads the active copy, hedge i replica i."""
+    replicas = {"active": None, "replica1": 0.01, "replica2": 0.3}
+    order = list(replicas)
+    read: list[str] = []
+
+    async def get_any_replica(request: Request, index: int) -> str:
+        node = order[index]
+        read.append(node)
+        delay = replicas[node]
+        if delay is None:
+            await anyio.sleep_forever()
+        await anyio.sleep(delay)  # type: ignore[arg-type]
+        return f"doc from {node}"
+
+    with anyio.fail_after(SAFETY):
+        result = await RetryOrchestrator().hedge(
+            idem(), get_any_replica, HedgePolicy(len(order), delay=0.0)
+        )
+    assert result == "doc from replica1"
+    assert sorted(read) == sorted(order)  # sent at once: in no particular order
+
+
+async def test_instant_delays_send_hedges_without_waiting() -> None:
+    send = Script({2: (0.0, "r2")})
+    with anyio.fail_after(SAFETY), instant_retries():
+        result = await RetryOrchestrator().hedge(idem(), send, HedgePolicy(3, delay=30.0))
+    assert result == "r2"
+    assert sorted(send.started) == [0, 1, 2]
+
+
+async def test_send_raising_before_awaiting_is_a_fatal_failure() -> None:
+    calls: list[int] = []
+
+    def send(request: Request, index: int) -> Any:  # not a coroutine function
+        calls.append(index)
+        raise LookupError("no such replica")
+
+    request = idem()
+    with anyio.fail_after(SAFETY), pytest.raises(LookupError, match="no such replica"):
+        await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=5.0))
+    assert calls == [0]
+    assert request.state is RequestState.FAILED
