@@ -31,7 +31,7 @@ SCENARIO_HELP = {
     "node-restart": "node B is UNAVAILABLE for 300 ms; 2 writes it applied lose their reply",
     "overload": "the nodes push back for 200 ms: RESOURCE_EXHAUSTED, retry-pushback-ms 40",
     "bad-credentials": "bucket 'billing' is opened with a wrong password (UNAUTHENTICATED)",
-    "slow-replica": "reads from replica 0, whose tail is long: 1 read in 8 takes 300 ms",
+    "slow-replica": "reads from replica 0, whose tail is long: 1 read in 7 takes 300 ms",
     "hedged-reads": "the same reads, hedged to replica 1 when replica 0 has not answered in 20 ms",
 }
 SCENARIO_NAMES = tuple(SCENARIO_HELP)

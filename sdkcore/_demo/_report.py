@@ -108,7 +108,6 @@ class Report:
     #: exception class name -> (scenario, strategy, str(exc)) of its first occurrence.
     examples: dict[str, tuple[str, str, str]] = attrs.field(factory=dict)
     scenario_titles: dict[str, str] = attrs.field(factory=dict)
-    skipped: dict[str, str] = attrs.field(factory=dict)
     writes_applied: int = 0
     writes_succeeded: int = 0
     duplicate_writes: list[tuple[str, str, int]] = attrs.field(factory=list)
@@ -126,7 +125,6 @@ def to_json(report: Report) -> dict[str, Any]:
         "target": report.target,
         "elapsed_s": round(report.elapsed_s, 3),
         "scenarios": dict(report.scenario_titles),
-        "skipped": dict(report.skipped),
         "strategies": {
             label: {name: s.to_json() for name, s in table.items()}
             for label, table in report.tables.items()
@@ -210,8 +208,6 @@ def render_text(report: Report, style: Callable[[str], str] = lambda s: s) -> li
     out.append("Scenarios")
     for name, title in report.scenario_titles.items():
         out += _wrap(f"{name:<16}", title, indent=2)
-    for name, why in report.skipped.items():
-        out += _wrap(f"{name:<16}", f"skipped: {why}", indent=2)
     for label, table in report.tables.items():
         out.append("")
         out.append(style(f"Strategy: {label}"))

@@ -7,28 +7,18 @@ from collections.abc import Sequence
 
 from ._report import Progress, Report, summarize
 from ._server import TroubledCluster
-from ._workload import SCENARIOS, STRATEGIES, OpResult, hedging_available, run_scenario
+from ._workload import SCENARIOS, STRATEGIES, OpResult, run_scenario
 
 __all__ = ["run"]
-
-HEDGING_MISSING = (
-    "hedging not available in this sdkcore (no RetryOrchestrator.hedge); "
-    "the slow-replica reads show the tail it would cut"
-)
 
 
 async def run(names: Sequence[str], *, progress: bool = True) -> Report:
     """Run the named scenarios under each strategy against a fresh cluster."""
     started = time.perf_counter()
-    chosen = [s for s in SCENARIOS if s.name in names]
+    runnable = [s for s in SCENARIOS if s.name in names]
     report = Report(target="")
-    runnable = []
-    for scenario in chosen:
-        if scenario.hedged and not hedging_available():
-            report.skipped[scenario.name] = HEDGING_MISSING
-        else:
-            runnable.append(scenario)
-            report.scenario_titles[scenario.name] = scenario.title
+    for scenario in runnable:
+        report.scenario_titles[scenario.name] = scenario.title
     total = sum(s.ops for s in runnable) * len(STRATEGIES)
     writes_ok = 0
     async with TroubledCluster() as cluster:

@@ -59,8 +59,9 @@ PUSHBACK_MS = 40
 #: In scenario "node-restart", this many writes to the failing node are applied
 #: and then lose their connection before the reply.
 IN_FLIGHT_LOSSES = 2
-#: Slow replica: every SLOW_EVERY-th read of replica 0 takes SLOW_SECONDS.
-SLOW_EVERY = 8
+#: Slow replica: every SLOW_EVERY-th read of replica 0 takes SLOW_SECONDS. Odd, so
+#: that reads alternating between two paths (hedged-reads) both meet the tail.
+SLOW_EVERY = 7
 SLOW_SECONDS = 0.30
 FAST_SECONDS = 0.002
 

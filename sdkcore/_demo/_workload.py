@@ -26,6 +26,7 @@ from sdkcore import (
     BestEffortRetryStrategy,
     CouchbaseException,
     FastFailOnTerminalErrorRetryStrategy,
+    HedgePolicy,
     Request,
     RetryAction,
     RetryOrchestrator,
@@ -53,7 +54,6 @@ __all__ = [
     "GiveUpAfterSix",
     "OpResult",
     "Scenario",
-    "hedging_available",
     "run_scenario",
 ]
 
@@ -67,7 +67,7 @@ HEDGE_ATTEMPTS = 2
 #: The channel's service config (gRPC A6): the channel itself retries what is safe
 #: for the method: RESOURCE_EXHAUSTED (the node refused the call; pushback honoured)
 #: everywhere, UNAVAILABLE only for the idempotent reads. GetAnyReplica is hedged by
-#: the channel (A6 hedgingPolicy) where sdkcore supports it.
+#: the channel (A6 hedgingPolicy).
 _METHOD_CONFIGS: list[dict[str, Any]] = [
     {
         "name": [
@@ -103,9 +103,7 @@ HEDGED_METHOD_CONFIG: dict[str, Any] = {
 }
 
 
-def service_config(hedged: bool) -> str:
-    configs = [*_METHOD_CONFIGS, HEDGED_METHOD_CONFIG] if hedged else _METHOD_CONFIGS
-    return json.dumps({"methodConfig": configs})
+SERVICE_CONFIG = json.dumps({"methodConfig": [*_METHOD_CONFIGS, HEDGED_METHOD_CONFIG]})
 
 
 class GiveUpAfterSix(BestEffortRetryStrategy):
@@ -163,22 +161,8 @@ SCENARIOS: tuple[Scenario, ...] = (
 )
 
 
-def hedging_available() -> bool:
-    """True when this sdkcore has the hedging runner (``RetryOrchestrator.hedge``)."""
-    return hasattr(RetryOrchestrator, "hedge") and _hedge_policy() is not None
-
-
-def _hedge_policy() -> Any:
-    """``HedgePolicy(max_attempts=2, delay=20 ms)``, or None in an sdkcore without hedging."""
-    import sdkcore
-
-    policy = getattr(sdkcore, "HedgePolicy", None)
-    if policy is None:
-        return None
-    try:
-        return policy(max_attempts=HEDGE_ATTEMPTS, delay=HEDGE_DELAY)
-    except TypeError:  # a HedgePolicy this demo does not know how to build
-        return None
+#: Hedged reads: two copies, the second after HEDGE_DELAY (replica ``index`` per copy).
+HEDGE_POLICY = HedgePolicy(max_attempts=HEDGE_ATTEMPTS, delay=HEDGE_DELAY)
 
 
 @attrs.frozen(slots=True)
@@ -262,8 +246,7 @@ class _Client:
         async def send(request: Request, index: int) -> dict[str, Any]:
             return await sends[min(index, len(sends) - 1)](request)
 
-        hedge: Any = getattr(self.orchestrator, "hedge")  # noqa: B009 - newer sdkcore only
-        await hedge(request, send, _hedge_policy())
+        await self.orchestrator.hedge(request, send, HEDGE_POLICY)
 
 
 def _map_status(err: aio.AioRpcError, request: Request) -> RetryReason | BaseException:
@@ -320,7 +303,7 @@ async def run_scenario(
     results: list[OpResult] = []
     orchestrator = RetryOrchestrator(default_strategy=strategy)
     async with sdkcore.grpc.insecure_channel(
-        cluster.target, service_config=service_config(scenario.hedged), stats=stats
+        cluster.target, service_config=SERVICE_CONFIG, stats=stats
     ) as channel:
         client = _Client(channel, orchestrator)
         await channel.channel_ready()
