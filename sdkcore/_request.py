@@ -285,7 +285,10 @@ class Request:
         error: BaseException | None,
         duration: float | None,
     ) -> list[Any]:
-        """Book one failed (or cut) attempt; returns its entry (the delay is set later)."""
+        """Book one failed (or cut) attempt; returns its entry (the delay is set later).
+
+        ``RetryOrchestrator.execute`` inlines this for a RetryableError (its hot path).
+        """
         entry = [reason, effect, error, duration, None]
         self._history.append(entry)
         if error is not None:
