@@ -28,7 +28,7 @@ from sdkcore import (
     RetryReason,
     UnambiguousTimeoutException,
 )
-from sdkcore.testing import VirtualClock, capture_retry_events
+from sdkcore.testing import ScriptedSend, VirtualClock, capture_retry_events
 
 pytestmark = pytest.mark.anyio
 
@@ -398,3 +398,22 @@ async def test_mapper_exception_carries_the_full_request_context() -> None:
     assert ctx.last_error == "DocumentNotFoundException: document not found (KV status 0x01 " + (
         "KEY_NOT_FOUND on GET)"
     )
+
+
+async def test_a_retried_call_leaves_no_reference_cycle() -> None:
+    """The recorded failures must not keep the request alive through their tracebacks
+    (a cycle per retried call would be left to the cyclic garbage collector)."""
+    import gc
+    import weakref
+
+    send = ScriptedSend([RetryReason.KV_LOCKED, RetryReason.KV_LOCKED, b"value"])
+    request = Request(name="get", idempotent=True, timeout=None)
+    ref = weakref.ref(request)
+    gc.disable()
+    try:
+        assert await RetryOrchestrator().execute(request, send) == b"value"
+        assert [a.error for a in request.attempts] == ["RetryableError: KV_LOCKED"] * 2
+        del request
+        assert ref() is None  # freed by reference counting alone
+    finally:
+        gc.enable()
