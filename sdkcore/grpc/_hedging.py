@@ -17,7 +17,6 @@ from typing import Any
 
 import grpc
 from grpc import aio
-from grpc.aio import _base_call
 
 try:  # grpc.aio's own call class (see _streamed_opener)
     from grpc.aio._call import UnaryStreamCall as _UnaryStreamCall
@@ -350,46 +349,12 @@ async def hedged_unary_unary(
     return _FinishedUnaryCall(call, index)
 
 
-class _HedgedUnaryCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
+class _HedgedUnaryCall(_FinishedUnaryCall):
     """The finished unary-unary call a hedge sent as a unary-stream RPC ended in."""
 
     def __init__(self, call: Any, response: Any, previous: int) -> None:
-        self._call = call
+        super().__init__(call, previous)
         self._response = response
-        self._previous = previous
-
-    def cancel(self) -> bool:
-        return False
-
-    def cancelled(self) -> bool:
-        return False
-
-    def done(self) -> bool:
-        return True
-
-    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
-        callback(self)
-
-    def time_remaining(self) -> float | None:
-        return None
-
-    async def initial_metadata(self) -> Any:
-        return await self._call.initial_metadata()
-
-    async def trailing_metadata(self) -> Any:
-        return _client_trailing(await self._call.trailing_metadata(), self._previous)
-
-    async def code(self) -> Any:
-        return await self._call.code()
-
-    async def details(self) -> str:
-        return str(await self._call.details())
-
-    async def debug_error_string(self) -> str | None:
-        return await self._call.debug_error_string()  # type: ignore[no-any-return]
-
-    async def wait_for_connection(self) -> None:
-        return None
 
     def __await__(self) -> Generator[Any, None, Any]:
         return self._result().__await__()
