@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 
 from ._cli import Output, UsageError
+from ._context import AttemptEffect
 from ._errors import CouchbaseException
 from ._orchestrator import RetryOrchestrator
 from ._reason import RetryReason
@@ -65,8 +66,8 @@ _FLAG_HELP = {
         "the request's retry strategy decides",
     ),
     "after_dispatch": (
-        "the attempt may have reached the network: a later timeout of a non-idempotent "
-        "request is ambiguous",
+        "the attempt may have reached the network (the attempt effect below says what that "
+        "means for a later timeout)",
         "found before anything was sent: a later timeout is unambiguous",
     ),
 }
@@ -297,7 +298,20 @@ def _flags(out: Output, reason: RetryReason) -> None:
     for flag, (yes, no) in _FLAG_HELP.items():
         on = bool(getattr(reason, flag))
         rows.append((flag, "yes" if on else "no", yes if on else no))
+    effect = AttemptEffect.for_reason(reason)
+    rows.append(("attempt effect", effect.name, _EFFECT_HELP[effect]))
     out.table(("flag", "", "meaning"), rows)
+
+
+_EFFECT_HELP = {
+    AttemptEffect.NOT_SENT: "never left the client: a later timeout is unambiguous",
+    AttemptEffect.NOT_APPLIED: (
+        "the server's answer proves nothing was applied: on its own, a later timeout is unambiguous"
+    ),
+    AttemptEffect.MAYBE_APPLIED: (
+        "may have been applied: a later timeout of a non-idempotent request is ambiguous"
+    ),
+}
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
@@ -306,6 +320,11 @@ def run(args: argparse.Namespace, out: Output) -> int:
     if args.kind == "kv":
         idempotent = is_idempotent_kv(_kv_opcode(args.opcode))
         note = f"  (the opcode is {'' if idempotent else 'not '}idempotent: RFC 0049 list)"
+    if args.kind == "grpc":
+        note = (
+            "  (an sdkcore gRPC channel records a status received from a server as "
+            "MAYBE_APPLIED: gRPC does not promise that it means nothing was applied)"
+        )
     if isinstance(mapped, RetryReason):
         if mapper:
             out.heading(f"{what} -> retry reason {mapped.name}")
@@ -323,7 +342,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
         out.line(
             "'...': the retries go on until the request's timeout. "
             "With a timeout, a delay that reaches the deadline is cut short and the request "
-            "times out (ambiguous if it is non-idempotent and may have been sent). FailFast "
+            "times out (ambiguous if it is non-idempotent and some attempt may have been "
+            'applied, rfc/0001 "Ambiguity"). FailFast '
             "is meant for SDK-internal requests."
         )
         return 0

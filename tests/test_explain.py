@@ -186,3 +186,25 @@ def test_unknown_kind_exits_2_listing_the_kinds(capsys: pytest.CaptureFixture[st
     err = capsys.readouterr().err
     for kind in ("kv", "query", "analytics", "search", "views", "grpc", "reason"):
         assert f"'{kind}'" in err
+
+
+def test_explain_shows_the_attempt_effect() -> None:
+    """What a failure means for a later timeout (rfc/0001 "Ambiguity")."""
+    import contextlib
+    import io
+
+    from sdkcore._cli import main
+
+    cases = {
+        ("reason", "KV_LOCKED"): "NOT_APPLIED",
+        ("reason", "SOCKET_CLOSED_WHILE_IN_FLIGHT"): "MAYBE_APPLIED",
+        ("reason", "SOCKET_NOT_AVAILABLE"): "NOT_SENT",
+    }
+    for args, effect in cases.items():
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert main(["explain", *args]) == 0
+        line = next(
+            x for x in buf.getvalue().splitlines() if x.strip().startswith("attempt effect")
+        )
+        assert effect in line, (args, line)
