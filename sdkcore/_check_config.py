@@ -192,31 +192,28 @@ def _names(names: tuple[MethodName, ...]) -> str:
     return ", ".join(parts)
 
 
+def _attempts(configured: int, cap: int) -> str:
+    """``"3 attempts"``, or ``"5 attempts (configured 7, cap 5)"`` when the cap clamps it."""
+    if configured <= cap:
+        return f"{configured} attempts"
+    return f"{cap} attempts (configured {configured}, cap {cap})"
+
+
 def _policy(mc: MethodConfig, cap: int) -> str:
     parts = []
     retry = mc.retry_policy
     if retry is not None:
-        attempts = retry.effective_max_attempts(cap)
-        capped = (
-            f" (configured {retry.max_attempts}, cap {cap})"
-            if attempts != retry.max_attempts
-            else ""
-        )
         parts.append(
-            f"retry: {attempts} attempts{capped}; backoff {_seconds(retry.initial_backoff)}, "
+            f"retry: {_attempts(retry.max_attempts, cap)}; "
+            f"backoff {_seconds(retry.initial_backoff)}, "
             f"x{retry.backoff_multiplier:g} per retry, at most {_seconds(retry.max_backoff)} "
             f"(jittered); retry on {_codes(retry.retryable_status_codes)}"
         )
     hedging = mc.hedging_policy
     if hedging is not None:
-        attempts = hedging.effective_max_attempts(cap)
-        capped = (
-            f" (configured {hedging.max_attempts}, cap {cap})"
-            if attempts != hedging.max_attempts
-            else ""
-        )
         parts.append(
-            f"hedging: {attempts} attempts{capped}, {_seconds(hedging.hedging_delay)} apart; "
+            f"hedging: {_attempts(hedging.max_attempts, cap)}, "
+            f"{_seconds(hedging.hedging_delay)} apart; "
             f"non-fatal: {_codes(hedging.non_fatal_status_codes)}"
         )
     if retry is None and hedging is None:

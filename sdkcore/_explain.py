@@ -155,7 +155,7 @@ def _kv_status(text: str) -> int:
 
 def _kv_opcode(text: str) -> int:
     name = text.strip().upper()
-    aliases = {"UPSERT": "SET", "INSERT": "ADD", "REMOVE": "DELETE", "GET_AND_LOCK": "GET_AND_LOCK"}
+    aliases = {"UPSERT": "SET", "INSERT": "ADD", "REMOVE": "DELETE"}
     name = aliases.get(name, name)
     if name in KvOpcode.__members__:
         return KvOpcode[name].value

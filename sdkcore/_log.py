@@ -34,7 +34,6 @@ __all__ = [
     "EVENT_TIMED_OUT",
     "LOGGER_NAME",
     "enabled",
-    "logger",
 ]
 
 LOGGER_NAME = "sdkcore"
@@ -60,7 +59,6 @@ CAPTURE: ContextVar[list[MutableMapping[str, Any]] | None] = ContextVar(
 )
 
 _stdlib_logger = logging.getLogger(LOGGER_NAME)
-_LEVEL_NAMES = {DEBUG: "debug", INFO: "info", WARNING: "warning"}
 
 
 def _to_stdlib(_: Any, method: str, event_dict: MutableMapping[str, Any]) -> dict[str, Any]:
@@ -152,17 +150,6 @@ def _structlog_logger(structlog: Any) -> tuple[Any, int | None]:
     return log, floor
 
 
-def logger() -> Any:
-    """The logger sdkcore events go to right now (see the module docstring)."""
-    events = _capture()
-    if events is not None:
-        return _Capture(events)
-    structlog = _modules.get("structlog")
-    if structlog is None or not structlog.is_configured():
-        return _stdlib_logger_bound()
-    return _structlog_logger(structlog)[0]
-
-
 def enabled(level: int) -> Any:
     """The logger if ``level`` is enabled, else None (cheap: called per attempt)."""
     events = _capture()
@@ -178,7 +165,3 @@ def enabled(level: int) -> Any:
     if check is None or check(level):
         return log
     return None
-
-
-def level_name(level: int) -> str:
-    return _LEVEL_NAMES.get(level, logging.getLevelName(level).lower())

@@ -284,13 +284,12 @@ class Request:
         effect: AttemptEffect,
         error: BaseException | None,
         duration: float | None,
-    ) -> list[Any]:
-        """Book one failed (or cut) attempt; returns its entry (the delay is set later).
+    ) -> None:
+        """Book one failed (or cut) attempt (its delay is set by the retry decision).
 
         ``RetryOrchestrator.execute`` inlines this for a RetryableError (its hot path).
         """
-        entry = [reason, effect, error, duration, None]
-        self._history.append(entry)
+        self._history.append([reason, effect, error, duration, None])
         if error is not None:
             self._last_error = error
         if reason is not None:
@@ -299,7 +298,6 @@ class Request:
             self._sent = True
             if effect is _MAYBE:
                 self._maybe_applied = True
-        return entry
 
     def _records(self) -> tuple[AttemptRecord, ...]:
         return tuple(
