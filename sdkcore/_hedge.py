@@ -9,6 +9,7 @@ runs on anyio (asyncio and trio) and needs no gRPC.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
@@ -183,6 +184,7 @@ class _Chain:
 
     __slots__ = (
         "attempts",
+        "clock",
         "delay",
         "fatal",
         "first_elapsed",
@@ -208,8 +210,10 @@ class _Chain:
         send: Callable[[Request, int], Awaitable[Any]],
         policy: HedgePolicy,
         throttler: HedgeThrottler | None,
+        clock: Callable[[], float],
     ) -> None:
         self.request = request
+        self.clock = clock  # the backend's clock: the loop's time on asyncio
         self.send = send
         self.policy = policy
         self.throttler = throttler
@@ -218,7 +222,7 @@ class _Chain:
         self.attempts: list[_Attempt] = []
         self.outstanding = 0
         self.first_elapsed = 0.0
-        self.origin = anyio.current_time()
+        self.origin = clock()
         self.next_at = self.origin
         self.next_trigger = "first"
         self.stop: str | None = None  # why no more hedges are sent
@@ -226,7 +230,7 @@ class _Chain:
         self.result: Any = None
         self.fatal: BaseException | None = None
         self.last_failure: RetryableError | None = None
-        self.wake = anyio.Event()
+        self.wake: Any = None  # what an ending attempt sets: anyio.Event or _Wake
 
     # -- scheduling ----------------------------------------------------------------
     async def schedule(self, tg: Any) -> None:
@@ -237,7 +241,7 @@ class _Chain:
                 return
             sent = len(self.attempts)
             can_send = self.stop is None and sent < self.limit
-            now = anyio.current_time()
+            now = self.clock()
             if can_send and now >= self.next_at:
                 throttler = self.throttler
                 if sent > 0 and throttler is not None and not throttler.allows_retry():
@@ -256,6 +260,11 @@ class _Chain:
                 await self.wake.wait()
 
     def _start(self, tg: Any, index: int, now: float) -> None:
+        # Hedges started at the same instant may take their first step in any order.
+        tg.start_soon(self._run, self._begin(index, now))
+
+    def _begin(self, index: int, now: float) -> _Attempt:
+        """Book hedge ``index`` as sent at ``now`` (its send starts right after)."""
         attempt = _Attempt(index, self.next_trigger, now)
         self.attempts.append(attempt)
         self.outstanding += 1
@@ -274,8 +283,7 @@ class _Chain:
                 trigger=attempt.trigger,
                 max_attempts=self.limit,
             )
-        # Hedges started at the same instant may take their first step in any order.
-        tg.start_soon(self._run, attempt)
+        return attempt
 
     async def _run(self, attempt: _Attempt) -> None:
         try:
@@ -301,12 +309,13 @@ class _Chain:
             self.outstanding -= 1
             self._won(attempt, result)
         finally:
-            self.wake.set()
+            wake = self.wake
+            if wake is not None:
+                wake.set()
 
     # -- outcomes --------------------------------------------------------------------
-    @staticmethod
-    def _took(attempt: _Attempt) -> float:
-        return anyio.current_time() - attempt.started
+    def _took(self, attempt: _Attempt) -> float:
+        return self.clock() - attempt.started
 
     def _over(self) -> bool:
         return self.winner is not None or self.fatal is not None
@@ -329,7 +338,7 @@ class _Chain:
                 request_name=self.request.name,
                 hedge=attempt.index,
                 hedges_sent=len(self.attempts),
-                elapsed_ms=round((anyio.current_time() - self.origin) * 1000.0, 3),
+                elapsed_ms=round((self.clock() - self.origin) * 1000.0, 3),
             )
 
     def _failed(self, attempt: _Attempt, failure: RetryableError) -> None:
@@ -354,7 +363,7 @@ class _Chain:
             except Exception as exc:  # a broken hook ends the chain with its error
                 self._fatal(attempt, exc)
                 return
-        now = anyio.current_time()
+        now = self.clock()
         if pushback is None:
             # A6: a non-fatal status sends the next hedge at once; later ones resume
             # at the delay.
@@ -426,6 +435,77 @@ class _Chain:
         }
 
 
+class _Wake:
+    """``anyio.Event.set`` for a bare asyncio future (hedge 0's wait on asyncio)."""
+
+    __slots__ = ("fut",)
+
+    def __init__(self, fut: asyncio.Future[None]) -> None:
+        self.fut = fut
+
+    def set(self) -> None:
+        if not self.fut.done():
+            self.fut.set_result(None)
+
+
+def _asyncio_loop() -> asyncio.AbstractEventLoop | None:
+    """The running asyncio loop when this code runs in an asyncio task, else None (trio)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+    return loop if asyncio.current_task(loop) is not None else None
+
+
+async def _reap(task: asyncio.Task[None]) -> None:
+    """Cancel hedge 0's own task and wait until it has ended (and booked its end).
+
+    A cancellation of the caller that arrives meanwhile is raised once the task
+    has ended, so no attempt outlives the call.
+    """
+    task.cancel()
+    caught: BaseException | None = None
+    while not task.done():
+        try:
+            await asyncio.wait((task,))
+        except asyncio.CancelledError as exc:
+            caught = exc
+    if caught is not None:
+        raise caught
+
+
+async def _first_alone(
+    chain: _Chain, loop: asyncio.AbstractEventLoop, left: float
+) -> asyncio.Task[None] | None:
+    """asyncio: hedge 0 in a plain task, waited for up to the hedging delay.
+
+    Most requests end here: hedge 0 answers within the delay and no task group,
+    scheduler or cancel scope is made (bench/README, "Hedging cost"). Returns
+    None when hedge 0 won; otherwise its task, still running (the delay or the
+    deadline passed) or ended (a failure), for the runner to take over.
+    """
+    request = chain.request
+    woken: asyncio.Future[None] = loop.create_future()
+    chain.wake = wake = _Wake(woken)
+    task = loop.create_task(chain._run(chain._begin(0, chain.origin)))
+    request._cancel_scope = task  # Request.cancel() cuts hedge 0
+    wait = left if chain.limit == 1 else min(chain.delay, left)
+    timer = None if wait == math.inf else loop.call_later(wait, wake.set)
+    try:
+        await woken
+    except BaseException:  # the caller was cancelled
+        request._cancel_scope = None
+        await _reap(task)
+        raise
+    finally:
+        if timer is not None:
+            timer.cancel()
+    request._cancel_scope = None
+    if task.done() and chain.winner is not None:
+        return None
+    return task
+
+
 def _with_extra(exc: BaseException, chain: _Chain, *, in_flight: bool) -> None:
     if isinstance(exc, CouchbaseException) and exc.context is not None:
         extra = dict(exc.context.extra)
@@ -440,13 +520,13 @@ async def run_hedged(
     policy: HedgePolicy,
     throttler: HedgeThrottler | None = None,
     *,
-    first_elapsed: float = 0.0,
+    first_elapsed: float | None = None,
 ) -> T:
     """The body of :meth:`RetryOrchestrator.hedge` (see there and rfc/0004).
 
     ``first_elapsed``: seconds the first attempt has already been in flight (a
-    caller that sent it itself and hands it over once the hedging delay passed);
-    the second hedge is then due that much sooner.
+    caller that sent it itself and hands it over once the hedging delay passed,
+    as the gRPC channels do); the second hedge is then due that much sooner.
     """
     if type(request) is not Request and not isinstance(request, Request):
         raise TypeError(
@@ -483,23 +563,39 @@ async def run_hedged(
     if left <= 0.0:  # expired before the first attempt: nothing is sent
         raise orchestrator._timeout(request, request._last_reason)
 
-    chain = _Chain(request, send, policy, throttler)
-    chain.first_elapsed = first_elapsed
+    loop = _asyncio_loop()
+    chain = _Chain(
+        request, send, policy, throttler, anyio.current_time if loop is None else loop.time
+    )
+    first: asyncio.Task[None] | None = None  # hedge 0, when it runs outside the task group
+    cut = False  # the deadline or Request.cancel() cut the chain
     try:
-        async with anyio.create_task_group() as tg:
-            outer = tg.cancel_scope  # one scope: the deadline, Request.cancel(), the winner
-            if left != math.inf:
-                outer.deadline = chain.origin + left
-            request._cancel_scope = outer
-            await chain.schedule(tg)
+        if first_elapsed is not None:
+            chain.first_elapsed = first_elapsed
+        elif loop is not None and (chain.delay > 0.0 or chain.limit == 1):
+            first = await _first_alone(chain, loop, left)
+            if first is None:  # hedge 0 answered within the delay: the common case
+                request._finish(RequestState.SUCCEEDED)
+                return chain.result  # type: ignore[no-any-return]
+        if not request.cancelled:  # Request.cancel() during hedge 0's wait: nothing follows
+            try:
+                async with anyio.create_task_group() as tg:
+                    outer = tg.cancel_scope  # one scope: the deadline, Request.cancel(), the winner
+                    if left != math.inf:
+                        outer.deadline = chain.origin + left
+                    request._cancel_scope = outer
+                    await chain.schedule(tg)
+                cut = outer.cancel_called
+            finally:
+                request._cancel_scope = None
+                if first is not None and not first.done():
+                    await _reap(first)
     except BaseException as exc:
-        request._cancel_scope = None
         if isinstance(exc, Exception):
             request._finish(RequestState.FAILED)
         else:
             request._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
         raise
-    request._cancel_scope = None
 
     if chain.winner is not None:
         request._finish(RequestState.SUCCEEDED)
@@ -517,7 +613,7 @@ async def run_hedged(
             raise error
         request._finish(RequestState.FAILED)
         raise fatal
-    if outer.cancel_called:  # the deadline or Request.cancel()
+    if cut or request.cancelled:  # the deadline or Request.cancel()
         if request.cancelled:  # Request.cancel()
             error = orchestrator._already_completed(request, request._last_reason)
         else:  # every hedge still in flight was cut and recorded as such
