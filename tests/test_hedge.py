@@ -398,3 +398,132 @@ async def test_send_raising_before_awaiting_is_a_fatal_failure() -> None:
         await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=5.0))
     assert calls == [0]
     assert request.state is RequestState.FAILED
+
+
+# -- hedge 0 before the hedging delay passes ---------------------------------------
+# On asyncio hedge 0 runs in a plain task until the delay passes (no task group);
+# these pin the behaviour of that window on both backends.
+
+
+async def test_first_answer_within_the_delay_sends_nothing_else() -> None:
+    send = Script({0: (0.01, "r0")})
+    request = idem()
+    before = live_tasks()
+    with anyio.fail_after(SAFETY), capture_retry_events() as events:
+        result = await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=5.0))
+    assert result == "r0"
+    assert sorted(send.started) == [0]
+    assert live_tasks() == before
+    assert request.state is RequestState.SUCCEEDED
+    assert request.retry_attempts == 0
+    assert [(e["event"], e["hedge"]) for e in events] == [("hedge.sent", 0), ("hedge.won", 0)]
+
+
+async def test_first_wins_after_the_next_hedge_was_sent() -> None:
+    send = Script({0: (0.15, "r0"), 1: (None, None)})
+    request = idem()
+    before = live_tasks()
+    with anyio.fail_after(SAFETY), capture_retry_events() as events:
+        result = await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.05))
+    assert result == "r0"
+    assert sorted(send.started) == [0, 1, 2]
+    assert send.cancelled == {1, 2}
+    send.assert_nothing_left()
+    assert live_tasks() == before
+    names = [(e["event"], e["hedge"]) for e in events]
+    assert ("hedge.won", 0) in names
+    assert {("hedge.cancelled", 1), ("hedge.cancelled", 2)} <= set(names)
+
+
+async def test_fatal_failure_within_the_delay_is_returned_at_once() -> None:
+    boom = ValueError("boom")
+    send = Script({0: (0.01, boom)})
+    request = idem()
+    with anyio.fail_after(SAFETY), pytest.raises(ValueError, match="boom") as info:
+        await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=5.0))
+    assert info.value is boom
+    assert sorted(send.started) == [0]
+    assert request.state is RequestState.FAILED
+
+
+async def test_caller_cancelled_while_the_first_waits_for_the_delay() -> None:
+    send = Script({})
+    request = idem()
+    before = live_tasks()
+    with anyio.fail_after(SAFETY):
+        with anyio.move_on_after(0.05) as scope:
+            await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=5.0))
+    assert scope.cancelled_caught
+    assert sorted(send.started) == [0]
+    assert send.cancelled == {0}  # seen by the send before hedge() returned
+    assert live_tasks() == before
+    assert request.cancellation_reason is not None
+    assert request.cancellation_reason.name == "TASK_CANCELLED"
+    [attempt] = request.attempts
+    assert attempt.effect.name == "MAYBE_APPLIED"  # cut in flight
+
+
+async def test_request_cancel_while_the_first_waits_for_the_delay() -> None:
+    send = Script({})
+    request = idem(None)
+    caught: list[BaseException] = []
+
+    async def run() -> None:
+        try:
+            await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.1))
+        except RequestCanceledException as exc:
+            caught.append(exc)
+
+    with anyio.fail_after(SAFETY):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await anyio.sleep(0.03)
+            request.cancel()
+        await anyio.sleep(0.15)  # past the delay: no hedge may follow the cancel
+    assert sorted(send.started) == [0]
+    assert send.cancelled == {0}
+    [exc] = caught
+    assert exc.context is not None
+    assert exc.context.cancellation_reason is not None
+    assert exc.context.cancellation_reason.name == "CANCELLED_VIA_CONTEXT"
+    assert [h["outcome"] for h in exc.context.extra["hedges"]] == ["cancelled"]
+    assert exc.context.in_flight
+
+
+async def test_deadline_before_the_delay_cuts_the_first() -> None:
+    send = Script({})
+    request = idem(0.05)
+    before = live_tasks()
+    with anyio.fail_after(SAFETY), pytest.raises(UnambiguousTimeoutException) as info:
+        await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=5.0))
+    assert sorted(send.started) == [0]
+    assert send.cancelled == {0}
+    assert live_tasks() == before
+    context = info.value.context
+    assert context is not None
+    assert context.in_flight
+    assert [h["outcome"] for h in context.extra["hedges"]] == ["cancelled"]
+    assert [a.effect.name for a in context.attempts] == ["MAYBE_APPLIED"]
+
+
+@pytest.mark.parametrize(
+    ("outcome", "expected"),
+    [("r0", "r0"), (RetryableError(TEMP), RequestCanceledException)],
+)
+async def test_a_single_attempt_policy_sends_one_copy(outcome: Any, expected: Any) -> None:
+    send = Script({0: (0.01, outcome)})
+    request = idem()
+    with anyio.fail_after(SAFETY):
+        if expected == "r0":
+            assert await RetryOrchestrator().hedge(request, send, HedgePolicy(1)) == "r0"
+        else:
+            with pytest.raises(expected, match="all 1 hedges failed"):
+                await RetryOrchestrator().hedge(request, send, HedgePolicy(1))
+    assert sorted(send.started) == [0]
+
+
+async def test_a_single_attempt_policy_is_cut_at_the_deadline() -> None:
+    send = Script({})
+    with anyio.fail_after(SAFETY), pytest.raises(UnambiguousTimeoutException):
+        await RetryOrchestrator().hedge(idem(0.05), send, HedgePolicy(1))
+    assert send.cancelled == {0}
