@@ -19,6 +19,7 @@ import anyio
 import attrs
 
 from . import _log
+from ._cancel import outer_cancel_pending
 from ._context import AttemptEffect, CancellationReason
 from ._duration import to_seconds
 from ._errors import (
@@ -188,6 +189,8 @@ class _Chain:
         "delay",
         "fatal",
         "first_elapsed",
+        "first_scope",
+        "group",
         "last_failure",
         "limit",
         "next_at",
@@ -230,7 +233,22 @@ class _Chain:
         self.result: Any = None
         self.fatal: BaseException | None = None
         self.last_failure: RetryableError | None = None
-        self.wake: Any = None  # what an ending attempt sets: anyio.Event or _Wake
+        self.wake: anyio.Event | None = None  # set by every attempt that ends
+        self.first_scope: anyio.CancelScope | None = None  # hedge 0 run by the caller itself
+        self.group: anyio.CancelScope | None = None  # the task group's scope, once made
+
+    def cancel(self) -> None:
+        """``Request.cancel()``: cut every attempt in flight (the request is marked first)."""
+        if self.first_scope is not None:
+            self.first_scope.cancel()
+        if self.group is not None:
+            self.group.cancel()
+
+    def cut(self) -> bool:
+        """Whether the deadline or ``Request.cancel()`` cut the chain (read after winner/fatal)."""
+        return (self.first_scope is not None and self.first_scope.cancel_called) or (
+            self.group is not None and self.group.cancel_called
+        )
 
     # -- scheduling ----------------------------------------------------------------
     async def schedule(self, tg: Any) -> None:
@@ -238,6 +256,9 @@ class _Chain:
             if self.winner is not None or self.fatal is not None:
                 if self.outstanding:  # the others are cancelled now
                     tg.cancel_scope.cancel()
+                    first = self.first_scope
+                    if first is not None and self.attempts[0].outcome == _IN_FLIGHT:
+                        first.cancel()  # hedge 0, in the caller's own task
                 return
             sent = len(self.attempts)
             can_send = self.stop is None and sent < self.limit
@@ -435,19 +456,6 @@ class _Chain:
         }
 
 
-class _Wake:
-    """``anyio.Event.set`` for a bare asyncio future (hedge 0's wait on asyncio)."""
-
-    __slots__ = ("fut",)
-
-    def __init__(self, fut: asyncio.Future[None]) -> None:
-        self.fut = fut
-
-    def set(self) -> None:
-        if not self.fut.done():
-            self.fut.set_result(None)
-
-
 def _asyncio_loop() -> asyncio.AbstractEventLoop | None:
     """The running asyncio loop when this code runs in an asyncio task, else None (trio)."""
     try:
@@ -457,11 +465,22 @@ def _asyncio_loop() -> asyncio.AbstractEventLoop | None:
     return loop if asyncio.current_task(loop) is not None else None
 
 
+async def _in_group(chain: _Chain, left: float) -> None:
+    """Schedule hedges in a task group until the chain is over (A6 "Hedging Policy")."""
+    async with anyio.create_task_group() as tg:
+        scope = chain.group = tg.cancel_scope  # the deadline, Request.cancel(), the winner
+        if left != math.inf:
+            scope.deadline = chain.origin + left
+        if chain.request.cancelled:  # cancelled before the group existed
+            scope.cancel()
+        await chain.schedule(tg)
+
+
 async def _reap(task: asyncio.Task[None]) -> None:
-    """Cancel hedge 0's own task and wait until it has ended (and booked its end).
+    """Cancel ``task`` and wait until it has ended (and booked what it cut).
 
     A cancellation of the caller that arrives meanwhile is raised once the task
-    has ended, so no attempt outlives the call.
+    has ended, so nothing outlives the call.
     """
     task.cancel()
     caught: BaseException | None = None
@@ -474,36 +493,62 @@ async def _reap(task: asyncio.Task[None]) -> None:
         raise caught
 
 
-async def _first_alone(
-    chain: _Chain, loop: asyncio.AbstractEventLoop, left: float
-) -> asyncio.Task[None] | None:
-    """asyncio: hedge 0 in a plain task, waited for up to the hedging delay.
-
-    Most requests end here: hedge 0 answers within the delay and no task group,
-    scheduler or cancel scope is made (bench/README, "Hedging cost"). Returns
-    None when hedge 0 won; otherwise its task, still running (the delay or the
-    deadline passed) or ended (a failure), for the runner to take over.
-    """
-    request = chain.request
-    woken: asyncio.Future[None] = loop.create_future()
-    chain.wake = wake = _Wake(woken)
-    task = loop.create_task(chain._run(chain._begin(0, chain.origin)))
-    request._cancel_scope = task  # Request.cancel() cuts hedge 0
-    wait = left if chain.limit == 1 else min(chain.delay, left)
-    timer = None if wait == math.inf else loop.call_later(wait, wake.set)
+async def _join(task: asyncio.Task[None]) -> None:
+    """Wait for ``task`` to end; a cancelled caller cancels it and waits for that."""
     try:
-        await woken
-    except BaseException:  # the caller was cancelled
-        request._cancel_scope = None
+        await asyncio.wait((task,))
+    except BaseException:
         await _reap(task)
         raise
-    finally:
-        if timer is not None:
-            timer.cancel()
-    request._cancel_scope = None
-    if task.done() and chain.winner is not None:
-        return None
-    return task
+    task.result()  # the helper's own failure, if any
+
+
+async def _first_inline(
+    chain: _Chain, loop: asyncio.AbstractEventLoop, left: float
+) -> asyncio.Task[None] | None:
+    """asyncio: the caller's task runs hedge 0 itself; a timer starts the hedging.
+
+    Most requests end here: hedge 0 answers within the hedging delay, and the
+    call costs one cancel scope and one timer, with no task, task group or extra
+    loop iteration (bench/README, "Hedging cost"). When the delay passes with
+    hedge 0 in flight, the timer starts a helper task that schedules the other
+    hedges in a task group and cancels hedge 0 if another wins. Returns that
+    helper (None if the delay never passed); hedge 0's outcome is in ``chain``.
+    """
+    helper: list[asyncio.Task[None]] = []
+    scope = chain.first_scope = anyio.CancelScope()
+    hedges_due = chain.limit > 1 and chain.delay < left
+
+    def on_timer() -> None:
+        if not hedges_due:  # the deadline, with hedge 0 alone in flight
+            scope.cancel()
+            return
+        # The delay passed with hedge 0 in flight: from now on the deadline cuts it
+        # too, and a helper task schedules the other hedges.
+        if left != math.inf:
+            scope.deadline = chain.origin + left
+        helper.append(loop.create_task(_in_group(chain, left)))
+
+    # One timer per call: the hedging delay, or the deadline when no hedge is due.
+    due = chain.delay if hedges_due else left
+    timer = None if due == math.inf else loop.call_at(chain.origin + due, on_timer)
+    attempt = chain._begin(0, chain.origin)
+    try:
+        with scope:
+            await chain._run(attempt)
+    except BaseException as exc:
+        # grpc.aio (like other libraries running calls in their own tasks) answers our
+        # cut with a fresh cancellation that the scope does not take for its own.
+        ours = scope.cancel_called and isinstance(exc, asyncio.CancelledError)
+        if not ours or outer_cancel_pending():  # the caller was cancelled
+            if timer is not None:
+                timer.cancel()
+            if helper:
+                await _reap(helper[0])
+            raise
+    if timer is not None:
+        timer.cancel()
+    return helper[0] if helper else None
 
 
 def _with_extra(exc: BaseException, chain: _Chain, *, in_flight: bool) -> None:
@@ -567,29 +612,23 @@ async def run_hedged(
     chain = _Chain(
         request, send, policy, throttler, anyio.current_time if loop is None else loop.time
     )
-    first: asyncio.Task[None] | None = None  # hedge 0, when it runs outside the task group
-    cut = False  # the deadline or Request.cancel() cut the chain
+    request._cancel_scope = chain  # Request.cancel() cuts whatever is in flight
     try:
-        if first_elapsed is not None:
-            chain.first_elapsed = first_elapsed
-        elif loop is not None and (chain.delay > 0.0 or chain.limit == 1):
-            first = await _first_alone(chain, loop, left)
-            if first is None:  # hedge 0 answered within the delay: the common case
-                request._finish(RequestState.SUCCEEDED)
-                return chain.result  # type: ignore[no-any-return]
-        if not request.cancelled:  # Request.cancel() during hedge 0's wait: nothing follows
-            try:
-                async with anyio.create_task_group() as tg:
-                    outer = tg.cancel_scope  # one scope: the deadline, Request.cancel(), the winner
-                    if left != math.inf:
-                        outer.deadline = chain.origin + left
-                    request._cancel_scope = outer
-                    await chain.schedule(tg)
-                cut = outer.cancel_called
-            finally:
-                request._cancel_scope = None
-                if first is not None and not first.done():
-                    await _reap(first)
+        try:
+            helper = None
+            if first_elapsed is not None:
+                chain.first_elapsed = first_elapsed
+            elif loop is not None and (chain.delay > 0.0 or chain.limit == 1):
+                helper = await _first_inline(chain, loop, left)
+                if helper is None and chain.winner is not None:  # the common case
+                    request._finish(RequestState.SUCCEEDED)
+                    return chain.result  # type: ignore[no-any-return]
+            if helper is not None:
+                await _join(helper)
+            elif not (chain._over() or chain.cut() or request.cancelled):
+                await _in_group(chain, left)
+        finally:
+            request._cancel_scope = None
     except BaseException as exc:
         if isinstance(exc, Exception):
             request._finish(RequestState.FAILED)
@@ -613,7 +652,7 @@ async def run_hedged(
             raise error
         request._finish(RequestState.FAILED)
         raise fatal
-    if cut or request.cancelled:  # the deadline or Request.cancel()
+    if chain.cut() or request.cancelled:  # the deadline or Request.cancel()
         if request.cancelled:  # Request.cancel()
             error = orchestrator._already_completed(request, request._last_reason)
         else:  # every hedge still in flight was cut and recorded as such

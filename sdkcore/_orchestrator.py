@@ -20,6 +20,7 @@ import anyio
 from . import _hooks, _log
 from ._action import RetryAction
 from ._backoff import controlled_backoff
+from ._cancel import outer_cancel_pending
 from ._context import AttemptEffect, CancellationReason, ErrorContext, describe_error
 from ._errors import (
     AmbiguousTimeoutException,
@@ -100,24 +101,6 @@ def _drop_tracebacks(history: list[list[Any]]) -> None:
         error = entry[2]
         if error is not None:
             error.__traceback__ = None
-
-
-def _outer_cancel_pending() -> bool:
-    """After our cancel scope let a cancellation through: is the task itself being cancelled?
-
-    On asyncio 3.11+ anyio has removed its own cancellation requests by then, so a
-    positive ``Task.cancelling()`` means someone else cancelled the task. Trio's own
-    scope catches its own cancellations, so one it let through is never ours. Python
-    3.10 cannot tell: the deadline is trusted.
-    """
-    try:
-        import asyncio
-
-        task = asyncio.current_task()
-    except RuntimeError:  # not on asyncio
-        return True
-    cancelling = getattr(task, "cancelling", None)
-    return bool(cancelling is not None and cancelling())
 
 
 def _kind_of(strategy: object) -> int:
@@ -686,7 +669,7 @@ class RetryOrchestrator:
         if not (scope.cancel_called or anyio.current_time() >= scope.deadline):
             return False
         if isinstance(exc, anyio.get_cancelled_exc_class()):
-            return not _outer_cancel_pending()
+            return not outer_cancel_pending()
         return in_flight and isinstance(exc, Exception)
 
     def _scope_fired(

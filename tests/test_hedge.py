@@ -90,7 +90,7 @@ def idem(timeout: float | None = 5.0) -> Request:
 
 async def test_hedges_spaced_winner_cancels_others() -> None:
     send = Script({0: (None, None), 1: (None, None), 2: (0.0, "r2")})
-    request = idem()
+    request = idem(None)  # no deadline: only the winner can end hedges 0 and 1
     before = live_tasks()
     with anyio.fail_after(SAFETY), capture_retry_events() as events:
         result = await RetryOrchestrator().hedge(request, send, HedgePolicy(4, delay=0.1))
@@ -527,3 +527,43 @@ async def test_a_single_attempt_policy_is_cut_at_the_deadline() -> None:
     with anyio.fail_after(SAFETY), pytest.raises(UnambiguousTimeoutException):
         await RetryOrchestrator().hedge(idem(0.05), send, HedgePolicy(1))
     assert send.cancelled == {0}
+
+
+async def test_caller_cancelled_after_the_delay_cuts_every_hedge() -> None:
+    send = Script({})
+    request = idem()
+    before = live_tasks()
+    with anyio.fail_after(SAFETY):
+        with anyio.move_on_after(0.15):
+            await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.04))
+    assert sorted(send.started) == [0, 1, 2]
+    assert send.cancelled == {0, 1, 2}
+    send.assert_nothing_left()
+    assert live_tasks() == before
+    assert request.cancellation_reason is not None
+    assert request.cancellation_reason.name == "TASK_CANCELLED"
+    assert [a.effect.name for a in request.attempts] == ["MAYBE_APPLIED"] * 3
+
+
+async def test_request_cancel_after_the_delay_cuts_every_hedge() -> None:
+    send = Script({})
+    request = idem(None)
+    caught: list[BaseException] = []
+
+    async def run() -> None:
+        try:
+            await RetryOrchestrator().hedge(request, send, HedgePolicy(4, delay=0.04))
+        except RequestCanceledException as exc:
+            caught.append(exc)
+
+    with anyio.fail_after(SAFETY):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await anyio.sleep(0.06)  # hedges 0 and 1 in flight
+            request.cancel()
+        await anyio.sleep(0.1)  # past two more delays: nothing may follow the cancel
+    assert sorted(send.started) == [0, 1]
+    assert send.cancelled == {0, 1}
+    [exc] = caught
+    assert exc.context is not None
+    assert [h["outcome"] for h in exc.context.extra["hedges"]] == ["cancelled"] * 2

@@ -113,6 +113,10 @@ class HedgeScript:
     def cancelled(self) -> set[int]:
         return {a.index for a in self.attempts if a.cancelled}
 
+    def cancelled_attempts(self) -> list[Attempt]:
+        """Every attempt the server saw cancelled (attempts without the header included)."""
+        return [a for a in self.attempts if a.cancelled]
+
 
 def hedging_config(
     *,

@@ -313,3 +313,57 @@ async def test_first_hedge_headers_seen_when_it_ends(server: Server) -> None:
         await wait_until(lambda: script.cancelled() == {0})
     assert result == b"from 1"
     assert script.count == 2
+
+
+@pytest.mark.parametrize("winner", [0, 1])
+async def test_generic_runner_over_plain_grpc_aio_calls(server: Server, winner: int) -> None:
+    """RetryOrchestrator.hedge with sends that are grpc.aio calls, hedge i to replica i.
+
+    A grpc.aio call cut by the runner answers with a fresh cancellation of its own;
+    the runner must take it for the cut it made, return the winner and book the cut.
+    """
+    from sdkcore import HedgePolicy, Request, RetryOrchestrator
+
+    # The loser blocks until cancelled; hedge 0 wins by answering after the delay, while
+    # hedge 1 is in flight.
+    wins = {0: ok(0.15, body=b"from 0")} if winner == 0 else {0: ok(body=b"from 1")}
+    replicas = [HedgeScript(server, f"R{i}", wins if i == winner else {}) for i in range(2)]
+    async with aio.insecure_channel(server.target) as ch:
+        methods = [ch.unary_unary(r.method) for r in replicas]
+
+        async def send(request: Request, index: int) -> bytes:
+            return await methods[index](b"x")  # type: ignore[no-any-return]
+
+        request = Request(name="get", idempotent=True, timeout=TEST_TIMEOUT)
+        with anyio.fail_after(TEST_TIMEOUT):
+            result = await RetryOrchestrator().hedge(request, send, HedgePolicy(2, delay=0.05))
+            assert result == f"from {winner}".encode()
+            loser = replicas[1 - winner]
+            await wait_until(lambda: loser.cancelled() == {0})
+    [cut] = request.attempts  # the loser, cut in flight
+    assert cut.effect.name == "MAYBE_APPLIED"
+    assert request.state.name == "SUCCEEDED"
+
+
+@pytest.mark.parametrize("delay", [0.05, 5.0])
+async def test_generic_runner_deadline_cuts_grpc_aio_calls(server: Server, delay: float) -> None:
+    """The deadline cuts grpc.aio sends (before or after the delay): a timeout, never a
+    cancellation, and the server sees every cut."""
+    from sdkcore import HedgePolicy, Request, RetryOrchestrator, UnambiguousTimeoutException
+
+    script = HedgeScript(server, "Blocked", {})
+    async with aio.insecure_channel(server.target) as ch:
+        method = ch.unary_unary(script.method)
+
+        async def send(request: Request, index: int) -> bytes:
+            return await method(b"x")  # type: ignore[no-any-return]
+
+        request = Request(name="get", idempotent=True, timeout=0.2)
+        with anyio.fail_after(TEST_TIMEOUT):
+            with pytest.raises(UnambiguousTimeoutException) as info:
+                await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=delay))
+            sent = 3 if delay < 0.1 else 1
+            await wait_until(lambda: len(script.cancelled_attempts()) == sent)
+    assert info.value.context is not None
+    assert info.value.context.in_flight
+    assert [a.effect.name for a in request.attempts] == ["MAYBE_APPLIED"] * sent
