@@ -13,7 +13,8 @@ Then the generic runner alone (``RetryOrchestrator.hedge``) on an in-process
     uv run --group bench python bench/bench_hedge.py [--only grpc|generic] [--requests N]
 
 Prints p50 / p99 / p99.9 / max and the extra attempts the server saw, side by side,
-and writes bench/hedge_latency_cdf.png (when matplotlib is installed).
+and, for a run of every panel, writes bench/hedge_latency_cdf.png (when matplotlib is
+installed).
 """
 
 from __future__ import annotations
@@ -383,7 +384,10 @@ async def main_async(args: argparse.Namespace, target: str) -> None:
         print(f"### {title}\n")
         print(table(results))
         print("\n" + verdict(results) + "\n", flush=True)
-    print(plot(panels))
+    if args.only:  # the committed plot shows every panel of one run
+        print("--only: no plot written")
+    else:
+        print(plot(panels))
     print(f"took {time.perf_counter() - started:.1f} s")
 
 
