@@ -630,10 +630,7 @@ async def run_hedged(
         finally:
             request._cancel_scope = None
     except BaseException as exc:
-        if isinstance(exc, Exception):
-            request._finish(RequestState.FAILED)
-        else:
-            request._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
+        request._finish_by(exc)
         raise
 
     if chain.winner is not None:

@@ -405,11 +405,8 @@ class RetryOrchestrator:
                     await self._sleep(delay)
                 finally:
                     request._cancel_scope = outer
-        except BaseException as exc:
-            if isinstance(exc, Exception):  # e.g. an injected sleep that failed
-                request._finish(RequestState.FAILED)
-            else:
-                request._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
+        except BaseException as exc:  # e.g. an injected sleep that failed, or a cancellation
+            request._finish_by(exc)
             raise
         finally:
             self._in_retry -= 1
@@ -931,10 +928,7 @@ class RetryOrchestrator:
             if plan[0] > 0.0 and not _instant():
                 sleep(plan[0])
         except BaseException as exc:
-            if isinstance(exc, Exception):
-                request._finish(RequestState.FAILED)
-            else:
-                request._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
+            request._finish_by(exc)
             raise
         finally:
             with self._lock:

@@ -278,6 +278,13 @@ class Request:
             self._state = state
             self._cancellation = why
 
+    def _finish_by(self, exc: BaseException) -> None:
+        """The call ended with ``exc``: FAILED for an error, CANCELLED (TASK_CANCELLED) else."""
+        if isinstance(exc, Exception):
+            self._finish(RequestState.FAILED)
+        else:
+            self._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
+
     def _record(
         self,
         reason: RetryReason | None,
