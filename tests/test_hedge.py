@@ -88,6 +88,30 @@ def idem(timeout: float | None = 5.0) -> Request:
     return Request(name="get", idempotent=True, timeout=timeout)
 
 
+async def cancel_request_after(
+    seconds: float, request: Request, send: Script, policy: HedgePolicy, *, then: float = 0.0
+) -> list[RequestCanceledException]:
+    """Run ``hedge()`` in a task, ``request.cancel()`` after ``seconds``, wait ``then`` more.
+
+    Returns what ``hedge()`` raised (RequestCanceledException only; anything else fails).
+    """
+    caught: list[RequestCanceledException] = []
+
+    async def run() -> None:
+        try:
+            await RetryOrchestrator().hedge(request, send, policy)
+        except RequestCanceledException as exc:
+            caught.append(exc)
+
+    with anyio.fail_after(SAFETY):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await anyio.sleep(seconds)
+            request.cancel()
+        await anyio.sleep(then)
+    return caught
+
+
 async def test_hedges_spaced_winner_cancels_others() -> None:
     send = Script({0: (None, None), 1: (None, None), 2: (0.0, "r2")})
     request = idem(None)  # no deadline: only the winner can end hedges 0 and 1
@@ -321,19 +345,7 @@ async def test_bad_arguments_are_refused() -> None:
 async def test_application_cancel_stops_every_hedge() -> None:
     send = Script({})
     request = idem(None)
-    caught: list[BaseException] = []
-
-    async def run() -> None:
-        try:
-            await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.0))
-        except RequestCanceledException as exc:
-            caught.append(exc)
-
-    with anyio.fail_after(SAFETY):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run)
-            await anyio.sleep(0.05)
-            request.cancel()
+    caught = await cancel_request_after(0.05, request, send, HedgePolicy(3, delay=0.0))
     assert send.cancelled == {0, 1, 2}
     [exc] = caught
     assert isinstance(exc, RequestCanceledException)
@@ -466,20 +478,8 @@ async def test_caller_cancelled_while_the_first_waits_for_the_delay() -> None:
 async def test_request_cancel_while_the_first_waits_for_the_delay() -> None:
     send = Script({})
     request = idem(None)
-    caught: list[BaseException] = []
-
-    async def run() -> None:
-        try:
-            await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.1))
-        except RequestCanceledException as exc:
-            caught.append(exc)
-
-    with anyio.fail_after(SAFETY):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run)
-            await anyio.sleep(0.03)
-            request.cancel()
-        await anyio.sleep(0.15)  # past the delay: no hedge may follow the cancel
+    # cancelled while hedge 0 waits; then past the delay: no hedge may follow the cancel
+    caught = await cancel_request_after(0.03, request, send, HedgePolicy(3, delay=0.1), then=0.15)
     assert sorted(send.started) == [0]
     assert send.cancelled == {0}
     [exc] = caught
@@ -548,20 +548,8 @@ async def test_caller_cancelled_after_the_delay_cuts_every_hedge() -> None:
 async def test_request_cancel_after_the_delay_cuts_every_hedge() -> None:
     send = Script({})
     request = idem(None)
-    caught: list[BaseException] = []
-
-    async def run() -> None:
-        try:
-            await RetryOrchestrator().hedge(request, send, HedgePolicy(4, delay=0.04))
-        except RequestCanceledException as exc:
-            caught.append(exc)
-
-    with anyio.fail_after(SAFETY):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run)
-            await anyio.sleep(0.06)  # hedges 0 and 1 in flight
-            request.cancel()
-        await anyio.sleep(0.1)  # past two more delays: nothing may follow the cancel
+    # cancelled with hedges 0 and 1 in flight; then past two more delays: nothing may follow
+    caught = await cancel_request_after(0.06, request, send, HedgePolicy(4, delay=0.04), then=0.1)
     assert sorted(send.started) == [0, 1]
     assert send.cancelled == {0, 1}
     [exc] = caught

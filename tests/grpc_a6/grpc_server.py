@@ -45,6 +45,11 @@ def retry_config(
             "retryableStatusCodes": list(codes),
         },
     }
+    return config_json(mc, timeout=timeout, throttling=throttling)
+
+
+def config_json(mc: dict[str, Any], *, timeout: str | None, throttling: Any) -> str:
+    """A service config of one method config ``mc``, with its timeout and throttling."""
     if timeout is not None:
         mc["timeout"] = timeout
     cfg: dict[str, Any] = {"methodConfig": [mc]}

@@ -9,12 +9,11 @@ whether it saw the client's cancellation.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
-from grpc_server import HEADERS_FLUSH, Server
+from grpc_server import HEADERS_FLUSH, Server, config_json
 
 PREV = "grpc-previous-rpc-attempts"
 
@@ -132,12 +131,7 @@ def hedging_config(
     if non_fatal is not None:
         policy["nonFatalStatusCodes"] = list(non_fatal)
     mc: dict[str, Any] = {"name": [{"service": "test.Svc"}], "hedgingPolicy": policy}
-    if timeout is not None:
-        mc["timeout"] = timeout
-    cfg: dict[str, Any] = {"methodConfig": [mc]}
-    if throttling is not None:
-        cfg["retryThrottling"] = throttling
-    return json.dumps(cfg)
+    return config_json(mc, timeout=timeout, throttling=throttling)
 
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
