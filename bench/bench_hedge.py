@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import grpc
 import structlog
 from grpc import aio
@@ -143,7 +144,9 @@ async def drive(
                 await call()
                 latencies.append(time.perf_counter() - t0)
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        async with anyio.create_task_group() as tg:  # anyio: bench_hedge_cost runs it on trio
+            for _ in range(concurrency):
+                tg.start_soon(worker)
     else:
 
         async def one(t0: float) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+from bench_hedge import drive, pct  # the closed-loop driver of bench_hedge.py
 
 from sdkcore import HedgePolicy, Request, RetryOrchestrator
 
@@ -28,11 +29,6 @@ POLICY = HedgePolicy(2, delay=0.02)
 CALLS = 20_000
 CONCURRENT = 20
 LOADED_CALLS = 10_000
-
-
-def pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(p / 100.0 * len(ordered)))]
 
 
 async def per_call(call: Callable[[], Awaitable[Any]]) -> float:
@@ -45,19 +41,7 @@ async def per_call(call: Callable[[], Awaitable[Any]]) -> float:
 
 
 async def loaded(call: Callable[[], Awaitable[Any]]) -> tuple[float, float]:
-    latencies: list[float] = []
-    left = [LOADED_CALLS]
-
-    async def worker() -> None:
-        while left[0] > 0:
-            left[0] -= 1
-            t0 = time.perf_counter()
-            await call()
-            latencies.append(time.perf_counter() - t0)
-
-    async with anyio.create_task_group() as tg:
-        for _ in range(CONCURRENT):
-            tg.start_soon(worker)
+    latencies = await drive(call, LOADED_CALLS, CONCURRENT)
     return pct(latencies, 50) * 1000, pct(latencies, 90) * 1000
 
 
