@@ -56,14 +56,15 @@ class RetryAction:
     # What the caller chose (the class or the callable): refusals compare equal when
     # they would raise the same kind of exception.
     _chosen: object = attrs.field(init=False, repr=False)
-    # The duration in seconds, computed once here for the orchestrator's hot path.
-    _seconds: float = attrs.field(init=False, eq=False, repr=False)
+    #: ``duration`` in seconds (None for a refusal), computed once.
+    seconds: float | None = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         duration = self.duration
         chosen = self.exception
+        seconds: float | None
         if duration is None:
-            seconds = -1.0
+            seconds = None
             if chosen is not None:
                 object.__setattr__(self, "exception", _factory_for(chosen))
         else:
@@ -78,7 +79,7 @@ class RetryAction:
             if seconds < 0:
                 raise ValueError(f"RetryAction(duration) must be >= 0 seconds, got {duration!r}")
         object.__setattr__(self, "_chosen", chosen)
-        object.__setattr__(self, "_seconds", seconds)
+        object.__setattr__(self, "seconds", seconds)
 
     @classmethod
     def with_duration(cls, duration: timedelta | float) -> RetryAction:

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import anyio
 import attrs
 
-from . import _log
+from . import _failing, _log
 from ._cancel import outer_cancel_pending
-from ._context import AttemptEffect, CancellationReason
+from ._context import AttemptEffect, CancellationReason, describe_error
 from ._duration import to_seconds
 from ._errors import (
     CouchbaseException,
@@ -265,10 +265,16 @@ class _Chain:
             now = self.clock()
             if can_send and now >= self.next_at:
                 throttler = self.throttler
-                if sent > 0 and throttler is not None and not throttler.allows_retry():
-                    # A6: the hedge is cancelled; no more hedges while throttled.
-                    self.stop = "throttled"
-                    continue
+                if sent > 0 and throttler is not None:
+                    try:
+                        allowed = throttler.allows_retry()
+                    except Exception as exc:  # a broken throttler ends the chain with its error
+                        self._end_with(exc)
+                        continue
+                    if not allowed:
+                        # A6: the hedge is cancelled; no more hedges while throttled.
+                        self.stop = "throttled"
+                        continue
                 self._start(tg, sent, now)
                 continue
             if not can_send and self.outstanding == 0:
@@ -291,7 +297,7 @@ class _Chain:
         self.outstanding += 1
         request = self.request
         if index > 0:
-            request._attempts += 1
+            request._hedge_sent()
         self.next_at = now + self.delay - (self.first_elapsed if index == 0 else 0.0)
         self.next_trigger = "delay"
         log = _log.enabled(_log.DEBUG)
@@ -323,7 +329,7 @@ class _Chain:
             self.outstanding -= 1
             attempt.outcome = _CANCELLED
             # cut in flight: it may have reached the server
-            self.request._record(None, AttemptEffect.MAYBE_APPLIED, None, self._took(attempt))
+            self._book(attempt, None, AttemptEffect.MAYBE_APPLIED, None)
             self._log_cancelled(attempt)
             raise
         else:
@@ -335,8 +341,14 @@ class _Chain:
                 wake.set()
 
     # -- outcomes --------------------------------------------------------------------
-    def _took(self, attempt: _Attempt) -> float:
-        return self.clock() - attempt.started
+    def _book(
+        self,
+        attempt: _Attempt,
+        reason: RetryReason | None,
+        effect: AttemptEffect,
+        error: BaseException | None,
+    ) -> None:
+        self.request._attempt_failed(reason, effect, error, self.clock(), started=attempt.started)
 
     def _over(self) -> bool:
         return self.winner is not None or self.fatal is not None
@@ -350,7 +362,13 @@ class _Chain:
         self.winner = attempt.index
         self.result = result
         if self.throttler is not None:
-            self.throttler.record_success()
+            try:
+                self.throttler.record_success()
+            except Exception as exc:  # a broken throttler fails the call with its error
+                self.winner = None
+                self.result = None
+                self._end_with(exc)
+                return
         log = _log.enabled(_log.DEBUG)
         if log is not None:
             log.debug(
@@ -366,24 +384,24 @@ class _Chain:
         reason = failure.reason
         attempt.outcome = _FAILED
         attempt.reason = reason
-        attempt.error = str(failure)
+        attempt.error = _text(failure)
         request = self.request
         effect = failure.effect or AttemptEffect.for_reason(reason)
-        request._record(reason, effect, failure.__cause__ or failure, self._took(attempt))
+        self._book(attempt, reason, effect, failure.__cause__ or failure)
         if self._over():
             return
-        request._reasons[reason] = None
+        request._reason_seen(reason)
         self.last_failure = failure
-        if self.throttler is not None:
-            self.throttler.record_failure()
         pushback = None
         hook = self.policy.pushback
-        if hook is not None:
-            try:
-                pushback = hook(failure)
-            except Exception as exc:  # a broken hook ends the chain with its error
-                self._fatal(attempt, exc)
-                return
+        try:
+            if self.throttler is not None:
+                self.throttler.record_failure()
+            if hook is not None:
+                pushback = _pushback(hook, failure)
+        except Exception as exc:  # a broken throttler or hook ends the chain with its error
+            self._end_with(exc)
+            return
         now = self.clock()
         if pushback is None:
             # A6: a non-fatal status sends the next hedge at once; later ones resume
@@ -412,14 +430,14 @@ class _Chain:
 
     def _fatal(self, attempt: _Attempt, error: BaseException) -> None:
         attempt.outcome = _FATAL
-        attempt.error = repr(error) if not isinstance(error, RetryableError) else str(error)
+        attempt.error = _text(error)
         effect = AttemptEffect.MAYBE_APPLIED
         cause: BaseException = error
         if isinstance(error, RetryableError):
             attempt.reason = error.reason
             effect = error.effect or AttemptEffect.for_reason(error.reason)
             cause = error.__cause__ or error
-        self.request._record(attempt.reason, effect, cause, self._took(attempt))
+        self._book(attempt, attempt.reason, effect, cause)
         if self._over():
             return
         self.fatal = error
@@ -434,6 +452,11 @@ class _Chain:
                 fatal=True,
                 error=attempt.error,
             )
+
+    def _end_with(self, error: BaseException) -> None:
+        """A hook of the chain (throttler, pushback) failed: the call fails with its error."""
+        if not self._over():
+            self.fatal = error
 
     def _log_cancelled(self, attempt: _Attempt) -> None:
         log = _log.enabled(_log.DEBUG)
@@ -454,6 +477,29 @@ class _Chain:
             "hedge_stopped_by": self.stop,
             "hedges": [a.as_dict(self.origin) for a in self.attempts],
         }
+
+
+def _text(error: BaseException) -> str:
+    """A failure as hedging's events and contexts show it: bounded, and never raising."""
+    if isinstance(error, RetryableError):
+        text = describe_error(error) or ""
+        return text.removeprefix(type(error).__name__ + ": ")
+    return describe_error(error) or ""
+
+
+def _pushback(
+    hook: Callable[[RetryableError], float | None], failure: RetryableError
+) -> float | None:
+    """The pushback hook's answer, checked: None or a real number of seconds."""
+    value = hook(failure)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"HedgePolicy.pushback returned {type(value).__name__}, not None or seconds "
+            "(a real number; negative: no more hedges)"
+        )
+    return float(value)
 
 
 def _asyncio_loop() -> asyncio.AbstractEventLoop | None:
@@ -595,8 +641,8 @@ async def run_hedged(
             "hedge(..., throttler=...) must have allows_retry(), record_failure() and "
             f"record_success() (e.g. sdkcore.grpc.RetryThrottler), got {throttler!r}"
         )
-    if request._state is not RequestState.PENDING:
-        raise orchestrator._already_completed(request, None)
+    if request.state is not RequestState.PENDING:
+        raise _failing.already_completed(request, None)
     if not request.idempotent:
         raise InvalidArgumentException(
             f"hedge(): request {request.id} ({request.name!r}) is not idempotent; hedging sends "
@@ -604,15 +650,16 @@ async def run_hedged(
             "(Request(idempotent=True)). Nothing was sent.",
             context=request.error_context(),
         )
-    left = request._deadline - request._clock()
+    name = _failing.strategy_name(request.retry_strategy or orchestrator.default_strategy)
+    left = request.deadline - request.clock()
     if left <= 0.0:  # expired before the first attempt: nothing is sent
-        raise orchestrator._timeout(request, request._last_reason)
+        raise _failing.timed_out(request, request.last_reason, name, request.clock())
 
     loop = _asyncio_loop()
     chain = _Chain(
         request, send, policy, throttler, anyio.current_time if loop is None else loop.time
     )
-    request._cancel_scope = chain  # Request.cancel() cuts whatever is in flight
+    request._set_cancel_hook(chain)  # Request.cancel() cuts whatever is in flight
     try:
         try:
             helper = None
@@ -628,7 +675,7 @@ async def run_hedged(
             elif not (chain._over() or chain.cut() or request.cancelled):
                 await _in_group(chain, left)
         finally:
-            request._cancel_scope = None
+            request._set_cancel_hook(None)
     except BaseException as exc:
         request._finish_by(exc)
         raise
@@ -651,11 +698,11 @@ async def run_hedged(
         raise fatal
     if chain.cut() or request.cancelled:  # the deadline or Request.cancel()
         if request.cancelled:  # Request.cancel()
-            error = orchestrator._already_completed(request, request._last_reason)
+            error = _failing.already_completed(request, request.last_reason)
         else:  # every hedge still in flight was cut and recorded as such
-            error = orchestrator._timeout(request, request._last_reason)
+            error = _failing.timed_out(request, request.last_reason, name, request.clock())
         _with_extra(error, chain, in_flight=any(a.outcome == _CANCELLED for a in chain.attempts))
-        raise error from orchestrator._cause(request)
+        raise error from _failing.cause(request)
     # Every copy failed (or no more could be sent and none is outstanding): the last
     # failure to arrive is the answer.
     last = chain.last_failure

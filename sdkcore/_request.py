@@ -11,6 +11,7 @@ from datetime import timedelta
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from . import _runtime
 from ._context import AttemptEffect, AttemptRecord, CancellationReason, ErrorContext, describe_error
 from ._duration import MAX_SECONDS, to_seconds
 from ._reason import RetryReason
@@ -188,15 +189,18 @@ class Request:
     def loop_deadline(self) -> float:
         """The deadline on the running event loop's clock (``anyio.current_time()``).
 
-        ``math.inf`` without a timeout. Call it from async code; it is what
-        ``anyio.CancelScope(deadline=...)`` expects.
+        ``math.inf`` without a timeout. Call it from async code (asyncio or trio); it
+        is what ``anyio.CancelScope(deadline=...)`` and ``trio.CancelScope`` expect.
         """
         if self._deadline == math.inf:
             return math.inf
-        import anyio  # already imported by any running anyio backend
-
-        now = anyio.current_time()  # first: its first call may import the backend
+        now: float = _runtime.current().now()
         return now + (self._deadline - self._clock())
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock (seconds, monotonic) the request's deadline is kept on."""
+        return self._clock
 
     @property
     def elapsed(self) -> timedelta:
@@ -245,6 +249,21 @@ class Request:
         return self._maybe_applied
 
     @property
+    def last_reason(self) -> RetryReason | None:
+        """The reason of the last attempt that failed with one (None before any)."""
+        return self._last_reason
+
+    @property
+    def in_flight(self) -> bool:
+        """True while an attempt is being sent (between its start and its outcome)."""
+        return self._in_flight
+
+    @property
+    def failed_attempts(self) -> int:
+        """How many attempts failed (or were cut in flight) so far: ``len(attempts)``."""
+        return len(self._history)
+
+    @property
     def attempts(self) -> tuple[AttemptRecord, ...]:
         """Every failed attempt so far, oldest first (see :class:`AttemptRecord`)."""
         return self._records()
@@ -272,8 +291,84 @@ class Request:
         if scope is not None:
             scope.cancel()
 
-    # -- orchestrator-only -----------------------------------------------------
+    # -- transitions (called by the doors and the hedging runner only) ------------
+    # A request's retry state changes only through these methods: every other module
+    # reads it through the properties above (rfc/0001, "Who changes a request").
+    def _begin_attempt(self, now: float) -> None:
+        """An attempt is being sent at ``now`` (the request's clock)."""
+        self._in_flight = True
+        self._sent_at = now
+
+    def _attempt_failed(
+        self,
+        reason: RetryReason | None,
+        effect: AttemptEffect,
+        error: BaseException | None,
+        now: float,
+        started: float | None = None,
+    ) -> None:
+        """Book the attempt in flight (or the last one sent) as failed at ``now``.
+
+        ``reason`` None: it failed otherwise (a final answer) or was cut in flight.
+        Its backoff is booked by :meth:`_retry_booked` when it is retried.
+        ``started``: when it was sent, on the same clock as ``now`` (a hedge's own
+        start; default: the one :meth:`_begin_attempt` booked).
+        """
+        if started is None:
+            started = self._sent_at
+        self._history.append(
+            [reason, effect, error, None if started < 0.0 else now - started, None]
+        )
+        self._in_flight = False
+        self._sent_at = -1.0
+        if error is not None:
+            self._last_error = error
+        if reason is not None:
+            self._last_reason = reason
+        if effect is not _NOT_SENT:
+            self._sent = True
+            if effect is _MAYBE:
+                self._maybe_applied = True
+
+    def _retry_booked(self, reason: RetryReason, delay: float | None) -> None:
+        """The failed attempt is retried for ``reason`` after ``delay`` seconds."""
+        self._attempts += 1
+        self._reasons[reason] = None
+        history = self._history
+        if history:
+            history[-1][4] = delay
+
+    def _hedge_sent(self) -> None:
+        """One more copy of a hedged request went out (a retry, by the RFC's count)."""
+        self._attempts += 1
+
+    def _reason_seen(self, reason: RetryReason) -> None:
+        """A hedge failed for ``reason``: listed in ``retry_reasons``."""
+        self._reasons[reason] = None
+
+    def _set_cancel_hook(self, hook: Any) -> Any:
+        """``Request.cancel()`` calls ``hook.cancel()`` from now on; returns the previous hook."""
+        previous = self._cancel_scope
+        self._cancel_scope = hook
+        return previous
+
+    def _succeeded(self) -> None:
+        """The request got its answer.
+
+        The recorded failures let go of their tracebacks: a traceback holds the
+        frames it passed through, and those hold the request, whose history holds the
+        failure: a reference cycle per retried call (about 1 us per retry in
+        bench/bench_core.py). Types and messages stay for :attr:`attempts`.
+        """
+        if self._state is RequestState.PENDING:
+            self._state = RequestState.SUCCEEDED
+        for entry in self._history:
+            error = entry[2]
+            if error is not None:
+                error.__traceback__ = None
+
     def _finish(self, state: RequestState, why: CancellationReason | None = None) -> None:
+        """Complete the request (once: a completed request keeps its first ending)."""
         if self._state is RequestState.PENDING:
             self._state = state
             self._cancellation = why
@@ -285,26 +380,11 @@ class Request:
         else:
             self._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
 
-    def _record(
-        self,
-        reason: RetryReason | None,
-        effect: AttemptEffect,
-        error: BaseException | None,
-        duration: float | None,
-    ) -> None:
-        """Book one failed (or cut) attempt (its delay is set by the retry decision).
-
-        ``RetryOrchestrator.execute`` inlines this for a RetryableError (its hot path).
-        """
-        self._history.append([reason, effect, error, duration, None])
-        if error is not None:
-            self._last_error = error
-        if reason is not None:
-            self._last_reason = reason
-        if effect is not _NOT_SENT:
-            self._sent = True
-            if effect is _MAYBE:
-                self._maybe_applied = True
+    def _reopen_for_timeout(self) -> None:
+        """Whatever a cut left behind (e.g. marked cancelled by the task), it timed out."""
+        if self._cancellation is not CancellationReason.CANCELLED_VIA_CONTEXT:
+            self._state = RequestState.PENDING
+            self._cancellation = None
 
     def _records(self) -> tuple[AttemptRecord, ...]:
         return tuple(

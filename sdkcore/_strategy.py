@@ -1,15 +1,16 @@
 """RetryStrategy protocol and the built-in strategies (RFC 0049 "Retry Strategies").
 
-The built-ins decide synchronously in ``_decide``; their public ``retry_after``
-is a coroutine wrapping it. The orchestrator calls ``_decide`` directly when a
-class did not override ``retry_after`` (decided once per class), which keeps the
-per-attempt path free of coroutine allocation.
+The built-ins decide synchronously in their public ``decide(request, reason)``;
+``retry_after`` is the protocol's coroutine wrapping it. Every door calls
+``decide`` directly when a strategy's ``retry_after`` is a built-in's (see
+:func:`ask`), so a retry allocates no coroutine, and a synchronous subclass refines
+a built-in by overriding ``decide`` and calling ``super().decide(...)``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ._action import RetryAction
 from ._backoff import Backoff, best_effort_backoff
@@ -23,6 +24,7 @@ from ._reason import RetryReason
 from ._request import Request
 
 __all__ = [
+    "BUILTIN_RETRY_AFTER",
     "BestEffortRetryStrategy",
     "FailFastRetryStrategy",
     "FastFailOnTerminalErrorRetryStrategy",
@@ -35,7 +37,9 @@ class RetryStrategy(Protocol):
     """Decides whether and when a failed request is retried.
 
     ``retry_after`` may be a plain method returning a :class:`RetryAction` or a
-    coroutine (it may await I/O). The orchestrator checks which once per class.
+    coroutine (it may await I/O): the orchestrator awaits what it returns when that
+    is not a RetryAction. ``execute_sync`` takes only strategies that decide
+    synchronously.
     """
 
     def retry_after(
@@ -55,8 +59,11 @@ class BestEffortRetryStrategy:
 
     Retries when ``request.idempotent`` or ``reason.allows_non_idempotent_retry``,
     after ``backoff(request.retry_attempts)``. The default backoff is 1 ms,
-    doubling, capped at 500 ms. Subclass and call ``await super().retry_after(...)``
-    to refine it.
+    doubling, capped at 500 ms.
+
+    To refine it, subclass and override ``decide`` (synchronous, calling
+    ``super().decide(request, reason)``: works on every door, ``execute_sync``
+    included) or ``retry_after`` (``async``, calling ``await super().retry_after(...)``).
     """
 
     __slots__ = ("_backoff", "_memo")
@@ -77,11 +84,13 @@ class BestEffortRetryStrategy:
         return best_effort_backoff if self._backoff is None else self._backoff
 
     async def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:
-        return self._decide(request, reason)
+        """The :class:`RetryStrategy` protocol: :meth:`decide`, as a coroutine."""
+        return self.decide(request, reason)
 
-    def _decide(self, request: Request, reason: RetryReason) -> RetryAction:
-        if request._idempotent or reason.allows_non_idempotent_retry:
-            attempt = request._attempts
+    def decide(self, request: Request, reason: RetryReason) -> RetryAction:
+        """The synchronous decision every door uses (override it to refine the strategy)."""
+        if request.idempotent or reason.allows_non_idempotent_retry:
+            attempt = request.retry_attempts
             if self._backoff is None:
                 return _DEFAULT_ACTIONS[attempt] if attempt < 64 else _DEFAULT_LAST
             delay = self._backoff(attempt)
@@ -115,7 +124,7 @@ class FailFastRetryStrategy:
     async def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:
         return _NO_RETRY
 
-    def _decide(self, request: Request, reason: RetryReason) -> RetryAction:
+    def decide(self, request: Request, reason: RetryReason) -> RetryAction:
         return _NO_RETRY
 
     def __repr__(self) -> str:
@@ -142,7 +151,7 @@ class FastFailOnTerminalErrorRetryStrategy(BestEffortRetryStrategy):
 
     __slots__ = ()
 
-    def _decide(self, request: Request, reason: RetryReason) -> RetryAction:
+    def decide(self, request: Request, reason: RetryReason) -> RetryAction:
         # The RFC's order; identity checks are cheaper than hashing the enum.
         if reason is RetryReason.AUTHENTICATION_ERROR:
             return _AUTH
@@ -154,4 +163,25 @@ class FastFailOnTerminalErrorRetryStrategy(BestEffortRetryStrategy):
             return _SCOPE
         if reason is RetryReason.COLLECTION_NOT_FOUND:
             return _COLLECTION
-        return BestEffortRetryStrategy._decide(self, request, reason)
+        return BestEffortRetryStrategy.decide(self, request, reason)
+
+
+#: The built-ins' ``retry_after``: a strategy whose ``retry_after`` is one of these
+#: decides through ``decide`` (no coroutine per retry).
+BUILTIN_RETRY_AFTER = frozenset(
+    {
+        BestEffortRetryStrategy.retry_after,
+        FailFastRetryStrategy.retry_after,
+    }
+)
+
+
+def ask(strategy: Any, request: Request, reason: RetryReason) -> Any:
+    """The strategy's answer: a RetryAction, or an awaitable of one (an async strategy).
+
+    A built-in ``retry_after`` (not overridden) is answered by ``decide`` directly.
+    """
+    method = strategy.retry_after
+    if getattr(method, "__func__", None) in BUILTIN_RETRY_AFTER:
+        return strategy.decide(request, reason)
+    return method(request, reason)

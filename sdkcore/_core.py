@@ -1,0 +1,189 @@
+"""What every door of the orchestrator shares: its settings and the step after a failure.
+
+A failed attempt goes through the same three steps on every door (``execute``,
+``execute_sync``, ``maybe_retry``, the gRPC channels):
+
+1. :meth:`OrchestratorCore._ask`: the strategy's action (none for an always-retry
+   reason); an async strategy's answer is awaited by the async doors;
+2. :func:`sdkcore._decision.decide`: the pure rule;
+3. :meth:`OrchestratorCore._settle`: book the retry on the request, count it as
+   waiting in retry and log it, or complete the request and raise the final error
+   (:mod:`sdkcore._failing`).
+
+The door then waits (the runtime layer), calls :meth:`_leave_backoff`, and sends again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from . import _failing, _log
+from ._action import RetryAction
+from ._decision import Decision, Verdict, decide
+from ._errors import CouchbaseException
+from ._reason import RetryReason
+from ._request import Request, RequestState
+from ._strategy import FastFailOnTerminalErrorRetryStrategy, RetryStrategy, ask
+
+__all__ = ["DEFAULT_MAX_REQUESTS_IN_RETRY", "OrchestratorCore"]
+
+#: Per-orchestrator limit of requests waiting in retry (the Java SDK's default).
+DEFAULT_MAX_REQUESTS_IN_RETRY = 32768
+
+_PENDING = RequestState.PENDING
+
+
+class OrchestratorCore:
+    """The orchestrator's settings, backpressure count and per-failure step."""
+
+    __slots__ = ("_default", "_in_retry", "_lock", "_max_in_retry", "_sleep", "_sleep_clock")
+
+    def __init__(
+        self,
+        default_strategy: RetryStrategy | None = None,
+        *,
+        max_requests_in_retry: int = DEFAULT_MAX_REQUESTS_IN_RETRY,
+        sleep: Callable[[float], Awaitable[Any]] | None = None,
+    ) -> None:
+        if default_strategy is None:
+            default_strategy = FastFailOnTerminalErrorRetryStrategy()
+        elif isinstance(default_strategy, type) or not callable(
+            getattr(default_strategy, "retry_after", None)
+        ):
+            raise TypeError(
+                "RetryOrchestrator(default_strategy=...) must be a RetryStrategy instance (an "
+                f"object with a retry_after(request, reason) method), got {default_strategy!r}"
+            )
+        if (
+            not isinstance(max_requests_in_retry, int)
+            or isinstance(max_requests_in_retry, bool)
+            or max_requests_in_retry < 1
+        ):
+            raise ValueError(
+                "RetryOrchestrator(max_requests_in_retry=...) must be an integer >= 1, "
+                f"got {max_requests_in_retry!r}"
+            )
+        if sleep is not None and not callable(sleep):
+            raise TypeError(
+                f"RetryOrchestrator(sleep=...) must be an async callable (seconds), got {sleep!r}"
+            )
+        self._default: RetryStrategy = default_strategy
+        self._max_in_retry = max_requests_in_retry
+        # Requests waiting in backoff, on every door and thread. Changed under _lock:
+        # a lock round trip costs about 0.1 us, and threads share orchestrators.
+        self._in_retry = 0
+        self._lock = threading.Lock()
+        self._sleep = sleep
+        # A virtual clock's sleep (an object with .clock() and .sleep()): requests must
+        # run on that clock, or their deadlines and the waits disagree.
+        owner = getattr(sleep, "__self__", None)
+        clock = getattr(owner, "clock", None)
+        self._sleep_clock: Any = clock if callable(clock) else None
+
+    @property
+    def default_strategy(self) -> RetryStrategy:
+        return self._default
+
+    @property
+    def max_requests_in_retry(self) -> int:
+        return self._max_in_retry
+
+    @property
+    def requests_in_retry(self) -> int:
+        """How many requests are waiting in retry backoff right now."""
+        return self._in_retry
+
+    def __repr__(self) -> str:
+        return (
+            f"<RetryOrchestrator default_strategy={self._default!r} "
+            f"requests_in_retry={self._in_retry}/{self._max_in_retry}>"
+        )
+
+    # -- the step after a failed attempt -----------------------------------------------
+    def _ask(self, request: Request, reason: RetryReason) -> tuple[Any, str]:
+        """The strategy's answer (None for an always-retry reason) and its name.
+
+        The answer is a RetryAction, or an awaitable of one for an async strategy.
+        """
+        if reason.always_retry:  # the strategy is not consulted
+            return None, "controlled_backoff"
+        strategy = request.retry_strategy or self._default
+        name = _failing.strategy_name(strategy)
+        try:
+            return ask(strategy, request, reason), name
+        except Exception as exc:
+            _failing.strategy_failed(request, reason, name, exc)
+            raise
+
+    def _settle(
+        self,
+        request: Request,
+        reason: RetryReason,
+        action: Any,
+        strategy: str,
+        log: Any,
+        failure: BaseException | None,
+    ) -> Decision:
+        """Decide, then book the retry (returned) or complete the request and raise.
+
+        ``log``: the debug logger or None (asked once per door call); ``failure``:
+        the attempt's failure, the ``__cause__`` of the final exception.
+        """
+        if request.state is not _PENDING:  # cancelled while the strategy ran
+            raise _failing.already_completed(request, reason)
+        if not (reason.always_retry or isinstance(action, RetryAction)):
+            error = _failing.bad_action(strategy, reason, action)
+            _failing.strategy_failed(request, reason, strategy, error)
+            raise error
+        with self._lock:  # the capacity check and the count move together
+            decision = decide(
+                request,
+                reason,
+                action,
+                strategy,
+                now=request.clock(),
+                requests_in_retry=self._in_retry,
+                max_requests_in_retry=self._max_in_retry,
+            )
+            if decision.retries:
+                self._in_retry += 1  # the door's wait gives it back (_leave_backoff)
+        if not decision.retries:
+            exc = _failing.refused(request, reason, decision, self._max_in_retry)
+            if isinstance(exc, CouchbaseException):
+                _failing.keep_cause(exc, failure)
+            raise exc
+        request._retry_booked(reason, decision.delay)
+        if log is not None:
+            try:
+                log.debug(
+                    _log.EVENT_SCHEDULED,
+                    **_failing.event_fields(request, reason, strategy),
+                    delay_ms=round(decision.delay * 1000.0, 3),
+                    capped=decision.verdict is not Verdict.RETRY,
+                )
+            except BaseException:
+                self._leave_backoff()
+                raise
+        return decision
+
+    def _leave_backoff(self) -> None:
+        """A request counted by :meth:`_settle` stopped waiting in retry."""
+        with self._lock:
+            self._in_retry -= 1
+
+    def _check_clock(self, request: Request) -> None:
+        """An injected virtual-clock sleep needs requests on the same clock."""
+        if (
+            self._sleep_clock is not None
+            and request.timeout is not None
+            and request.clock is time.monotonic
+        ):
+            raise ValueError(
+                f"RetryOrchestrator(sleep={self._sleep!r}) waits on a virtual clock, but "
+                f"request {request.id} ({request.name!r}) runs on {request.clock!r}: build "
+                "the request with Request(clock=<the same clock>.clock) so its deadline "
+                "follows the waits"
+            )

@@ -1,0 +1,324 @@
+"""The async doors: ``execute`` (the dispatch loop), ``maybe_retry`` and ``attempt``.
+
+Each door runs the shared step of :mod:`sdkcore._core` after a failed attempt and
+waits through the runtime layer (:mod:`sdkcore._runtime`). These functions are the
+methods of :class:`sdkcore.RetryOrchestrator` (bound there by name).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Awaitable, Callable, Generator
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from . import _failing, _log, _runtime
+from ._action import RetryAction
+from ._context import AttemptEffect, CancellationReason
+from ._core import OrchestratorCore
+from ._decision import Decision, Verdict
+from ._errors import CouchbaseException, RetryableError
+from ._hooks import INSTANT_DELAYS
+from ._reason import RetryReason
+from ._request import Request, RequestState
+
+__all__ = ["attempt", "execute", "maybe_retry"]
+
+T = TypeVar("T")
+
+_PENDING = RequestState.PENDING
+_MAYBE = AttemptEffect.MAYBE_APPLIED
+_EFFECT_OF = {r: AttemptEffect.for_reason(r) for r in RetryReason}
+_INF = math.inf
+_UNSET: Any = object()
+_instant = INSTANT_DELAYS.get
+
+
+def _check_request(request: object, door: str) -> None:
+    if not isinstance(request, Request):
+        raise TypeError(f"{door}: request must be an sdkcore.Request, got {request!r}")
+
+
+def _strategy_of(self: OrchestratorCore, request: Request) -> str:
+    return _failing.strategy_name(request.retry_strategy or self._default)
+
+
+def _scope_fired(
+    self: OrchestratorCore, request: Request, error: BaseException | None, *, in_flight: bool
+) -> BaseException:
+    """The exception for a request whose deadline scope fired (or ``Request.cancel()``)."""
+    if request.cancellation_reason is CancellationReason.CANCELLED_VIA_CONTEXT:
+        return _failing.already_completed(request, request.last_reason)
+    if error is not None and not isinstance(error, Exception):
+        error = None  # the cancellation itself: not the attempt's failure
+    return _failing.timed_out(
+        request,
+        request.last_reason,
+        _strategy_of(self, request),
+        request.clock(),
+        in_flight=in_flight,
+        error=error,
+    )
+
+
+async def _answer(self: OrchestratorCore, request: Request, reason: RetryReason) -> tuple[Any, str]:
+    """The strategy's action, awaited when the strategy is async."""
+    action, strategy = self._ask(request, reason)
+    if action is None or type(action) is RetryAction or not hasattr(action, "__await__"):
+        return action, strategy
+    try:
+        return await action, strategy
+    except Exception as exc:
+        _failing.strategy_failed(request, reason, strategy, exc)
+        raise
+
+
+async def _wait(self: OrchestratorCore, request: Request, rt: Any, delay: float) -> None:
+    """Wait out a backoff of ``delay`` seconds (one checkpoint for zero).
+
+    The request was counted as waiting in retry by ``_settle``: the count is given
+    back here, however the wait ends.
+    """
+    try:
+        if self._sleep is not None and not _instant():
+            self._check_clock(request)
+            await self._sleep(delay)
+        elif delay > 0.0 and not _instant():
+            await rt.sleep(delay)
+        else:
+            await rt.checkpoint()
+    finally:
+        self._leave_backoff()
+
+
+async def _resume(self: OrchestratorCore, request: Request, decision: Decision) -> None:
+    """After the backoff: raise what ends the request instead of a re-dispatch."""
+    if request.state is not _PENDING:  # Request.cancel() during the backoff
+        raise _failing.already_completed(request, request.last_reason)
+    if decision.verdict is Verdict.TIME_OUT:
+        now = request.clock()
+        raise _failing.timed_out(
+            request, request.last_reason, decision.strategy, now
+        ) from _failing.cause(request)
+
+
+async def execute(
+    self: OrchestratorCore, request: Request, send: Callable[[Request], Awaitable[T]]
+) -> T:
+    """Run ``send(request)`` attempt by attempt until it returns, then return its result.
+
+    ``send`` reports a retryable failure by raising :class:`RetryableError`
+    (carrying the RetryReason); any other exception fails the request and
+    propagates unchanged. The request's timeout spans all attempts: an attempt
+    still in flight at the deadline is cancelled and a timeout raised, whatever
+    the cancelled attempt raised (ambiguous if a non-idempotent request may have
+    been applied, see rfc/0001 "Ambiguity"). The final exception's ``__cause__``
+    is the last attempt's failure.
+    """
+    _check_request(request, "execute(request, send)")
+    if not callable(send):
+        raise TypeError(
+            "execute(request, send): send must be an async callable (request) -> result, "
+            f"got {send!r}"
+        )
+    if request.state is not _PENDING:
+        raise _failing.already_completed(request, None)
+    rt = _runtime.current()
+    clock = request.clock
+    scope = None
+    previous = None
+    if request.deadline != _INF:
+        left = request.deadline - clock()
+        if left <= 0.0:  # expired before the first attempt: nothing is sent
+            raise _failing.timed_out(
+                request, request.last_reason, _strategy_of(self, request), clock()
+            )
+        scope = rt.Scope(rt.now() + left)
+        previous = request._set_cancel_hook(scope)  # Request.cancel() cuts the attempt
+    debug = _UNSET  # the debug logger (or None), asked at the call's first retry
+    try:
+        while True:
+            request._begin_attempt(clock())
+            pending = send(request)
+            if not hasattr(pending, "__await__"):
+                raise TypeError(
+                    f"execute(request, send): send returned {type(pending).__name__}, not "
+                    "an awaitable; make it a coroutine function (async def send(request): "
+                    "...) or use execute_sync() for a blocking send"
+                )
+            try:
+                result = await pending
+            except RetryableError as failure:
+                reason = failure.reason
+                failed = failure.__cause__ or failure
+                request._attempt_failed(
+                    reason, failure.effect or _EFFECT_OF[reason], failed, clock()
+                )
+                if debug is _UNSET:
+                    debug = _log.enabled(_log.DEBUG)
+                action, strategy = await _answer(self, request, reason)
+                decision = self._settle(request, reason, action, strategy, debug, failed)
+                await _wait(self, request, rt, decision.delay)
+                await _resume(self, request, decision)
+                continue
+            break
+    except BaseException as exc:
+        in_flight = request.in_flight
+        try:
+            if scope is not None:
+                request._set_cancel_hook(previous)
+                if scope.exit(exc):  # our deadline or Request.cancel() cut an attempt or a wait
+                    raise _scope_fired(
+                        self, request, exc if in_flight else None, in_flight=in_flight
+                    ) from _failing.cause(request)
+            if isinstance(exc, Exception) and request.state is _PENDING and in_flight:
+                # a non-retryable answer: the last attempt's failure
+                request._attempt_failed(None, _MAYBE, exc, clock())
+                if isinstance(exc, CouchbaseException):
+                    old = exc.context  # none yet, or built by a mapper for this request
+                    if old is None or old.request_id == request.id:
+                        exc.context = request.error_context(
+                            request.last_reason, extra=None if old is None else old.extra
+                        )
+            raise
+        except BaseException as final:  # the error, our timeout, or what the scope re-raised
+            request._finish_by(final)
+            raise
+    if scope is not None:
+        request._set_cancel_hook(previous)
+        scope.exit(None)
+    if request.state is not _PENDING:  # Request.cancel() while the last attempt was in flight
+        raise _failing.already_completed(request, request.last_reason)
+    request._succeeded()
+    return result
+
+
+async def maybe_retry(
+    self: OrchestratorCore,
+    request: Request,
+    reason: RetryReason,
+    *,
+    cause: BaseException | None = None,
+    effect: AttemptEffect | None = None,
+) -> timedelta:
+    """Retry ``request`` for ``reason``, or fail it.
+
+    Call it once per failed attempt. ``cause`` is the attempt's failure (logged as
+    ``caused_by``, kept as the context's ``last_error`` and chained as the final
+    exception's ``__cause__``); ``effect`` what is known about the server side
+    (default: from the reason's flags, see :class:`AttemptEffect`).
+
+    Returns the delay waited once the caller should re-dispatch. Raises when it
+    must not: the strategy's chosen exception or RequestCanceledException
+    (NO_MORE_RETRIES / TOO_MANY_REQUESTS_IN_RETRY / CANCELLED_VIA_CONTEXT), a
+    TimeoutException when the backoff reaches the deadline (the deadline also
+    bounds a strategy that must be awaited), or whatever the strategy raised.
+    """
+    _check_request(request, "maybe_retry(request, reason)")
+    if type(reason) is not RetryReason:
+        raise TypeError(
+            f"maybe_retry(request, reason): reason must be a RetryReason, got {reason!r}"
+        )
+    if effect is not None and type(effect) is not AttemptEffect:
+        raise TypeError(f"maybe_retry(effect=...) must be an AttemptEffect, got {effect!r}")
+    if request.state is not _PENDING:
+        raise _failing.already_completed(request, reason)
+    request._attempt_failed(reason, effect or _EFFECT_OF[reason], cause, request.clock())
+    rt = _runtime.current()
+    action, strategy = self._ask(request, reason)
+    if action is not None and type(action) is not RetryAction and hasattr(action, "__await__"):
+        action = await _bounded(self, request, reason, rt, action, strategy)
+    decision = self._settle(request, reason, action, strategy, _log.enabled(_log.DEBUG), cause)
+    delay = decision.delay
+    if delay > 0.0 and (self._sleep is None or not _instant()):
+        # Request.cancel() wakes a real backoff early.
+        scope = rt.Scope(_INF)
+        previous = request._set_cancel_hook(scope)
+        try:
+            await _wait(self, request, rt, delay)
+        except BaseException as exc:
+            request._set_cancel_hook(previous)
+            if not scope.exit(exc):
+                request._finish_by(exc)
+                raise
+        else:
+            request._set_cancel_hook(previous)
+            scope.exit(None)
+    else:
+        try:
+            await _wait(self, request, rt, delay)
+        except BaseException as exc:
+            request._finish_by(exc)
+            raise
+    await _resume(self, request, decision)
+    action = decision.action
+    if action is not None and action.seconds == delay and action.duration is not None:
+        return action.duration
+    return timedelta(seconds=delay)
+
+
+async def _bounded(
+    self: OrchestratorCore,
+    request: Request,
+    reason: RetryReason,
+    rt: Any,
+    pending: Any,
+    strategy: str,
+) -> Any:
+    """Await an async strategy's answer, bounded by the request's deadline."""
+    left = request.deadline - request.clock()
+    scope = rt.Scope(_INF if left == _INF else rt.now() + left)
+    previous = request._set_cancel_hook(scope)
+    try:
+        action = await pending
+    except BaseException as exc:
+        request._set_cancel_hook(previous)
+        if scope.exit(exc):
+            raise _scope_fired(self, request, None, in_flight=False) from _failing.cause(request)
+        if isinstance(exc, Exception):
+            _failing.strategy_failed(request, reason, strategy, exc)
+        else:
+            request._finish_by(exc)
+        raise
+    request._set_cancel_hook(previous)
+    if scope.exit(None):
+        raise _scope_fired(self, request, None, in_flight=False) from _failing.cause(request)
+    return action
+
+
+@contextlib.contextmanager
+def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, None]:
+    """Bound one attempt of a hand-wired loop by the request's deadline.
+
+    ``with orchestrator.attempt(request): response = await send(...)``. At the
+    deadline the attempt is cancelled and the ``with`` raises the timeout
+    (AmbiguousTimeoutException if a non-idempotent request may have been applied,
+    UnambiguousTimeoutException otherwise), whatever the cancelled send raised;
+    ``Request.cancel()`` cancels it too (RequestCanceledException). Other
+    exceptions pass through unchanged; the attempt's duration is recorded for the
+    next :meth:`maybe_retry`. Use it from async code (asyncio or trio).
+    """
+    _check_request(request, "attempt(request)")
+    if request.state is not _PENDING:
+        raise _failing.already_completed(request, request.last_reason)
+    now = request.clock()
+    left = request.deadline - now
+    if left <= 0.0:  # expired before the attempt: nothing is sent
+        raise _failing.timed_out(request, request.last_reason, _strategy_of(self, request), now)
+    request._begin_attempt(now)
+    if left == _INF:
+        yield
+        return
+    rt = _runtime.current()
+    scope = rt.Scope(rt.now() + left)
+    previous = request._set_cancel_hook(scope)
+    try:
+        yield
+    except BaseException as exc:
+        request._set_cancel_hook(previous)
+        if scope.exit(exc):
+            raise _scope_fired(self, request, exc, in_flight=True) from _failing.cause(request)
+        raise
+    request._set_cancel_hook(previous)
+    scope.exit(None)

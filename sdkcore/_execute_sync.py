@@ -1,0 +1,158 @@
+"""The sync door: ``execute_sync``, the dispatch loop for threads.
+
+The same step after a failure as the async doors (:mod:`sdkcore._core`); the
+waits block the calling thread. No lock is held while user code runs (``send``,
+the strategy, a sleep): the backpressure count alone is changed under the
+orchestrator's lock, one increment at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from . import _failing, _log
+from ._action import RetryAction
+from ._context import AttemptEffect
+from ._core import OrchestratorCore
+from ._decision import Verdict
+from ._errors import RetryableError
+from ._hooks import INSTANT_DELAYS
+from ._reason import RetryReason
+from ._request import Request, RequestState
+
+__all__ = ["execute_sync"]
+
+T = TypeVar("T")
+
+_PENDING = RequestState.PENDING
+_MAYBE = AttemptEffect.MAYBE_APPLIED
+_EFFECT_OF = {r: AttemptEffect.for_reason(r) for r in RetryReason}
+
+
+def execute_sync(
+    self: OrchestratorCore,
+    request: Request,
+    send: Callable[[Request], T],
+    *,
+    sleep: Callable[[float], Any] = time.sleep,
+) -> T:
+    """:meth:`execute` for synchronous callers (threads): same rules, same errors, same logs.
+
+    ``send(request)`` is a blocking call; it should bound its own I/O by
+    ``request.time_left`` (e.g. as a socket timeout), since a thread cannot be
+    cancelled. Whatever ``send`` raises once the deadline has passed becomes the
+    timeout (the attempt counts as cut in flight), a retryable failure included.
+    Backoffs block in ``sleep`` (default ``time.sleep``). Only strategies that
+    decide synchronously can be used here (the built-ins, and subclasses that
+    override ``decide``); an async one raises TypeError. Safe to call from many
+    threads on one orchestrator, and from a strategy or a ``send`` on it: no lock
+    is held while user code runs.
+    """
+    if not isinstance(request, Request):
+        raise TypeError(
+            f"execute_sync(request, send): request must be an sdkcore.Request, got {request!r}"
+        )
+    if not callable(send):
+        raise TypeError(
+            f"execute_sync(request, send): send must be a callable (request) -> result, "
+            f"got {send!r}"
+        )
+    if request.state is not _PENDING:
+        raise _failing.already_completed(request, None)
+    clock = request.clock
+    deadline = request.deadline
+    debug: Any = None
+    asked = False
+    while True:
+        if clock() >= deadline:
+            raise _failing.timed_out(
+                request, request.last_reason, _name(self, request), clock()
+            ) from _failing.cause(request)
+        request._begin_attempt(clock())
+        try:
+            result = send(request)
+        except RetryableError as failure:
+            reason = failure.reason
+            failed = failure.__cause__ or failure
+            now = clock()
+            if now >= deadline:  # blocked past the deadline: the timeout, as for any error
+                raise _failing.timed_out(
+                    request, reason, _name(self, request), now, in_flight=True, error=failed
+                ) from failed
+            request._attempt_failed(reason, failure.effect or _EFFECT_OF[reason], failed, now)
+            if not asked:
+                debug, asked = _log.enabled(_log.DEBUG), True
+            _retry(self, request, reason, failed, sleep, debug)
+            continue
+        except Exception as exc:
+            now = clock()
+            if now >= deadline and request.state is _PENDING:
+                raise _failing.timed_out(
+                    request,
+                    request.last_reason,
+                    _name(self, request),
+                    now,
+                    in_flight=True,
+                    error=exc,
+                ) from exc
+            if request.state is _PENDING:
+                request._attempt_failed(None, _MAYBE, exc, now)
+            request._finish_by(exc)
+            raise
+        except BaseException as exc:
+            request._finish_by(exc)
+            raise
+        if hasattr(result, "__await__"):
+            close = getattr(result, "close", None)
+            if close is not None:
+                close()  # a coroutine never awaited: no warning, nothing ran
+            request._finish(RequestState.FAILED)
+            raise TypeError(
+                "execute_sync(request, send): send returned an awaitable; use "
+                "'await orchestrator.execute(request, send)' for an async send"
+            )
+        if request.state is not _PENDING:  # Request.cancel() from another thread
+            raise _failing.already_completed(request, request.last_reason)
+        request._succeeded()
+        return result
+
+
+def _name(self: OrchestratorCore, request: Request) -> str:
+    return _failing.strategy_name(request.retry_strategy or self._default)
+
+
+def _retry(
+    self: OrchestratorCore,
+    request: Request,
+    reason: RetryReason,
+    failure: BaseException,
+    sleep: Callable[[float], Any],
+    debug: Any,
+) -> None:
+    """Decide and wait one retry on the calling thread (raises when not retried)."""
+    action, strategy = self._ask(request, reason)
+    if action is not None and type(action) is not RetryAction and hasattr(action, "__await__"):
+        close = getattr(action, "close", None)
+        if close is not None:
+            close()  # never awaited: no warning
+        request._finish(RequestState.FAILED)
+        raise TypeError(
+            f"execute_sync needs a synchronous RetryStrategy; {strategy}.retry_after returned "
+            "an awaitable. Use a built-in strategy, override its decide(request, reason) "
+            "instead, or 'await orchestrator.execute(...)'"
+        )
+    decision = self._settle(request, reason, action, strategy, debug, failure)
+    try:
+        if decision.delay > 0.0 and not INSTANT_DELAYS.get():
+            sleep(decision.delay)
+    except BaseException as exc:
+        request._finish_by(exc)
+        raise
+    finally:
+        self._leave_backoff()
+    if request.state is not _PENDING:  # Request.cancel() from another thread
+        raise _failing.already_completed(request, reason)
+    if decision.verdict is Verdict.TIME_OUT:
+        raise _failing.timed_out(request, reason, strategy, request.clock()) from failure

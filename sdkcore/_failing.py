@@ -1,0 +1,189 @@
+"""How a request ends without an answer: the final exception and its log event.
+
+Each function here completes the request (through its transitions), logs the
+event of rfc/0001 "Log events" when its level is enabled, and returns the
+exception for the door to raise. No waiting and no decisions: those are
+:mod:`sdkcore._decision` and the runtime's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _log
+from ._context import AttemptEffect, CancellationReason, describe_error
+from ._decision import Decision, Verdict
+from ._errors import (
+    AmbiguousTimeoutException,
+    CouchbaseException,
+    RequestCanceledException,
+    TimeoutException,
+    UnambiguousTimeoutException,
+)
+from ._reason import RetryReason
+from ._request import Request, RequestState
+
+__all__ = [
+    "already_completed",
+    "bad_action",
+    "cause",
+    "event_fields",
+    "keep_cause",
+    "refused",
+    "strategy_failed",
+    "strategy_name",
+    "timed_out",
+]
+
+_MAYBE = AttemptEffect.MAYBE_APPLIED
+
+
+def strategy_name(strategy: object) -> str:
+    """A strategy as events and contexts name it (its class name)."""
+    return type(strategy).__name__
+
+
+def event_fields(request: Request, reason: RetryReason | None, strategy: str) -> dict[str, Any]:
+    """The fields every retry.* event carries (built only when the level is enabled).
+
+    ``attempt`` is the 1-based number of the attempt the event is about: the one
+    that failed (scheduled, not_retried, strategy_failed) or the last one sent
+    (timed_out; 0 if none was).
+    """
+    attempts = request.failed_attempts
+    return {
+        "request_id": request.id,
+        "request_name": request.name,
+        "reason": None if reason is None else reason.name,
+        "attempt": attempts,
+        "idempotent": request.idempotent,
+        "strategy": strategy,
+        "caused_by": describe_error(request.last_error) if attempts else None,
+    }
+
+
+def cause(request: Request) -> BaseException | None:
+    """The ``__cause__`` of a final exception: the last attempt's failure, never a cancellation."""
+    error = request.last_error
+    return error if isinstance(error, Exception) else None
+
+
+def already_completed(request: Request, reason: RetryReason | None) -> BaseException:
+    """The error for a door asked to go on with a completed (e.g. cancelled) request."""
+    context = request.error_context(reason)
+    if request.state is RequestState.CANCELLED:
+        return RequestCanceledException("request was cancelled", context=context)
+    return RuntimeError(
+        f"request {request.id} ({request.name!r}) is already {request.state.value}; "
+        f"it cannot be retried. Context: {context}"
+    )
+
+
+def timed_out(
+    request: Request,
+    reason: RetryReason | None,
+    strategy: str,
+    now: float,
+    *,
+    in_flight: bool = False,
+    error: BaseException | None = None,
+) -> TimeoutException:
+    """Complete ``request`` as timed out; the exception to raise.
+
+    ``in_flight``: an attempt was cut at the deadline (recorded as maybe applied;
+    ``error`` is what it raised, unless that was the cancellation itself).
+    """
+    request._reopen_for_timeout()
+    request._finish(RequestState.CANCELLED, CancellationReason.TIMEOUT)
+    if in_flight:
+        request._attempt_failed(None, _MAYBE, error, now)
+    ambiguous = not request.idempotent and request.maybe_applied
+    log = _log.enabled(_log.INFO)
+    if log is not None:
+        fields = event_fields(request, reason, strategy)
+        fields["caused_by"] = describe_error(request.last_error)
+        log.info(_log.EVENT_TIMED_OUT, **fields, in_flight=in_flight, ambiguous=ambiguous)
+    context = request.error_context(reason, in_flight=in_flight)
+    if ambiguous:
+        return AmbiguousTimeoutException(context=context)
+    if request.maybe_applied:  # idempotent: applying it again changes nothing
+        return UnambiguousTimeoutException(
+            "request timed out; it may have reached the server, but it is idempotent, so it is "
+            "safe to retry (unambiguous)",
+            context=context,
+        )
+    return UnambiguousTimeoutException(context=context)
+
+
+def refused(
+    request: Request, reason: RetryReason, decision: Decision, max_requests_in_retry: int
+) -> BaseException:
+    """Complete ``request`` as not retried (REFUSED, NOT_IDEMPOTENT, TOO_MANY)."""
+    verdict = decision.verdict
+    strategy = decision.strategy
+    action = decision.action
+    if verdict is Verdict.TOO_MANY:
+        request._finish(RequestState.CANCELLED, CancellationReason.TOO_MANY_REQUESTS_IN_RETRY)
+    else:
+        request._finish(RequestState.CANCELLED, CancellationReason.NO_MORE_RETRIES)
+    log = _log.enabled(_log.INFO)
+    if log is not None:
+        cancellation = request.cancellation_reason
+        log.info(
+            _log.EVENT_NOT_RETRIED,
+            **event_fields(request, reason, strategy),
+            why=verdict.value,
+            cancellation_reason=None if cancellation is None else cancellation.name,
+        )
+    context = request.error_context(reason, strategy=strategy)
+    if verdict is Verdict.TOO_MANY:
+        return RequestCanceledException(
+            f"not retried: {max_requests_in_retry} requests are already waiting in retry "
+            f"(after {reason.name})",
+            context=context,
+        )
+    if action is not None and action.exception is not None:
+        return action.exception(context)
+    if verdict is Verdict.NOT_IDEMPOTENT:
+        if action is not None and action.seconds is not None:
+            return RequestCanceledException(
+                f"not retried: the request is not idempotent and may have reached the server "
+                f"({reason.name}); the strategy asked for a retry, which could apply it twice",
+                context=context,
+            )
+        return RequestCanceledException(
+            f"not retried: the request is not idempotent and may have reached the "
+            f"server ({reason.name}); retrying could apply it twice",
+            context=context,
+        )
+    return RequestCanceledException(
+        f"not retried: {strategy} declined to retry after {reason.name}", context=context
+    )
+
+
+def strategy_failed(
+    request: Request, reason: RetryReason, strategy: str, error: BaseException
+) -> None:
+    """The strategy raised (or answered with something that is not a RetryAction)."""
+    request._finish(RequestState.FAILED)
+    log = _log.enabled(_log.WARNING)
+    if log is not None:
+        log.warning(
+            _log.EVENT_STRATEGY_FAILED,
+            **event_fields(request, reason, strategy),
+            error=describe_error(error),
+        )
+
+
+def bad_action(strategy: str, reason: RetryReason, action: object) -> TypeError:
+    return TypeError(
+        f"{strategy}.retry_after(request, {reason!r}) returned {action!r} "
+        f"({type(action).__name__}); a RetryStrategy must return a RetryAction: "
+        "RetryAction.with_duration(delay) or RetryAction.no_retry()"
+    )
+
+
+def keep_cause(exc: CouchbaseException, failure: BaseException | None) -> None:
+    """A final exception without a cause gets the attempt's failure as its ``__cause__``."""
+    if exc.__cause__ is None and failure is not None:
+        exc.__cause__ = failure

@@ -1,0 +1,48 @@
+"""The runtime layer: the only place that waits (rfc/0001, "Layers").
+
+One small module per event loop, as anyio's ``_backends`` has, each with the same
+three operations and nothing else:
+
+* ``sleep(seconds)``: a backoff wait (an injected sleep replaces it in tests);
+* ``Scope(deadline)``: a deadline scope around an attempt, a backoff or a whole
+  ``execute``: armed at ``deadline`` (the loop's clock, ``math.inf`` for none),
+  cancelled early by ``Scope.cancel()`` (``Request.cancel()``), and ``exit(error)``
+  tells whether the scope itself cut what ran inside it;
+* ``checkpoint()``: one turn of the loop (a zero backoff);
+
+plus ``now()``, the loop's clock that deadlines are armed on.
+
+Each backend module imports only its own event loop library, which a running
+program has already imported: choosing one costs no import on a request's clock.
+:func:`current` finds the running loop's module without importing anything.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+
+from . import _asyncio
+
+__all__ = ["current"]
+
+_trio_backend: ModuleType | None = None
+
+
+def current() -> ModuleType:
+    """The backend module of the event loop running this task (asyncio or trio)."""
+    trio = sys.modules.get("trio")
+    if trio is not None and trio.lowlevel.in_trio_task():
+        return _load_trio()
+    return _asyncio
+
+
+def _load_trio() -> ModuleType:
+    # Imported on the first trio call: trio itself is loaded by then (it runs this
+    # task), so this costs one small module, once per process.
+    global _trio_backend
+    if _trio_backend is None:
+        from . import _trio as backend
+
+        _trio_backend = backend
+    return _trio_backend
