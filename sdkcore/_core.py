@@ -34,12 +34,22 @@ __all__ = ["DEFAULT_MAX_REQUESTS_IN_RETRY", "OrchestratorCore"]
 DEFAULT_MAX_REQUESTS_IN_RETRY = 32768
 
 _PENDING = RequestState.PENDING
+_RETRY = Verdict.RETRY
+_TIME_OUT = Verdict.TIME_OUT
 
 
 class OrchestratorCore:
     """The orchestrator's settings, backpressure count and per-failure step."""
 
-    __slots__ = ("_default", "_in_retry", "_lock", "_max_in_retry", "_sleep", "_sleep_clock")
+    __slots__ = (
+        "_default",
+        "_in_retry",
+        "_in_retry_sync",
+        "_lock",
+        "_max_in_retry",
+        "_sleep",
+        "_sleep_clock",
+    )
 
     def __init__(
         self,
@@ -72,9 +82,11 @@ class OrchestratorCore:
             )
         self._default: RetryStrategy = default_strategy
         self._max_in_retry = max_requests_in_retry
-        # Requests waiting in backoff, on every door and thread. Changed under _lock:
-        # a lock round trip costs about 0.1 us, and threads share orchestrators.
+        # Requests waiting in backoff. The async doors count on the event loop's thread
+        # (no lock: 0.3 us a retry, bench/README "Core"); execute_sync's threads count
+        # under the lock, which is never held while user code runs.
         self._in_retry = 0
+        self._in_retry_sync = 0
         self._lock = threading.Lock()
         self._sleep = sleep
         # A virtual clock's sleep (an object with .clock() and .sleep()): requests must
@@ -94,28 +106,27 @@ class OrchestratorCore:
     @property
     def requests_in_retry(self) -> int:
         """How many requests are waiting in retry backoff right now."""
-        return self._in_retry
+        return self._in_retry + self._in_retry_sync
 
     def __repr__(self) -> str:
         return (
             f"<RetryOrchestrator default_strategy={self._default!r} "
-            f"requests_in_retry={self._in_retry}/{self._max_in_retry}>"
+            f"requests_in_retry={self.requests_in_retry}/{self._max_in_retry}>"
         )
 
     # -- the step after a failed attempt -----------------------------------------------
-    def _ask(self, request: Request, reason: RetryReason) -> tuple[Any, str]:
-        """The strategy's answer (None for an always-retry reason) and its name.
+    def _ask(self, request: Request, reason: RetryReason) -> tuple[Any, Any]:
+        """The strategy's answer and the strategy (both None for an always-retry reason).
 
         The answer is a RetryAction, or an awaitable of one for an async strategy.
         """
         if reason.always_retry:  # the strategy is not consulted
-            return None, "controlled_backoff"
+            return None, None
         strategy = request.retry_strategy or self._default
-        name = _failing.strategy_name(strategy)
         try:
-            return ask(strategy, request, reason), name
+            return ask(strategy, request, reason), strategy
         except Exception as exc:
-            _failing.strategy_failed(request, reason, name, exc)
+            _failing.strategy_failed(request, reason, _failing.strategy_name(strategy), exc)
             raise
 
     def _settle(
@@ -123,35 +134,61 @@ class OrchestratorCore:
         request: Request,
         reason: RetryReason,
         action: Any,
-        strategy: str,
+        strategy: Any,
         log: Any,
         failure: BaseException | None,
+        threads: bool = False,
     ) -> Decision:
         """Decide, then book the retry (returned) or complete the request and raise.
 
-        ``log``: the debug logger or None (asked once per door call); ``failure``:
-        the attempt's failure, the ``__cause__`` of the final exception.
+        ``strategy``: the one that answered ``action`` (None for an always-retry
+        reason); ``log``: the debug logger or None (asked once per door call);
+        ``failure``: the attempt's failure, the ``__cause__`` of the final exception.
+        A retry is counted as waiting in retry: the door gives it back with
+        :meth:`_leave_backoff` once the wait is over (``threads``: execute_sync's
+        count, under the lock).
         """
         if request.state is not _PENDING:  # cancelled while the strategy ran
             raise _failing.already_completed(request, reason)
-        if not (reason.always_retry or isinstance(action, RetryAction)):
-            error = _failing.bad_action(strategy, reason, action)
-            _failing.strategy_failed(request, reason, strategy, error)
+        if strategy is not None and not isinstance(action, RetryAction):
+            name = _failing.strategy_name(strategy)
+            error = _failing.bad_action(name, reason, action)
+            _failing.strategy_failed(request, reason, name, error)
             raise error
-        with self._lock:  # the capacity check and the count move together
+        attempts = request.retry_attempts
+        idempotent = request.idempotent
+        left = request.deadline - request.clock()
+        if threads:
+            with self._lock:  # the capacity check and the count move together
+                decision = decide(
+                    reason,
+                    action,
+                    attempts,
+                    idempotent,
+                    left,
+                    self._in_retry + self._in_retry_sync,
+                    self._max_in_retry,
+                )
+                retries = decision.verdict is _RETRY or decision.verdict is _TIME_OUT
+                if retries:
+                    self._in_retry_sync += 1
+        else:
             decision = decide(
-                request,
                 reason,
                 action,
-                strategy,
-                now=request.clock(),
-                requests_in_retry=self._in_retry,
-                max_requests_in_retry=self._max_in_retry,
+                attempts,
+                idempotent,
+                left,
+                self._in_retry + self._in_retry_sync,
+                self._max_in_retry,
             )
-            if decision.retries:
-                self._in_retry += 1  # the door's wait gives it back (_leave_backoff)
-        if not decision.retries:
-            exc = _failing.refused(request, reason, decision, self._max_in_retry)
+            retries = decision.verdict is _RETRY or decision.verdict is _TIME_OUT
+            if retries:
+                self._in_retry += 1
+        if not retries:
+            exc = _failing.refused(
+                request, reason, decision, _failing.strategy_name(strategy), self._max_in_retry
+            )
             if isinstance(exc, CouchbaseException):
                 _failing.keep_cause(exc, failure)
             raise exc
@@ -160,18 +197,21 @@ class OrchestratorCore:
             try:
                 log.debug(
                     _log.EVENT_SCHEDULED,
-                    **_failing.event_fields(request, reason, strategy),
+                    **_failing.event_fields(request, reason, _failing.strategy_name(strategy)),
                     delay_ms=round(decision.delay * 1000.0, 3),
-                    capped=decision.verdict is not Verdict.RETRY,
+                    capped=decision.verdict is _TIME_OUT,
                 )
             except BaseException:
-                self._leave_backoff()
+                self._leave_backoff(threads)
                 raise
         return decision
 
-    def _leave_backoff(self) -> None:
+    def _leave_backoff(self, threads: bool = False) -> None:
         """A request counted by :meth:`_settle` stopped waiting in retry."""
-        with self._lock:
+        if threads:
+            with self._lock:
+                self._in_retry_sync -= 1
+        else:
             self._in_retry -= 1
 
     def _check_clock(self, request: Request) -> None:

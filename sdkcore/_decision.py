@@ -25,7 +25,6 @@ import attrs
 from ._action import RetryAction
 from ._backoff import controlled_backoff
 from ._reason import RetryReason
-from ._request import Request
 
 __all__ = ["CONTROLLED_SECONDS", "Decision", "Verdict", "decide"]
 
@@ -53,55 +52,44 @@ class Decision:
     """The outcome of :func:`decide`.
 
     ``delay``: seconds to wait (RETRY, TIME_OUT). ``action``: the strategy's action
-    (None for an always-retry reason). ``strategy``: who decided, for logs and
-    contexts (``"controlled_backoff"`` for an always-retry reason).
+    (None for an always-retry reason).
     """
 
     verdict: Verdict
     delay: float
     action: RetryAction | None
-    strategy: str
-
-    @property
-    def retries(self) -> bool:
-        """True when the door waits: RETRY, or TIME_OUT after waiting until the deadline."""
-        return self.verdict is Verdict.RETRY or self.verdict is Verdict.TIME_OUT
 
 
 def decide(
-    request: Request,
     reason: RetryReason,
     action: RetryAction | None,
-    strategy: str,
-    *,
-    now: float,
+    retry_attempts: int,
+    idempotent: bool,
+    time_left: float,
     requests_in_retry: int,
     max_requests_in_retry: int,
 ) -> Decision:
-    """Decide what follows a failed attempt of ``request`` that failed for ``reason``.
+    """Decide what follows an attempt that failed for ``reason``.
 
-    ``action`` is the strategy's answer (ignored for an always-retry reason),
-    ``strategy`` its name, ``now`` the time on the request's clock. The failed
-    attempt is already recorded on the request; :meth:`Request.retry_attempts` is
-    the number of retries before this one.
+    ``action``: the strategy's answer (None for an always-retry reason, whose
+    strategy is not consulted). ``retry_attempts``: the retries before this one;
+    ``time_left``: seconds until the request's deadline (``math.inf`` for none);
+    ``requests_in_retry``: how many requests wait in retry now.
     """
     if reason.always_retry:
-        attempt = request.retry_attempts
-        delay = CONTROLLED_SECONDS[attempt if attempt < 5 else 5]
+        delay = CONTROLLED_SECONDS[retry_attempts if retry_attempts < 5 else 5]
         action = None
-        strategy = "controlled_backoff"
     else:
         assert action is not None
-        seconds = action.seconds
-        if not (request.idempotent or reason.allows_non_idempotent_retry):
+        if not (idempotent or reason.allows_non_idempotent_retry):
             # Whatever the strategy said, a retry could apply the request twice.
-            return Decision(Verdict.NOT_IDEMPOTENT, 0.0, action, strategy)
+            return Decision(Verdict.NOT_IDEMPOTENT, 0.0, action)
+        seconds = action.seconds
         if seconds is None:
-            return Decision(Verdict.REFUSED, 0.0, action, strategy)
+            return Decision(Verdict.REFUSED, 0.0, action)
         delay = seconds
     if requests_in_retry >= max_requests_in_retry:
-        return Decision(Verdict.TOO_MANY, 0.0, action, strategy)
-    left = request.deadline - now
-    if delay >= left:
-        return Decision(Verdict.TIME_OUT, left if left > 0.0 else 0.0, action, strategy)
-    return Decision(Verdict.RETRY, delay, action, strategy)
+        return Decision(Verdict.TOO_MANY, 0.0, action)
+    if delay >= time_left:
+        return Decision(Verdict.TIME_OUT, time_left if time_left > 0.0 else 0.0, action)
+    return Decision(Verdict.RETRY, delay, action)

@@ -62,44 +62,42 @@ def _scope_fired(
     )
 
 
-async def _answer(self: OrchestratorCore, request: Request, reason: RetryReason) -> tuple[Any, str]:
-    """The strategy's action, awaited when the strategy is async."""
-    action, strategy = self._ask(request, reason)
-    if action is None or type(action) is RetryAction or not hasattr(action, "__await__"):
-        return action, strategy
+async def _awaited(request: Request, reason: RetryReason, answer: Any, strategy: Any) -> Any:
+    """An async strategy's answer, awaited (its failure is the strategy's)."""
     try:
-        return await action, strategy
+        return await answer
     except Exception as exc:
-        _failing.strategy_failed(request, reason, strategy, exc)
+        _failing.strategy_failed(request, reason, _failing.strategy_name(strategy), exc)
         raise
 
 
 async def _wait(self: OrchestratorCore, request: Request, rt: Any, delay: float) -> None:
-    """Wait out a backoff of ``delay`` seconds (one checkpoint for zero).
+    """Wait out a backoff of ``delay`` seconds: the loop's own sleep (zero: one checkpoint).
 
-    The request was counted as waiting in retry by ``_settle``: the count is given
-    back here, however the wait ends.
+    ``sdkcore.testing.instant_retries()`` makes every wait one checkpoint; an
+    injected ``sleep`` (a virtual clock) replaces the loop's. The request was counted
+    as waiting in retry by ``_settle``: the count is given back here, however the
+    wait ends.
     """
     try:
-        if self._sleep is not None and not _instant():
+        if self._sleep is None:
+            await rt.sleep(0 if _instant() else delay)
+        elif _instant():
+            await rt.sleep(0)
+        else:
             self._check_clock(request)
             await self._sleep(delay)
-        elif delay > 0.0 and not _instant():
-            await rt.sleep(delay)
-        else:
-            await rt.checkpoint()
     finally:
         self._leave_backoff()
 
 
-async def _resume(self: OrchestratorCore, request: Request, decision: Decision) -> None:
+def _resume(request: Request, decision: Decision, strategy: Any) -> None:
     """After the backoff: raise what ends the request instead of a re-dispatch."""
     if request.state is not _PENDING:  # Request.cancel() during the backoff
         raise _failing.already_completed(request, request.last_reason)
     if decision.verdict is Verdict.TIME_OUT:
-        now = request.clock()
         raise _failing.timed_out(
-            request, request.last_reason, decision.strategy, now
+            request, request.last_reason, _failing.strategy_name(strategy), request.clock()
         ) from _failing.cause(request)
 
 
@@ -157,10 +155,13 @@ async def execute(
                 )
                 if debug is _UNSET:
                     debug = _log.enabled(_log.DEBUG)
-                action, strategy = await _answer(self, request, reason)
+                action, strategy = self._ask(request, reason)
+                if type(action) is not RetryAction and hasattr(action, "__await__"):
+                    action = await _awaited(request, reason, action, strategy)
                 decision = self._settle(request, reason, action, strategy, debug, failed)
                 await _wait(self, request, rt, decision.delay)
-                await _resume(self, request, decision)
+                if decision.verdict is not Verdict.RETRY or request.state is not _PENDING:
+                    _resume(request, decision, strategy)
                 continue
             break
     except BaseException as exc:
@@ -227,8 +228,9 @@ async def maybe_retry(
     request._attempt_failed(reason, effect or _EFFECT_OF[reason], cause, request.clock())
     rt = _runtime.current()
     action, strategy = self._ask(request, reason)
-    if action is not None and type(action) is not RetryAction and hasattr(action, "__await__"):
-        action = await _bounded(self, request, reason, rt, action, strategy)
+    if type(action) is not RetryAction and hasattr(action, "__await__"):
+        name = _failing.strategy_name(strategy)
+        action = await _bounded(self, request, reason, rt, action, name)
     decision = self._settle(request, reason, action, strategy, _log.enabled(_log.DEBUG), cause)
     delay = decision.delay
     if delay > 0.0 and (self._sleep is None or not _instant()):
@@ -251,7 +253,7 @@ async def maybe_retry(
         except BaseException as exc:
             request._finish_by(exc)
             raise
-    await _resume(self, request, decision)
+    _resume(request, decision, strategy)
     action = decision.action
     if action is not None and action.seconds == delay and action.duration is not None:
         return action.duration

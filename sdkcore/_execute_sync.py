@@ -133,17 +133,18 @@ def _retry(
 ) -> None:
     """Decide and wait one retry on the calling thread (raises when not retried)."""
     action, strategy = self._ask(request, reason)
-    if action is not None and type(action) is not RetryAction and hasattr(action, "__await__"):
+    if type(action) is not RetryAction and hasattr(action, "__await__"):
         close = getattr(action, "close", None)
         if close is not None:
             close()  # never awaited: no warning
         request._finish(RequestState.FAILED)
         raise TypeError(
-            f"execute_sync needs a synchronous RetryStrategy; {strategy}.retry_after returned "
+            f"execute_sync needs a synchronous RetryStrategy; "
+            f"{_failing.strategy_name(strategy)}.retry_after returned "
             "an awaitable. Use a built-in strategy, override its decide(request, reason) "
             "instead, or 'await orchestrator.execute(...)'"
         )
-    decision = self._settle(request, reason, action, strategy, debug, failure)
+    decision = self._settle(request, reason, action, strategy, debug, failure, threads=True)
     try:
         if decision.delay > 0.0 and not INSTANT_DELAYS.get():
             sleep(decision.delay)
@@ -151,8 +152,10 @@ def _retry(
         request._finish_by(exc)
         raise
     finally:
-        self._leave_backoff()
+        self._leave_backoff(threads=True)
     if request.state is not _PENDING:  # Request.cancel() from another thread
         raise _failing.already_completed(request, reason)
     if decision.verdict is Verdict.TIME_OUT:
-        raise _failing.timed_out(request, reason, strategy, request.clock()) from failure
+        raise _failing.timed_out(
+            request, reason, _failing.strategy_name(strategy), request.clock()
+        ) from failure

@@ -39,8 +39,11 @@ _MAYBE = AttemptEffect.MAYBE_APPLIED
 
 
 def strategy_name(strategy: object) -> str:
-    """A strategy as events and contexts name it (its class name)."""
-    return type(strategy).__name__
+    """A strategy as events and contexts name it: its class name.
+
+    None stands for RFC 0049's controlled backoff (always-retry reasons).
+    """
+    return "controlled_backoff" if strategy is None else type(strategy).__name__
 
 
 def event_fields(request: Request, reason: RetryReason | None, strategy: str) -> dict[str, Any]:
@@ -116,11 +119,14 @@ def timed_out(
 
 
 def refused(
-    request: Request, reason: RetryReason, decision: Decision, max_requests_in_retry: int
+    request: Request,
+    reason: RetryReason,
+    decision: Decision,
+    strategy: str,
+    max_requests_in_retry: int,
 ) -> BaseException:
     """Complete ``request`` as not retried (REFUSED, NOT_IDEMPOTENT, TOO_MANY)."""
     verdict = decision.verdict
-    strategy = decision.strategy
     action = decision.action
     if verdict is Verdict.TOO_MANY:
         request._finish(RequestState.CANCELLED, CancellationReason.TOO_MANY_REQUESTS_IN_RETRY)

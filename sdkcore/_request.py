@@ -322,6 +322,12 @@ class Request:
         self._in_flight = False
         self._sent_at = -1.0
         if error is not None:
+            previous = self._last_error
+            if previous is not None and previous is not error:
+                # Only the last failure keeps its traceback (the final exception's
+                # __cause__): the frames of older ones are freed at once, so a request
+                # waiting in backoff holds one failed attempt's frames, not every one.
+                previous.__traceback__ = None
             self._last_error = error
         if reason is not None:
             self._last_reason = reason

@@ -30,9 +30,13 @@ _trio_backend: ModuleType | None = None
 
 
 def current() -> ModuleType:
-    """The backend module of the event loop running this task (asyncio or trio)."""
-    trio = sys.modules.get("trio")
-    if trio is not None and trio.lowlevel.in_trio_task():
+    """The backend module of the event loop running this task (asyncio or trio).
+
+    Trio marks its threads in ``sniffio.thread_local`` (sniffio is one of trio's own
+    dependencies): one attribute read, against 0.4 us for asking trio on asyncio.
+    """
+    sniffio = sys.modules.get("sniffio")
+    if sniffio is not None and sniffio.thread_local.name == "trio":
         return _load_trio()
     return _asyncio
 
