@@ -94,3 +94,18 @@ __all__ = [
     "describe_error",
     "exponential_backoff",
 ]
+
+
+def _name_public_classes() -> None:
+    """Public classes show as ``sdkcore.X`` in tracebacks, reprs and ``help()``.
+
+    Only classes: their ``__qualname__`` is unchanged, and ``sdkcore.X`` is where
+    pickle finds them.
+    """
+    for name in __all__:
+        obj = globals()[name]
+        if isinstance(obj, type):
+            obj.__module__ = __name__
+
+
+_name_public_classes()

@@ -76,31 +76,44 @@ def describe_error(error: BaseException | None) -> str | None:
     """``"Type: message"`` for logs and error contexts (None for None).
 
     gRPC errors (objects with ``code()`` and ``details()``, e.g. ``grpc.aio.AioRpcError``)
-    render as ``"AioRpcError: UNAVAILABLE: <details>"``.
+    render as ``"AioRpcError: UNAVAILABLE: <details>"``. An error raised ``from``
+    another (a driver error under an SDK error) names that one too:
+    ``"DocumentNotFoundException: ... (from ConnectionResetError: ...)"``. Never
+    raises, whatever the error's ``__str__`` does; at most about 1,000 characters.
     """
     if error is None:
         return None
+    text = _describe_one(error)
+    cause = error.__cause__
+    if cause is not None and cause is not error:
+        text = f"{text} (from {_describe_one(cause)})"
+    return text
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= 500 else text[:497] + "..."
+
+
+def _describe_one(error: BaseException) -> str:
     name = type(error).__name__
-    code = getattr(error, "code", None)
-    details = getattr(error, "details", None)
-    if callable(code) and callable(details):
-        try:
-            status = code()
-            text = details()
-        except Exception:  # a half-built error object: fall back to str()
-            pass
-        else:
-            status_name = getattr(status, "name", status)
-            return f"{name}: {status_name}: {text}" if text else f"{name}: {status_name}"
-    message = getattr(error, "message", None)  # CouchbaseException: without its context
-    if not isinstance(message, str):
-        try:
+    try:
+        code = getattr(error, "code", None)
+        details = getattr(error, "details", None)
+        if callable(code) and callable(details):
+            try:
+                status = code()
+                text = details()
+            except Exception:  # a half-built error object: fall back to str()
+                pass
+            else:
+                status_name = getattr(status, "name", status)
+                return _clip(f"{name}: {status_name}: {text}" if text else f"{name}: {status_name}")
+        message = getattr(error, "message", None)  # CouchbaseException: without its context
+        if not isinstance(message, str):
             message = str(error)
-        except Exception:  # a broken __str__ must not hide the failure it describes
-            message = ""
-    if len(message) > 500:
-        message = message[:497] + "..."
-    return f"{name}: {message}" if message else name
+    except Exception:  # a broken __str__ (or property) must not hide the failure it describes
+        return name
+    return f"{name}: {_clip(message)}" if message else name
 
 
 def _ms(d: timedelta | None) -> float | None:
