@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 from typing import NoReturn
 
+from .._context import AttemptEffect
 from .._errors import CouchbaseException, RetryableError
 from .._reason import RetryReason
 from .._request import Request
@@ -89,17 +90,27 @@ def raise_failure(
     *,
     cause: BaseException | None = None,
     request: Request | None = None,
+    effect: AttemptEffect | None = None,
 ) -> NoReturn:
     """Raise what a mapper returned, from a ``send`` given to ``RetryOrchestrator.execute``.
 
-    A RetryReason becomes :class:`RetryableError` (the orchestrator decides); an
-    exception is raised as is and completes the request. ``cause`` is chained.
+    A RetryReason becomes :class:`RetryableError` (the orchestrator decides), with
+    ``effect`` when given (else the reason's default, ``AttemptEffect.for_reason``);
+    an exception (a ``RetryableError`` from :func:`~sdkcore.mapping.grpc_failure`
+    included, with the effect it carries) is raised as is. ``cause`` is chained.
     Given the ``request``, a CouchbaseException without a context gets the
     request's (``execute`` also does this for whatever its ``send`` raises).
     """
+    if effect is not None and type(effect) is not AttemptEffect:
+        raise TypeError(f"raise_failure(effect) must be an AttemptEffect or None, got {effect!r}")
     if isinstance(result, RetryReason):
-        raise RetryableError(result, cause=cause)
+        raise RetryableError(result, cause=cause, effect=effect)
     if isinstance(result, BaseException):
+        if effect is not None:
+            raise TypeError(
+                "raise_failure(effect) applies to a RetryReason; an exception "
+                f"({type(result).__name__}) is raised as it is"
+            )
         if (
             request is not None
             and isinstance(result, CouchbaseException)
