@@ -71,6 +71,7 @@ from .._errors import (
     UnambiguousTimeoutException,
 )
 from .._reason import RetryReason
+from .._untrusted import show as _show
 from ._exceptions import (
     BucketExistsException,
     BucketNotFoundException,
@@ -122,11 +123,13 @@ def grpc_code(code: object) -> GrpcCode:
     if isinstance(code, GrpcCode):
         return code
     if isinstance(code, bool):
-        raise TypeError(f"gRPC status code must be a grpc.StatusCode, int or name, got {code!r}")
+        raise TypeError(
+            f"gRPC status code must be a grpc.StatusCode, int or name, got {_show(code)}"
+        )
     if isinstance(code, int):
         if 0 <= code <= 16:
             return _BY_VALUE[code]
-        raise ValueError(f"gRPC status code must be 0..16, got {code}")
+        raise ValueError(f"gRPC status code must be 0..16, got {_show(code)}")
     if isinstance(code, str):
         key = code.strip().upper()
         if key.startswith("STATUSCODE."):
@@ -134,14 +137,15 @@ def grpc_code(code: object) -> GrpcCode:
         found = _BY_NAME.get(key)
         if found is None:
             raise ValueError(
-                f"unknown gRPC status code name {code!r}; expected one of {', '.join(_BY_NAME)}"
+                f"unknown gRPC status code name {_show(code)}; "
+                f"expected one of {', '.join(_BY_NAME)}"
             )
         return found
     value = getattr(code, "value", None)  # grpc.StatusCode: value == (int, "name")
     if isinstance(value, tuple) and value and isinstance(value[0], int) and hasattr(code, "name"):
         return grpc_code(value[0])
     raise TypeError(
-        f"gRPC status code must be a grpc.StatusCode, int or name, got {code!r} "
+        f"gRPC status code must be a grpc.StatusCode, int or name, got {_show(code)} "
         f"({type(code).__name__})"
     )
 
@@ -262,7 +266,7 @@ _MAX_ANY_NESTING = 8
 
 
 def _packed_any_error(index: int, type_url: object, why: str) -> TypeError:
-    inner = f" holding {type_url!r}" if isinstance(type_url, str) and type_url else ""
+    inner = f" holding {_show(type_url)}" if isinstance(type_url, str) and type_url else ""
     return TypeError(
         f"grpc_failure(details): details[{index}] is a packed google.protobuf.Any{inner} "
         f"and must be unpacked ({why}); pass the message from Any.Unpack into its "
@@ -357,7 +361,7 @@ def _from_detail(
         if cls is None:
             return None
         rname = _field(detail, "resourceName", "resource_name")
-        named = f" {rname!r}" if rname else ""
+        named = f" {_show(rname)}" if rname else ""
         return cls(f"{cls.default_message}:{named} ({describe})", context=context)
     if kind == _ERROR_INFO:
         if _field(detail, "reason") == "CAS_MISMATCH":
@@ -420,7 +424,7 @@ def grpc_failure(
     if status is GrpcCode.OK:
         raise ValueError("grpc_failure(code): OK is not a failure")
     if not isinstance(read_only, bool):
-        raise TypeError(f"grpc_failure(read_only) must be a bool, got {read_only!r}")
+        raise TypeError(f"grpc_failure(read_only) must be a bool, got {_show(read_only)}")
     if not isinstance(message, str):
         raise TypeError(f"grpc_failure(message) must be a str, got {type(message).__name__}")
     if isinstance(details, (str, bytes, Mapping)) or not isinstance(details, Iterable):

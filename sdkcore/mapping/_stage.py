@@ -21,6 +21,7 @@ from .._context import AttemptEffect
 from .._errors import CouchbaseException, RetryableError
 from .._reason import RetryReason
 from .._request import Request
+from .._untrusted import show as _show
 
 __all__ = ["FailureStage", "dispatch_failure_reason", "raise_failure", "retry_allowed"]
 
@@ -65,7 +66,7 @@ def dispatch_failure_reason(stage: FailureStage) -> RetryReason:
     reason = _REASONS.get(stage)
     if reason is None:
         raise TypeError(
-            f"dispatch_failure_reason(stage) must be a FailureStage, got {stage!r}; "
+            f"dispatch_failure_reason(stage) must be a FailureStage, got {_show(stage)}; "
             f"one of {', '.join(s.name for s in FailureStage)}"
         )
     return reason
@@ -79,9 +80,9 @@ def retry_allowed(reason: RetryReason, *, idempotent: bool) -> bool:
     strategy, backoff or timeout.
     """
     if not isinstance(reason, RetryReason):
-        raise TypeError(f"retry_allowed(reason) must be a RetryReason, got {reason!r}")
+        raise TypeError(f"retry_allowed(reason) must be a RetryReason, got {_show(reason)}")
     if not isinstance(idempotent, bool):
-        raise TypeError(f"retry_allowed(idempotent) must be a bool, got {idempotent!r}")
+        raise TypeError(f"retry_allowed(idempotent) must be a bool, got {_show(idempotent)}")
     return idempotent or reason.allows_non_idempotent_retry
 
 
@@ -102,7 +103,9 @@ def raise_failure(
     request's (``execute`` also does this for whatever its ``send`` raises).
     """
     if effect is not None and type(effect) is not AttemptEffect:
-        raise TypeError(f"raise_failure(effect) must be an AttemptEffect or None, got {effect!r}")
+        raise TypeError(
+            f"raise_failure(effect) must be an AttemptEffect or None, got {_show(effect)}"
+        )
     if isinstance(result, RetryReason):
         raise RetryableError(result, cause=cause, effect=effect)
     if isinstance(result, BaseException):
@@ -120,4 +123,6 @@ def raise_failure(
         if cause is not None:
             raise result from cause
         raise result
-    raise TypeError(f"raise_failure(result) takes a RetryReason or an exception, got {result!r}")
+    raise TypeError(
+        f"raise_failure(result) takes a RetryReason or an exception, got {_show(result)}"
+    )
