@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Generator, Iterable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -50,6 +51,13 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+#: grpc core's log level for tests: ERROR, its documented default. Since grpcio moved to
+#: absl logging, an unset GRPC_VERBOSITY lets INFO lines (a GOAWAY from a stopped test
+#: server, ...) reach stderr. grpc reads it once, so it is set before grpc is imported
+#: (here, and in the sdkcore pytest plugin, which loads before any test module);
+#: a value the user set is kept.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
 # -- instant retries ---------------------------------------------------------------------
