@@ -84,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:
         sys.stderr.write(
             "sdkcore demo needs grpcio: pip install 'sdkcore[grpc]' "
-            "(or run it from a checkout with: uv run sdkcore demo)\n"
+            "(or run it from a checkout with: uv run --no-dev --extra grpc sdkcore demo)\n"
         )
         return 2
     import asyncio
