@@ -19,6 +19,11 @@ installed).
 
 from __future__ import annotations
 
+import os
+
+# grpc core logs at INFO unless told otherwise, and reads this once, at import.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 import argparse
 import asyncio
 import json

@@ -19,6 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 from ._cli import WIDTH, Output, UsageError
+from ._untrusted import parse_int, printable
 from .grpc._service_config import (
     DEFAULT_MAX_ATTEMPTS_CAP,
     MethodConfig,
@@ -72,16 +73,28 @@ def _camel(name: str) -> str:
     return head + "".join(part[:1].upper() + part[1:] for part in rest)
 
 
+#: Unknown keys longer than this are shortened in warnings (the middle is elided).
+_KEY_SHOWN = 60
+
+
+def _key(key: object) -> str:
+    text = str(key)
+    if len(text) > _KEY_SHOWN:
+        half = _KEY_SHOWN // 2 - 2
+        text = f"{text[:half]}...{text[-half:]}"
+    return text
+
+
 def _unknown_keys(path: str, obj: Mapping[str, Any], known: set[str]) -> list[str]:
     out = []
     for key in obj:
         if key in known:
             continue
-        where = f"{path}.{key}" if path else str(key)
+        where = f"{path}.{_key(key)}" if path else _key(key)
         hint = ""
         if isinstance(key, str) and "_" in key and _camel(key) in known:
             hint = f"; did you mean {_camel(key)!r}? (service config keys are camelCase)"
-        else:
+        elif len(str(key)) <= _KEY_SHOWN:
             close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.75)
             if close:
                 hint = f"; did you mean {close[0]!r}?"
@@ -232,20 +245,52 @@ def summary(config: ServiceConfig, cap: int = DEFAULT_MAX_ATTEMPTS_CAP) -> list[
 # -- the command ----------------------------------------------------------------------------
 
 
+_BOM = b"\xef\xbb\xbf"
+
+
 def _read(file: str) -> str:
-    if file == "-":
-        return sys.stdin.read()
+    """The file's text: UTF-8, a leading BOM dropped; anything else is a UsageError.
+
+    stdin is read as bytes when it can be, so its decoding does not depend on
+    ``PYTHONIOENCODING`` or the locale (a strict UTF-8 stdin would raise on the
+    first bad byte).
+    """
+    source = "stdin" if file == "-" else printable(file)
     try:
-        with open(file, encoding="utf-8") as f:
-            return f.read()
+        if file == "-":
+            buffer = getattr(sys.stdin, "buffer", None)
+            data: bytes | str = buffer.read() if buffer is not None else sys.stdin.read()
+        else:
+            with open(file, "rb") as f:
+                data = f.read()
     except OSError as exc:
-        raise UsageError(f"cannot read {file}: {exc.strerror or exc}") from None
+        raise UsageError(f"cannot read {source}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:  # a text stdin without a buffer
+        raise UsageError(f"{source} is not UTF-8 text: {exc.reason}") from None
+    if isinstance(data, str):
+        return data[1:] if data.startswith("\ufeff") else data
+    if data.startswith(_BOM):
+        data = data[len(_BOM) :]
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise UsageError(f"{file} is not UTF-8 text: {exc}") from None
+        raise UsageError(
+            f"{source} is not UTF-8 text: byte 0x{data[exc.start]:02x} at offset {exc.start} "
+            f"({exc.reason}); a service config is JSON, which is UTF-8"
+        ) from None
+
+
+def _decode(text: str) -> Any:
+    """The decoded JSON, or None when it is not JSON (from_json then says why)."""
+    try:
+        return json.loads(text, parse_int=parse_int)
+    except (ValueError, RecursionError):
+        return None
 
 
 def _wrap(text: str) -> str:
-    return textwrap.fill(text, WIDTH, subsequent_indent="    ", break_on_hyphens=False)
+    """One message for stderr: control characters from the file escaped, then wrapped."""
+    return textwrap.fill(printable(text), WIDTH, subsequent_indent="    ", break_on_hyphens=False)
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
@@ -253,12 +298,18 @@ def run(args: argparse.Namespace, out: Output) -> int:
     if cap < 2:
         raise UsageError(f"--max-attempts-cap must be an integer >= 2, got {cap}")
     text = _read(args.file)
-    source = "stdin" if args.file == "-" else args.file
+    source = "stdin" if args.file == "-" else printable(args.file)
     err = sys.stderr
-    try:
-        obj: Any = json.loads(text)
-    except ValueError:
-        obj = None
+    if not text.strip():
+        err.write(
+            _wrap(
+                f"{source}: empty: no gRPC service config to check (expected a JSON object, "
+                'e.g. {"methodConfig": [...]})'
+            )
+            + "\n"
+        )
+        return 1
+    obj: Any = _decode(text)
     warnings = lint(obj, cap)
     for warning in warnings:
         err.write(_wrap(f"warning: {warning}") + "\n")
@@ -280,7 +331,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
         out.line(f"  ({len(warnings)} warning{'s' if len(warnings) != 1 else ''} on stderr)")
     if config.method_configs:
         out.line()
-        out.table(("methods", "effective policy"), summary(config, cap))
+        rows = [(printable(names), policy) for names, policy in summary(config, cap)]
+        out.table(("methods", "effective policy"), rows)
     throttling = config.retry_throttling
     out.line()
     if throttling is None:

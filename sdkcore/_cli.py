@@ -78,7 +78,13 @@ class Output:
 
     # -- plain pieces ------------------------------------------------------------------
     def write(self, text: str) -> None:
-        self.stream.write(text)
+        try:
+            self.stream.write(text)
+        except UnicodeEncodeError:
+            # A stream that cannot take every character (PYTHONIOENCODING=ascii, a C
+            # locale): what it cannot encode is shown as \xe9, never a traceback.
+            encoding = getattr(self.stream, "encoding", None) or "ascii"
+            self.stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
 
     def line(self, text: str = "", *, style: str | None = None) -> None:
         """One line, wrapped at the width (continuation lines indented two more spaces)."""
@@ -236,6 +242,11 @@ def _run_demo(argv: Sequence[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    return _build()[0]
+
+
+def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The parser, and each command's own parser by name."""
     from . import _check_config, _explain
 
     parser = argparse.ArgumentParser(
@@ -252,14 +263,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _explain.add_parser(sub)
     _check_config.add_parser(sub)
-    return parser
+    return parser, sub.choices
 
 
 def _main(argv: Sequence[str] | None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] == "demo":  # the demo parses its own options
         return _run_demo(args_list[1:])
-    parser = build_parser()
+    parser, commands = _build()
+    if not args_list or args_list == ["explain"]:
+        # No command (or no kind to explain): the help, on stderr, with the usage-error
+        # exit code 2 argparse gives for any other missing argument (--help: stdout, 0).
+        shown = commands[args_list[0]] if args_list else parser
+        sys.stderr.write(shown.format_help())
+        return 2
     args = parser.parse_args(args_list)
     try:
         return int(args.run(args, Output()))

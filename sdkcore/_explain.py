@@ -19,7 +19,7 @@ import anyio
 
 from ._cli import Output, UsageError
 from ._context import AttemptEffect
-from ._errors import CouchbaseException
+from ._errors import CouchbaseException, RetryableError
 from ._orchestrator import RetryOrchestrator
 from ._reason import RetryReason
 from ._request import Request
@@ -29,6 +29,7 @@ from ._strategy import (
     FastFailOnTerminalErrorRetryStrategy,
     RetryStrategy,
 )
+from ._untrusted import printable, show
 from .mapping import (
     GrpcCode,
     KvOpcode,
@@ -58,25 +59,35 @@ STRATEGIES: tuple[tuple[str, Callable[[], RetryStrategy]], ...] = (
 
 _FLAG_HELP = {
     "allows_non_idempotent_retry": (
-        "a non-idempotent request may be retried: the attempt did not change server state",
-        "a non-idempotent request is never retried: the attempt may have been applied",
+        "RFC 0049 allows retrying a non-idempotent request for this reason",
+        "a non-idempotent request is never retried for this reason",
     ),
     "always_retry": (
         "retried with controlled backoff (1, 10, 50, 100, 500, 1000 ms) whatever the strategy",
         "the request's retry strategy decides",
     ),
     "after_dispatch": (
-        "the attempt may have reached the network (the attempt effect below says what that "
-        "means for a later timeout)",
-        "found before anything was sent: a later timeout is unambiguous",
+        "a failure with this reason may have reached the network",
+        "by default, a failure with this reason never left the client",
     ),
+}
+
+#: The range each numeric input is checked against, as (low, high, how it is shown).
+_RANGES: dict[str, tuple[int, int, str]] = {
+    "kv": (0, 0xFFFF, "0..0xffff"),
+    "opcode": (0, 0xFF, "0..0xff"),
+    "query": (1, 99999, "1..99999"),
+    "analytics": (1, 99999, "1..99999"),
+    "search": (100, 599, "100..599"),
+    "views": (100, 599, "100..599"),
+    "grpc": (0, 16, "0..16"),
 }
 
 #: kind -> (value metavar, help, accepted values for error messages)
 KINDS: dict[str, tuple[str, str, str]] = {
     "kv": ("STATUS", "a KV status", "a number (0x07, 7) or a name such as NOT_MY_VBUCKET"),
-    "query": ("CODE", "a query error code", "an integer error code such as 4050"),
-    "analytics": ("CODE", "an analytics error code", "an integer error code such as 23000"),
+    "query": ("CODE", "a query error code", "an error code 1..99999 such as 4050"),
+    "analytics": ("CODE", "an analytics error code", "an error code 1..99999 such as 23000"),
     "search": ("HTTP_STATUS", "a search HTTP status", "an HTTP status 100..599 such as 429"),
     "views": ("HTTP_STATUS", "a views HTTP status", "an HTTP status 100..599 such as 302"),
     "grpc": (
@@ -124,11 +135,29 @@ def add_parser(sub: Any) -> None:
 # -- parsing the value ---------------------------------------------------------------------
 
 
-def _int(text: str, kind: str) -> int:
+def _number(text: str) -> int | None:
+    """``text`` as an int (``7``, ``0x07``, ``-5``), or None when it is not a number."""
+    digits = text.strip()
+    if len(digits) > 32:  # no accepted value is this long; int() of 5000 digits raises
+        digits = digits[:1] + "0" * 32 if digits[:1] in "-+" else "1" + "0" * 32
     try:
-        return int(text, 0)
+        return int(digits, 0)
     except ValueError:
-        raise UsageError(f"{kind}: {text!r} is not a number; expected {KINDS[kind][2]}") from None
+        return None
+
+
+def _in_range(value: int, text: str, kind: str, what: str) -> int:
+    low, high, shown = _RANGES[kind]
+    if not low <= value <= high:
+        raise UsageError(f"{what} {show(text)} is out of range; expected {shown}")
+    return value
+
+
+def _int(text: str, kind: str) -> int:
+    value = _number(text)
+    if value is None:
+        raise UsageError(f"{kind}: {show(text)} is not a number; expected {KINDS[kind][2]}")
+    return _in_range(value, text, kind, f"{kind}: error code")
 
 
 def _names(names: Sequence[str]) -> str:
@@ -138,18 +167,19 @@ def _names(names: Sequence[str]) -> str:
 def _kv_status(text: str) -> int:
     name = text.strip().upper()
     if name in KvStatus.__members__:
-        return KvStatus[name].value
-    try:
-        value = int(text, 0)
-    except ValueError:
+        value: int | None = KvStatus[name].value
+    else:
+        value = _number(text)
+    if value is None:
         raise UsageError(
-            f"kv: unknown status {text!r}; expected a number (0x07, 7) or one of:\n"
-            + _names(list(KvStatus.__members__))
-        ) from None
-    if not 0 <= value <= 0xFFFF:
-        raise UsageError(f"kv: status {text!r} is out of range; expected 0..0xffff")
-    if value == 0:
-        raise UsageError("kv: status 0x00 is SUCCESS, not a failure")
+            f"kv: unknown status {show(text)}; expected a number (0x07, 7) or one of:\n"
+            + _names([n for n in KvStatus.__members__ if n != "SUCCESS"])
+        )
+    _in_range(value, text, "kv", "kv: status")
+    if value == KvStatus.SUCCESS:
+        raise UsageError(
+            "kv: status 0x00 is SUCCESS, not a failure: the request completes with its result"
+        )
     return value
 
 
@@ -159,17 +189,14 @@ def _kv_opcode(text: str) -> int:
     name = aliases.get(name, name)
     if name in KvOpcode.__members__:
         return KvOpcode[name].value
-    try:
-        value = int(text, 0)
-    except ValueError:
+    value = _number(text)
+    if value is None:
         raise UsageError(
-            f"kv --opcode: unknown opcode {text!r}; expected a number (0x00) or one of "
+            f"kv --opcode: unknown opcode {show(text)}; expected a number (0x00) or one of "
             "(upsert, insert, remove are accepted for SET, ADD, DELETE):\n"
             + _names([n for n in KvOpcode.__members__ if not n.startswith("DCP_")])
-        ) from None
-    if not 0 <= value <= 0xFF:
-        raise UsageError(f"kv --opcode: {text!r} is out of range; expected 0..0xff")
-    return value
+        )
+    return _in_range(value, text, "opcode", "kv --opcode")
 
 
 def _reason(text: str) -> RetryReason:
@@ -179,7 +206,8 @@ def _reason(text: str) -> RetryReason:
     if name in RetryReason.__members__:
         return RetryReason[name]
     raise UsageError(
-        f"reason: unknown retry reason {text!r}; one of:\n" + _names(list(RetryReason.__members__))
+        f"reason: unknown retry reason {show(text)}; one of:\n"
+        + _names(list(RetryReason.__members__))
     )
 
 
@@ -197,7 +225,16 @@ def _status_name(status: int) -> str:
         return f"0x{status:02x} (not a status sdkcore knows)"
 
 
-def _map(args: argparse.Namespace) -> tuple[str, RetryReason | CouchbaseException | None, str]:
+Mapped = RetryReason | RetryableError | CouchbaseException | None
+
+
+def _success(kind: str, status: int) -> UsageError:
+    return UsageError(
+        f"{kind}: HTTP {status} is a success, not a failure: the request completes with its result"
+    )
+
+
+def _map(args: argparse.Namespace) -> tuple[str, Mapped, str]:
     """(what was asked, what the mapping says, which mapper said it)."""
     kind = args.kind
     value = args.value
@@ -210,15 +247,19 @@ def _map(args: argparse.Namespace) -> tuple[str, RetryReason | CouchbaseExceptio
         what = f"KV status {_status_name(status)} on {_opcode_name(opcode)}"
         return what, kv_failure(status, opcode), "sdkcore.mapping.kv_failure"
     if kind == "grpc":
+        number = _number(value)
         try:
-            code = grpc_code(value if not value.strip().isdigit() else int(value))
+            if number is not None:
+                code = grpc_code(_in_range(number, value, "grpc", "grpc: status code"))
+            else:
+                code = grpc_code(value)
         except ValueError:
             raise UsageError(
-                f"grpc: unknown status code {value!r}; a number 0..16 or one of:\n"
+                f"grpc: unknown status code {show(value)}; a number 0..16 or one of:\n"
                 + _names([c.name for c in GrpcCode])
             ) from None
         if code is GrpcCode.OK:
-            raise UsageError("grpc: OK is not a failure")
+            raise UsageError("grpc: OK is not a failure: the call completes with its result")
         what = f"gRPC status {code.name} ({code.value})" + (
             " on a read-only call" if args.read_only else ""
         )
@@ -235,11 +276,16 @@ def _map(args: argparse.Namespace) -> tuple[str, RetryReason | CouchbaseExceptio
         number = _int(value, kind)
         mapped = analytics_retry_reason([{"code": number, "msg": ""}])
         return f"analytics error {number}", mapped, "sdkcore.mapping.analytics_retry_reason"
-    status = _int(value, kind)
+    parsed = _number(value)
+    if parsed is None:
+        raise UsageError(f"{kind}: {show(value)} is not a number; expected {KINDS[kind][2]}")
+    status = parsed
     if not 100 <= status <= 599:
-        raise UsageError(f"{kind}: {value!r} is not an HTTP status; expected 100..599")
+        raise UsageError(f"{kind}: {show(value)} is not an HTTP status; expected 100..599")
+    if 200 <= status <= 299:
+        raise _success(kind, status)
     if kind == "search":
-        found: RetryReason | CouchbaseException | None = search_retry_reason(status, args.body)
+        found: Mapped = search_retry_reason(status, args.body)
         mapper = "sdkcore.mapping.search_retry_reason"
         if found is None and status >= 400:
             found = search_exception(status, args.body)
@@ -259,7 +305,12 @@ def _ms(delay: timedelta) -> str:
     return f"{delay.total_seconds() * 1000:g}"
 
 
-async def _play(make: Callable[[], RetryStrategy], reason: RetryReason, idempotent: bool) -> str:
+async def _play(
+    make: Callable[[], RetryStrategy],
+    reason: RetryReason,
+    idempotent: bool,
+    effect: AttemptEffect | None = None,
+) -> str:
     """What the orchestrator does with ``reason`` on a fresh request, retry after retry."""
     clock = VirtualClock()
     orchestrator = RetryOrchestrator(default_strategy=make(), sleep=clock.sleep)
@@ -267,7 +318,7 @@ async def _play(make: Callable[[], RetryStrategy], reason: RetryReason, idempote
     delays: list[str] = []
     for _ in range(RETRIES_SHOWN):
         try:
-            delays.append(_ms(await orchestrator.maybe_retry(request, reason)))
+            delays.append(_ms(await orchestrator.maybe_retry(request, reason, effect=effect)))
         except CouchbaseException as exc:
             why = ""
             context = exc.context
@@ -278,28 +329,42 @@ async def _play(make: Callable[[], RetryStrategy], reason: RetryReason, idempote
     return f"retry after {', '.join(delays)} ms, ..."
 
 
-def explain_reason(reason: RetryReason) -> list[tuple[str, str, str]]:
-    """(strategy, request kind, what happens) for each built-in strategy."""
+def explain_reason(
+    reason: RetryReason, effect: AttemptEffect | None = None
+) -> list[tuple[str, str, str]]:
+    """(strategy, request kind, what happens) for each built-in strategy.
+
+    ``effect`` is what the failed attempts are recorded with (default: the reason's).
+    """
 
     async def table() -> list[tuple[str, str, str]]:
         rows = []
         for label, make in STRATEGIES:
             for idempotent in (True, False):
                 kind = "idempotent" if idempotent else "non-idempotent"
-                rows.append((label, kind, await _play(make, reason, idempotent)))
+                rows.append((label, kind, await _play(make, reason, idempotent, effect)))
         return rows
 
     with capture_retry_events():  # the decisions are shown, not logged
         return anyio.run(table)
 
 
-def _flags(out: Output, reason: RetryReason) -> None:
+def _flags(out: Output, reason: RetryReason, effect: AttemptEffect | None, mapper: str) -> None:
+    """The reason's RFC 0049 flags, then the one row that says what a timeout means."""
     rows = []
+    overridden = effect is not None and effect is not AttemptEffect.for_reason(reason)
     for flag, (yes, no) in _FLAG_HELP.items():
         on = bool(getattr(reason, flag))
-        rows.append((flag, "yes" if on else "no", yes if on else no))
-    effect = AttemptEffect.for_reason(reason)
-    rows.append(("attempt effect", effect.name, _EFFECT_HELP[effect]))
+        meaning = yes if on else no
+        if flag == "after_dispatch" and overridden:
+            meaning += "; this answer came from the server: the attempt effect below applies"
+        rows.append((flag, "yes" if on else "no", meaning))
+    if effect is None:
+        effect = AttemptEffect.for_reason(reason)
+        source = "the reason's default"
+    else:
+        source = f"recorded by {mapper}"
+    rows.append(("attempt effect", effect.name, f"{source}: {_EFFECT_HELP[effect]}"))
     out.table(("flag", "", "meaning"), rows)
 
 
@@ -320,10 +385,14 @@ def run(args: argparse.Namespace, out: Output) -> int:
     if args.kind == "kv":
         idempotent = is_idempotent_kv(_kv_opcode(args.opcode))
         note = f"  (the opcode is {'' if idempotent else 'not '}idempotent: RFC 0049 list)"
-    if args.kind == "grpc":
+    effect: AttemptEffect | None = None
+    if isinstance(mapped, RetryableError):
+        effect = mapped.effect
+        mapped = mapped.reason
+    if args.kind == "grpc" and effect is AttemptEffect.MAYBE_APPLIED:
         note = (
-            "  (an sdkcore gRPC channel records a status received from a server as "
-            "MAYBE_APPLIED: gRPC does not promise that it means nothing was applied)"
+            "  (a status received from a server: gRPC does not promise that it means nothing "
+            "was applied, so the mapping records MAYBE_APPLIED, as an sdkcore.grpc channel does)"
         )
     if isinstance(mapped, RetryReason):
         if mapper:
@@ -334,10 +403,10 @@ def run(args: argparse.Namespace, out: Output) -> int:
         if note:
             out.line(note)
         out.line()
-        _flags(out, mapped)
+        _flags(out, mapped, effect, mapper)
         out.line()
         out.heading(f"What each strategy does (first {RETRIES_SHOWN} retries, no timeout)")
-        out.table(("strategy", "request", "outcome"), explain_reason(mapped))
+        out.table(("strategy", "request", "outcome"), explain_reason(mapped, effect))
         out.line()
         out.line(
             "'...': the retries go on until the request's timeout. "
@@ -349,7 +418,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
         return 0
     out.heading(what)
     if isinstance(mapped, CouchbaseException):
-        out.line(f"  -> {type(mapped).__name__}: {mapped.message}")
+        out.line(f"  -> {type(mapped).__name__}: {printable(mapped.message)}")
         out.line(f"  (mapped by {mapper})")
         if note:
             out.line(note)
@@ -362,8 +431,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
     out.line(f"  -> not a retry reason ({mapper} returns None)")
     out.line()
     out.line(
-        "The request is not handed to the orchestrator: it completes with the service's own "
-        "error, under every retry strategy."
+        "The request is not handed to the orchestrator: the SDK completes it with what the "
+        "service answered, under every retry strategy (no strategy is consulted)."
     )
     return 0
 

@@ -8,6 +8,8 @@ sdkcore never configures structlog: the application does. Where the events go:
   (through structlog's stdlib wrapper, without configuring structlog), so an
   application that only uses ``logging`` sees them in its handlers and nothing is
   printed (structlog's unconfigured default would print every debug line to stdout);
+  the logger carries a ``logging.NullHandler``, so an application that configured no
+  logging at all sees nothing either (no ``logging.lastResort`` on stderr);
 * inside ``sdkcore.testing.capture_retry_events()``: into the capture list only.
 
 To keep the per-attempt path cheap, callers ask :func:`enabled` before building an
@@ -59,6 +61,9 @@ CAPTURE: ContextVar[list[MutableMapping[str, Any]] | None] = ContextVar(
 )
 
 _stdlib_logger = logging.getLogger(LOGGER_NAME)
+# A library prints nothing by itself: without this, an application that configured no
+# logging at all would see warning-level events on stderr through logging.lastResort.
+_stdlib_logger.addHandler(logging.NullHandler())
 
 
 def _to_stdlib(_: Any, method: str, event_dict: MutableMapping[str, Any]) -> dict[str, Any]:

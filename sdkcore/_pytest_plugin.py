@@ -13,10 +13,17 @@ Disable it with ``-p no:sdkcore``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Generator, MutableMapping
 from typing import Any
 
 import pytest
+
+# grpc core logs at INFO unless GRPC_VERBOSITY says otherwise, and reads it once, when
+# grpc is imported: set its documented default (ERROR) before any test module imports
+# grpc, so in-process test servers (sdkcore.testing.grpc_server) print nothing on
+# stderr. A value the user set is kept.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 __all__ = ["sdkcore_instant_retries", "sdkcore_retry_events"]
 

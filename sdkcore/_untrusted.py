@@ -1,7 +1,8 @@
 """Reading untrusted JSON documents (service configs, KV error maps) without surprises.
 
 Pure helpers shared by the parsers: integers too long for CPython are kept as their
-length, and values shown in error messages are bounded.
+length, values shown in error messages are bounded, and text from a file is made safe
+for a terminal (:func:`printable`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import math
 import reprlib
 
-__all__ = ["MAX_INT_DIGITS", "LongInt", "parse_int", "show"]
+__all__ = ["MAX_INT_DIGITS", "LongInt", "parse_int", "printable", "show"]
 
 #: Integers longer than this are kept as text (:class:`LongInt`), never converted:
 #: CPython refuses int() of more than ``sys.get_int_max_str_digits()`` (>= 640) digits.
@@ -51,3 +52,28 @@ def show(value: object) -> str:
         return _REPR.repr(value)
     except Exception:  # a repr that raises (an int past the str-digits limit in a list, ...)
         return f"a {type(value).__name__}"
+
+
+def _escape(c: str) -> str:
+    code = ord(c)
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    return f"\\U{code:08x}"
+
+
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would act on, or not show, escaped.
+
+    For echoing what an untrusted file holds (a key, a value, a method name) to a
+    terminal: an escape sequence in a service config must not recolour, retitle or
+    rewrite the screen. Escaped are the C0 and C1 controls (ESC ``\\x1b``, BEL,
+    CSI ``\\x9b``, newlines, ...), DEL, the invisible format characters (bidi
+    overrides, zero-width characters, BOM), line and paragraph separators, and
+    unassigned or private code points: whatever ``str.isprintable()`` refuses, except
+    the plain space.
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c == " " else _escape(c) for c in text)

@@ -230,3 +230,129 @@ def test_runs_without_grpcio(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "valid gRPC service config" in done.stdout
+
+
+# -- untrusted input: never a traceback, never a raw escape sequence -------------------
+
+
+def _run_cli(*args: str, stdin: bytes = b"", **env: str) -> subprocess.CompletedProcess[bytes]:
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-m", "sdkcore", *args],
+        input=stdin,
+        capture_output=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, **env},
+    )
+
+
+@pytest.mark.parametrize("depth", [100, 990, 5000, 100_000])
+def test_deeply_nested_json_is_reported_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], depth: int
+) -> None:
+    nested = "[" * depth + "]" * depth
+    for text in (nested, f'{{"methodConfig": {nested}, "x": {nested}}}'):
+        code, out, err = _check(tmp_path, capsys, text)
+        assert code == 1
+        assert out == ""
+        assert "invalid gRPC service config" in err
+
+
+def test_non_utf8_stdin_with_strict_decoding_is_a_clear_error() -> None:
+    done = _run_cli(
+        "check-config", "-", stdin=b'\xff\xfe{"methodConfig": []}', PYTHONIOENCODING="utf-8"
+    )
+    err = done.stderr.decode()
+    assert done.returncode == 2, err
+    assert "Traceback" not in err
+    assert err.startswith(
+        "sdkcore check-config: error: stdin is not UTF-8 text: byte 0xff at offset 0"
+    )
+    assert done.stdout == b""
+
+
+def test_non_utf8_file_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "latin1.json"
+    path.write_bytes('{"methodConfig": [], "caf\xe9": 1}'.encode("latin-1"))
+    assert main(["check-config", path.name]) == 2
+    err = capsys.readouterr().err
+    assert "latin1.json is not UTF-8 text: byte 0xe9 at offset 25" in err
+
+
+def test_utf8_bom_is_accepted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = {"methodConfig": [{"name": [{"service": "s"}], "retryPolicy": RETRY}]}
+    path = tmp_path / "bom.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(config).encode())
+    assert main(["check-config", path.name]) == 0
+    assert capsys.readouterr().out.startswith("bom.json: valid gRPC service config, 1 methodConfig")
+    done = _run_cli("check-config", "-", stdin=path.read_bytes(), PYTHONIOENCODING="utf-8")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(b"stdin: valid gRPC service config")
+
+
+@pytest.mark.parametrize("text", ["", "\n", "  \t\n", "\ufeff"])
+def test_empty_file_says_it_is_empty(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str
+) -> None:
+    code, out, err = _check(tmp_path, capsys, text)
+    assert code == 1
+    assert out == ""
+    assert err.startswith("service_config.json: empty: no gRPC service config to check")
+
+
+ESCAPES = ["\x1b[31m", "\x1b]0;pwned\x07", "\x9b2J", "\u202e", "\r", "\x00"]
+
+
+@pytest.mark.parametrize("with_rich", [True, False])
+def test_escape_sequences_from_the_file_never_reach_the_terminal(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    with_rich: bool,
+) -> None:
+    if not with_rich:
+        monkeypatch.setitem(sys.modules, "rich", None)
+    bad = "".join(ESCAPES)
+    valid = {
+        f"{bad}key": 1,
+        "methodConfig": [{"name": [{"service": f"svc{bad}"}], f"x{bad}": {bad: bad}}],
+        "retryThrottling": {f"{bad}t": 1, "maxTokens": 10, "tokenRatio": 0.1},
+    }
+    invalid = {
+        "methodConfig": [
+            {"name": [{"service": f"s{bad}", "method": 3}], "retryPolicy": {"maxAttempts": bad}}
+        ],
+        f"k{bad}": [bad],
+    }
+    for config in (valid, invalid):
+        _code, out, err = _check(tmp_path, capsys, config)
+        for stream in (out, err):
+            for char in ("\x1b", "\x07", "\x9b", "\u202e", "\r", "\x00"):
+                assert char not in stream, (char, stream)
+        assert "\\x1b[31m" in out + err  # shown, escaped
+    _code, out, err = _check(tmp_path, capsys, valid)
+    assert "svc\\x1b[31m" in out
+    assert "warning: \\x1b[31m\\x1b]0;pwned\\x07\\x9b2J\\u202e\\x0d\\x00key: unknown key" in err
+
+
+def test_a_huge_unknown_key_is_shortened(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _out, err = _check(tmp_path, capsys, {"k" * 100_000: 1, "methodConfig": []})
+    assert code == 0
+    assert f"warning: {'k' * 28}...{'k' * 28}: unknown key, ignored" in err
+    assert len(err) < 300
+
+
+def test_an_ascii_terminal_gets_escapes_not_a_traceback(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(
+        json.dumps({"methodConfig": [{"name": [{"service": "caf\u00e9"}]}], "\u00e9x": 1}),
+        encoding="utf-8",
+    )
+    done = _run_cli("check-config", str(path), PYTHONIOENCODING="ascii")
+    assert done.returncode == 0, done.stderr
+    assert b"Traceback" not in done.stderr
+    assert b"caf\\xe9" in done.stdout

@@ -46,11 +46,31 @@ def test_unknown_command_exits_2_naming_the_commands(capsys: pytest.CaptureFixtu
         assert command in err
 
 
-def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exc:
-        main([])
-    assert exc.value.code == 2
-    assert "usage: sdkcore" in capsys.readouterr().err
+def test_no_command_shows_the_help(capsys: pytest.CaptureFixture[str]) -> None:
+    """`sdkcore` alone: the whole help (every command), exit 2 as for a missing argument."""
+    assert main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("usage: sdkcore")
+    for command in ("demo", "explain", "check-config", "--version"):
+        assert command in captured.err
+    assert "Run 'sdkcore COMMAND --help'" in captured.err
+
+
+def test_explain_without_a_kind_shows_its_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["explain"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: sdkcore explain")
+    for kind in ("kv", "query", "analytics", "search", "views", "grpc", "reason"):
+        assert kind in err
+
+
+def test_a_stream_that_cannot_encode_gets_escapes_not_a_traceback() -> None:
+    raw = io.BytesIO()
+    stream = io.TextIOWrapper(raw, encoding="ascii")
+    Output(stream, use_rich=False).line("caf\u00e9 \u2500")
+    stream.flush()
+    assert raw.getvalue() == b"caf\\xe9 \\u2500\n"
 
 
 def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:

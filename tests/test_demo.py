@@ -176,6 +176,51 @@ def test_piped_into_head() -> None:
     assert b"Traceback" not in done.stderr
 
 
+def test_piped_report_streams_the_head_before_the_run_ends() -> None:
+    """`sdkcore demo | head`: the head and scenario list at once, then a line per scenario."""
+    pytest.importorskip("grpc")
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sdkcore._demo"],  # every scenario: several seconds
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
+    assert proc.stdout is not None
+    try:
+        started = time.monotonic()
+        first = proc.stdout.readline().decode()
+        assert first.startswith("sdkcore demo: ")
+        assert proc.poll() is None  # the run is still going
+        lines = [proc.stdout.readline().decode() for _ in range(len(SCENARIO_NAMES) + 6)]
+        assert lines[1] == "Scenarios\n"
+        assert lines[-1].startswith("rebalance ")  # the first scenario's line, as it ended
+        assert proc.poll() is None  # ... while the others still run
+        assert time.monotonic() - started < 30
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+        proc.stdout.close()
+
+
+def test_streamed_lines_are_the_text_report() -> None:
+    """What run() emits as it goes, then the tail, is render_text of its report, line for line."""
+    pytest.importorskip("grpc")
+    import asyncio
+
+    from sdkcore._demo._report import render_tail, render_text
+    from sdkcore._demo._run import run
+
+    emitted: list[list[str]] = []
+    report = asyncio.run(run(["locked", "bad-credentials"], progress=False, emit=emitted.append))
+    assert emitted[0][0].startswith("sdkcore demo: ")  # the head came first
+    assert len(emitted) == 1 + 3 * (1 + 2 + 1)  # head; per strategy: heading, 2 rows, all
+    streamed = [line for chunk in emitted for line in chunk]
+    assert streamed + render_tail(report) == render_text(report)
+
+
 def test_verbose_streams_log_events_to_stderr_and_restores_structlog() -> None:
     pytest.importorskip("grpc")
     structlog.reset_defaults()

@@ -102,6 +102,15 @@ def test_grpc_unavailable_and_not_found(output: str, capsys: pytest.CaptureFixtu
     out = _explain(capsys, "grpc", "UNAVAILABLE")
     assert "gRPC status UNAVAILABLE (14) -> retry reason SERVICE_NOT_AVAILABLE" in out
     assert re.search(r"after_dispatch\s+no", out)
+    # One claim on the screen: a status from a server may have been applied.
+    found = re.search(r"^\s*attempt effect\s+([A-Z_]+)\s", out, re.MULTILINE)
+    assert found is not None
+    assert found.group(1) == "MAYBE_APPLIED"
+    flat = " ".join(out.split())
+    assert "NOT_SENT" not in flat
+    assert "unambiguous" not in flat
+    assert "never left the client; this answer came from the server" in flat
+    assert "did not change server state" not in flat
     out = _explain(capsys, "grpc", "5")
     assert "DocumentNotFoundException" in out
     out = _explain(capsys, "grpc", "DEADLINE_EXCEEDED", "--read-only")
@@ -159,8 +168,23 @@ def test_no_log_lines_leak_into_the_output(capsys: pytest.CaptureFixture[str]) -
         (["kv", "zz"], "kv: unknown status 'zz'; expected a number (0x07, 7) or one of:"),
         (["kv", "0x10000"], "kv: status '0x10000' is out of range"),
         (["kv", "0"], "SUCCESS, not a failure"),
+        (["kv", "SUCCESS"], "kv: status 0x00 is SUCCESS, not a failure"),
+        (["kv", "success"], "kv: status 0x00 is SUCCESS, not a failure"),
+        (["kv", "-1"], "kv: status '-1' is out of range; expected 0..0xffff"),
+        (["kv", "7", "--opcode", "-1"], "kv --opcode '-1' is out of range; expected 0..0xff"),
+        (["query", "-5"], "query: error code '-5' is out of range; expected 1..99999"),
+        (["query", "0"], "query: error code '0' is out of range; expected 1..99999"),
+        (["analytics", "-23000"], "analytics: error code '-23000' is out of range"),
+        (["analytics", "1" + "0" * 5000], "analytics: error code '1000"),
+        (["views", "200"], "views: HTTP 200 is a success, not a failure"),
+        (["search", "200"], "search: HTTP 200 is a success, not a failure"),
+        (["search", "204"], "search: HTTP 204 is a success, not a failure"),
+        (["grpc", "-1"], "grpc: status code '-1' is out of range; expected 0..16"),
+        (["grpc", "17"], "grpc: status code '17' is out of range; expected 0..16"),
+        (["grpc", "0"], "grpc: OK is not a failure"),
+        (["kv", "\x1b[31mx"], "kv: unknown status '\\x1b[31mx'"),
         (["kv", "7", "--opcode", "fly"], "kv --opcode: unknown opcode 'fly'"),
-        (["query", "x"], "query: 'x' is not a number; expected an integer error code"),
+        (["query", "x"], "query: 'x' is not a number; expected an error code 1..99999"),
         (["views", "42"], "views: '42' is not an HTTP status; expected 100..599"),
         (["search", "abc"], "search: 'abc' is not a number"),
         (["grpc", "SOMETIMES"], "grpc: unknown status code 'SOMETIMES'; a number 0..16 or one of:"),
@@ -175,8 +199,11 @@ def test_bad_input_exits_2_with_what_is_accepted(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith("sdkcore explain: error: ")
-    assert message in captured.err
+    assert message in " ".join(captured.err.split())
     assert all(len(line) <= WIDTH for line in captured.err.splitlines())
+    assert "Traceback" not in captured.err
+    assert "\x1b" not in captured.err  # an escape sequence is shown escaped, never sent
+    assert len(captured.err) < 4000  # a huge input is shown shortened
 
 
 def test_unknown_kind_exits_2_listing_the_kinds(capsys: pytest.CaptureFixture[str]) -> None:
@@ -207,3 +234,32 @@ def test_explain_shows_the_attempt_effect() -> None:
         found = re.search(r"^\s*attempt effect\s+([A-Z_]+)\s", buf.getvalue(), re.MULTILINE)
         assert found is not None
         assert found.group(1) == effect, args
+
+
+def test_http_answers_that_are_not_errors_are_not_called_errors(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for kind, status in (("views", "304"), ("search", "302"), ("views", "100")):
+        out = _explain(capsys, kind, status)
+        assert "not a retry reason" in out
+        assert "own error" not in out
+        assert "completes it with what the service answered" in " ".join(out.split())
+
+
+def test_every_numeric_input_gets_an_answer_or_a_clear_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A sweep over each kind's values around its range: exit 0 or 2, never a traceback."""
+    values = ["-1", "0", "1", "7", "0x07", "16", "17", "99", "100", "200", "429", "599", "600"]
+    values += ["99999", "100000", "65535", "65536", "1e3", "", " ", "0b1", "1_0"]
+    for kind in ("kv", "query", "analytics", "search", "views", "grpc"):
+        for value in values:
+            code = main(["explain", kind, value])
+            captured = capsys.readouterr()
+            assert code in (0, 2), (kind, value)
+            if code == 2:
+                assert captured.err.startswith("sdkcore explain: error: "), (kind, value)
+                assert captured.out == ""
+            else:
+                assert captured.out, (kind, value)
+                assert captured.err == "", (kind, value)

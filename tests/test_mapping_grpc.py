@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from sdkcore import (
     AmbiguousTimeoutException,
+    AttemptEffect,
     AuthenticationFailureException,
     CasMismatchException,
     CollectionNotFoundException,
@@ -24,6 +25,7 @@ from sdkcore import (
     InvalidArgumentException,
     RateLimitedException,
     RequestCanceledException,
+    RetryableError,
     RetryReason,
     ScopeNotFoundException,
     UnambiguousTimeoutException,
@@ -71,9 +73,17 @@ CODE_ROWS: list[tuple[GrpcCode, object]] = [
 ]
 
 
+def _reason(result: object) -> RetryReason | None:
+    """The retry reason a mapped failure hands to the orchestrator (None: it completes)."""
+    if isinstance(result, RetryableError):
+        return result.reason
+    assert isinstance(result, CouchbaseException), result
+    return None
+
+
 def _check(result: object, expected: object) -> None:
     if isinstance(expected, RetryReason):
-        assert result is expected
+        assert _reason(result) is expected
     else:
         assert type(result) is expected
 
@@ -106,7 +116,7 @@ def test_ok_is_not_a_failure() -> None:
 )
 def test_code_forms(code: object) -> None:
     assert grpc_code(code) is GrpcCode.UNAVAILABLE
-    assert grpc_failure(code) is RetryReason.SERVICE_NOT_AVAILABLE
+    assert _reason(grpc_failure(code)) is RetryReason.SERVICE_NOT_AVAILABLE
 
 
 def test_real_grpc_status_codes_match() -> None:
@@ -118,8 +128,8 @@ def test_real_grpc_status_codes_match() -> None:
         if status is not grpc.StatusCode.OK:
             by_enum, by_name = grpc_failure(status), grpc_failure(status.name)
             assert type(by_enum) is type(by_name)
-            if isinstance(by_enum, RetryReason):
-                assert by_enum is by_name
+            if isinstance(by_enum, RetryableError):
+                assert _reason(by_enum) is _reason(by_name)
 
 
 def test_duck_typed_status_code() -> None:
@@ -150,10 +160,52 @@ def test_module_imports_without_grpc() -> None:
         "import sys; sys.modules['grpc'] = None\n"
         "from sdkcore import RetryReason\n"
         "from sdkcore.mapping import grpc_failure\n"
-        "assert grpc_failure('UNAVAILABLE') is RetryReason.SERVICE_NOT_AVAILABLE\n"
+        "assert grpc_failure('UNAVAILABLE').reason is RetryReason.SERVICE_NOT_AVAILABLE\n"
         "assert 'grpc' not in {m for m in sys.modules if sys.modules[m] is not None}\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- ambiguity: the mapping path records what an sdkcore.grpc channel records ----------
+
+
+def test_unavailable_is_maybe_applied_like_the_channel_records_it() -> None:
+    failure = grpc_failure("UNAVAILABLE", "server restarting")
+    assert isinstance(failure, RetryableError)
+    assert failure.reason is RetryReason.SERVICE_NOT_AVAILABLE
+    assert failure.effect is AttemptEffect.MAYBE_APPLIED
+    assert "server restarting" in str(failure)
+
+
+def test_locked_violation_is_not_applied_by_couchbase_protocol() -> None:
+    failure = grpc_failure("FAILED_PRECONDITION", "", [precondition("LOCKED")])
+    assert isinstance(failure, RetryableError)
+    assert failure.effect is AttemptEffect.NOT_APPLIED
+
+
+@pytest.mark.anyio
+async def test_non_idempotent_write_retried_on_unavailable_times_out_ambiguously() -> None:
+    from sdkcore import Request, RetryOrchestrator
+    from sdkcore.mapping import raise_failure
+    from sdkcore.testing import VirtualClock
+
+    clock = VirtualClock()
+    orchestrator = RetryOrchestrator(sleep=clock.sleep)
+    request = Request(name="kv.upsert", timeout=0.5, clock=clock.clock)
+    calls = 0
+
+    async def send(request: Request) -> None:
+        nonlocal calls
+        calls += 1
+        raise_failure(grpc_failure("UNAVAILABLE", "server restarting"))
+
+    with pytest.raises(AmbiguousTimeoutException) as info:
+        await orchestrator.execute(request, send)
+    assert calls > 1  # retried: RFC 0049 allows it for SERVICE_NOT_AVAILABLE
+    context = info.value.context
+    assert context is not None
+    assert {a.effect for a in context.attempts} == {AttemptEffect.MAYBE_APPLIED}
+    assert not isinstance(info.value, UnambiguousTimeoutException)
 
 
 # -- details -----------------------------------------------------------------------
@@ -286,7 +338,7 @@ def test_decoded_message_objects() -> None:
     class ErrorInfo:
         reason = "CAS_MISMATCH"
 
-    assert grpc_failure(9, "", [PreconditionFailure("LOCKED")]) is RetryReason.KV_LOCKED
+    assert _reason(grpc_failure(9, "", [PreconditionFailure("LOCKED")])) is RetryReason.KV_LOCKED
     assert type(grpc_failure(5, "", [SomeGeneratedClass()])) is BucketNotFoundException
     assert type(grpc_failure(10, "", [ErrorInfo()])) is CasMismatchException
     assert type(grpc_failure(10, "", [object()])) is InternalServerFailureException
@@ -351,16 +403,20 @@ def test_every_result_is_a_reason_or_a_couchbase_exception(
     code: int, message: str, details: list[Any], read_only: bool
 ) -> None:
     result = grpc_failure(code, message, details, read_only=read_only)
-    assert isinstance(result, (RetryReason, CouchbaseException))
+    assert isinstance(result, (RetryableError, CouchbaseException))
     locked = any(
         d.get("@type") == PRECONDITION and any(v["type"] == "LOCKED" for v in d["violations"])
         for d in details
     )
     # A LOCKED violation anywhere is KV_LOCKED; otherwise only UNAVAILABLE is retried.
+    # Every retry carries the effect of an answer from the server, never NOT_SENT.
     if locked:
-        assert result is RetryReason.KV_LOCKED
-    elif isinstance(result, RetryReason):
-        assert result is RetryReason.SERVICE_NOT_AVAILABLE
+        assert isinstance(result, RetryableError)
+        assert result.reason is RetryReason.KV_LOCKED
+        assert result.effect is AttemptEffect.NOT_APPLIED
+    elif isinstance(result, RetryableError):
+        assert result.reason is RetryReason.SERVICE_NOT_AVAILABLE
+        assert result.effect is AttemptEffect.MAYBE_APPLIED
         assert code == GrpcCode.UNAVAILABLE
 
 
@@ -414,7 +470,7 @@ def test_packed_any_of_an_unknown_type_is_refused() -> None:
 def test_json_form_of_an_any_holding_a_detail_is_unpacked() -> None:
     # proto3 JSON of an Any whose payload is itself an Any: the payload sits under "value".
     nested = {"@type": ANY, "value": precondition("LOCKED")}
-    assert grpc_failure("FAILED_PRECONDITION", "", [nested]) is RetryReason.KV_LOCKED
+    assert _reason(grpc_failure("FAILED_PRECONDITION", "", [nested])) is RetryReason.KV_LOCKED
     twice = {"@type": ANY, "value": {"@type": ANY, "value": resource("scope")}}
     assert type(grpc_failure("NOT_FOUND", "", [twice])) is ScopeNotFoundException
 
@@ -449,7 +505,7 @@ def test_packed_any_is_unpacked_when_error_details_are_importable(
 ) -> None:
     monkeypatch.setitem(sys.modules, "google.rpc.error_details_pb2", _fake_error_details_module())
     packed = FakeAny(PRECONDITION, b"V:NOT_LOCKED,LOCKED")
-    assert grpc_failure("FAILED_PRECONDITION", "", [packed]) is RetryReason.KV_LOCKED
+    assert _reason(grpc_failure("FAILED_PRECONDITION", "", [packed])) is RetryReason.KV_LOCKED
     as_mapping = {"@type": ANY, "type_url": PRECONDITION, "value": b"V:PATH_MISMATCH"}
     assert type(grpc_failure(9, "", [as_mapping])) is PathMismatchException
     # A type the module does not define is still refused, not skipped.
@@ -465,7 +521,7 @@ def test_real_protobuf_any_is_unpacked() -> None:
     failure.violations.add(type="LOCKED", subject="doc")
     packed = any_pb2.Any()
     packed.Pack(failure)
-    assert grpc_failure("FAILED_PRECONDITION", "", [packed]) is RetryReason.KV_LOCKED
+    assert _reason(grpc_failure("FAILED_PRECONDITION", "", [packed])) is RetryReason.KV_LOCKED
     info = any_pb2.Any()
     info.Pack(error_details_pb2.ResourceInfo(resource_type="collection", resource_name="c"))
     assert type(grpc_failure("NOT_FOUND", "", [info])) is CollectionNotFoundException

@@ -111,3 +111,82 @@ def test_readme_block_runs(block: Block, tmp_path: Path) -> None:
         args, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT, check=False
     )
     assert done.returncode == 0, f"README.md line {block.line}:\n{done.stdout}\n{done.stderr}"
+
+
+# -- the commands a new user runs first ------------------------------------------------
+
+DEV_ONLY = ("rich", "pytest", "hypothesis", "trio", "opentelemetry", "google", "mypy", "ruff")
+
+
+def _first_sh_block() -> list[str]:
+    text = README.read_text(encoding="utf-8")
+    block = text.split("```sh\n", 1)[1].split("```", 1)[0]
+    return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def test_the_first_commands_are_the_demo_without_dev_tools_then_the_tests() -> None:
+    demo, tests = _first_sh_block()
+    assert demo == "uv run --no-dev --extra grpc sdkcore demo"
+    assert tests == "uv run pytest"  # the CI script runs this exact command
+
+
+def test_the_extras_the_first_command_names_exist() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"][
+        "optional-dependencies"
+    ]
+    demo = _first_sh_block()[0].split()
+    named = [demo[i + 1] for i, word in enumerate(demo) if word == "--extra"]
+    assert named == ["grpc"]
+    assert all(name in extras for name in named)
+    assert [dep.split(">")[0] for dep in extras["grpc"]] == ["grpcio"]
+
+
+def test_the_demo_runs_with_only_the_core_dependencies_and_grpcio() -> None:
+    """What `--no-dev --extra grpc` installs is enough: the dev group's packages are refused."""
+    pytest.importorskip("grpc")
+    refuse = f"""
+import importlib.abc, sys
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {DEV_ONLY!r}:
+            raise ImportError(f"{{name}} is not installed by --no-dev --extra grpc", name=name)
+        return None
+sys.meta_path.insert(0, Refuse())
+from sdkcore._cli import main
+sys.exit(main(["demo", "--scenario", "locked", "--json"]))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", refuse], capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    assert '"ok": true' in done.stdout
+
+
+def test_the_check_config_example_is_shipped_and_valid() -> None:
+    text = README.read_text(encoding="utf-8")
+    named = re.findall(r"sdkcore check-config (\S+)", text)
+    assert named == ["examples/service_config.json"]
+    done = subprocess.run(
+        [sys.executable, "-m", "sdkcore", "check-config", named[0]],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""  # no warnings either
+    assert "valid gRPC service config, 3 methodConfigs" in done.stdout
+
+
+def test_the_readme_says_the_otel_snippet_needs_the_sdk() -> None:
+    text = README.read_text(encoding="utf-8")
+    snippet = next(b for b in BLOCKS if "opentelemetry.sdk" in b.code)
+    before = text[: text.index(snippet.code.splitlines()[0])]
+    assert "pip install opentelemetry-sdk" in before[-800:]
+
+
+def test_the_readme_shows_installing_from_a_checkout() -> None:
+    text = README.read_text(encoding="utf-8")
+    assert "uv add /path/to/sdkcore" in text
+    assert "pip install -e /path/to/sdkcore" in text

@@ -142,9 +142,15 @@ def test_bad_scripts_are_rejected(script: Any, error: type[Exception], match: st
         ScriptedSend(script)
 
 
-@pytest.mark.parametrize("seconds", [-1, float("nan"), float("inf"), "1", True])
+@pytest.mark.parametrize("seconds", [-1, float("nan"), float("inf"), 10**400])
 def test_bad_delays_are_rejected(seconds: Any) -> None:
     with pytest.raises(ValueError, match=r"Delay\(seconds\) must be a finite number"):
+        Delay(seconds)
+
+
+@pytest.mark.parametrize("seconds", ["1", True, None])
+def test_delays_that_are_not_numbers_are_a_type_error(seconds: Any) -> None:
+    with pytest.raises(TypeError, match=r"Delay\(seconds\) must be a number of seconds"):
         Delay(seconds)
 
 

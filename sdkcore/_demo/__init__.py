@@ -84,26 +84,56 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:
         sys.stderr.write(
             "sdkcore demo needs grpcio: pip install 'sdkcore[grpc]' "
-            "(or run it from a checkout with: uv run sdkcore demo)\n"
+            "(or run it from a checkout with: uv run --no-dev --extra grpc sdkcore demo)\n"
         )
         return 2
     import asyncio
 
+    from ._report import bold, colour_enabled, render_tail, render_text, to_json
     from ._run import run
 
     names = args.scenario or list(SCENARIO_NAMES)
-    with _logging(args.verbose):
-        report = asyncio.run(run(names, progress=not args.json))
-    from ._report import bold, colour_enabled, render_text, to_json
+    style: Any = bold if colour_enabled(sys.stdout) else (lambda s: s)
+    # Piped or redirected, the text report streams: the head and the scenario list at
+    # once, then each scenario's line as it ends. On a terminal, the progress bar (on
+    # stderr, the same screen) shows the run and the report follows it in one piece.
+    stream = not args.json and not _isatty(sys.stdout)
 
-    if args.json:
-        text = json.dumps(to_json(report), indent=2) + "\n"
-    else:
-        style: Any = bold if colour_enabled(sys.stdout) else (lambda s: s)
-        text = "\n".join(render_text(report, style)) + "\n"
-    if not _write(text):
+    def emit(lines: list[str]) -> None:
+        if not _write("\n".join(lines) + "\n"):
+            raise _ReaderGone
+
+    try:
+        with _logging(args.verbose):
+            report = asyncio.run(
+                run(names, progress=not args.json, emit=emit if stream else _ignore, style=style)
+            )
+        if args.json:
+            text = json.dumps(to_json(report), indent=2) + "\n"
+        else:
+            lines = render_tail(report, style) if stream else render_text(report, style)
+            text = "\n".join(lines) + "\n"
+        if not _write(text):
+            raise _ReaderGone
+    except _ReaderGone:
         return 0  # the reader went away (e.g. `| head`): not an error
     return 0 if report.ok else 1
+
+
+class _ReaderGone(Exception):
+    """stdout's reader closed the pipe: stop the run, quietly."""
+
+
+def _ignore(lines: list[str]) -> None:
+    pass
+
+
+def _isatty(stream: Any) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except (ValueError, OSError):
+        return False
 
 
 def _write(text: str) -> bool:

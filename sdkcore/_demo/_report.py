@@ -15,7 +15,19 @@ import attrs
 
 from ._workload import OpResult
 
-__all__ = ["WIDTH", "Progress", "Report", "Summary", "render_text", "summarize", "to_json"]
+__all__ = [
+    "WIDTH",
+    "Progress",
+    "Report",
+    "Summary",
+    "render_head",
+    "render_row",
+    "render_strategy",
+    "render_tail",
+    "render_text",
+    "summarize",
+    "to_json",
+]
 
 #: The text report never exceeds this many columns.
 WIDTH = 100
@@ -197,23 +209,51 @@ def _row(name: str, s: Summary) -> list[str]:
     return lines
 
 
-def render_text(report: Report, style: Callable[[str], str] = lambda s: s) -> list[str]:
-    """The report as lines of at most :data:`WIDTH` columns."""
-    out: list[str] = []
-    n_ops = sum(t["all"].ops for t in report.tables.values() if "all" in t)
-    out.append(
-        style(f"sdkcore demo: {n_ops} operations against a troubled cluster at {report.target}")
-    )
-    out.append("")
-    out.append("Scenarios")
+def _plain(text: str) -> str:
+    return text
+
+
+def render_head(report: Report, n_ops: int, style: Callable[[str], str] = _plain) -> list[str]:
+    """The first lines: what runs where, and the scenario list (known before anything runs)."""
+    out = [
+        style(f"sdkcore demo: {n_ops} operations against a troubled cluster at {report.target}"),
+        "",
+        "Scenarios",
+    ]
     for name, title in report.scenario_titles.items():
         out += _wrap(f"{name:<16}", title, indent=2)
+    return out
+
+
+def render_strategy(label: str, style: Callable[[str], str] = _plain) -> list[str]:
+    """The heading of one strategy's table."""
+    return ["", style(f"Strategy: {label}"), _HEAD]
+
+
+def render_row(name: str, summary: Summary) -> list[str]:
+    """One scenario's line (and its reasons), or the strategy's ``all`` line."""
+    return _row(name, summary)
+
+
+def render_text(report: Report, style: Callable[[str], str] = _plain) -> list[str]:
+    """The report as lines of at most :data:`WIDTH` columns.
+
+    The same lines, in the same order, as :func:`render_head`, then per strategy
+    :func:`render_strategy` and one :func:`render_row` per scenario, then
+    :func:`render_tail`: what a piped run streams as each scenario ends.
+    """
+    n_ops = sum(t["all"].ops for t in report.tables.values() if "all" in t)
+    out = render_head(report, n_ops, style)
     for label, table in report.tables.items():
-        out.append("")
-        out.append(style(f"Strategy: {label}"))
-        out.append(_HEAD)
+        out += render_strategy(label, style)
         for name, summary in table.items():
-            out += _row(name, summary)
+            out += render_row(name, summary)
+    return out + render_tail(report, style)
+
+
+def render_tail(report: Report, style: Callable[[str], str] = _plain) -> list[str]:
+    """What follows the tables: an example of each failure, the writes check, the legend."""
+    out: list[str] = []
     if report.examples:
         out.append("")
         out.append(style("One example of each failure (str(exc))"))
@@ -306,6 +346,9 @@ class Progress:
             progress_mod.TimeElapsedColumn(),
             console=console,
             transient=True,
+            # The report streams to the real stdout (e.g. a pipe) while the bar is on
+            # stderr: rich must not take stdout over.
+            redirect_stdout=False,
         )
         self._rich.__enter__()
         self._task = self._rich.add_task("starting", total=self.total)

@@ -3,17 +3,33 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from ._report import Progress, Report, summarize
+from ._report import Progress, Report, render_head, render_row, render_strategy, summarize
 from ._server import TroubledCluster
 from ._workload import SCENARIOS, STRATEGIES, OpResult, run_scenario
 
 __all__ = ["run"]
 
 
-async def run(names: Sequence[str], *, progress: bool = True) -> Report:
-    """Run the named scenarios under each strategy against a fresh cluster."""
+def _nothing(lines: list[str]) -> None:
+    pass
+
+
+async def run(
+    names: Sequence[str],
+    *,
+    progress: bool = True,
+    emit: Callable[[list[str]], None] = _nothing,
+    style: Callable[[str], str] = lambda s: s,
+) -> Report:
+    """Run the named scenarios under each strategy against a fresh cluster.
+
+    ``emit`` gets the text report's lines as soon as they are known: the head and
+    the scenario list once the cluster listens, each strategy's heading as it
+    starts, each scenario's line as it ends (``render_text`` of the returned report
+    gives the same lines, and the tail after them).
+    """
     started = time.perf_counter()
     runnable = [s for s in SCENARIOS if s.name in names]
     report = Report(target="")
@@ -23,9 +39,11 @@ async def run(names: Sequence[str], *, progress: bool = True) -> Report:
     writes_ok = 0
     async with TroubledCluster() as cluster:
         report.target = cluster.target
+        emit(render_head(report, total, style))
         with Progress(total, enabled=progress) as bar:
             for n, (label, make) in enumerate(STRATEGIES):
                 table = report.tables.setdefault(label, {})
+                emit(render_strategy(label, style))
                 every: list[OpResult] = []
                 a6_total = 0
                 for scenario in runnable:
@@ -34,6 +52,7 @@ async def run(names: Sequence[str], *, progress: bool = True) -> Report:
                         cluster, scenario, make(), f"s{n}-{scenario.name}", bar.advance
                     )
                     table[scenario.name] = summarize(results, a6["retries"])
+                    emit(render_row(scenario.name, table[scenario.name]))
                     every += results
                     a6_total += a6["retries"]
                     writes_ok += sum(r.ok and r.write for r in results)
@@ -44,6 +63,7 @@ async def run(names: Sequence[str], *, progress: bool = True) -> Report:
                                 report.examples[r.error] = (scenario.name, label, r.message)
                 if runnable:
                     table["all"] = summarize(every, a6_total)
+                    emit(render_row("all", table["all"]))
         report.writes_applied = sum(cluster.applied.values())
         report.writes_succeeded = writes_ok
         report.duplicate_writes = cluster.duplicate_writes()

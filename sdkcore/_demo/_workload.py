@@ -23,11 +23,13 @@ from grpc import aio
 
 import sdkcore.grpc
 from sdkcore import (
+    AttemptEffect,
     BestEffortRetryStrategy,
     CouchbaseException,
     FastFailOnTerminalErrorRetryStrategy,
     HedgePolicy,
     Request,
+    RetryableError,
     RetryAction,
     RetryOrchestrator,
     RetryReason,
@@ -259,8 +261,11 @@ def _map_status(err: aio.AioRpcError, request: Request) -> RetryReason | BaseExc
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         # Refused when the bucket's connection authenticated: the request never
         # reached the data service, and the strategy decides (FastFailOnTerminalError
-        # fails at once, BestEffort keeps trying until the timeout).
-        return RetryReason.AUTHENTICATION_ERROR
+        # fails at once, BestEffort keeps trying until the timeout). The server
+        # answered, and an authentication refusal proves nothing was applied.
+        return RetryableError(
+            RetryReason.AUTHENTICATION_ERROR, err.details() or "", effect=AttemptEffect.NOT_APPLIED
+        )
     return grpc_failure(code, err.details() or "", read_only=request.idempotent)
 
 

@@ -1,8 +1,10 @@
 """Failure mappers: what an SDK's I/O code calls when something fails.
 
 Each helper decides whether a failure goes to the orchestrator (it returns a
-:class:`~sdkcore.RetryReason`) or completes the request with an error (it returns
-None, or the exception to raise). All decision functions are pure: no I/O, no
+:class:`~sdkcore.RetryReason`; :func:`grpc_failure` a :class:`~sdkcore.RetryableError`
+that also carries the attempt's effect) or completes the request with an error (it
+returns None, or the exception to raise). No server answer is recorded as NOT_SENT
+(rfc/0002 "Attempt effect"). All decision functions are pure: no I/O, no
 clock, tables precomputed at import. See rfc/0002-failure-mapping.md.
 
 * KV: :func:`kv_retry_reason`, :func:`kv_exception`, :func:`kv_failure`,

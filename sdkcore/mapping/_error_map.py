@@ -70,14 +70,14 @@ def _check_strategy(instance: object, attribute: attrs.Attribute[Any], value: ob
     if not isinstance(value, RetrySpecStrategy):
         raise TypeError(
             f"RetrySpec.{attribute.name} must be a RetrySpecStrategy "
-            f"(CONSTANT, LINEAR or EXPONENTIAL), got {value!r}"
+            f"(CONSTANT, LINEAR or EXPONENTIAL), got {_show(value)}"
         )
 
 
 def _check_ms(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(
-            f"RetrySpec.{attribute.name} must be an int number of milliseconds, got {value!r}"
+            f"RetrySpec.{attribute.name} must be an int number of milliseconds, got {_show(value)}"
         )
     if value < 0:
         raise ValueError(f"RetrySpec.{attribute.name} must be >= 0, got {_show(value)}")
@@ -94,10 +94,10 @@ class RetrySpec:
     """
 
     strategy: RetrySpecStrategy = attrs.field(validator=_check_strategy)
-    interval_ms: int = attrs.field(validator=_check_ms)
-    after_ms: int = attrs.field(validator=_check_ms)
-    ceil_ms: int = attrs.field(default=0, validator=_check_ms)
-    max_duration_ms: int = attrs.field(default=0, validator=_check_ms)
+    interval_ms: int = attrs.field(validator=_check_ms, repr=_show)
+    after_ms: int = attrs.field(validator=_check_ms, repr=_show)
+    ceil_ms: int = attrs.field(default=0, validator=_check_ms, repr=_show)
+    max_duration_ms: int = attrs.field(default=0, validator=_check_ms, repr=_show)
 
     def delay_ms(self, attempt: int) -> int:
         """The delay before retry ``attempt`` (0-based) in milliseconds.
@@ -108,9 +108,9 @@ class RetrySpec:
         at 2^53 ms so :meth:`delay` never overflows ``timedelta``.
         """
         if isinstance(attempt, bool) or not isinstance(attempt, int):
-            raise TypeError(f"RetrySpec.delay(attempt) must be an int, got {attempt!r}")
+            raise TypeError(f"RetrySpec.delay(attempt) must be an int, got {_show(attempt)}")
         if attempt < 0:
-            raise ValueError(f"RetrySpec.delay(attempt) must be >= 0, got {attempt}")
+            raise ValueError(f"RetrySpec.delay(attempt) must be >= 0, got {_show(attempt)}")
         if attempt == 0:
             return min(self.after_ms, _MAX_DELAY_MS)
         strategy = self.strategy
@@ -130,14 +130,33 @@ class RetrySpec:
         return timedelta(milliseconds=self.delay_ms(attempt))
 
 
+def _check_int(low: int, high: int | None) -> Any:
+    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        what = f"{type(instance).__name__}.{attribute.name}"
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{what} must be an int, got {_show(value)}")
+        if value < low or (high is not None and value > high):
+            allowed = f">= {low}" if high is None else f"in {low}..0x{high:x}"
+            raise ValueError(f"{what} must be {allowed}, got {_show(value)}")
+
+    return check
+
+
+def _check_str(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{type(instance).__name__}.{attribute.name} must be a str, got {_show(value)}"
+        )
+
+
 @attrs.frozen(slots=True)
 class ErrorCode:
-    """One entry of the error map."""
+    """One entry of the error map. ``code`` is the KV status (0..0xffff)."""
 
-    code: int
-    name: str
-    desc: str
-    attrs: frozenset[str]
+    code: int = attrs.field(validator=_check_int(0, 0xFFFF))
+    name: str = attrs.field(validator=_check_str)
+    desc: str = attrs.field(validator=_check_str)
+    attrs: frozenset[str] = attrs.field(converter=frozenset)
     retry: RetrySpec | None = None
 
     @property
@@ -150,9 +169,9 @@ class ErrorCode:
 class ErrorMap:
     """A parsed KV error map. Build it with :meth:`from_json`."""
 
-    version: int
-    revision: int
-    errors: Mapping[int, ErrorCode]
+    version: int = attrs.field(validator=_check_int(1, None))
+    revision: int = attrs.field(validator=_check_int(0, None))
+    errors: Mapping[int, ErrorCode] = attrs.field()
     #: Statuses whose entry indicates a retry (precomputed for the hot path).
     retry_statuses: frozenset[int] = attrs.field(init=False)
 
@@ -230,7 +249,8 @@ class ErrorMap:
 
     def __repr__(self) -> str:
         return (
-            f"<ErrorMap version={self.version} revision={self.revision} entries={len(self.errors)}>"
+            f"<ErrorMap version={_show(self.version)} revision={_show(self.revision)} "
+            f"entries={len(self.errors)}>"
         )
 
 

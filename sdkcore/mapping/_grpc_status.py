@@ -52,7 +52,7 @@ from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from .._context import ErrorContext
+from .._context import AttemptEffect, ErrorContext
 from .._errors import (
     AmbiguousTimeoutException,
     AuthenticationFailureException,
@@ -66,10 +66,12 @@ from .._errors import (
     InvalidArgumentException,
     RateLimitedException,
     RequestCanceledException,
+    RetryableError,
     ScopeNotFoundException,
     UnambiguousTimeoutException,
 )
 from .._reason import RetryReason
+from .._untrusted import show as _show
 from ._exceptions import (
     BucketExistsException,
     BucketNotFoundException,
@@ -121,11 +123,13 @@ def grpc_code(code: object) -> GrpcCode:
     if isinstance(code, GrpcCode):
         return code
     if isinstance(code, bool):
-        raise TypeError(f"gRPC status code must be a grpc.StatusCode, int or name, got {code!r}")
+        raise TypeError(
+            f"gRPC status code must be a grpc.StatusCode, int or name, got {_show(code)}"
+        )
     if isinstance(code, int):
         if 0 <= code <= 16:
             return _BY_VALUE[code]
-        raise ValueError(f"gRPC status code must be 0..16, got {code}")
+        raise ValueError(f"gRPC status code must be 0..16, got {_show(code)}")
     if isinstance(code, str):
         key = code.strip().upper()
         if key.startswith("STATUSCODE."):
@@ -133,14 +137,15 @@ def grpc_code(code: object) -> GrpcCode:
         found = _BY_NAME.get(key)
         if found is None:
             raise ValueError(
-                f"unknown gRPC status code name {code!r}; expected one of {', '.join(_BY_NAME)}"
+                f"unknown gRPC status code name {_show(code)}; "
+                f"expected one of {', '.join(_BY_NAME)}"
             )
         return found
     value = getattr(code, "value", None)  # grpc.StatusCode: value == (int, "name")
     if isinstance(value, tuple) and value and isinstance(value[0], int) and hasattr(code, "name"):
         return grpc_code(value[0])
     raise TypeError(
-        f"gRPC status code must be a grpc.StatusCode, int or name, got {code!r} "
+        f"gRPC status code must be a grpc.StatusCode, int or name, got {_show(code)} "
         f"({type(code).__name__})"
     )
 
@@ -261,7 +266,7 @@ _MAX_ANY_NESTING = 8
 
 
 def _packed_any_error(index: int, type_url: object, why: str) -> TypeError:
-    inner = f" holding {type_url!r}" if isinstance(type_url, str) and type_url else ""
+    inner = f" holding {_show(type_url)}" if isinstance(type_url, str) and type_url else ""
     return TypeError(
         f"grpc_failure(details): details[{index}] is a packed google.protobuf.Any{inner} "
         f"and must be unpacked ({why}); pass the message from Any.Unpack into its "
@@ -356,7 +361,7 @@ def _from_detail(
         if cls is None:
             return None
         rname = _field(detail, "resourceName", "resource_name")
-        named = f" {rname!r}" if rname else ""
+        named = f" {_show(rname)}" if rname else ""
         return cls(f"{cls.default_message}:{named} ({describe})", context=context)
     if kind == _ERROR_INFO:
         if _field(detail, "reason") == "CAS_MISMATCH":
@@ -374,20 +379,33 @@ def grpc_failure(
     *,
     read_only: bool = False,
     context: ErrorContext | None = None,
-) -> RetryReason | CouchbaseException:
-    """Map a failed Couchbase gRPC call to a RetryReason or the exception to raise.
+) -> RetryableError | CouchbaseException:
+    """Map a failed Couchbase gRPC call to the exception its ``send`` raises.
+
+    A :class:`~sdkcore.RetryableError` hands the attempt to the orchestrator (the
+    strategy decides); a :class:`~sdkcore.CouchbaseException` completes the request.
+    Raise either with :func:`sdkcore.mapping.raise_failure` (or ``raise``).
+
+    Ambiguity (rfc/0002 "Attempt effect"): the status was received from the
+    server, and gRPC does not promise that a failed status means nothing was
+    applied. A RetryableError for a status therefore carries
+    ``effect=AttemptEffect.MAYBE_APPLIED``, as an ``sdkcore.grpc`` channel records
+    it: a non-idempotent write retried on UNAVAILABLE times out *ambiguously*. Only
+    a LOCKED precondition violation, which by Couchbase's protocol means the
+    document was locked and the mutation refused, is ``NOT_APPLIED``.
 
     Details first (see the module docstring for the accepted format, packed
     ``google.protobuf.Any`` included): a LOCKED violation in any
-    PreconditionFailure -> KV_LOCKED, before every other detail; then, in order,
-    the first deciding detail: PreconditionFailure -> the exception of its first
-    known violation type (NOT_LOCKED, PATH_MISMATCH, DOC_NOT_JSON, DOC_TOO_DEEP,
-    VALUE_OUT_OF_RANGE, VALUE_TOO_LARGE); ResourceInfo with NOT_FOUND /
-    ALREADY_EXISTS -> the NotFound / Exists exception of the resource type
-    (document, bucket, scope, collection, queryindex, searchindex,
+    PreconditionFailure -> RetryableError(KV_LOCKED), before every other detail;
+    then, in order, the first deciding detail: PreconditionFailure -> the
+    exception of its first known violation type (NOT_LOCKED, PATH_MISMATCH,
+    DOC_NOT_JSON, DOC_TOO_DEEP, VALUE_OUT_OF_RANGE, VALUE_TOO_LARGE); ResourceInfo
+    with NOT_FOUND / ALREADY_EXISTS -> the NotFound / Exists exception of the
+    resource type (document, bucket, scope, collection, queryindex, searchindex,
     analyticsindex, path); ErrorInfo CAS_MISMATCH -> CasMismatchException.
-    Then the code: UNAVAILABLE -> SERVICE_NOT_AVAILABLE;
-    CANCELLED -> RequestCanceledException; DEADLINE_EXCEEDED ->
+    Then the code: UNAVAILABLE -> RetryableError(SERVICE_NOT_AVAILABLE, the reason
+    an ``sdkcore.grpc`` channel logs it under); CANCELLED ->
+    RequestCanceledException; DEADLINE_EXCEEDED ->
     UnambiguousTimeoutException if ``read_only`` else AmbiguousTimeoutException;
     NOT_FOUND -> DocumentNotFoundException; ALREADY_EXISTS ->
     DocumentExistsException; UNAUTHENTICATED, PERMISSION_DENIED ->
@@ -396,6 +414,9 @@ def grpc_failure(
     INTERNAL -> InternalServerFailureException; RESOURCE_EXHAUSTED ->
     RateLimitedException; anything else -> CouchbaseException.
 
+    In a hand-wired loop, pass the RetryableError's ``reason`` and ``effect`` to
+    ``RetryOrchestrator.maybe_retry(request, failure.reason, effect=failure.effect)``.
+
     ``OK`` raises ValueError: it is not a failure. A packed Any that cannot be
     unpacked raises TypeError naming ``details[i]``.
     """
@@ -403,7 +424,7 @@ def grpc_failure(
     if status is GrpcCode.OK:
         raise ValueError("grpc_failure(code): OK is not a failure")
     if not isinstance(read_only, bool):
-        raise TypeError(f"grpc_failure(read_only) must be a bool, got {read_only!r}")
+        raise TypeError(f"grpc_failure(read_only) must be a bool, got {_show(read_only)}")
     if not isinstance(message, str):
         raise TypeError(f"grpc_failure(message) must be a str, got {type(message).__name__}")
     if isinstance(details, (str, bytes, Mapping)) or not isinstance(details, Iterable):
@@ -416,16 +437,19 @@ def grpc_failure(
         kind, detail = _resolve(raw, index)
         resolved.append((kind, detail, _violations(kind, detail)))
     # LOCKED is the one retry reason among the details: it wins wherever it is.
+    describe = f"gRPC {status.name}: {message}" if message else f"gRPC {status.name}"
     for _, _, violations in resolved:
         if any(_field(violation, "type") == "LOCKED" for violation in violations):
-            return RetryReason.KV_LOCKED
-    describe = f"gRPC {status.name}: {message}" if message else f"gRPC {status.name}"
+            # Couchbase's protocol: the document is locked, the mutation was refused.
+            return RetryableError(RetryReason.KV_LOCKED, describe, effect=AttemptEffect.NOT_APPLIED)
     for kind, detail, violations in resolved:
         decided = _from_detail(kind, detail, violations, status, describe, context)
         if decided is not None:
             return decided
     if status in _RETRIED:
-        return STATUS_REASONS[status]
+        # Received from the server (or from something on the way that answers like
+        # one): gRPC makes no promise that nothing was applied.
+        return RetryableError(STATUS_REASONS[status], describe, effect=AttemptEffect.MAYBE_APPLIED)
     if status is GrpcCode.DEADLINE_EXCEEDED:
         timeout = UnambiguousTimeoutException if read_only else AmbiguousTimeoutException
         return timeout(f"{timeout.default_message} ({describe})", context=context)

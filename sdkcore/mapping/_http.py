@@ -18,6 +18,7 @@ from .._errors import (
     RateLimitedException,
 )
 from .._reason import RetryReason
+from .._untrusted import show as _show
 
 __all__ = [
     "SEARCH_QUOTA_LIMIT_MARKERS",
@@ -133,9 +134,11 @@ def _text(body: str | bytes | bytearray | memoryview, what: str) -> str:
 
 def _status(http_status: int, what: str) -> int:
     if isinstance(http_status, bool) or not isinstance(http_status, int):
-        raise TypeError(f"{what}(http_status) must be an int, got {http_status!r}")
+        raise TypeError(f"{what}(http_status) must be an int, got {_show(http_status)}")
     if not 100 <= http_status <= 599:
-        raise ValueError(f"{what}(http_status) must be an HTTP status 100..599, got {http_status}")
+        raise ValueError(
+            f"{what}(http_status) must be an HTTP status 100..599, got {_show(http_status)}"
+        )
     return http_status
 
 

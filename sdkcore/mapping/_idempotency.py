@@ -17,6 +17,7 @@ import enum
 from typing import Any
 
 from .._request import Request
+from .._untrusted import show as _show
 from ._kv import KvOpcode
 
 __all__ = [
@@ -65,10 +66,10 @@ _HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPT
 def _opcode(opcode: object, what: str) -> int:
     if isinstance(opcode, bool) or not isinstance(opcode, int):
         raise TypeError(
-            f"{what} must be an int KV opcode, got {opcode!r} ({type(opcode).__name__})"
+            f"{what} must be an int KV opcode, got {_show(opcode)} ({type(opcode).__name__})"
         )
     if not 0 <= opcode <= 0xFF:
-        raise ValueError(f"{what} must be a KV opcode in 0..0xff, got {opcode}")
+        raise ValueError(f"{what} must be a KV opcode in 0..0xff, got {_show(opcode)}")
     return int(opcode)
 
 
@@ -89,17 +90,17 @@ def _service(service: object, what: str) -> HttpService:
             pass
     raise ValueError(
         f"{what} must be an HttpService or one of "
-        f"{', '.join(s.value for s in HttpService)}, got {service!r}"
+        f"{', '.join(s.value for s in HttpService)}, got {_show(service)}"
     )
 
 
 def _method(method: object, what: str) -> str:
     if not isinstance(method, str):
-        raise TypeError(f"{what} must be an HTTP method string, got {method!r}")
+        raise TypeError(f"{what} must be an HTTP method string, got {_show(method)}")
     upper = method.strip().upper()
     if upper not in _HTTP_METHODS:
         raise ValueError(
-            f"{what} must be one of {', '.join(sorted(_HTTP_METHODS))}, got {method!r}"
+            f"{what} must be one of {', '.join(sorted(_HTTP_METHODS))}, got {_show(method)}"
         )
     return upper
 
@@ -114,7 +115,7 @@ def is_idempotent_http(service: HttpService | str, method: str, *, readonly: boo
     svc = _service(service, "is_idempotent_http(service)")
     verb = _method(method, "is_idempotent_http(method)")
     if not isinstance(readonly, bool):
-        raise TypeError(f"is_idempotent_http(readonly) must be a bool, got {readonly!r}")
+        raise TypeError(f"is_idempotent_http(readonly) must be a bool, got {_show(readonly)}")
     if svc in _READONLY_SERVICES:
         return readonly
     if svc is HttpService.MANAGEMENT:

@@ -29,6 +29,7 @@ from .._errors import (
     TemporaryFailureException,
 )
 from .._reason import RetryReason
+from .._untrusted import show as _show
 from ._error_map import ErrorMap
 from ._exceptions import (
     BucketNotFoundException,
@@ -208,9 +209,9 @@ _ERROR_MAP_RETRY = RetryReason.KV_ERROR_MAP_RETRY_INDICATED
 
 def _check(value: object, what: str, maximum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{what} must be an int, got {_show(value)} ({type(value).__name__})")
     if not 0 <= value <= maximum:
-        raise ValueError(f"{what} must be in 0..0x{maximum:x}, got {value!r}")
+        raise ValueError(f"{what} must be in 0..0x{maximum:x}, got {_show(value)}")
     return int(value)
 
 
@@ -350,6 +351,13 @@ def kv_failure(
     Use it in a ``send`` for ``RetryOrchestrator.execute`` together with
     :func:`sdkcore.mapping.raise_failure`.
     """
+    if (
+        type(status) is not int
+        or type(opcode) is not int
+        or not (0 <= status <= 0xFFFF and 0 <= opcode <= 0xFF)
+    ):
+        status = _check(status, "kv_failure(status)", 0xFFFF)
+        opcode = _check(opcode, "kv_failure(opcode)", 0xFF)
     reason = kv_retry_reason(status, opcode, error_map)
     if reason is not None:
         return reason

@@ -17,9 +17,11 @@ from __future__ import annotations
 import enum
 from typing import NoReturn
 
+from .._context import AttemptEffect
 from .._errors import CouchbaseException, RetryableError
 from .._reason import RetryReason
 from .._request import Request
+from .._untrusted import show as _show
 
 __all__ = ["FailureStage", "dispatch_failure_reason", "raise_failure", "retry_allowed"]
 
@@ -64,7 +66,7 @@ def dispatch_failure_reason(stage: FailureStage) -> RetryReason:
     reason = _REASONS.get(stage)
     if reason is None:
         raise TypeError(
-            f"dispatch_failure_reason(stage) must be a FailureStage, got {stage!r}; "
+            f"dispatch_failure_reason(stage) must be a FailureStage, got {_show(stage)}; "
             f"one of {', '.join(s.name for s in FailureStage)}"
         )
     return reason
@@ -78,9 +80,9 @@ def retry_allowed(reason: RetryReason, *, idempotent: bool) -> bool:
     strategy, backoff or timeout.
     """
     if not isinstance(reason, RetryReason):
-        raise TypeError(f"retry_allowed(reason) must be a RetryReason, got {reason!r}")
+        raise TypeError(f"retry_allowed(reason) must be a RetryReason, got {_show(reason)}")
     if not isinstance(idempotent, bool):
-        raise TypeError(f"retry_allowed(idempotent) must be a bool, got {idempotent!r}")
+        raise TypeError(f"retry_allowed(idempotent) must be a bool, got {_show(idempotent)}")
     return idempotent or reason.allows_non_idempotent_retry
 
 
@@ -89,17 +91,29 @@ def raise_failure(
     *,
     cause: BaseException | None = None,
     request: Request | None = None,
+    effect: AttemptEffect | None = None,
 ) -> NoReturn:
     """Raise what a mapper returned, from a ``send`` given to ``RetryOrchestrator.execute``.
 
-    A RetryReason becomes :class:`RetryableError` (the orchestrator decides); an
-    exception is raised as is and completes the request. ``cause`` is chained.
+    A RetryReason becomes :class:`RetryableError` (the orchestrator decides), with
+    ``effect`` when given (else the reason's default, ``AttemptEffect.for_reason``);
+    an exception (a ``RetryableError`` from :func:`~sdkcore.mapping.grpc_failure`
+    included, with the effect it carries) is raised as is. ``cause`` is chained.
     Given the ``request``, a CouchbaseException without a context gets the
     request's (``execute`` also does this for whatever its ``send`` raises).
     """
+    if effect is not None and type(effect) is not AttemptEffect:
+        raise TypeError(
+            f"raise_failure(effect) must be an AttemptEffect or None, got {_show(effect)}"
+        )
     if isinstance(result, RetryReason):
-        raise RetryableError(result, cause=cause)
+        raise RetryableError(result, cause=cause, effect=effect)
     if isinstance(result, BaseException):
+        if effect is not None:
+            raise TypeError(
+                "raise_failure(effect) applies to a RetryReason; an exception "
+                f"({type(result).__name__}) is raised as it is"
+            )
         if (
             request is not None
             and isinstance(result, CouchbaseException)
@@ -109,4 +123,6 @@ def raise_failure(
         if cause is not None:
             raise result from cause
         raise result
-    raise TypeError(f"raise_failure(result) takes a RetryReason or an exception, got {result!r}")
+    raise TypeError(
+        f"raise_failure(result) takes a RetryReason or an exception, got {_show(result)}"
+    )

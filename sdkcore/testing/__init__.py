@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Generator, Iterable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -32,6 +33,7 @@ from .. import _hooks, _log
 from .._errors import RetryableError
 from .._reason import RetryReason
 from .._request import Request
+from .._untrusted import show as _show
 from ..mapping import GrpcCode, KvOpcode, KvStatus, grpc_failure, kv_failure
 
 if TYPE_CHECKING:
@@ -49,6 +51,13 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+#: grpc core's log level for tests: ERROR, its documented default. Since grpcio moved to
+#: absl logging, an unset GRPC_VERBOSITY lets INFO lines (a GOAWAY from a stopped test
+#: server, ...) reach stderr. grpc reads it once, so it is set before grpc is imported
+#: (here, and in the sdkcore pytest plugin, which loads before any test module);
+#: a value the user set is kept.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
 # -- instant retries ---------------------------------------------------------------------
@@ -96,14 +105,26 @@ def capture_retry_events() -> Generator[list[MutableMapping[str, Any]], None, No
 # -- scripted failures -------------------------------------------------------------------
 
 
+def _seconds(value: object, what: str, *, minimum: float | None = 0.0) -> float:
+    """``value`` as finite float seconds; TypeError / ValueError naming ``what`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number of seconds (int or float), got {_show(value)}")
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int past float's range
+        seconds = math.inf
+    if not math.isfinite(seconds) or (minimum is not None and seconds < minimum):
+        bound = "" if minimum is None else f" >= {minimum:g}"
+        raise ValueError(f"{what} must be a finite number of seconds{bound}, got {_show(value)}")
+    return seconds
+
+
 def _check_seconds(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-    ):
-        raise ValueError(f"Delay(seconds) must be a finite number of seconds >= 0, got {value!r}")
+    _seconds(value, "Delay(seconds)")
+
+
+def _safe_repr(value: object) -> str:
+    return _show(value)
 
 
 @attrs.frozen(slots=True)
@@ -114,8 +135,8 @@ class Delay:
     another Delay); the default None makes the attempt return None.
     """
 
-    seconds: float = attrs.field(validator=_check_seconds)
-    then: Any = None
+    seconds: float = attrs.field(validator=_check_seconds, repr=_safe_repr)
+    then: Any = attrs.field(default=None, repr=_safe_repr)
 
 
 def _check_step(step: object, where: str) -> None:
@@ -167,7 +188,8 @@ class ScriptedSend(Generic[T]):
             for index, steps in script.items():
                 if isinstance(index, bool) or not isinstance(index, int) or index < 0:
                     raise TypeError(
-                        f"ScriptedSend({{index: script}}): indexes must be ints >= 0, got {index!r}"
+                        "ScriptedSend({index: script}): indexes must be ints >= 0, "
+                        f"got {_show(index)}"
                     )
                 scripts[index] = list(steps)
             if not scripts:
@@ -175,7 +197,7 @@ class ScriptedSend(Generic[T]):
         elif isinstance(script, (str, bytes)):
             raise TypeError(
                 "ScriptedSend(script) takes a list of steps, not a single "
-                f"{type(script).__name__}; wrap it: ScriptedSend([{script!r}])"
+                f"{type(script).__name__}; wrap it: ScriptedSend([{_show(script)}])"
             )
         else:
             scripts[None] = list(script)
@@ -185,6 +207,14 @@ class ScriptedSend(Generic[T]):
                 raise ValueError(f"{where} needs at least one step")
             for n, step in enumerate(steps):
                 _check_step(step, f"{where}[{n}]")
+        if isinstance(kv_opcode, bool) or not isinstance(kv_opcode, int):
+            raise TypeError(
+                f"ScriptedSend(kv_opcode) must be an int KV opcode, got {_show(kv_opcode)}"
+            )
+        if not 0 <= kv_opcode <= 0xFF:
+            raise ValueError(f"ScriptedSend(kv_opcode) must be in 0..0xff, got {_show(kv_opcode)}")
+        if not isinstance(read_only, bool):
+            raise TypeError(f"ScriptedSend(read_only) must be a bool, got {_show(read_only)}")
         self.script: list[Any] = scripts.get(None, [])
         self._scripts = scripts
         self._positions: dict[int | None, int] = dict.fromkeys(scripts, 0)
@@ -200,7 +230,8 @@ class ScriptedSend(Generic[T]):
         if steps is None:
             known = ", ".join(str(k) for k in self._scripts)
             raise LookupError(
-                f"ScriptedSend: no script for attempt index {index!r}; scripts exist for {known}"
+                f"ScriptedSend: no script for attempt index {_show(index)}; "
+                f"scripts exist for {known}"
             )
         position = self._positions[key]
         self._positions[key] = position + 1
@@ -245,14 +276,15 @@ class VirtualClock:
     """
 
     def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
+        self.now = _seconds(start, "VirtualClock(start)", minimum=None)
         self.sleeps: list[float] = []
 
     def clock(self) -> float:
         return self.now
 
     def advance(self, seconds: float) -> None:
-        self.now += seconds
+        """Move the clock forward by ``seconds`` (finite, >= 0: the clock is monotonic)."""
+        self.now += _seconds(seconds, "VirtualClock.advance(seconds)")
 
     async def sleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
@@ -265,7 +297,7 @@ _LAZY = {"GrpcStatus", "ScriptedGrpcServer", "grpc_server"}
 
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
-        raise AttributeError(f"module 'sdkcore.testing' has no attribute {name!r}")
+        raise AttributeError(f"module 'sdkcore.testing' has no attribute {_show(name)}")
     try:
         from . import _grpc
     except ImportError as exc:

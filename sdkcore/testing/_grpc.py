@@ -11,6 +11,7 @@ import attrs
 import grpc
 from grpc import aio
 
+from .._untrusted import show as _show
 from ..mapping import GrpcCode, grpc_code
 from . import Delay
 
@@ -22,11 +23,27 @@ def _check_code(instance: object, attribute: attrs.Attribute[Any], value: object
         raise ValueError("GrpcStatus(code): OK is not a failure; script the reply bytes instead")
 
 
+#: grpc-retry-pushback-ms is an int32 on the wire.
+_PUSHBACK_RANGE = (-(2**31), 2**31 - 1)
+
+
 def _check_pushback(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(
-            f"GrpcStatus(pushback_ms) must be an int (-1: do not retry) or None, got {value!r}"
+            f"GrpcStatus(pushback_ms) must be an int (-1: do not retry) or None, got {_show(value)}"
         )
+    if not _PUSHBACK_RANGE[0] <= value <= _PUSHBACK_RANGE[1]:
+        raise ValueError(
+            "GrpcStatus(pushback_ms) must fit the int32 grpc-retry-pushback-ms trailer "
+            f"(-2**31..2**31-1), got {_show(value)}"
+        )
+
+
+def _check_message(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"GrpcStatus(message) must be a str, got {_show(value)}")
 
 
 @attrs.frozen(slots=True)
@@ -39,7 +56,7 @@ class GrpcStatus:
     """
 
     code: GrpcCode = attrs.field(converter=grpc_code, validator=_check_code)
-    message: str = ""
+    message: str = attrs.field(default="", validator=_check_message)
     pushback_ms: int | None = attrs.field(default=None, validator=_check_pushback)
     trailing: tuple[tuple[str, str], ...] = ()
 
@@ -54,7 +71,7 @@ def _step(step: object, where: str) -> object:
         return GrpcStatus(step)
     raise TypeError(
         f"{where}: a grpc_server step is reply bytes, a GrpcCode / grpc.StatusCode, a "
-        f"GrpcStatus or a Delay, got {step!r}"
+        f"GrpcStatus or a Delay, got {_show(step)}"
     )
 
 
@@ -138,16 +155,16 @@ def grpc_server(
             if not isinstance(method, str) or not method.startswith("/"):
                 raise TypeError(
                     "grpc_server({method: script}): keys are full method names such as "
-                    f'"/pkg.Svc/Get", got {method!r}'
+                    f'"/pkg.Svc/Get", got {_show(method)}'
                 )
-            scripts[method] = [_step(s, f"grpc_server[{method!r}]") for s in steps]
+            scripts[method] = [_step(s, f"grpc_server[{_show(method)}]") for s in steps]
     elif isinstance(script, (bytes, str)):
         raise TypeError("grpc_server(script) takes a list of steps; wrap a single reply: [b'...']")
     else:
         scripts[None] = [_step(s, "grpc_server(script)") for s in script]
     for key, steps in scripts.items():
         if not steps:
-            where = "grpc_server(script)" if key is None else f"grpc_server[{key!r}]"
+            where = "grpc_server(script)" if key is None else f"grpc_server[{_show(key)}]"
             raise ValueError(f"{where} needs at least one step")
     return _serve(ScriptedGrpcServer(scripts))
 

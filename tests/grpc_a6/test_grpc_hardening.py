@@ -24,6 +24,7 @@ from sdkcore import (  # noqa: E402
     AttemptEffect,
     Request,
     RequestState,
+    RetryableError,
     RetryReason,
     UnambiguousTimeoutException,
 )
@@ -358,10 +359,12 @@ async def test_both_grpc_paths_name_the_same_reason_for_every_status(server: Ser
         table = grpc_status_reason(code)
         assert channel[names[code]] == table.name, code
         mapped = grpc_failure(code)
-        if isinstance(mapped, RetryReason):
-            assert mapped is table, code
+        if isinstance(mapped, RetryableError):
+            assert mapped.reason is table, code
     assert grpc_status_reason(UNAVAILABLE) is RetryReason.SERVICE_NOT_AVAILABLE
-    assert grpc_failure(UNAVAILABLE) is RetryReason.SERVICE_NOT_AVAILABLE
+    mapped = grpc_failure(UNAVAILABLE)
+    assert isinstance(mapped, RetryableError)
+    assert mapped.reason is RetryReason.SERVICE_NOT_AVAILABLE
 
 
 def test_status_reason_table_covers_every_failure_and_allows_the_a6_retry() -> None:
