@@ -119,7 +119,7 @@ def raise_failure(
             and isinstance(result, CouchbaseException)
             and result.context is None
         ):
-            result.context = request.error_context(request._last_reason)
+            result.context = request.error_context(request.last_reason)
         if cause is not None:
             raise result from cause
         raise result
