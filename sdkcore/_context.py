@@ -31,6 +31,8 @@ class CancellationReason(enum.Enum):
     CANCELLED_VIA_CONTEXT = "CANCELLED_VIA_CONTEXT"
     #: The surrounding task was cancelled (anyio/asyncio/trio cancellation).
     TASK_CANCELLED = "TASK_CANCELLED"
+    #: The orchestrator's retry budget refused the retry (``RetryOrchestrator(retry_budget=...)``).
+    RETRY_BUDGET_EXHAUSTED = "RETRY_BUDGET_EXHAUSTED"
 
 
 class AttemptEffect(enum.Enum):

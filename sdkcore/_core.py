@@ -18,22 +18,32 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from . import _failing, _log
 from ._action import RetryAction
-from ._decision import Decision, Verdict, decide
+from ._decision import Decision, Verdict, decide, spends_budget
 from ._errors import CouchbaseException
 from ._reason import RetryReason
 from ._request import Request, RequestState
 from ._strategy import FastFailOnTerminalErrorRetryStrategy, RetryStrategy, ask
 
-__all__ = ["DEFAULT_MAX_REQUESTS_IN_RETRY", "OrchestratorCore"]
+__all__ = ["DEFAULT_MAX_REQUESTS_IN_RETRY", "OrchestratorCore", "RetryBudgetLike"]
 
 #: Per-orchestrator limit of requests waiting in retry (the Java SDK's default).
 DEFAULT_MAX_REQUESTS_IN_RETRY = 32768
 
 _PENDING = RequestState.PENDING
+
+
+class RetryBudgetLike(Protocol):
+    """What the orchestrator needs of a retry budget (``sdkcore.RetryBudget`` is one)."""
+
+    def deposit(self) -> None: ...
+
+    def try_withdraw(self) -> bool: ...
+
+
 _RETRY = Verdict.RETRY
 _TIME_OUT = Verdict.TIME_OUT
 
@@ -42,6 +52,7 @@ class OrchestratorCore:
     """The orchestrator's settings, backpressure count and per-failure step."""
 
     __slots__ = (
+        "_budget",
         "_default",
         "_in_retry",
         "_in_retry_sync",
@@ -57,6 +68,7 @@ class OrchestratorCore:
         *,
         max_requests_in_retry: int = DEFAULT_MAX_REQUESTS_IN_RETRY,
         sleep: Callable[[float], Awaitable[Any]] | None = None,
+        retry_budget: RetryBudgetLike | None = None,
     ) -> None:
         if default_strategy is None:
             default_strategy = FastFailOnTerminalErrorRetryStrategy()
@@ -80,6 +92,15 @@ class OrchestratorCore:
             raise TypeError(
                 f"RetryOrchestrator(sleep=...) must be an async callable (seconds), got {sleep!r}"
             )
+        if retry_budget is not None and not (
+            callable(getattr(retry_budget, "deposit", None))
+            and callable(getattr(retry_budget, "try_withdraw", None))
+        ):
+            raise TypeError(
+                "RetryOrchestrator(retry_budget=...) must be an sdkcore.RetryBudget (an object "
+                f"with deposit() and try_withdraw() -> bool), got {retry_budget!r}"
+            )
+        self._budget = retry_budget
         self._default: RetryStrategy = default_strategy
         self._max_in_retry = max_requests_in_retry
         # Requests waiting in backoff. The async doors count on the event loop's thread
@@ -98,6 +119,11 @@ class OrchestratorCore:
     @property
     def default_strategy(self) -> RetryStrategy:
         return self._default
+
+    @property
+    def retry_budget(self) -> RetryBudgetLike | None:
+        """The retry budget every request of this orchestrator shares (None: no budget)."""
+        return self._budget
 
     @property
     def max_requests_in_retry(self) -> int:
@@ -137,16 +163,17 @@ class OrchestratorCore:
         strategy: Any,
         log: Any,
         failure: BaseException | None,
+        hint: float | None = None,
         threads: bool = False,
     ) -> Decision:
         """Decide, then book the retry (returned) or complete the request and raise.
 
         ``strategy``: the one that answered ``action`` (None for an always-retry
         reason); ``log``: the debug logger or None (asked once per door call);
-        ``failure``: the attempt's failure, the ``__cause__`` of the final exception.
-        A retry is counted as waiting in retry: the door gives it back with
-        :meth:`_leave_backoff` once the wait is over (``threads``: execute_sync's
-        count, under the lock).
+        ``failure``: the attempt's failure, the ``__cause__`` of the final exception;
+        ``hint``: the seconds the server asked to wait. A retry (RETRY or TIME_OUT) is
+        counted as waiting in retry: the door gives it back with :meth:`_leave_backoff`
+        once the wait is over (``threads``: execute_sync's count, under the lock).
         """
         if request.state is not _PENDING:  # cancelled while the strategy ran
             raise _failing.already_completed(request, reason)
@@ -160,7 +187,7 @@ class OrchestratorCore:
         left = request.deadline - request.clock()
         if threads:
             with self._lock:  # the capacity check and the count move together
-                decision = decide(
+                verdict, delay = decide(
                     reason,
                     action,
                     attempts,
@@ -168,12 +195,12 @@ class OrchestratorCore:
                     left,
                     self._in_retry + self._in_retry_sync,
                     self._max_in_retry,
+                    hint,
                 )
-                retries = decision.verdict is _RETRY or decision.verdict is _TIME_OUT
-                if retries:
+                if verdict is _RETRY or verdict is _TIME_OUT:
                     self._in_retry_sync += 1
         else:
-            decision = decide(
+            verdict, delay = decide(
                 reason,
                 action,
                 attempts,
@@ -181,30 +208,50 @@ class OrchestratorCore:
                 left,
                 self._in_retry + self._in_retry_sync,
                 self._max_in_retry,
+                hint,
             )
-            retries = decision.verdict is _RETRY or decision.verdict is _TIME_OUT
-            if retries:
+            if verdict is _RETRY or verdict is _TIME_OUT:
                 self._in_retry += 1
-        if not retries:
-            exc = _failing.refused(
-                request, reason, decision, _failing.strategy_name(strategy), self._max_in_retry
-            )
+        budget = self._budget
+        if (
+            verdict is _RETRY
+            and budget is not None
+            and spends_budget(reason)
+            and not budget.try_withdraw()  # it will send again: the budget pays first
+        ):
+            self._leave_backoff(threads)
+            verdict = Verdict.BUDGET_EXHAUSTED
+        if verdict is not _RETRY and verdict is not _TIME_OUT:
+            name = _failing.strategy_name(strategy)
+            exc: BaseException
+            if verdict is Verdict.HINT_PAST_DEADLINE:
+                assert hint is not None
+                exc = _failing.timed_out(request, reason, name, request.clock(), hint=(hint, left))
+            else:
+                exc = _failing.refused(
+                    request, reason, verdict, action, name, self._max_in_retry, budget
+                )
             if isinstance(exc, CouchbaseException):
                 _failing.keep_cause(exc, failure)
             raise exc
-        request._retry_booked(reason, decision.delay)
+        request._retry_booked(reason, delay)
         if log is not None:
             try:
                 log.debug(
                     _log.EVENT_SCHEDULED,
                     **_failing.event_fields(request, reason, _failing.strategy_name(strategy)),
-                    delay_ms=round(decision.delay * 1000.0, 3),
-                    capped=decision.verdict is _TIME_OUT,
+                    delay_ms=round(delay * 1000.0, 3),
+                    capped=verdict is _TIME_OUT,
                 )
             except BaseException:
                 self._leave_backoff(threads)
                 raise
-        return decision
+        return verdict, delay
+
+    def _deposit(self, request: Request) -> None:
+        """A request's first attempt pays into the retry budget (once per request)."""
+        if self._budget is not None and request._first_dispatch():
+            self._budget.deposit()
 
     def _leave_backoff(self, threads: bool = False) -> None:
         """A request counted by :meth:`_settle` stopped waiting in retry."""

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from ._context import AttemptEffect, ErrorContext
+from ._duration import to_seconds
 from ._reason import RetryReason
 
 __all__ = [
@@ -120,9 +123,14 @@ class RetryableError(Exception):
     :class:`AttemptEffect`); the default follows from the reason's flags. Pass
     ``AttemptEffect.MAYBE_APPLIED`` when the server answered with a status that does
     not prove the operation was not applied (e.g. gRPC UNAVAILABLE from the server).
+
+    ``retry_after`` (a ``timedelta`` or seconds) says the server asked for at least
+    this long before the next attempt (HTTP ``Retry-After``, gRPC pushback, a circuit
+    breaker's sleep window): the retry waits the longer of it and the strategy's
+    backoff, and a hint that ends past the deadline times the request out at once.
     """
 
-    __slots__ = ("effect", "reason")
+    __slots__ = ("effect", "reason", "retry_after")
 
     def __init__(
         self,
@@ -131,6 +139,7 @@ class RetryableError(Exception):
         *,
         cause: BaseException | None = None,
         effect: AttemptEffect | None = None,
+        retry_after: timedelta | float | None = None,
     ):
         if type(reason) is not RetryReason:
             raise TypeError(f"RetryableError reason must be a RetryReason, got {reason!r}")
@@ -141,6 +150,10 @@ class RetryableError(Exception):
         super().__init__(message)
         self.reason = reason
         self.effect = effect
+        #: Seconds the server asked to wait at least (None: no hint).
+        self.retry_after: float | None = (
+            None if retry_after is None else to_seconds(retry_after, "RetryableError.retry_after")
+        )
         if cause is not None:
             self.__cause__ = cause
 
@@ -154,16 +167,25 @@ class RetryableError(Exception):
             parts.append(repr(self.args[0]))
         if self.effect is not None:
             parts.append(f"effect=AttemptEffect.{self.effect.name}")
+        if self.retry_after is not None:
+            parts.append(f"retry_after={self.retry_after!r}")
         return f"{type(self).__name__}({', '.join(parts)})"
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuild_retryable, (type(self), self.reason, *self.args[:1], self.effect))
+        return (
+            _rebuild_retryable,
+            (type(self), self.reason, *self.args[:1], self.effect, self.retry_after),
+        )
 
 
 def _rebuild_retryable(
-    cls: type[RetryableError], reason: RetryReason, message: str, effect: AttemptEffect | None
+    cls: type[RetryableError],
+    reason: RetryReason,
+    message: str,
+    effect: AttemptEffect | None,
+    retry_after: float | None = None,
 ) -> RetryableError:
-    return cls(reason, message, effect=effect)
+    return cls(reason, message, effect=effect, retry_after=retry_after)
 
 
 # -- errors produced by the failure mappers (sdkcore.mapping) and adapters --------------

@@ -17,7 +17,8 @@ from . import _failing, _log, _runtime
 from ._action import RetryAction
 from ._context import AttemptEffect, CancellationReason
 from ._core import OrchestratorCore
-from ._decision import Decision, Verdict
+from ._decision import Verdict
+from ._duration import to_seconds
 from ._errors import CouchbaseException, RetryableError
 from ._hooks import INSTANT_DELAYS
 from ._reason import RetryReason
@@ -28,6 +29,7 @@ __all__ = ["attempt", "execute", "maybe_retry"]
 T = TypeVar("T")
 
 _PENDING = RequestState.PENDING
+_RETRY = Verdict.RETRY
 _MAYBE = AttemptEffect.MAYBE_APPLIED
 _EFFECT_OF = {r: AttemptEffect.for_reason(r) for r in RetryReason}
 _INF = math.inf
@@ -91,11 +93,11 @@ async def _wait(self: OrchestratorCore, request: Request, rt: Any, delay: float)
         self._leave_backoff()
 
 
-def _resume(request: Request, decision: Decision, strategy: Any) -> None:
+def _resume(request: Request, verdict: Verdict, strategy: Any) -> None:
     """After the backoff: raise what ends the request instead of a re-dispatch."""
     if request.state is not _PENDING:  # Request.cancel() during the backoff
         raise _failing.already_completed(request, request.last_reason)
-    if decision.verdict is Verdict.TIME_OUT:
+    if verdict is Verdict.TIME_OUT:
         raise _failing.timed_out(
             request, request.last_reason, _failing.strategy_name(strategy), request.clock()
         ) from _failing.cause(request)
@@ -135,6 +137,7 @@ async def execute(
         scope = rt.Scope(rt.now() + left)
         previous = request._set_cancel_hook(scope)  # Request.cancel() cuts the attempt
     debug = _UNSET  # the debug logger (or None), asked at the call's first retry
+    self._deposit(request)
     try:
         while True:
             request._begin_attempt(clock())
@@ -158,10 +161,12 @@ async def execute(
                 action, strategy = self._ask(request, reason)
                 if type(action) is not RetryAction and hasattr(action, "__await__"):
                     action = await _awaited(request, reason, action, strategy)
-                decision = self._settle(request, reason, action, strategy, debug, failed)
-                await _wait(self, request, rt, decision.delay)
-                if decision.verdict is not Verdict.RETRY or request.state is not _PENDING:
-                    _resume(request, decision, strategy)
+                verdict, delay = self._settle(
+                    request, reason, action, strategy, debug, failed, failure.retry_after
+                )
+                await _wait(self, request, rt, delay)
+                if verdict is not _RETRY or request.state is not _PENDING:
+                    _resume(request, verdict, strategy)
                 continue
             break
     except BaseException as exc:
@@ -202,13 +207,16 @@ async def maybe_retry(
     *,
     cause: BaseException | None = None,
     effect: AttemptEffect | None = None,
+    retry_after: timedelta | float | None = None,
 ) -> timedelta:
     """Retry ``request`` for ``reason``, or fail it.
 
     Call it once per failed attempt. ``cause`` is the attempt's failure (logged as
     ``caused_by``, kept as the context's ``last_error`` and chained as the final
     exception's ``__cause__``); ``effect`` what is known about the server side
-    (default: from the reason's flags, see :class:`AttemptEffect`).
+    (default: from the reason's flags, see :class:`AttemptEffect`);
+    ``retry_after`` the wait the server asked for (default: ``cause.retry_after``
+    when ``cause`` is a RetryableError), see :class:`RetryableError`.
 
     Returns the delay waited once the caller should re-dispatch. Raises when it
     must not: the strategy's chosen exception or RequestCanceledException
@@ -226,13 +234,18 @@ async def maybe_retry(
     if request.state is not _PENDING:
         raise _failing.already_completed(request, reason)
     request._attempt_failed(reason, effect or _EFFECT_OF[reason], cause, request.clock())
+    self._deposit(request)  # a loop without attempt(): its first failure counts the first attempt
     rt = _runtime.current()
     action, strategy = self._ask(request, reason)
     if type(action) is not RetryAction and hasattr(action, "__await__"):
         name = _failing.strategy_name(strategy)
         action = await _bounded(self, request, reason, rt, action, name)
-    decision = self._settle(request, reason, action, strategy, _log.enabled(_log.DEBUG), cause)
-    delay = decision.delay
+    if retry_after is None and isinstance(cause, RetryableError):
+        retry_after = cause.retry_after
+    hint = None if retry_after is None else to_seconds(retry_after, "maybe_retry(retry_after=...)")
+    verdict, delay = self._settle(
+        request, reason, action, strategy, _log.enabled(_log.DEBUG), cause, hint
+    )
     if delay > 0.0 and (self._sleep is None or not _instant()):
         # Request.cancel() wakes a real backoff early.
         scope = rt.Scope(_INF)
@@ -253,10 +266,9 @@ async def maybe_retry(
         except BaseException as exc:
             request._finish_by(exc)
             raise
-    _resume(request, decision, strategy)
-    action = decision.action
-    if action is not None and action.seconds == delay and action.duration is not None:
-        return action.duration
+    _resume(request, verdict, strategy)
+    if isinstance(action, RetryAction) and action.seconds == delay and action.duration is not None:
+        return action.duration  # the strategy's own timedelta: nothing to build
     return timedelta(seconds=delay)
 
 
@@ -309,6 +321,7 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
     if left <= 0.0:  # expired before the attempt: nothing is sent
         raise _failing.timed_out(request, request.last_reason, _strategy_of(self, request), now)
     request._begin_attempt(now)
+    self._deposit(request)  # once, on the request's first attempt
     if left == _INF:
         yield
         return

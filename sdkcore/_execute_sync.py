@@ -65,6 +65,7 @@ def execute_sync(
     deadline = request.deadline
     debug: Any = None
     asked = False
+    self._deposit(request)
     while True:
         if clock() >= deadline:
             raise _failing.timed_out(
@@ -84,7 +85,7 @@ def execute_sync(
             request._attempt_failed(reason, failure.effect or _EFFECT_OF[reason], failed, now)
             if not asked:
                 debug, asked = _log.enabled(_log.DEBUG), True
-            _retry(self, request, reason, failed, sleep, debug)
+            _retry(self, request, reason, failed, sleep, debug, failure.retry_after)
             continue
         except Exception as exc:
             now = clock()
@@ -130,6 +131,7 @@ def _retry(
     failure: BaseException,
     sleep: Callable[[float], Any],
     debug: Any,
+    hint: float | None,
 ) -> None:
     """Decide and wait one retry on the calling thread (raises when not retried)."""
     action, strategy = self._ask(request, reason)
@@ -144,10 +146,12 @@ def _retry(
             "an awaitable. Use a built-in strategy, override its decide(request, reason) "
             "instead, or 'await orchestrator.execute(...)'"
         )
-    decision = self._settle(request, reason, action, strategy, debug, failure, threads=True)
+    verdict, delay = self._settle(
+        request, reason, action, strategy, debug, failure, hint, threads=True
+    )
     try:
-        if decision.delay > 0.0 and not INSTANT_DELAYS.get():
-            sleep(decision.delay)
+        if delay > 0.0 and not INSTANT_DELAYS.get():
+            sleep(delay)
     except BaseException as exc:
         request._finish_by(exc)
         raise
@@ -155,7 +159,7 @@ def _retry(
         self._leave_backoff(threads=True)
     if request.state is not _PENDING:  # Request.cancel() from another thread
         raise _failing.already_completed(request, reason)
-    if decision.verdict is Verdict.TIME_OUT:
+    if verdict is Verdict.TIME_OUT:
         raise _failing.timed_out(
             request, reason, _failing.strategy_name(strategy), request.clock()
         ) from failure

@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from . import _log
+from ._action import RetryAction
 from ._context import AttemptEffect, CancellationReason, describe_error
-from ._decision import Decision, Verdict
+from ._decision import Verdict
 from ._errors import (
     AmbiguousTimeoutException,
     CouchbaseException,
@@ -90,11 +91,14 @@ def timed_out(
     *,
     in_flight: bool = False,
     error: BaseException | None = None,
+    hint: tuple[float, float] | None = None,
 ) -> TimeoutException:
     """Complete ``request`` as timed out; the exception to raise.
 
     ``in_flight``: an attempt was cut at the deadline (recorded as maybe applied;
     ``error`` is what it raised, unless that was the cancellation itself).
+    ``hint``: (the server's retry-after, the seconds left) when the request times
+    out at once because the server asked for a wait past its deadline.
     """
     request._reopen_for_timeout()
     request._finish(RequestState.CANCELLED, CancellationReason.TIMEOUT)
@@ -105,33 +109,49 @@ def timed_out(
     if log is not None:
         fields = event_fields(request, reason, strategy)
         fields["caused_by"] = describe_error(request.last_error)
+        if hint is not None:
+            fields["retry_after_ms"] = round(hint[0] * 1000.0, 3)
         log.info(_log.EVENT_TIMED_OUT, **fields, in_flight=in_flight, ambiguous=ambiguous)
     context = request.error_context(reason, in_flight=in_flight)
+    cls = AmbiguousTimeoutException if ambiguous else UnambiguousTimeoutException
     if ambiguous:
-        return AmbiguousTimeoutException(context=context)
-    if request.maybe_applied:  # idempotent: applying it again changes nothing
-        return UnambiguousTimeoutException(
-            "request timed out; it may have reached the server, but it is idempotent, so it is "
-            "safe to retry (unambiguous)",
+        what = "it may have been applied on the server (ambiguous)"
+    elif request.maybe_applied:  # idempotent: applying it again changes nothing
+        what = (
+            "it may have reached the server, but it is idempotent, so it is safe to retry "
+            "(unambiguous)"
+        )
+    else:
+        what = "it was not applied on the server (unambiguous)"
+    if hint is not None:
+        wait, left = hint
+        return cls(
+            f"request timed out: the server asked to retry after {wait:.3f} s, past the "
+            f"deadline ({max(left, 0.0):.3f} s left), so it was not retried; {what}",
             context=context,
         )
-    return UnambiguousTimeoutException(context=context)
+    if ambiguous or not request.maybe_applied:
+        return cls(context=context)  # the class's own message says it
+    return cls(f"request timed out; {what}", context=context)
 
 
 def refused(
     request: Request,
     reason: RetryReason,
-    decision: Decision,
+    verdict: Verdict,
+    action: RetryAction | None,
     strategy: str,
     max_requests_in_retry: int,
+    budget: Any = None,
 ) -> BaseException:
-    """Complete ``request`` as not retried (REFUSED, NOT_IDEMPOTENT, TOO_MANY)."""
-    verdict = decision.verdict
-    action = decision.action
+    """Complete ``request`` as not retried (REFUSED, NOT_IDEMPOTENT, TOO_MANY, BUDGET_EXHAUSTED)."""
     if verdict is Verdict.TOO_MANY:
-        request._finish(RequestState.CANCELLED, CancellationReason.TOO_MANY_REQUESTS_IN_RETRY)
+        why = CancellationReason.TOO_MANY_REQUESTS_IN_RETRY
+    elif verdict is Verdict.BUDGET_EXHAUSTED:
+        why = CancellationReason.RETRY_BUDGET_EXHAUSTED
     else:
-        request._finish(RequestState.CANCELLED, CancellationReason.NO_MORE_RETRIES)
+        why = CancellationReason.NO_MORE_RETRIES
+    request._finish(RequestState.CANCELLED, why)
     log = _log.enabled(_log.INFO)
     if log is not None:
         cancellation = request.cancellation_reason
@@ -146,6 +166,13 @@ def refused(
         return RequestCanceledException(
             f"not retried: {max_requests_in_retry} requests are already waiting in retry "
             f"(after {reason.name})",
+            context=context,
+        )
+    if verdict is Verdict.BUDGET_EXHAUSTED:
+        balance = getattr(budget, "balance", None)
+        return RequestCanceledException(
+            f"not retried: the retry budget is exhausted (balance {balance}) after "
+            f"{reason.name}; too many requests are failing at once to retry them all",
             context=context,
         )
     if action is not None and action.exception is not None:

@@ -38,6 +38,10 @@ class RetryOrchestrator(OrchestratorCore):
       in retry, further retries fail at once (TOO_MANY_REQUESTS_IN_RETRY).
     * ``sleep``: the wait (default: the running event loop's own sleep); inject a
       virtual clock's sleep in tests together with ``Request(clock=...)``.
+    * ``retry_budget``: an :class:`RetryBudget` shared by every request (and any
+      other orchestrator or channel given the same one): each request's first
+      attempt deposits, each retry that sends again withdraws, and a refused
+      withdrawal ends the request (RETRY_BUDGET_EXHAUSTED). See rfc/0007.
 
     Three doors, one set of rules: :meth:`execute` (async dispatch loop),
     :meth:`execute_sync` (the same for threads), and :meth:`maybe_retry` with

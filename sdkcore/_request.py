@@ -58,6 +58,7 @@ class Request:
         "_clock",
         "_context",
         "_deadline",
+        "_dispatched",
         "_history",
         "_id",
         "_idempotent",
@@ -136,6 +137,7 @@ class Request:
         self._last_error: BaseException | None = None
         self._maybe_applied = False
         self._sent_at = -1.0  # clock time the attempt in flight was sent (-1: none)
+        self._dispatched = False  # a door has counted its first attempt
 
     # -- what the application set (read-only once built) ----------------------
     @property
@@ -298,6 +300,13 @@ class Request:
         """An attempt is being sent at ``now`` (the request's clock)."""
         self._in_flight = True
         self._sent_at = now
+
+    def _first_dispatch(self) -> bool:
+        """True the first time a door asks: the request's first attempt goes out."""
+        if self._dispatched:
+            return False
+        self._dispatched = True
+        return True
 
     def _attempt_failed(
         self,
