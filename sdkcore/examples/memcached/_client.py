@@ -80,6 +80,10 @@ class _Connection:
                         waiter.done.set()
         except (*_LOST, proto.ProtocolError) as exc:
             self.close(ConnectionResetError(f"connection to {self.name} lost: {exc!r}"))
+        finally:
+            self.close(ConnectionResetError(f"connection to {self.name} closed"))
+            with anyio.CancelScope(shield=True):
+                await self.stream.aclose()
 
     def close(self, why: BaseException) -> None:
         if self.lost is None:
@@ -101,6 +105,8 @@ class _Connection:
                     await self.stream.send(frame)
                 except _LOST as exc:
                     self.close(ConnectionResetError(f"write to {self.name} failed: {exc!r}"))
+                    with anyio.CancelScope(shield=True):
+                        await self.stream.aclose()  # the reader wakes up and ends
             await waiter.done.wait()
         finally:
             self.waiting.pop(opaque, None)
