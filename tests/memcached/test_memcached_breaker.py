@@ -49,7 +49,7 @@ def breaker_factory(**overrides: Any) -> Callable[[str], CircuitBreaker]:
 
 async def wait_for(predicate: Callable[[], bool], what: str, limit: float = 10.0) -> None:
     with anyio.fail_after(limit):  # a safety net, not a timing claim
-        while not predicate():
+        while not predicate():  # noqa: ASYNC110 - polls the breaker's lazy state
             await anyio.sleep(0.01)
 
 
@@ -113,8 +113,7 @@ async def test_dead_endpoint_sees_one_probe_per_sleep_window_and_the_canary_clos
     refused_by_breaker = [
         exc
         for exc in failures
-        if exc.context is not None
-        and RetryReason.CIRCUIT_BREAKER_OPEN in exc.context.retry_reasons
+        if exc.context is not None and RetryReason.CIRCUIT_BREAKER_OPEN in exc.context.retry_reasons
     ]
     assert refused_by_breaker, "requests during the outage were refused by the breaker"
     assert all(isinstance(exc, TimeoutException) for exc in during_outage)
@@ -125,9 +124,7 @@ async def test_timeouts_open_the_default_breaker_and_a_slow_canary_counts_as_fai
 ) -> None:
     # Couchbase's rule (timeouts only): a black-holed endpoint trips the breaker
     factory = breaker_factory(is_failure=None, volume_threshold=3, canary_timeout=0.1)
-    async with MemcachedClient(
-        f"127.0.0.1:{proxy.port}", timeout=0.15, breaker=factory
-    ) as client:
+    async with MemcachedClient(f"127.0.0.1:{proxy.port}", timeout=0.15, breaker=factory) as client:
         breaker = client.breakers[0]
         await client.set("k", b"v")
         proxy.drop_replies = True
