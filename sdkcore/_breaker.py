@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -105,6 +106,7 @@ class CircuitBreaker:
         "_error_pct",
         "_failures",
         "_is_failure",
+        "_last",
         "_lock",
         "_name",
         "_opened_at",
@@ -112,6 +114,7 @@ class CircuitBreaker:
         "_rolling_window",
         "_sleep_window",
         "_state",
+        "_ticks",
         "_total",
         "_volume",
         "_window_end",
@@ -159,6 +162,11 @@ class CircuitBreaker:
         self._window_end = -float("inf")  # the first outcome starts a window
         self._opened_at = 0.0  # start of the current sleep window (OPEN)
         self._probe_at = 0.0  # when the probe was granted (HALF_OPEN)
+        # Successes while CLOSED with no failure in the window are counted by an
+        # itertools.count (atomic in CPython: no lock on the hot path); the lock holder
+        # adds them to _total (see _flush).
+        self._ticks = itertools.count()
+        self._last = next(self._ticks)
 
     # -- configuration and diagnostics -------------------------------------------
     @property
@@ -189,6 +197,7 @@ class CircuitBreaker:
     def counts(self) -> tuple[int, int]:
         """``(outcomes, failures)`` counted in the current window (zero after closing)."""
         with self._lock:
+            self._flush()
             return self._total, self._failures
 
     def probe_after(self) -> float | None:
@@ -260,24 +269,10 @@ class CircuitBreaker:
     # -- outcomes -----------------------------------------------------------------
     def record_success(self) -> None:
         """A dispatch that was let through got an answer."""
-        clock = self._clock
-        with self._lock:
-            state = self._state
-            if state is _CLOSED:
-                now = clock()
-                if now >= self._window_end:
-                    self._window_end = now + self._rolling_window
-                    self._total = 1
-                    self._failures = 0
-                    return
-                self._total = total = self._total + 1
-                if not self._failures or total < self._volume:
-                    return
-                event = self._maybe_trip(now)
-            else:
-                event = self._outcome_not_closed(clock(), False)
-        if event is not None:
-            _emit(*event)
+        if self._state is _CLOSED and not self._failures and self._clock() < self._window_end:
+            next(self._ticks)  # the hot path: no failure to weigh, one atomic count
+            return
+        self._record(False)
 
     def record_failure(self, error: BaseException) -> None:
         """A dispatch that was let through failed with ``error``.
@@ -292,29 +287,41 @@ class CircuitBreaker:
             )
         if not isinstance(error, Exception):
             return
-        if not self._is_failure(error):
-            self.record_success()
-            return
-        clock = self._clock
+        self._record(bool(self._is_failure(error)))
+
+    def _record(self, failed: bool) -> None:
         with self._lock:
-            now = clock()
+            now = self._clock()
             if self._state is _CLOSED:
-                if now >= self._window_end:
+                self._flush()
+                if now >= self._window_end:  # tumbling: this event starts a new window
                     self._window_end = now + self._rolling_window
                     self._total = self._failures = 0
                 self._total += 1
-                self._failures += 1
-                event = self._maybe_trip(now) if self._total >= self._volume else None
+                if failed:
+                    self._failures += 1
+                event = (
+                    self._maybe_trip(now)
+                    if self._failures and self._total >= self._volume
+                    else None
+                )
             else:
-                event = self._outcome_not_closed(now, True)
+                event = self._outcome_not_closed(now, failed)
         if event is not None:
             _emit(*event)
+
+    def _flush(self) -> None:
+        """Add the lock-free successes to ``_total`` (under the lock)."""
+        tick = next(self._ticks)
+        self._total += tick - self._last - 1
+        self._last = tick
 
     def reset(self) -> None:
         """Back to CLOSED with counters zero (an endpoint calls it when it reconnects)."""
         with self._lock:
             was = self._state
             self._state = _CLOSED
+            self._flush()
             self._total = self._failures = 0
             self._window_end = -float("inf")
             event = (
@@ -352,6 +359,7 @@ class CircuitBreaker:
         fields = {"cause": "probe_succeeded"}
         event = self._event(_log.EVENT_BREAKER_CLOSED, _log.INFO, fields)
         self._state = _CLOSED
+        self._flush()
         self._total = self._failures = 0
         self._window_end = -float("inf")
         return event

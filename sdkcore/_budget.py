@@ -10,6 +10,7 @@ window ten slices later (after between 0.9 and 1 ``ttl``). See rfc/0007.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
@@ -47,6 +48,7 @@ class RetryBudget:
         "_deposit",
         "_exhausted",
         "_index",
+        "_last",
         "_lock",
         "_min",
         "_name",
@@ -54,8 +56,10 @@ class RetryBudget:
         "_percent",
         "_refused",
         "_reserve",
+        "_slice_end",
         "_slices",
         "_sum",
+        "_ticks",
         "_ttl",
         "_withdraw",
     )
@@ -102,6 +106,11 @@ class RetryBudget:
         self._slices = [0] * _SLICES
         self._sum = 0
         self._index = int(clock() * self._per_slice)
+        self._slice_end = (self._index + 1) / self._per_slice
+        # Deposits in the current slice are counted by an itertools.count (atomic in
+        # CPython: no lock on the hot path); the lock holder moves them into the slice.
+        self._ticks = itertools.count()
+        self._last = next(self._ticks)
         self._exhausted = False
         self._refused = 0
 
@@ -122,8 +131,7 @@ class RetryBudget:
         """The whole retries that can be made now (never negative): a gauge."""
         index = int(self._clock() * self._per_slice)
         with self._lock:
-            if index != self._index:
-                self._advance(index)
+            self._catch_up(index)
             tokens = self._sum + self._reserve
         if tokens <= 0:
             return 0
@@ -136,23 +144,24 @@ class RetryBudget:
 
     def deposit(self) -> None:
         """A first attempt: credits ``percent_can_retry`` of a retry."""
-        amount = self._deposit
-        if not amount:
+        if not self._deposit:
             return
-        index = int(self._clock() * self._per_slice)
+        now = self._clock()
+        if now < self._slice_end:  # the hot path: one atomic count, no lock
+            next(self._ticks)
+            return
+        index = int(now * self._per_slice)
         with self._lock:
-            if index != self._index:
-                self._advance(index)
-            self._slices[self._index % _SLICES] += amount
-            self._sum += amount
+            self._catch_up(index)
+            self._slices[self._index % _SLICES] += self._deposit
+            self._sum += self._deposit
 
     def try_withdraw(self) -> bool:
         """A retry about to be sent: True and one retry taken, or False and nothing changed."""
         index = int(self._clock() * self._per_slice)
         cost = self._withdraw
         with self._lock:
-            if index != self._index:
-                self._advance(index)
+            self._catch_up(index)
             tokens = self._sum + self._reserve
             if tokens >= cost:
                 self._slices[self._index % _SLICES] -= cost
@@ -175,10 +184,21 @@ class RetryBudget:
                 )
         return False
 
-    def _advance(self, index: int) -> None:
-        """Move the window to slice ``index``: slices that left it are emptied (under the lock)."""
+    def _catch_up(self, index: int) -> None:
+        """Count the lock-free deposits, then move the window to slice ``index`` (under the lock).
+
+        A deposit that raced with a slice change may land in the newer slice: it then
+        expires up to one slice (``ttl / 10``) later, the sloppiness Finagle accepts too.
+        """
+        tick = next(self._ticks)
+        pending = tick - self._last - 1
+        self._last = tick
+        if pending:
+            amount = pending * self._deposit
+            self._slices[self._index % _SLICES] += amount
+            self._sum += amount
         old = self._index
-        if index < old:  # a clock that went back: stay in the newer slice
+        if index <= old:  # same slice, or a clock that went back: stay in the newer one
             return
         slices = self._slices
         if index - old >= _SLICES:
@@ -191,6 +211,7 @@ class RetryBudget:
                 self._sum -= slices[j]
                 slices[j] = 0
         self._index = index
+        self._slice_end = (index + 1) / self._per_slice
 
     def __repr__(self) -> str:
         label = "" if self._name is None else f" {self._name!r}"

@@ -516,3 +516,21 @@ async def test_exactly_one_probe_when_100_tasks_ask_at_once() -> None:
         start.set()
     assert granted.count(True) == 1
     assert len(granted) == 100
+
+
+def test_lock_free_successes_from_threads_are_all_counted() -> None:
+    breaker = make(Clock(), volume_threshold=10)
+
+    def work() -> None:
+        for _ in range(5000):
+            breaker.record_success()
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert breaker.counts == (40000, 0)
+    for _ in range(10):
+        breaker.record_failure(TimeoutError())
+    assert breaker.state is CircuitState.CLOSED  # 10 of 40010 failed

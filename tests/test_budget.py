@@ -225,3 +225,18 @@ def test_shared_by_threads_grants_exactly_the_balance() -> None:
 
 def test_repr_shows_the_balance() -> None:
     assert "balance=100" in repr(RetryBudget(name="kv"))
+
+
+def test_lock_free_deposits_from_threads_are_all_counted() -> None:
+    budget = RetryBudget(min_retries_per_sec=0, percent_can_retry=1.0, clock=Clock())
+
+    def work() -> None:
+        for _ in range(5000):
+            budget.deposit()
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert budget.balance == 40000
