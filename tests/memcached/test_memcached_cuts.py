@@ -93,3 +93,40 @@ def test_incr_under_cuts_on_the_sync_door(memcached: Memcached, proxy: FaultProx
     with SyncMemcachedClient(memcached.address) as direct:
         value = direct.incr("counter", 0)
     check(proxy, value, ok, failed)
+
+
+def test_every_incr_cut_on_a_fresh_connection_is_never_sent_again(
+    memcached: Memcached, proxy: FaultProxy
+) -> None:
+    # each INCR after a cut goes out on a new connection: a reply lost there is still in flight
+    orchestrator = RetryOrchestrator(BestEffortRetryStrategy())
+    proxy.cut_opcodes = frozenset({KvOpcode.INCREMENT})
+    proxy.cut_every = 1
+    calls = 10
+    with SyncMemcachedClient(
+        f"127.0.0.1:{proxy.port}", orchestrator=orchestrator, timeout=5.0
+    ) as client:
+        for _ in range(calls):
+            with pytest.raises(RequestCanceledException):
+                client.incr("fresh-counter")
+    with SyncMemcachedClient(memcached.address) as direct:
+        assert direct.incr("fresh-counter", 0) == 9  # created at 0 by the first, then 9 more
+    _, _, requests = proxy.counts()
+    assert requests[KvOpcode.INCREMENT] == calls
+
+
+async def test_every_incr_cut_async(memcached: Memcached, proxy: FaultProxy) -> None:
+    orchestrator = RetryOrchestrator(BestEffortRetryStrategy())
+    proxy.cut_opcodes = frozenset({KvOpcode.INCREMENT})
+    proxy.cut_every = 1
+    calls = 10
+    async with MemcachedClient(
+        f"127.0.0.1:{proxy.port}", orchestrator=orchestrator, timeout=5.0
+    ) as client:
+        for _ in range(calls):
+            with pytest.raises(RequestCanceledException):
+                await client.incr("fresh-counter")
+    async with MemcachedClient(memcached.address) as direct:
+        assert await direct.incr("fresh-counter", 0) == 9
+    _, _, requests = proxy.counts()
+    assert requests[KvOpcode.INCREMENT] == calls

@@ -58,12 +58,17 @@ class _SyncEndpoint:
         if sock is not None:
             sock.close()
 
-    def _roundtrip(self, frame: bytes, opaque: int, timeout: float | None) -> proto.Response:
-        """Write and read one frame on the locked connection (OSError, TimeoutError)."""
+    def _connect(self, timeout: float | None) -> socket.socket:
+        """The endpoint's socket, connected if needed (OSError: nothing was sent)."""
         if self._sock is None:
-            self._sock = socket.create_connection(self.address, timeout=timeout)
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock = self._sock
+            sock = socket.create_connection(self.address, timeout=timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock = sock
+        return self._sock
+
+    def _roundtrip(self, frame: bytes, opaque: int, timeout: float | None) -> proto.Response:
+        """Write and read one frame on the connected, locked socket (OSError, TimeoutError)."""
+        sock = self._connect(timeout)
         sock.settimeout(timeout)
         try:
             sock.sendall(frame)
@@ -104,16 +109,23 @@ class _SyncEndpoint:
                     breaker.record_failure(exc)
                     canary_failed(breaker, exc)
                 breaker.record_success()
-            connected = self._sock is not None
+            left = _seconds(request.time_left)
+            if left == 0.0:  # the canary took the rest: nothing sent
+                raise RetryableError(RetryReason.SOCKET_NOT_AVAILABLE, "no time left to send")
             try:
-                response = self._roundtrip(build(opaque), opaque, _seconds(request.time_left))
+                self._connect(left)
             except OSError as exc:
                 breaker.record_failure(exc)
-                if not connected and self._sock is None and not isinstance(exc, TimeoutError):
-                    reason = RetryReason.SOCKET_NOT_AVAILABLE  # the connect failed
-                else:
-                    reason = RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT
-                raise RetryableError(reason, f"{self.name}: {exc}") from exc
+                raise RetryableError(
+                    RetryReason.SOCKET_NOT_AVAILABLE, f"cannot connect to {self.name}: {exc}"
+                ) from exc
+            try:
+                response = self._roundtrip(build(opaque), opaque, left)
+            except OSError as exc:  # written (or maybe written): it may have been applied
+                breaker.record_failure(exc)
+                raise RetryableError(
+                    RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT, f"{self.name}: {exc}"
+                ) from exc
             breaker.record_success()
             return response
         finally:
