@@ -10,7 +10,8 @@ counts what reaches the endpoint; knobs (set from the test's thread) make it:
   ``cut_every``-th reply to one of these opcodes (the request did reach memcached).
 
 Counters: ``connections`` (accepted), ``refused`` (memcached was not there),
-``requests`` (request frames forwarded, by opcode), ``cuts``.
+``requests`` (request frames that reached the proxy, by opcode: forwarded, or
+read and left unanswered while memcached was not there), ``cuts``.
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ class FaultProxy:
             except OSError:
                 with self._lock:
                     self.refused += 1
+                await self._count_unanswered(reader)
                 writer.transport.abort()
                 return
             self._writers.add(up_writer)
@@ -133,6 +135,18 @@ class FaultProxy:
         finally:
             writer.transport.abort()
             self._writers.discard(writer)
+
+    async def _count_unanswered(self, reader: asyncio.StreamReader) -> None:
+        """memcached is not there: count the frames the client sends, then hang up."""
+        wait = 1.0  # for the first frame; then a short grace for pipelined ones
+        try:
+            while True:
+                frame = await asyncio.wait_for(_frame(reader), wait)
+                with self._lock:
+                    self.requests[frame[1]] += 1
+                wait = 0.01
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, OSError):
+            return
 
     async def _requests(self, reader: asyncio.StreamReader, up: asyncio.StreamWriter) -> None:
         try:

@@ -101,7 +101,11 @@ async def test_dead_endpoint_sees_one_probe_per_sleep_window_and_the_canary_clos
         windows = elapsed / SLEEP_WINDOW
         assert 1 <= connections <= int(windows) + 2, (connections, windows)
         assert refused == connections
-        assert requests == {}  # memcached was not there to forward anything to
+        # what reached the dead endpoint: the NOOP probes (and at most a dispatch or two
+        # let through just before the trip)
+        assert set(requests) <= {KvOpcode.NOOP, KvOpcode.GET}
+        assert 1 <= requests.get(KvOpcode.NOOP, 0) <= int(windows) + 1
+        assert sum(requests.values()) <= int(windows) + 2
         assert after_restart.get(KvOpcode.NOOP, 0) >= 1
         await client.set("k", b"again")  # memcached restarted empty
         assert await client.get("k") == b"again"
