@@ -7,13 +7,13 @@ dispatch is the probe, and report every outcome. See rfc/0007.
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import NoReturn
 
-from sdkcore import CircuitBreaker, CircuitState, RetryableError, RetryReason
-from sdkcore._breaker import default_is_failure
+from sdkcore import CircuitBreaker, CircuitState, RetryableError, RetryReason, TimeoutException
 from sdkcore.mapping import kv_failure, raise_failure
 
 from ._protocol import Response
@@ -39,7 +39,8 @@ def endpoint_down(error: BaseException) -> bool:
     demand, inside the guarded dispatch, so a refused or reset connection is the
     endpoint being down too. A server that answers, with any status, is alive.
     """
-    return default_is_failure(error) or isinstance(error, OSError)
+    # TimeoutError is an OSError; asyncio.TimeoutError is a separate class on Python 3.10
+    return isinstance(error, (OSError, TimeoutException, asyncio.TimeoutError))
 
 
 def make_breaker(name: str) -> CircuitBreaker:
