@@ -222,10 +222,8 @@ class CircuitBreaker:
 
     def __repr__(self) -> str:
         label = "" if self._name is None else f" {self._name!r}"
-        return (
-            f"<CircuitBreaker{label} {self._state.name} outcomes={self._total} "
-            f"failures={self._failures}>"
-        )
+        outcomes, failures = self.counts
+        return f"<CircuitBreaker{label} {self._state.name} outcomes={outcomes} failures={failures}>"
 
     # -- the dispatch side -------------------------------------------------------
     def try_acquire(self) -> bool:

@@ -137,14 +137,22 @@ class FaultProxy:
             self._writers.discard(writer)
 
     async def _count_unanswered(self, reader: asyncio.StreamReader) -> None:
-        """memcached is not there: count the frames the client sends, then hang up."""
-        wait = 1.0  # for the first frame; then a short grace for pipelined ones
+        """memcached is not there: count the frames the client sends, then hang up.
+
+        It waits up to 1 s for the first frame, then reads for at most 20 ms more (a
+        pipelined client may have written several), so a dead endpoint answers a
+        connection by closing it promptly, as a refused connection would.
+        """
+        loop = asyncio.get_running_loop()
         try:
-            while True:
-                frame = await asyncio.wait_for(_frame(reader), wait)
+            frame = await asyncio.wait_for(_frame(reader), 1.0)
+            with self._lock:
+                self.requests[frame[1]] += 1
+            until = loop.time() + 0.02
+            while (left := until - loop.time()) > 0:
+                frame = await asyncio.wait_for(_frame(reader), left)
                 with self._lock:
                     self.requests[frame[1]] += 1
-                wait = 0.01
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, OSError):
             return
 
