@@ -6,6 +6,8 @@ names live here; everything in ``sdkcore._*`` is private.
 
 from ._action import ExceptionFactory, RetryAction
 from ._backoff import Backoff, best_effort_backoff, controlled_backoff, exponential_backoff
+from ._breaker import CircuitBreaker, CircuitState
+from ._budget import RetryBudget
 from ._context import (
     AttemptEffect,
     AttemptRecord,
@@ -60,6 +62,8 @@ __all__ = [
     "BestEffortRetryStrategy",
     "CancellationReason",
     "CasMismatchException",
+    "CircuitBreaker",
+    "CircuitState",
     "CollectionNotFoundException",
     "CouchbaseException",
     "DocumentExistsException",
@@ -79,6 +83,7 @@ __all__ = [
     "RequestCanceledException",
     "RequestState",
     "RetryAction",
+    "RetryBudget",
     "RetryOrchestrator",
     "RetryReason",
     "RetryStrategy",

@@ -30,6 +30,10 @@ from typing import Any
 
 __all__ = [
     "CAPTURE",
+    "EVENT_BREAKER_CLOSED",
+    "EVENT_BREAKER_HALF_OPEN",
+    "EVENT_BREAKER_OPENED",
+    "EVENT_BUDGET_EXHAUSTED",
     "EVENT_NOT_RETRIED",
     "EVENT_SCHEDULED",
     "EVENT_STRATEGY_FAILED",
@@ -48,6 +52,16 @@ EVENT_NOT_RETRIED = "retry.not_retried"
 EVENT_TIMED_OUT = "retry.timed_out"
 #: warning: the retry strategy raised or returned something that is not a RetryAction.
 EVENT_STRATEGY_FAILED = "retry.strategy_failed"
+
+# Endpoint protection (rfc/0007). Fields: endpoint, outcomes, failures, cause.
+#: warning: a circuit breaker opened (cause: threshold, probe_failed or canary_timeout).
+EVENT_BREAKER_OPENED = "breaker.opened"
+#: info: a circuit breaker's sleep window is over and its probe went out.
+EVENT_BREAKER_HALF_OPEN = "breaker.half_open"
+#: info: a circuit breaker closed (cause: probe_succeeded or reset).
+EVENT_BREAKER_CLOSED = "breaker.closed"
+#: info: a retry budget refused a withdrawal (fields: balance, deposits, withdrawals).
+EVENT_BUDGET_EXHAUSTED = "budget.exhausted"
 
 DEBUG = logging.DEBUG
 INFO = logging.INFO

@@ -77,6 +77,7 @@ from ._kv import (
     kv_failure,
     kv_retry_reason,
 )
+from ._retry_after import parse_retry_after
 from ._stage import FailureStage, dispatch_failure_reason, raise_failure, retry_allowed
 
 __all__ = [
@@ -126,6 +127,7 @@ __all__ = [
     "kv_failure",
     "kv_request",
     "kv_retry_reason",
+    "parse_retry_after",
     "query_retry_reason",
     "raise_failure",
     "retry_allowed",

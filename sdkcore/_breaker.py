@@ -1,0 +1,399 @@
+"""A circuit breaker per endpoint: stop sending into a dead endpoint (see rfc/0007).
+
+The model is Couchbase Java core-io's lazy breaker (no timer, no background task:
+the state is brought up to date by whoever calls next), with two differences:
+an outcome that arrives while the breaker is OPEN never extends the sleep window,
+and a probe that does not report within ``canary_timeout`` counts as failed.
+
+Intervals are half-open: a sleep window opened at ``t`` is over at
+``t + sleep_window``; a counting window started at ``t`` is over at
+``t + rolling_window``; a probe granted at ``t`` has run out at ``t + canary_timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from . import _log
+from ._duration import to_seconds
+from ._errors import TimeoutException
+
+__all__ = ["CircuitBreaker", "CircuitState", "default_is_failure"]
+
+
+class CircuitState(enum.Enum):
+    """Where a :class:`CircuitBreaker` stands."""
+
+    #: Dispatches go through; outcomes are counted.
+    CLOSED = "closed"
+    #: Dispatches are refused until the sleep window is over.
+    OPEN = "open"
+    #: One probe is out; every other dispatch is refused until it reports.
+    HALF_OPEN = "half_open"
+
+    def __repr__(self) -> str:
+        return f"<CircuitState.{self.name}>"
+
+
+_CLOSED = CircuitState.CLOSED
+_OPEN = CircuitState.OPEN
+_HALF_OPEN = CircuitState.HALF_OPEN
+
+# builtin TimeoutError; on Python 3.10 asyncio.TimeoutError is a separate class
+_TIMEOUTS: tuple[type[BaseException], ...] = tuple(
+    {TimeoutException, TimeoutError, asyncio.TimeoutError}
+)
+
+
+def default_is_failure(error: BaseException) -> bool:
+    """Couchbase's rule: only a timeout counts (a server that answers with an error is alive)."""
+    return isinstance(error, _TIMEOUTS)
+
+
+def _positive_int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int >= 1, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{what} must be an int >= 1, got {value!r}")
+    return int(value)
+
+
+def _percentage(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{what} must be a number in (0, 100], got {value!r} ({type(value).__name__})"
+        )
+    number = float(value)
+    if not 0.0 < number <= 100.0:  # also rejects NaN
+        raise ValueError(f"{what} must be a number in (0, 100], got {value!r}")
+    return number
+
+
+class CircuitBreaker:
+    """Counts the outcomes of one endpoint's dispatches and refuses dispatches while it is down.
+
+    * CLOSED: :meth:`try_acquire` is True. Outcomes are counted in a tumbling window of
+      ``rolling_window`` (it restarts at the first outcome after the window is over).
+      When at least ``volume_threshold`` outcomes were counted and at least
+      ``error_threshold_percentage`` percent of them are failures, the breaker opens.
+    * OPEN: :meth:`try_acquire` is False until ``sleep_window`` has passed; then exactly
+      one caller gets True (the probe) and the breaker turns HALF_OPEN.
+    * HALF_OPEN: every caller gets False. The probe's success closes the breaker
+      (counters zero); its failure, or no outcome within ``canary_timeout``, opens it
+      again with a new sleep window (from the failure, or from the moment
+      ``canary_timeout`` ran out).
+
+    ``is_failure(error)`` decides which errors count as failures (default: timeouts
+    only, :func:`default_is_failure`); an error it does not count is a success. An
+    error that is not an :class:`Exception` (a cancellation) is no outcome at all.
+    Outcomes reported while OPEN are ignored: they never extend the sleep window.
+
+    Thread-safe and loop-agnostic: one breaker per endpoint, shared by every door.
+    ``name`` (e.g. ``"10.0.0.1:11210"``) is the ``endpoint`` field of the events
+    ``breaker.opened``, ``breaker.half_open`` and ``breaker.closed``.
+    """
+
+    __slots__ = (
+        "_canary_timeout",
+        "_clock",
+        "_error_pct",
+        "_failures",
+        "_is_failure",
+        "_last",
+        "_lock",
+        "_name",
+        "_opened_at",
+        "_probe_at",
+        "_rolling_window",
+        "_sleep_window",
+        "_state",
+        "_ticks",
+        "_total",
+        "_volume",
+        "_window_end",
+    )
+
+    def __init__(
+        self,
+        *,
+        volume_threshold: int = 20,
+        error_threshold_percentage: float = 50,
+        sleep_window: timedelta | float = timedelta(seconds=5),
+        rolling_window: timedelta | float = timedelta(seconds=60),
+        canary_timeout: timedelta | float = timedelta(seconds=5),
+        is_failure: Callable[[BaseException], bool] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        name: str | None = None,
+    ) -> None:
+        what = "CircuitBreaker"
+        self._volume = _positive_int(volume_threshold, f"{what}(volume_threshold)")
+        self._error_pct = _percentage(
+            error_threshold_percentage, f"{what}(error_threshold_percentage)"
+        )
+        self._sleep_window = to_seconds(sleep_window, f"{what}(sleep_window)", allow_zero=False)
+        self._rolling_window = to_seconds(
+            rolling_window, f"{what}(rolling_window)", allow_zero=False
+        )
+        self._canary_timeout = to_seconds(
+            canary_timeout, f"{what}(canary_timeout)", allow_zero=False
+        )
+        if is_failure is not None and not callable(is_failure):
+            raise TypeError(
+                f"{what}(is_failure) must be a callable (error) -> bool or None, got {is_failure!r}"
+            )
+        if not callable(clock):
+            raise TypeError(f"{what}(clock) must be a callable returning seconds, got {clock!r}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"{what}(name) must be a str or None, got {name!r}")
+        self._is_failure = default_is_failure if is_failure is None else is_failure
+        self._clock = clock
+        self._name = name
+        self._lock = threading.Lock()
+        self._state = _CLOSED
+        self._total = 0
+        self._failures = 0
+        self._window_end = -float("inf")  # the first outcome starts a window
+        self._opened_at = 0.0  # start of the current sleep window (OPEN)
+        self._probe_at = 0.0  # when the probe was granted (HALF_OPEN)
+        # Successes while CLOSED with no failure in the window are counted by an
+        # itertools.count (atomic in CPython: no lock on the hot path); the lock holder
+        # adds them to _total (see _flush).
+        self._ticks = itertools.count()
+        self._last = next(self._ticks)
+
+    # -- configuration and diagnostics -------------------------------------------
+    @property
+    def name(self) -> str | None:
+        return self._name
+
+    @property
+    def sleep_window(self) -> timedelta:
+        return timedelta(seconds=self._sleep_window)
+
+    @property
+    def canary_timeout(self) -> timedelta:
+        return timedelta(seconds=self._canary_timeout)
+
+    @property
+    def state(self) -> CircuitState:
+        """The current state (a HALF_OPEN past ``canary_timeout`` reads OPEN)."""
+        state = self._state
+        if state is _HALF_OPEN:
+            with self._lock:
+                event = self._expire_probe(self._clock())
+                state = self._state
+            if event is not None:
+                _emit(*event)
+        return state
+
+    @property
+    def counts(self) -> tuple[int, int]:
+        """``(outcomes, failures)`` counted in the current window (zero after closing)."""
+        with self._lock:
+            self._flush()
+            return self._total, self._failures
+
+    def probe_after(self) -> float | None:
+        """Seconds until a probe may go (0 if it may go now); None while CLOSED.
+
+        While HALF_OPEN: the time until ``canary_timeout`` runs out plus a sleep
+        window, the earliest a new probe can go if this one never reports.
+        """
+        with self._lock:
+            now = self._clock()
+            event = self._expire_probe(now)
+            state = self._state
+            if state is _CLOSED:
+                left = None
+            elif state is _OPEN:
+                left = max(0.0, self._opened_at + self._sleep_window - now)
+            else:
+                left = self._probe_at + self._canary_timeout + self._sleep_window - now
+        if event is not None:
+            _emit(*event)
+        return left
+
+    def __repr__(self) -> str:
+        label = "" if self._name is None else f" {self._name!r}"
+        outcomes, failures = self.counts
+        return f"<CircuitBreaker{label} {self._state.name} outcomes={outcomes} failures={failures}>"
+
+    # -- the dispatch side -------------------------------------------------------
+    def try_acquire(self) -> bool:
+        """May a dispatch go now? True while CLOSED, and for the one probe after a sleep window."""
+        if self._state is _CLOSED:  # one attribute read: the hot path takes no lock
+            return True
+        return self._admit_slow() is not None
+
+    def admit(self) -> CircuitState | None:
+        """:meth:`try_acquire` that also says whether this dispatch is the probe.
+
+        None: refused. ``CircuitState.CLOSED``: go, an ordinary dispatch.
+        ``CircuitState.HALF_OPEN``: go, this dispatch is the probe; its outcome (or a
+        cheap canary's, sent first, e.g. a NOOP) decides whether the breaker closes.
+        """
+        if self._state is _CLOSED:
+            return _CLOSED
+        return self._admit_slow()
+
+    def _admit_slow(self) -> CircuitState | None:
+        events: list[tuple[Any, ...]] = []
+        with self._lock:
+            state = self._state
+            if state is _CLOSED:  # closed meanwhile
+                return _CLOSED
+            now = self._clock()
+            expired = self._expire_probe(now)
+            if expired is not None:
+                events.append(expired)
+            if self._state is _HALF_OPEN or now < self._opened_at + self._sleep_window:
+                granted = None
+            else:
+                self._state = _HALF_OPEN
+                self._probe_at = now
+                granted = _HALF_OPEN
+                events.append(self._event(_log.EVENT_BREAKER_HALF_OPEN, _log.INFO, {}))
+        for event in events:
+            _emit(*event)
+        return granted
+
+    # -- outcomes -----------------------------------------------------------------
+    def record_success(self) -> None:
+        """A dispatch that was let through got an answer."""
+        if self._state is _CLOSED and not self._failures and self._clock() < self._window_end:
+            next(self._ticks)  # the hot path: no failure to weigh, one atomic count
+            return
+        self._record(False)
+
+    def record_failure(self, error: BaseException) -> None:
+        """A dispatch that was let through failed with ``error``.
+
+        ``is_failure(error)`` decides whether it counts as a failure; if not, it is a
+        success. An error that is not an :class:`Exception` (a cancellation, e.g.
+        ``asyncio.CancelledError``) is no outcome: nothing changes.
+        """
+        if not isinstance(error, BaseException):
+            raise TypeError(
+                f"CircuitBreaker.record_failure(error) must be an exception, got {error!r}"
+            )
+        if not isinstance(error, Exception):
+            return
+        self._record(bool(self._is_failure(error)))
+
+    def _record(self, failed: bool) -> None:
+        with self._lock:
+            now = self._clock()
+            if self._state is _CLOSED:
+                self._flush()
+                if now >= self._window_end:  # tumbling: this event starts a new window
+                    self._window_end = now + self._rolling_window
+                    self._total = self._failures = 0
+                self._total += 1
+                if failed:
+                    self._failures += 1
+                event = (
+                    self._maybe_trip(now)
+                    if self._failures and self._total >= self._volume
+                    else None
+                )
+            else:
+                event = self._outcome_not_closed(now, failed)
+        if event is not None:
+            _emit(*event)
+
+    def _flush(self) -> None:
+        """Add the lock-free successes to ``_total`` (under the lock)."""
+        tick = next(self._ticks)
+        self._total += tick - self._last - 1
+        self._last = tick
+
+    def reset(self) -> None:
+        """Back to CLOSED with counters zero (an endpoint calls it when it reconnects)."""
+        with self._lock:
+            was = self._state
+            self._state = _CLOSED
+            self._flush()
+            self._total = self._failures = 0
+            self._window_end = -float("inf")
+            event = (
+                None
+                if was is _CLOSED
+                else self._event(_log.EVENT_BREAKER_CLOSED, _log.INFO, {"cause": "reset"})
+            )
+        if event is not None:
+            _emit(*event)
+
+    # -- transitions (called under the lock) ---------------------------------------
+    def _maybe_trip(self, now: float) -> tuple[Any, ...] | None:
+        if self._failures * 100.0 < self._error_pct * self._total:
+            return None
+        self._state = _OPEN
+        self._opened_at = now
+        return self._event(
+            _log.EVENT_BREAKER_OPENED,
+            _log.WARNING,
+            {"cause": "threshold", "sleep_window_s": self._sleep_window},
+        )
+
+    def _outcome_not_closed(self, now: float, failed: bool) -> tuple[Any, ...] | None:
+        event = self._expire_probe(now)
+        if self._state is not _HALF_OPEN:
+            return event  # OPEN: a late outcome changes nothing
+        if failed:
+            self._state = _OPEN
+            self._opened_at = now
+            return self._event(
+                _log.EVENT_BREAKER_OPENED,
+                _log.WARNING,
+                {"cause": "probe_failed", "sleep_window_s": self._sleep_window},
+            )
+        fields = {"cause": "probe_succeeded"}
+        event = self._event(_log.EVENT_BREAKER_CLOSED, _log.INFO, fields)
+        self._state = _CLOSED
+        self._flush()
+        self._total = self._failures = 0
+        self._window_end = -float("inf")
+        return event
+
+    def _expire_probe(self, now: float) -> tuple[Any, ...] | None:
+        if self._state is not _HALF_OPEN:
+            return None
+        ran_out = self._probe_at + self._canary_timeout
+        if now < ran_out:
+            return None
+        self._state = _OPEN
+        self._opened_at = ran_out
+        return self._event(
+            _log.EVENT_BREAKER_OPENED,
+            _log.WARNING,
+            {
+                "cause": "canary_timeout",
+                "canary_timeout_s": self._canary_timeout,
+                "sleep_window_s": self._sleep_window,
+            },
+        )
+
+    def _event(self, name: str, level: int, fields: dict[str, Any]) -> tuple[Any, ...]:
+        return (
+            name,
+            level,
+            {
+                "endpoint": self._name,
+                "outcomes": self._total,
+                "failures": self._failures,
+                **fields,
+            },
+        )
+
+
+def _emit(name: str, level: int, fields: dict[str, Any]) -> None:
+    log = _log.enabled(level)
+    if log is not None:
+        getattr(log, "warning" if level >= _log.WARNING else "info")(name, **fields)

@@ -1,0 +1,230 @@
+"""A retry budget shared by every request: retries stay a fraction of first attempts.
+
+Finagle's ``RetryBudget`` (a leaky token bucket over twitter/util's windowed
+adder), with its bounds and its integer arithmetic: a withdrawal costs
+``1000 / percent_can_retry`` tokens (truncated), a deposit adds 1000, and a
+reserve of ``min_retries_per_sec * ttl`` withdrawals is always there. Deposits and
+withdrawals live in the slice of ``ttl / 10`` they were made in and leave the
+window ten slices later (after between 0.9 and 1 ``ttl``). See rfc/0007.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+from . import _log
+from ._duration import to_seconds
+
+__all__ = ["RetryBudget"]
+
+_SCALE = 1000  # tokens per deposit: lets percent_can_retry be fractional with int tokens
+_SLICES = 10
+_NEVER = 1 << 62  # the cost of a withdrawal from a budget that never allows one
+
+
+class RetryBudget:
+    """How many retries may be sent now: ``percent_can_retry`` of deposits plus a reserve.
+
+    * ``ttl``: deposits and withdrawals expire after it (1 s to 60 s).
+    * ``min_retries_per_sec``: the reserve, ``min_retries_per_sec * ttl`` retries that
+      are always available (a client that has just started, or sends little).
+    * ``percent_can_retry``: each :meth:`deposit` adds this fraction of a retry
+      (0.2: one retry per five first attempts; 0 to 1000).
+
+    A fresh default budget holds 100 retries (10/s over 10 s). With
+    ``min_retries_per_sec=0`` and ``percent_can_retry=0`` every withdrawal is refused.
+    Thread-safe and loop-agnostic: one budget may be shared by every request,
+    thread and event loop. A refused withdrawal after a granted one logs
+    ``budget.exhausted`` once (until a withdrawal is granted again).
+    """
+
+    __slots__ = (
+        "_clock",
+        "_deposit",
+        "_exhausted",
+        "_index",
+        "_last",
+        "_lock",
+        "_min",
+        "_name",
+        "_per_slice",
+        "_percent",
+        "_refused",
+        "_reserve",
+        "_slice_end",
+        "_slices",
+        "_sum",
+        "_ticks",
+        "_ttl",
+        "_withdraw",
+    )
+
+    def __init__(
+        self,
+        *,
+        ttl: timedelta | float = timedelta(seconds=10),
+        min_retries_per_sec: float = 10,
+        percent_can_retry: float = 0.2,
+        clock: Callable[[], float] = time.monotonic,
+        name: str | None = None,
+    ) -> None:
+        what = "RetryBudget"
+        seconds = to_seconds(ttl, f"{what}(ttl)")
+        if not 1.0 <= seconds <= 60.0:
+            raise ValueError(f"{what}(ttl) must be between 1 and 60 seconds, got {ttl!r}")
+        minimum = _number(min_retries_per_sec, f"{what}(min_retries_per_sec)", "a number >= 0")
+        if minimum < 0:
+            raise ValueError(f"{what}(min_retries_per_sec) must be >= 0, got {minimum!r}")
+        percent = _number(percent_can_retry, f"{what}(percent_can_retry)", "a number in [0, 1000]")
+        if not 0.0 <= percent <= _SCALE:
+            raise ValueError(
+                f"{what}(percent_can_retry) must be in [0, 1000], got {percent_can_retry!r}"
+            )
+        if not callable(clock):
+            raise TypeError(f"{what}(clock) must be a callable returning seconds, got {clock!r}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"{what}(name) must be a str or None, got {name!r}")
+        self._ttl = seconds
+        self._min = minimum
+        self._percent = percent
+        self._clock = clock
+        self._name = name
+        # Finagle: with no percentage, deposits earn nothing and a retry costs one token.
+        self._deposit = 0 if percent == 0.0 else _SCALE
+        self._withdraw = 1 if percent == 0.0 else int(_SCALE / percent)
+        empty = minimum == 0 and percent == 0.0
+        self._reserve = 0 if empty else int(minimum * seconds * self._withdraw)
+        if empty:  # Finagle's RetryBudget.Empty: no token is ever enough
+            self._withdraw = _NEVER
+        self._per_slice = _SLICES / seconds  # slice number = int(now * per_slice)
+        self._lock = threading.Lock()
+        self._slices = [0] * _SLICES
+        self._sum = 0
+        self._index = int(clock() * self._per_slice)
+        self._slice_end = (self._index + 1) / self._per_slice
+        # Deposits in the current slice are counted by an itertools.count (atomic in
+        # CPython: no lock on the hot path); the lock holder moves them into the slice.
+        self._ticks = itertools.count()
+        self._last = next(self._ticks)
+        self._exhausted = False
+        self._refused = 0
+
+    @property
+    def ttl(self) -> timedelta:
+        return timedelta(seconds=self._ttl)
+
+    @property
+    def min_retries_per_sec(self) -> float:
+        return self._min
+
+    @property
+    def percent_can_retry(self) -> float:
+        return self._percent
+
+    @property
+    def balance(self) -> int:
+        """The whole retries that can be made now (never negative): a gauge."""
+        index = int(self._clock() * self._per_slice)
+        with self._lock:
+            self._catch_up(index)
+            tokens = self._sum + self._reserve
+        if tokens <= 0:
+            return 0
+        return int(tokens // self._withdraw)
+
+    @property
+    def refused(self) -> int:
+        """How many withdrawals were refused since the budget was made."""
+        return self._refused
+
+    def deposit(self) -> None:
+        """A first attempt: credits ``percent_can_retry`` of a retry."""
+        if not self._deposit:
+            return
+        now = self._clock()
+        if now < self._slice_end:  # the hot path: one atomic count, no lock
+            next(self._ticks)
+            return
+        index = int(now * self._per_slice)
+        with self._lock:
+            self._catch_up(index)
+            self._slices[self._index % _SLICES] += self._deposit
+            self._sum += self._deposit
+
+    def try_withdraw(self) -> bool:
+        """A retry about to be sent: True and one retry taken, or False and nothing changed."""
+        index = int(self._clock() * self._per_slice)
+        cost = self._withdraw
+        with self._lock:
+            self._catch_up(index)
+            tokens = self._sum + self._reserve
+            if tokens >= cost:
+                self._slices[self._index % _SLICES] -= cost
+                self._sum -= cost
+                self._exhausted = False
+                return True
+            self._refused += 1
+            first = not self._exhausted
+            self._exhausted = True
+        if first:
+            log = _log.enabled(_log.INFO)
+            if log is not None:
+                log.info(
+                    _log.EVENT_BUDGET_EXHAUSTED,
+                    budget=self._name,
+                    balance=max(0, tokens // cost),
+                    min_retries_per_sec=self._min,
+                    percent_can_retry=self._percent,
+                    ttl_s=self._ttl,
+                )
+        return False
+
+    def _catch_up(self, index: int) -> None:
+        """Count the lock-free deposits, then move the window to slice ``index`` (under the lock).
+
+        A deposit that raced with a slice change may land in the newer slice: it then
+        expires up to one slice (``ttl / 10``) later, the sloppiness Finagle accepts too.
+        """
+        tick = next(self._ticks)
+        pending = tick - self._last - 1
+        self._last = tick
+        if pending:
+            amount = pending * self._deposit
+            self._slices[self._index % _SLICES] += amount
+            self._sum += amount
+        old = self._index
+        if index <= old:  # same slice, or a clock that went back: stay in the newer one
+            return
+        slices = self._slices
+        if index - old >= _SLICES:
+            for i in range(_SLICES):
+                slices[i] = 0
+            self._sum = 0
+        else:
+            for i in range(old + 1, index + 1):
+                j = i % _SLICES
+                self._sum -= slices[j]
+                slices[j] = 0
+        self._index = index
+        self._slice_end = (index + 1) / self._per_slice
+
+    def __repr__(self) -> str:
+        label = "" if self._name is None else f" {self._name!r}"
+        return (
+            f"<RetryBudget{label} balance={self.balance} ttl={self._ttl:g}s "
+            f"min_retries_per_sec={self._min:g} percent_can_retry={self._percent:g}>"
+        )
+
+
+def _number(value: object, what: str, allowed: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be {allowed}, got {value!r} ({type(value).__name__})")
+    number = float(value)
+    if math.isnan(number) or math.isinf(number):
+        raise ValueError(f"{what} must be {allowed}, got {value!r}")
+    return number

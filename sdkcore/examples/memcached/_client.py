@@ -1,0 +1,339 @@
+"""An async memcached client whose every dispatch goes through sdkcore (asyncio and trio).
+
+One connection per endpoint, pipelined: requests are written as they come and
+responses are matched to them by ``opaque``. Each operation is a
+:class:`~sdkcore.Request` (idempotency by opcode, RFC 0049) run by
+``RetryOrchestrator.execute``; each dispatch is guarded by the endpoint's
+:class:`~sdkcore.CircuitBreaker`, with a NOOP as the probe. See rfc/0007.
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from sdkcore import (
+    CircuitBreaker,
+    Request,
+    RequestState,
+    RetryableError,
+    RetryOrchestrator,
+    RetryReason,
+    RetryStrategy,
+)
+from sdkcore.mapping import KvOpcode, kv_request
+
+from . import _protocol as proto
+from ._endpoint import (
+    Address,
+    BreakerFactory,
+    canary_bound,
+    canary_failed,
+    endpoints_of,
+    make_breaker,
+    pick,
+    raise_for_status,
+    refuse_if_open,
+)
+
+__all__ = ["MemcachedClient"]
+
+_DEADLINE_SLACK = 0.005  # the orchestrator's deadline and the request clock may differ by this
+_LOST = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
+
+
+class _Waiter:
+    __slots__ = ("done", "error", "response")
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.response: proto.Response | None = None
+        self.error: BaseException | None = None
+
+
+class _Connection:
+    """One TCP connection: a writer lock, and a reader task that hands responses out by opaque."""
+
+    def __init__(self, stream: anyio.abc.ByteStream, name: str) -> None:
+        self.stream = stream
+        self.name = name
+        self.waiting: dict[int, _Waiter] = {}
+        self.write_lock = anyio.Lock()
+        self.lost: BaseException | None = None
+
+    async def read_loop(self) -> None:
+        buffer = bytearray()
+        try:
+            while True:
+                buffer += await self.stream.receive()
+                while (response := proto.parse_response(buffer)) is not None:
+                    waiter = self.waiting.pop(response.opaque, None)
+                    if waiter is not None:  # else: its attempt was cut; drop the answer
+                        waiter.response = response
+                        waiter.done.set()
+        except (*_LOST, proto.ProtocolError) as exc:
+            self.close(ConnectionResetError(f"connection to {self.name} lost: {exc!r}"))
+        finally:
+            self.close(ConnectionResetError(f"connection to {self.name} closed"))
+            with anyio.CancelScope(shield=True):
+                await self.stream.aclose()
+
+    def close(self, why: BaseException) -> None:
+        if self.lost is None:
+            self.lost = why
+        waiting, self.waiting = self.waiting, {}
+        for waiter in waiting.values():
+            waiter.error = self.lost
+            waiter.done.set()
+
+    async def roundtrip(self, frame: bytes, opaque: int) -> proto.Response:
+        """Write ``frame`` and wait for its response (OSError when the connection is lost)."""
+        if self.lost is not None:
+            raise ConnectionResetError(f"connection to {self.name} is closed")
+        waiter = _Waiter()
+        self.waiting[opaque] = waiter
+        try:
+            async with self.write_lock:
+                try:
+                    await self.stream.send(frame)
+                except _LOST as exc:
+                    self.close(ConnectionResetError(f"write to {self.name} failed: {exc!r}"))
+                    with anyio.CancelScope(shield=True):
+                        await self.stream.aclose()  # the reader wakes up and ends
+            await waiter.done.wait()
+        finally:
+            self.waiting.pop(opaque, None)
+        if waiter.error is not None:
+            raise waiter.error
+        assert waiter.response is not None
+        return waiter.response
+
+
+class _Endpoint:
+    """One memcached server: its breaker and its (single, lazily opened) connection."""
+
+    def __init__(self, address: Address, breaker: CircuitBreaker, client: MemcachedClient) -> None:
+        self.address = address
+        self.name = f"{address[0]}:{address[1]}"
+        self.breaker = breaker
+        self._client = client
+        self._connection: _Connection | None = None
+        self._connect_lock = anyio.Lock()
+
+    async def _connect(self) -> _Connection:
+        connection = self._connection
+        if connection is not None and connection.lost is None:
+            return connection
+        async with self._connect_lock:
+            connection = self._connection
+            if connection is None or connection.lost is not None:
+                stream = await anyio.connect_tcp(*self.address)
+                connection = _Connection(stream, self.name)
+                self._client._start(connection)
+                self._connection = connection
+        return connection
+
+    async def dispatch(self, request: Request, build: Callable[[int], bytes]) -> proto.Response:
+        """One attempt: breaker guard, NOOP canary when probing, then the request itself."""
+        if refuse_if_open(self.breaker):
+            await self._canary(request)
+        return await self._attempt(request, build)
+
+    async def _canary(self, request: Request) -> None:
+        bound = canary_bound(self.breaker, request.time_left)
+        try:
+            with anyio.fail_after(bound):
+                connection = await self._connect()
+                opaque = self._client._opaque()
+                await connection.roundtrip(proto.noop_frame(opaque), opaque)
+        except (TimeoutError, OSError) as exc:
+            self.breaker.record_failure(exc)
+            canary_failed(self.breaker, exc)
+        except anyio.get_cancelled_exc_class():
+            _cut(request, self.breaker, "NOOP canary answer")
+            raise
+        # any answer, whatever its status, shows the server is alive
+        self.breaker.record_success()
+
+    async def _attempt(self, request: Request, build: Callable[[int], bytes]) -> proto.Response:
+        breaker = self.breaker
+        try:
+            connection = await self._connect()
+        except OSError as exc:
+            breaker.record_failure(exc)
+            raise RetryableError(
+                RetryReason.SOCKET_NOT_AVAILABLE, f"cannot connect to {self.name}"
+            ) from exc
+        except anyio.get_cancelled_exc_class():
+            _cut(request, breaker, "connect")
+            raise
+        opaque = self._client._opaque()
+        try:
+            response = await connection.roundtrip(build(opaque), opaque)
+        except OSError as exc:
+            breaker.record_failure(exc)
+            raise RetryableError(
+                RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT,
+                f"connection to {self.name} closed while the request was in flight",
+            ) from exc
+        except anyio.get_cancelled_exc_class():
+            _cut(request, breaker, "response")
+            raise
+        breaker.record_success()
+        return response
+
+    async def aclose(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.close(ConnectionResetError(f"client closed the connection to {self.name}"))
+            with anyio.CancelScope(shield=True):
+                await connection.stream.aclose()
+
+
+def _cut(request: Request, breaker: CircuitBreaker, what: str) -> None:
+    """An attempt was cancelled: at the request's deadline that is a timeout for the breaker."""
+    left = request.time_left
+    if (
+        request.state is RequestState.PENDING
+        and left is not None
+        and left.total_seconds() <= _DEADLINE_SLACK
+    ):
+        breaker.record_failure(TimeoutError(f"no {what} from {breaker.name} before the deadline"))
+
+
+class MemcachedClient:
+    """GET, SET, ADD, INCR, DELETE and NOOP over the binary protocol, with sdkcore deciding retries.
+
+    Use it as an async context manager (it owns one reader task per connection)::
+
+        async with MemcachedClient(["127.0.0.1:11211"], orchestrator=RetryOrchestrator(
+            BestEffortRetryStrategy())) as client:
+            await client.set("k", b"v")
+            assert await client.get("k") == b"v"
+
+    * ``orchestrator``: runs every operation (default: a new ``RetryOrchestrator()``).
+      Give it a shared one to share its backpressure (and, once wired, a retry budget).
+    * ``timeout`` and ``retry_strategy``: for every :class:`~sdkcore.Request`.
+    * ``breaker``: makes the breaker of an endpoint from its name ``"host:port"``
+      (default :func:`make_breaker`).
+
+    Keys go to endpoints by crc32. Server statuses are mapped by
+    :func:`sdkcore.mapping.kv_failure`; a GET of a missing key raises
+    ``DocumentNotFoundException``.
+    """
+
+    def __init__(
+        self,
+        endpoints: str | Address | Sequence[str | Address],
+        *,
+        orchestrator: RetryOrchestrator | None = None,
+        timeout: timedelta | float = timedelta(milliseconds=2500),
+        retry_strategy: RetryStrategy | None = None,
+        breaker: BreakerFactory = make_breaker,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self._orchestrator = RetryOrchestrator() if orchestrator is None else orchestrator
+        self._request_kwargs: dict[str, Any] = {"timeout": timeout}
+        if retry_strategy is not None:
+            self._request_kwargs["retry_strategy"] = retry_strategy
+        if clock is not None:
+            self._request_kwargs["clock"] = clock
+        kv_request(KvOpcode.NOOP, **self._request_kwargs)  # check the settings now
+        self._endpoints = [
+            _Endpoint(address, breaker(f"{address[0]}:{address[1]}"), self)
+            for address in endpoints_of(endpoints)
+        ]
+        self._opaques = itertools.count(1)
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    @property
+    def breakers(self) -> list[CircuitBreaker]:
+        """The breaker of each endpoint, in the order given (for diagnostics)."""
+        return [endpoint.breaker for endpoint in self._endpoints]
+
+    async def __aenter__(self) -> MemcachedClient:
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        tg, self._tg = self._tg, None
+        assert tg is not None
+        for endpoint in self._endpoints:
+            await endpoint.aclose()
+        tg.cancel_scope.cancel()
+        return await tg.__aexit__(exc_type, exc, tb)
+
+    def _start(self, connection: _Connection) -> None:
+        if self._tg is None:
+            raise RuntimeError("use MemcachedClient as 'async with MemcachedClient(...) as c'")
+        self._tg.start_soon(connection.read_loop)
+
+    def _opaque(self) -> int:
+        return next(self._opaques) & 0xFFFFFFFF
+
+    async def _run(
+        self, opcode: KvOpcode, key: bytes | str | None, build: Callable[[int], bytes]
+    ) -> proto.Response:
+        endpoint = self._endpoints[0 if key is None else pick(key, len(self._endpoints))]
+        request = kv_request(opcode, **self._request_kwargs)
+
+        async def send(request: Request) -> proto.Response:
+            response = await endpoint.dispatch(request, build)
+            raise_for_status(response, opcode)
+            return response
+
+        return await self._orchestrator.execute(request, send)
+
+    # -- the commands ----------------------------------------------------------------
+    async def get(self, key: bytes | str) -> bytes:
+        """The value of ``key`` (DocumentNotFoundException when missing). Idempotent."""
+        response = await self._run(KvOpcode.GET, key, lambda o: proto.get_frame(o, key))
+        return response.value
+
+    async def set(self, key: bytes | str, value: bytes, *, flags: int = 0, expiry: int = 0) -> int:
+        """Store ``value`` (upsert); returns the new CAS. Not idempotent (RFC 0049)."""
+        response = await self._run(
+            KvOpcode.SET, key, lambda o: proto.set_frame(o, key, value, flags=flags, expiry=expiry)
+        )
+        return response.cas
+
+    async def add(self, key: bytes | str, value: bytes, *, flags: int = 0, expiry: int = 0) -> int:
+        """Store ``value`` only if ``key`` is missing (DocumentExistsException otherwise)."""
+        response = await self._run(
+            KvOpcode.ADD, key, lambda o: proto.add_frame(o, key, value, flags=flags, expiry=expiry)
+        )
+        return response.cas
+
+    async def incr(self, key: bytes | str, delta: int = 1, *, initial: int = 0) -> int:
+        """Add ``delta`` to the counter (created at ``initial``); returns the new value."""
+        response = await self._run(
+            KvOpcode.INCREMENT, key, lambda o: proto.incr_frame(o, key, delta, initial=initial)
+        )
+        return int(struct.unpack(">Q", response.value)[0])
+
+    async def delete(self, key: bytes | str) -> None:
+        """Remove ``key`` (DocumentNotFoundException when missing)."""
+        await self._run(KvOpcode.DELETE, key, lambda o: proto.delete_frame(o, key))
+
+    async def noop(self, endpoint: int = 0) -> None:
+        """A NOOP to the ``endpoint``-th server (a health check). Idempotent."""
+        target = self._endpoints[endpoint]
+        request = kv_request(KvOpcode.NOOP, **self._request_kwargs)
+
+        async def send(request: Request) -> None:
+            raise_for_status(await target.dispatch(request, proto.noop_frame), KvOpcode.NOOP)
+
+        await self._orchestrator.execute(request, send)

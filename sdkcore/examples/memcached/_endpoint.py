@@ -1,0 +1,128 @@
+"""What both memcached clients share: endpoints, their breakers, and the KV mapping.
+
+The guard an SDK copies is :func:`refuse_if_open` plus the NOOP canary: ask the
+endpoint's breaker before anything is written, send a cheap NOOP first when this
+dispatch is the probe, and report every outcome. See rfc/0007.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import NoReturn
+
+from sdkcore import CircuitBreaker, CircuitState, RetryableError, RetryReason, TimeoutException
+from sdkcore.mapping import kv_failure, raise_failure
+
+from ._protocol import Response
+
+__all__ = [
+    "Address",
+    "endpoint_down",
+    "make_breaker",
+    "parse_address",
+    "pick",
+    "raise_for_status",
+    "refuse_if_open",
+]
+
+Address = tuple[str, int]
+
+
+def endpoint_down(error: BaseException) -> bool:
+    """The memcached example's breaker rule: a timeout, or a connection that failed.
+
+    Couchbase's default counts only timeouts, because its endpoints reconnect on
+    their own and refuse dispatch while disconnected. This client connects on
+    demand, inside the guarded dispatch, so a refused or reset connection is the
+    endpoint being down too. A server that answers, with any status, is alive.
+    """
+    # TimeoutError is an OSError; asyncio.TimeoutError is a separate class on Python 3.10
+    return isinstance(error, (OSError, TimeoutException, asyncio.TimeoutError))
+
+
+def make_breaker(name: str) -> CircuitBreaker:
+    """The default breaker of one endpoint (Couchbase's numbers, :func:`endpoint_down`)."""
+    return CircuitBreaker(name=name, is_failure=endpoint_down)
+
+
+def parse_address(address: str | Address) -> Address:
+    if isinstance(address, tuple):
+        host, port = address
+    elif isinstance(address, str):
+        host, sep, port_text = address.rpartition(":")
+        if not sep or not port_text.isdigit():
+            raise ValueError(f"endpoint must be 'host:port' or (host, port), got {address!r}")
+        port = int(port_text)
+    else:
+        raise TypeError(f"endpoint must be 'host:port' or (host, port), got {address!r}")
+    if not isinstance(host, str) or not host or not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"endpoint must be 'host:port' or (host, port), got {address!r}")
+    return host, port
+
+
+def pick(key: bytes | str, count: int) -> int:
+    """The endpoint index for ``key`` (crc32, as memcached clients commonly hash)."""
+    raw = key.encode("utf-8") if isinstance(key, str) else key
+    return zlib.crc32(raw) % count if count > 1 else 0
+
+
+def refuse_if_open(breaker: CircuitBreaker) -> bool:
+    """The one line that guards a dispatch: True when this dispatch is the breaker's probe.
+
+    Raises ``RetryableError(CIRCUIT_BREAKER_OPEN)`` when the breaker refuses: nothing
+    was written, so the attempt is unambiguous and any request may be retried.
+    """
+    admitted = breaker.admit()
+    if admitted is None:
+        raise RetryableError(
+            RetryReason.CIRCUIT_BREAKER_OPEN,
+            f"circuit breaker of {breaker.name} is open; nothing was sent",
+        )
+    return admitted is CircuitState.HALF_OPEN
+
+
+def raise_for_status(response: Response, opcode: int) -> None:
+    """Map a non-success status with sdkcore's KV mapper (RFC 0049): retry or fail."""
+    if response.status:
+        detail = response.value[:200].decode("utf-8", "replace")
+        raise_failure(
+            kv_failure(response.status, opcode),
+            cause=ServerSaid(detail),
+        )
+
+
+class ServerSaid(Exception):
+    """The text memcached put in an error response (the cause of the mapped error)."""
+
+
+def canary_failed(breaker: CircuitBreaker, error: BaseException) -> NoReturn:
+    """The NOOP probe failed: the breaker is OPEN again, the user's request was not sent."""
+    raise RetryableError(
+        RetryReason.CIRCUIT_BREAKER_OPEN,
+        f"the NOOP canary to {breaker.name} failed ({type(error).__name__}); nothing was sent",
+    ) from error
+
+
+def canary_bound(breaker: CircuitBreaker, time_left: timedelta | None) -> float:
+    """How long the canary may take: ``canary_timeout``, and never past the request's deadline."""
+    bound = breaker.canary_timeout.total_seconds()
+    if time_left is not None:
+        bound = min(bound, time_left.total_seconds())
+    return bound
+
+
+def endpoints_of(
+    endpoints: str | Address | Sequence[str | Address],
+) -> list[Address]:
+    if isinstance(endpoints, (str, tuple)):
+        endpoints = [endpoints]
+    addresses = [parse_address(e) for e in endpoints]
+    if not addresses:
+        raise ValueError("endpoints must name at least one memcached server")
+    return addresses
+
+
+BreakerFactory = Callable[[str], CircuitBreaker]

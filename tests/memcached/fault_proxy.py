@@ -1,0 +1,193 @@
+"""A small fault-injecting TCP proxy for the memcached binary protocol (tests only).
+
+It runs an asyncio loop in its own thread, so tests on asyncio, trio or threads
+can all put it between a client and a memcached. It forwards whole frames and
+counts what reaches the endpoint; knobs (set from the test's thread) make it:
+
+* ``delay``: hold every reply this many seconds;
+* ``drop_replies``: swallow every reply (a black hole: the client times out);
+* ``cut_opcodes`` / ``cut_every``: cut the connection in the middle of every
+  ``cut_every``-th reply to one of these opcodes (the request did reach memcached).
+
+Counters: ``connections`` (accepted), ``refused`` (memcached was not there),
+``requests`` (request frames that reached the proxy, by opcode: forwarded, or
+read and left unanswered while memcached was not there), ``cuts``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import struct
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+_HEADER = 24
+_BODY = struct.Struct(">I")
+
+
+async def _frame(reader: asyncio.StreamReader) -> bytes:
+    header = await reader.readexactly(_HEADER)
+    (body,) = _BODY.unpack_from(header, 8)
+    return header + (await reader.readexactly(body) if body else b"")
+
+
+class FaultProxy:
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.port = 0
+        self.delay = 0.0
+        self.drop_replies = False
+        self.cut_opcodes: frozenset[int] = frozenset()
+        self.cut_every = 1
+        self._lock = threading.Lock()
+        self.connections = 0
+        self.refused = 0
+        self.cuts = 0
+        self.requests: collections.Counter[int] = collections.Counter()
+        self._replies: collections.Counter[int] = collections.Counter()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: asyncio.AbstractServer | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    # -- lifecycle (called from the test's thread) ---------------------------------------
+    def _call(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=10)
+
+    def start(self) -> FaultProxy:
+        self._thread.start()
+
+        async def serve() -> int:
+            self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+            port: int = self._server.sockets[0].getsockname()[1]
+            return port
+
+        self.port = self._call(serve())
+        return self
+
+    def stop(self) -> None:
+        async def close() -> None:
+            if self._server is not None:
+                self._server.close()
+            for writer in list(self._writers):
+                writer.transport.abort()
+            if self._server is not None:
+                await self._server.wait_closed()
+
+        try:
+            self._call(close())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop.close()
+
+    def cut_all(self) -> None:
+        """Abort every open connection now (as a crashed server would)."""
+
+        async def cut() -> None:
+            for writer in list(self._writers):
+                writer.transport.abort()
+
+        self._call(cut())
+
+    def reset_counts(self) -> None:
+        with self._lock:
+            self.connections = self.refused = self.cuts = 0
+            self.requests.clear()
+            self._replies.clear()
+
+    def counts(self) -> tuple[int, int, dict[int, int]]:
+        """``(connections, refused, requests by opcode)``, read together."""
+        with self._lock:
+            return self.connections, self.refused, dict(self.requests)
+
+    # -- the loop's side --------------------------------------------------------------------
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with self._lock:
+            self.connections += 1
+        self._writers.add(writer)
+        try:
+            try:
+                up_reader, up_writer = await asyncio.open_connection(
+                    "127.0.0.1", self.upstream_port
+                )
+            except OSError:
+                with self._lock:
+                    self.refused += 1
+                await self._count_unanswered(reader)
+                writer.transport.abort()
+                return
+            self._writers.add(up_writer)
+            tasks = [
+                asyncio.ensure_future(self._requests(reader, up_writer)),
+                asyncio.ensure_future(self._replies_to(up_reader, writer)),
+            ]
+            try:
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                up_writer.transport.abort()
+                self._writers.discard(up_writer)
+        finally:
+            writer.transport.abort()
+            self._writers.discard(writer)
+
+    async def _count_unanswered(self, reader: asyncio.StreamReader) -> None:
+        """memcached is not there: count the frames the client sends, then hang up.
+
+        It waits up to 1 s for the first frame, then reads for at most 20 ms more (a
+        pipelined client may have written several), so a dead endpoint answers a
+        connection by closing it promptly, as a refused connection would.
+        """
+        loop = asyncio.get_running_loop()
+        try:
+            frame = await asyncio.wait_for(_frame(reader), 1.0)
+            with self._lock:
+                self.requests[frame[1]] += 1
+            until = loop.time() + 0.02
+            while (left := until - loop.time()) > 0:
+                frame = await asyncio.wait_for(_frame(reader), left)
+                with self._lock:
+                    self.requests[frame[1]] += 1
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, OSError):
+            return
+
+    async def _requests(self, reader: asyncio.StreamReader, up: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                frame = await _frame(reader)
+                with self._lock:
+                    self.requests[frame[1]] += 1
+                up.write(frame)
+                await up.drain()
+        except (asyncio.IncompleteReadError, OSError):
+            return
+
+    async def _replies_to(self, up: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                frame = await _frame(up)
+                if self.drop_replies:
+                    continue
+                if self.delay:
+                    await asyncio.sleep(self.delay)
+                opcode = frame[1]
+                if opcode in self.cut_opcodes:
+                    with self._lock:
+                        self._replies[opcode] += 1
+                        cut = self._replies[opcode] % self.cut_every == 0
+                        if cut:
+                            self.cuts += 1
+                    if cut:
+                        writer.write(frame[: len(frame) // 2])
+                        await writer.drain()
+                        writer.transport.abort()
+                        return
+                writer.write(frame)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, OSError):
+            return

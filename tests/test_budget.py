@@ -1,0 +1,242 @@
+"""RetryBudget: Finagle's numbers and bounds, the 10-slice window, on a fake clock."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from sdkcore import RetryBudget
+from sdkcore.testing import capture_retry_events
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_fresh_default_budget_holds_100() -> None:
+    budget = RetryBudget()
+    assert budget.balance == 100
+    assert budget.ttl == timedelta(seconds=10)
+    assert budget.min_retries_per_sec == 10
+    assert budget.percent_can_retry == 0.2
+
+
+def test_each_deposit_adds_percent_can_retry_of_a_retry() -> None:
+    budget = RetryBudget(clock=Clock())
+    for _ in range(4):
+        budget.deposit()
+    assert budget.balance == 100  # 0.8 of a retry
+    budget.deposit()
+    assert budget.balance == 101
+    for _ in range(500):
+        budget.deposit()
+    assert budget.balance == 201
+
+
+def test_withdrawals_until_refused_leave_the_balance_intact() -> None:
+    budget = RetryBudget(clock=Clock())
+    assert all(budget.try_withdraw() for _ in range(100))
+    assert budget.balance == 0
+    assert not budget.try_withdraw()
+    assert budget.balance == 0
+    assert budget.refused == 1
+    for _ in range(5):
+        budget.deposit()
+    assert budget.try_withdraw()  # five first attempts bought one retry
+    assert not budget.try_withdraw()
+
+
+def test_min_zero_and_percent_zero_refuse_everything() -> None:
+    budget = RetryBudget(min_retries_per_sec=0, percent_can_retry=0, clock=Clock())
+    for _ in range(1000):
+        budget.deposit()
+    assert budget.balance == 0
+    assert not budget.try_withdraw()
+
+
+def test_reserve_only_deposits_earn_nothing() -> None:
+    budget = RetryBudget(ttl=2, min_retries_per_sec=3, percent_can_retry=0, clock=Clock())
+    assert budget.balance == 6
+    for _ in range(100):
+        budget.deposit()
+    assert budget.balance == 6
+
+
+def test_percent_above_one_gives_several_retries_per_deposit() -> None:
+    budget = RetryBudget(min_retries_per_sec=0, percent_can_retry=2.0, clock=Clock())
+    budget.deposit()
+    assert budget.balance == 2
+    assert budget.try_withdraw()
+    assert budget.try_withdraw()
+    assert not budget.try_withdraw()
+
+
+def test_deposits_expire_after_ttl() -> None:
+    clock = Clock(1000.0)
+    budget = RetryBudget(ttl=10, min_retries_per_sec=0, percent_can_retry=1.0, clock=clock)
+    budget.deposit()
+    assert budget.balance == 1
+    clock.now = 1009.999  # the ninth slice after it: still in the window
+    assert budget.balance == 1
+    clock.now = 1010.0  # ten slices later: gone
+    assert budget.balance == 0
+    assert not budget.try_withdraw()
+
+
+def test_the_window_has_ten_slices() -> None:
+    clock = Clock(1000.0)
+    budget = RetryBudget(ttl=10, min_retries_per_sec=0, percent_can_retry=1.0, clock=clock)
+    for second in range(10):
+        clock.now = 1000.0 + second + 0.5
+        budget.deposit()
+    assert budget.balance == 10
+    for gone in range(1, 11):  # each further second, one slice leaves the window
+        clock.now = 1010.0 + gone - 1 + 0.5
+        assert budget.balance == 10 - gone
+
+
+def test_withdrawals_expire_after_ttl() -> None:
+    clock = Clock(1000.0)
+    budget = RetryBudget(ttl=5, min_retries_per_sec=2, percent_can_retry=0, clock=clock)
+    assert budget.balance == 10
+    assert all(budget.try_withdraw() for _ in range(10))
+    assert not budget.try_withdraw()
+    clock.now += 2.5  # half the window: those withdrawals still count
+    assert not budget.try_withdraw()
+    clock.now = 1005.0
+    assert budget.balance == 10
+
+
+def test_a_long_pause_empties_the_window() -> None:
+    clock = Clock()
+    budget = RetryBudget(min_retries_per_sec=0, percent_can_retry=1.0, clock=clock)
+    for _ in range(50):
+        budget.deposit()
+    clock.now += 3600.0
+    assert budget.balance == 0
+
+
+def test_balance_is_never_negative() -> None:
+    # a deposit expires before the withdrawal it paid for: Finagle's count goes below zero
+    clock = Clock(1000.0)
+    budget = RetryBudget(ttl=10, min_retries_per_sec=0, percent_can_retry=1.0, clock=clock)
+    budget.deposit()
+    clock.now = 1009.5
+    assert budget.try_withdraw()
+    clock.now = 1010.0
+    assert budget.balance == 0
+    budget.deposit()  # pays the debt back first
+    assert budget.balance == 0
+    assert not budget.try_withdraw()
+
+
+def test_a_clock_that_goes_back_keeps_the_newer_slice() -> None:
+    clock = Clock(1000.0)
+    budget = RetryBudget(ttl=10, min_retries_per_sec=0, percent_can_retry=1.0, clock=clock)
+    clock.now = 1005.0
+    budget.deposit()
+    clock.now = 1003.0
+    budget.deposit()
+    clock.now = 1014.999  # both were counted in the slice of 1005
+    assert budget.balance == 2
+    clock.now = 1015.0
+    assert budget.balance == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("ttl", 0.999, ValueError),
+        ("ttl", 60.001, ValueError),
+        ("ttl", timedelta(minutes=2), ValueError),
+        ("ttl", -1, ValueError),
+        ("ttl", "10", TypeError),
+        ("min_retries_per_sec", -1, ValueError),
+        ("min_retries_per_sec", float("nan"), ValueError),
+        ("min_retries_per_sec", "10", TypeError),
+        ("min_retries_per_sec", True, TypeError),
+        ("percent_can_retry", -0.01, ValueError),
+        ("percent_can_retry", 1000.5, ValueError),
+        ("percent_can_retry", float("inf"), ValueError),
+        ("percent_can_retry", None, TypeError),
+        ("clock", 3, TypeError),
+        ("name", b"x", TypeError),
+    ],
+)
+def test_bad_settings_name_the_field(field: str, value: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match=rf"RetryBudget\({field}\)"):
+        RetryBudget(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"ttl": 1},
+        {"ttl": timedelta(seconds=60)},
+        {"min_retries_per_sec": 0},
+        {"percent_can_retry": 0},
+        {"percent_can_retry": 1000},
+    ],
+)
+def test_finagle_bounds_are_inclusive(kwargs: dict[str, Any]) -> None:
+    budget = RetryBudget(**kwargs)
+    assert budget.balance >= 0
+
+
+def test_exhausted_event_once_per_exhaustion() -> None:
+    budget = RetryBudget(ttl=1, min_retries_per_sec=1, percent_can_retry=0, clock=Clock())
+    with capture_retry_events() as events:
+        assert budget.try_withdraw()
+        assert not budget.try_withdraw()
+        assert not budget.try_withdraw()
+    assert [e["event"] for e in events] == ["budget.exhausted"]
+    assert events[0]["balance"] == 0
+    assert events[0]["min_retries_per_sec"] == 1
+
+
+def test_shared_by_threads_grants_exactly_the_balance() -> None:
+    budget = RetryBudget(clock=Clock())  # 100 retries, the clock stands still
+    granted: list[bool] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(8)
+
+    def work() -> None:
+        barrier.wait()
+        mine = [budget.try_withdraw() for _ in range(50)]
+        with lock:
+            granted.extend(mine)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert len(granted) == 400
+    assert granted.count(True) == 100
+    assert budget.refused == 300
+
+
+def test_repr_shows_the_balance() -> None:
+    assert "balance=100" in repr(RetryBudget(name="kv"))
+
+
+def test_lock_free_deposits_from_threads_are_all_counted() -> None:
+    budget = RetryBudget(min_retries_per_sec=0, percent_can_retry=1.0, clock=Clock())
+
+    def work() -> None:
+        for _ in range(5000):
+            budget.deposit()
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert budget.balance == 40000
