@@ -40,7 +40,7 @@ from ._errors import (
 from ._hedge import HedgePolicy, HedgeThrottler
 from ._orchestrator import DEFAULT_MAX_REQUESTS_IN_RETRY, RetryOrchestrator
 from ._reason import RetryReason
-from ._request import DEFAULT_TIMEOUT, Request, RequestState
+from ._request import DEFAULT_TIMEOUT, DispatchInfo, Request, RequestState
 from ._strategy import (
     BestEffortRetryStrategy,
     FastFailOnTerminalErrorRetryStrategy,
@@ -66,6 +66,7 @@ __all__ = [
     "CircuitState",
     "CollectionNotFoundException",
     "CouchbaseException",
+    "DispatchInfo",
     "DocumentExistsException",
     "DocumentLockedException",
     "DocumentNotFoundException",

@@ -19,13 +19,15 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from types import TracebackType
 from typing import Any
 
 from . import _log
 from ._duration import to_seconds
-from ._errors import TimeoutException
+from ._errors import RetryableError, TimeoutException
+from ._reason import RetryReason
 
-__all__ = ["CircuitBreaker", "CircuitState", "default_is_failure"]
+__all__ = ["BreakerGuard", "CircuitBreaker", "CircuitState", "default_is_failure"]
 
 
 class CircuitState(enum.Enum):
@@ -264,6 +266,19 @@ class CircuitBreaker:
             _emit(*event)
         return granted
 
+    def guard(self) -> BreakerGuard:
+        """The one line that guards a dispatch: ``with breaker.guard(): reply = await io()``.
+
+        Refused (OPEN, or a probe already out): raises ``RetryableError(
+        CIRCUIT_BREAKER_OPEN, retry_after=<seconds until a probe may go>)`` before
+        anything is written, so the attempt is unambiguous and BestEffort waits for
+        the probe (never past the deadline). Let through: the ``with`` block's
+        outcome is reported (an exception through :meth:`record_failure`, else
+        :meth:`record_success`); ``as`` gives the admitted state
+        (``CircuitState.HALF_OPEN``: this dispatch is the probe).
+        """
+        return BreakerGuard(self)
+
     # -- outcomes -----------------------------------------------------------------
     def record_success(self) -> None:
         """A dispatch that was let through got an answer."""
@@ -391,6 +406,46 @@ class CircuitBreaker:
                 **fields,
             },
         )
+
+
+class BreakerGuard:
+    """What :meth:`CircuitBreaker.guard` returns: admit on enter, report on exit.
+
+    A plain class rather than ``contextlib.contextmanager``: it runs on every
+    dispatch, and a generator-based manager costs about 1 us more per use.
+    """
+
+    __slots__ = ("_breaker",)
+
+    def __init__(self, breaker: CircuitBreaker) -> None:
+        self._breaker = breaker
+
+    def __enter__(self) -> CircuitState:
+        breaker = self._breaker
+        admitted = breaker.admit()
+        if admitted is None:
+            # OPEN: the next chance is the end of the sleep window. HALF_OPEN: another
+            # dispatch is the probe and will usually answer soon: no hint, the
+            # strategy's own backoff polls for the breaker closing.
+            wait = breaker.probe_after() if breaker.state is _OPEN else None
+            label = "" if breaker.name is None else f" {breaker.name}"
+            raise RetryableError(
+                RetryReason.CIRCUIT_BREAKER_OPEN,
+                f"circuit breaker{label} is {breaker.state.name}: nothing was sent",
+                retry_after=wait,
+            )
+        return admitted
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self._breaker.record_success()
+        else:
+            self._breaker.record_failure(exc)
 
 
 def _emit(name: str, level: int, fields: dict[str, Any]) -> None:

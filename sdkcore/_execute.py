@@ -136,8 +136,25 @@ async def execute(
             )
         scope = rt.Scope(rt.now() + left)
         previous = request._set_cancel_hook(scope)  # Request.cancel() cuts the attempt
-    debug = _UNSET  # the debug logger (or None), asked at the call's first retry
     self._deposit(request)
+    token = request._dispatching()  # requests made inside send keep within this deadline
+    try:
+        return await _loop(self, request, send, rt, scope, previous)
+    finally:
+        Request._dispatched_done(token)
+
+
+async def _loop(
+    self: OrchestratorCore,
+    request: Request,
+    send: Callable[[Request], Awaitable[T]],
+    rt: Any,
+    scope: Any,
+    previous: Any,
+) -> T:
+    """``execute``'s attempts and waits, under its deadline scope (if any)."""
+    clock = request.clock
+    debug = _UNSET  # the debug logger (or None), asked at the call's first retry
     try:
         while True:
             request._begin_attempt(clock())
@@ -322,18 +339,22 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
         raise _failing.timed_out(request, request.last_reason, _strategy_of(self, request), now)
     request._begin_attempt(now)
     self._deposit(request)  # once, on the request's first attempt
-    if left == _INF:
-        yield
-        return
-    rt = _runtime.current()
-    scope = rt.Scope(rt.now() + left)
-    previous = request._set_cancel_hook(scope)
+    token = request._dispatching()  # requests made in the block keep within this deadline
     try:
-        yield
-    except BaseException as exc:
+        if left == _INF:
+            yield
+            return
+        rt = _runtime.current()
+        scope = rt.Scope(rt.now() + left)
+        previous = request._set_cancel_hook(scope)
+        try:
+            yield
+        except BaseException as exc:
+            request._set_cancel_hook(previous)
+            if scope.exit(exc):
+                raise _scope_fired(self, request, exc, in_flight=True) from _failing.cause(request)
+            raise
         request._set_cancel_hook(previous)
-        if scope.exit(exc):
-            raise _scope_fired(self, request, exc, in_flight=True) from _failing.cause(request)
-        raise
-    request._set_cancel_hook(previous)
-    scope.exit(None)
+        scope.exit(None)
+    finally:
+        Request._dispatched_done(token)

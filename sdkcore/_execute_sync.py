@@ -61,11 +61,24 @@ def execute_sync(
         )
     if request.state is not _PENDING:
         raise _failing.already_completed(request, None)
+    self._deposit(request)
+    token = request._dispatching()  # requests made inside send keep within this deadline
+    try:
+        return _loop(self, request, send, sleep)
+    finally:
+        Request._dispatched_done(token)
+
+
+def _loop(
+    self: OrchestratorCore,
+    request: Request,
+    send: Callable[[Request], T],
+    sleep: Callable[[float], Any],
+) -> T:
     clock = request.clock
     deadline = request.deadline
     debug: Any = None
     asked = False
-    self._deposit(request)
     while True:
         if clock() >= deadline:
             raise _failing.timed_out(

@@ -126,8 +126,9 @@ def timed_out(
     if hint is not None:
         wait, left = hint
         return cls(
-            f"request timed out: the server asked to retry after {wait:.3f} s, past the "
-            f"deadline ({max(left, 0.0):.3f} s left), so it was not retried; {what}",
+            f"request timed out: the next attempt may go only in {wait:.3f} s (retry_after: "
+            f"the server's or the circuit breaker's hint), past the deadline "
+            f"({max(left, 0.0):.3f} s left), so it was not retried; {what}",
             context=context,
         )
     if ambiguous or not request.maybe_applied:

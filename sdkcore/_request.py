@@ -7,9 +7,12 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from datetime import timedelta
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
+
+import attrs
 
 from . import _runtime
 from ._context import AttemptEffect, AttemptRecord, CancellationReason, ErrorContext, describe_error
@@ -19,7 +22,7 @@ from ._reason import RetryReason
 if TYPE_CHECKING:
     from ._strategy import RetryStrategy
 
-__all__ = ["DEFAULT_TIMEOUT", "Request", "RequestState"]
+__all__ = ["DEFAULT_TIMEOUT", "DispatchInfo", "Request", "RequestState"]
 
 #: The default request timeout: the Couchbase SDKs' KV timeout, 2.5 s.
 DEFAULT_TIMEOUT = timedelta(milliseconds=2500)
@@ -29,6 +32,25 @@ _ids = itertools.count(1)
 _NOT_SENT = AttemptEffect.NOT_SENT
 _MAYBE = AttemptEffect.MAYBE_APPLIED
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+#: The request whose attempt is being sent in this task or thread (set by the doors
+#: around ``send``): a Request built meanwhile takes the earlier of the two deadlines.
+_DISPATCHING: ContextVar[Request | None] = ContextVar("sdkcore_dispatching", default=None)
+
+
+@attrs.frozen(slots=True)
+class DispatchInfo:
+    """What a dispatcher puts on the wire for one attempt (:meth:`Request.dispatch_info`).
+
+    ``attempt``: the 1-based number of the attempt being sent (gRPC's
+    ``grpc-previous-rpc-attempts`` is ``attempt - 1``). ``time_left``: seconds until
+    the request's deadline (0 once passed), None without one: a server-side timeout
+    (Couchbase query's ``timeout``, gRPC's ``grpc-timeout``) should be this, not
+    the request's full timeout.
+    """
+
+    attempt: int
+    time_left: float | None
 
 
 class RequestState(enum.Enum):
@@ -46,8 +68,11 @@ class Request:
     completion) is read-only and changed only by the :class:`RetryOrchestrator`.
 
     ``timeout`` is a ``timedelta`` or seconds (> 0), or ``None`` for no deadline;
-    the deadline starts when the request is created. ``clock`` (seconds, monotonic)
-    is injectable for tests; it must be the clock the orchestrator waits on.
+    the deadline starts when the request is created. A request created while another
+    request's attempt is being sent (in its ``send``, same task or thread) never
+    outlives that one: its deadline is the earlier of the two (deadline in).
+    ``clock`` (seconds, monotonic) is injectable for tests; it must be the clock
+    the orchestrator waits on.
     """
 
     __slots__ = (
@@ -124,6 +149,11 @@ class Request:
         self._clock = clock
         self._start = start = clock()
         self._deadline = start + seconds
+        outer = _DISPATCHING.get()
+        if outer is not None and outer._deadline != math.inf:
+            # Dispatched from inside another request's send: never outlive it.
+            left = outer._deadline - outer._clock()
+            self._deadline = min(self._deadline, start + (left if left > 0.0 else 0.0))
         self._attempts = 0
         self._reasons: dict[RetryReason, None] = {}
         self._state = RequestState.PENDING
@@ -215,6 +245,17 @@ class Request:
             return None
         return timedelta(seconds=max(0.0, self._deadline - self._clock()))
 
+    def dispatch_info(self) -> DispatchInfo:
+        """The attempt number and the time left, to put on the wire (deadline out).
+
+        Call it inside ``send``: ``info = request.dispatch_info()``, then e.g. send
+        ``timeout=f"{int(info.time_left * 1000)}ms"`` with a query.
+        """
+        if self._deadline == math.inf:
+            return DispatchInfo(self._attempts + 1, None)
+        left = self._deadline - self._clock()
+        return DispatchInfo(self._attempts + 1, left if left > 0.0 else 0.0)
+
     @property
     def state(self) -> RequestState:
         return self._state
@@ -300,6 +341,14 @@ class Request:
         """An attempt is being sent at ``now`` (the request's clock)."""
         self._in_flight = True
         self._sent_at = now
+
+    def _dispatching(self) -> Any:
+        """Mark this request as the one being sent in this task or thread (a reset token)."""
+        return _DISPATCHING.set(self)
+
+    @staticmethod
+    def _dispatched_done(token: Any) -> None:
+        _DISPATCHING.reset(token)
 
     def _first_dispatch(self) -> bool:
         """True the first time a door asks: the request's first attempt goes out."""

@@ -1,8 +1,10 @@
-"""The breaker guard in each door of today's core, on a virtual clock.
+"""``with breaker.guard():`` in each door, on a virtual clock.
 
-A refused dispatch fails its attempt with CIRCUIT_BREAKER_OPEN: nothing was sent,
-so BestEffort retries it even for a non-idempotent request, and the request
-succeeds once the probe closes the breaker; FailFast gives up at once.
+A refused dispatch fails its attempt with CIRCUIT_BREAKER_OPEN and a retry-after
+hint (the time until the probe may go): nothing was sent, so BestEffort retries it
+even for a non-idempotent request, waiting for the probe and never past the
+deadline, and the request succeeds once the probe closes the breaker; FailFast
+gives up at once.
 """
 
 from __future__ import annotations
@@ -44,14 +46,10 @@ class Endpoint:
         self.breaker = breaker
         self.sent = 0
 
-    def guard(self) -> None:
-        if not self.breaker.try_acquire():  # the one line
-            raise RetryableError(RetryReason.CIRCUIT_BREAKER_OPEN, "nothing was sent")
-
     def answer(self) -> bytes:
-        self.sent += 1
-        self.breaker.record_success()
-        return b"stored"
+        with self.breaker.guard():  # the one line: refused -> RetryableError, else reported
+            self.sent += 1
+            return b"stored"
 
 
 @pytest.mark.anyio
@@ -61,14 +59,14 @@ async def test_execute_retries_a_non_idempotent_request_until_the_probe_closes_i
     orchestrator = RetryOrchestrator(BestEffortRetryStrategy(), sleep=clock.sleep)
 
     async def send(request: Request) -> bytes:
-        endpoint.guard()
         return endpoint.answer()
 
     request = Request(name="kv.set", idempotent=False, timeout=2.5, clock=clock.clock)
     assert await orchestrator.execute(request, send) == b"stored"
     assert endpoint.sent == 1  # refused attempts sent nothing
     assert set(request.retry_reasons) == {RetryReason.CIRCUIT_BREAKER_OPEN}
-    assert clock.now - 1000.0 >= SLEEP_WINDOW  # it waited for the sleep window
+    assert request.retry_attempts == 1  # one wait: the hint, not a backoff ladder
+    assert clock.now - 1000.0 == pytest.approx(SLEEP_WINDOW)  # waited for the probe
     assert endpoint.breaker.state is CircuitState.CLOSED
 
 
@@ -79,16 +77,15 @@ async def test_execute_never_waits_past_the_deadline() -> None:
     orchestrator = RetryOrchestrator(BestEffortRetryStrategy(), sleep=clock.sleep)
 
     async def send(request: Request) -> bytes:
-        endpoint.guard()
         return endpoint.answer()
 
     request = Request(name="kv.get", idempotent=True, timeout=0.2, clock=clock.clock)
-    with pytest.raises(UnambiguousTimeoutException) as caught:
+    with pytest.raises(UnambiguousTimeoutException, match=r"may go only in 0\.500 s") as caught:
         await orchestrator.execute(request, send)
     assert endpoint.sent == 0
     assert caught.value.context is not None
-    assert RetryReason.CIRCUIT_BREAKER_OPEN in caught.value.context.retry_reasons
-    assert clock.now - 1000.0 <= 0.2 + 1e-9
+    assert caught.value.context.reason is RetryReason.CIRCUIT_BREAKER_OPEN
+    assert clock.now == 1000.0  # the probe is due past the deadline: no silent sleep
 
 
 @pytest.mark.anyio
@@ -98,7 +95,6 @@ async def test_fail_fast_gives_up_at_once() -> None:
     orchestrator = RetryOrchestrator(FailFastRetryStrategy(), sleep=clock.sleep)
 
     async def send(request: Request) -> bytes:
-        endpoint.guard()
         return endpoint.answer()
 
     request = Request(name="kv.get", idempotent=True, clock=clock.clock)
@@ -117,15 +113,17 @@ async def test_hand_wired_loop() -> None:
     orchestrator = RetryOrchestrator(BestEffortRetryStrategy(), sleep=clock.sleep)
     request = Request(name="kv.set", idempotent=False, timeout=2.5, clock=clock.clock)
     while True:
-        if not endpoint.breaker.try_acquire():
-            await orchestrator.maybe_retry(request, RetryReason.CIRCUIT_BREAKER_OPEN)
+        try:
+            with orchestrator.attempt(request):
+                reply = endpoint.answer()
+        except RetryableError as failure:  # the hint travels with the failure
+            await orchestrator.maybe_retry(request, failure.reason, cause=failure)
             continue
-        with orchestrator.attempt(request):
-            reply = endpoint.answer()
         orchestrator.succeed(request)
         break
     assert reply == b"stored"
     assert endpoint.sent == 1
+    assert clock.now - 1000.0 == pytest.approx(SLEEP_WINDOW)
 
 
 def test_sync_door_from_threads() -> None:
@@ -139,7 +137,6 @@ def test_sync_door_from_threads() -> None:
     results: list[bytes] = []
 
     def send(request: Request) -> bytes:
-        endpoint.guard()
         with lock:
             return endpoint.answer()
 
@@ -158,3 +155,29 @@ def test_sync_door_from_threads() -> None:
     assert results == [b"stored"] * 8
     assert endpoint.sent == 8
     assert endpoint.breaker.state is CircuitState.CLOSED
+
+
+def test_a_dispatch_refused_while_the_probe_is_out_carries_no_hint() -> None:
+    clock = VirtualClock()
+    breaker = open_breaker(clock)
+    clock.advance(SLEEP_WINDOW)
+    assert breaker.admit() is CircuitState.HALF_OPEN  # the probe is out
+    with pytest.raises(RetryableError) as refused, breaker.guard():
+        pass
+    assert refused.value.reason is RetryReason.CIRCUIT_BREAKER_OPEN
+    assert refused.value.retry_after is None  # the backoff polls; the probe answers soon
+    assert "HALF_OPEN" in str(refused.value)
+
+
+def test_the_guard_reports_outcomes_and_gives_the_admitted_state() -> None:
+    clock = VirtualClock()
+    breaker = CircuitBreaker(volume_threshold=2, clock=clock.clock)
+    with breaker.guard() as state:
+        assert state is CircuitState.CLOSED
+    assert breaker.counts == (1, 0)
+    with pytest.raises(TimeoutError), breaker.guard():
+        raise TimeoutError("no answer")
+    assert breaker.state is CircuitState.OPEN  # 1 failure in 2 outcomes: 50 %
+    with pytest.raises(RetryableError) as refused, breaker.guard():
+        pass
+    assert refused.value.retry_after == pytest.approx(5.0)  # the default sleep window

@@ -1,13 +1,7 @@
-"""The retry budget on a real outage: attempts stay near first attempts plus the reserve.
-
-Needs ``RetryOrchestrator(retry_budget=...)`` (rfc/0007 "Wiring"). Until the core
-has that parameter this module is skipped; it is written against the wiring as
-issue "Endpoints that protect themselves" specifies it.
-"""
+"""The retry budget on a real outage: attempts stay near first attempts plus the reserve."""
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -25,12 +19,6 @@ from sdkcore import (
     RetryOrchestrator,
 )
 from sdkcore.examples.memcached import MemcachedClient, SyncMemcachedClient, endpoint_down
-
-if "retry_budget" not in inspect.signature(RetryOrchestrator.__init__).parameters:
-    pytest.skip(
-        "needs the core wiring RetryOrchestrator(retry_budget=...) (rfc/0007)",
-        allow_module_level=True,
-    )
 
 pytestmark = pytest.mark.anyio
 
