@@ -76,21 +76,26 @@ async def _awaited(request: Request, reason: RetryReason, answer: Any, strategy:
 async def _wait(self: OrchestratorCore, request: Request, rt: Any, delay: float) -> None:
     """Wait out a backoff of ``delay`` seconds: the loop's own sleep (zero: one checkpoint).
 
-    ``sdkcore.testing.instant_retries()`` makes every wait one checkpoint; an
-    injected ``sleep`` (a virtual clock) replaces the loop's. The request was counted
-    as waiting in retry by ``_settle``: the count is given back here, however the
-    wait ends.
+    The request was counted as waiting in retry by ``_settle``: the count is given
+    back here, however the wait ends.
     """
     try:
-        if self._sleep is None:
-            await rt.sleep(0 if _instant() else delay)
-        elif _instant():
-            await rt.sleep(0)
+        if self._sleep is None and not _instant():
+            await rt.sleep(delay)
         else:
-            self._check_clock(request)
-            await self._sleep(delay)
+            await _injected_wait(self, request, rt, delay)
     finally:
         self._leave_backoff()
+
+
+async def _injected_wait(self: OrchestratorCore, request: Request, rt: Any, delay: float) -> None:
+    """``sdkcore.testing.instant_retries()`` (one checkpoint) or an injected ``sleep``."""
+    if _instant():
+        await rt.sleep(0)
+    else:
+        self._check_clock(request)
+        assert self._sleep is not None
+        await self._sleep(delay)
 
 
 def _resume(request: Request, verdict: Verdict, strategy: Any) -> None:
@@ -138,22 +143,6 @@ async def execute(
         previous = request._set_cancel_hook(scope)  # Request.cancel() cuts the attempt
     self._deposit(request)
     token = request._dispatching()  # requests made inside send keep within this deadline
-    try:
-        return await _loop(self, request, send, rt, scope, previous)
-    finally:
-        Request._dispatched_done(token)
-
-
-async def _loop(
-    self: OrchestratorCore,
-    request: Request,
-    send: Callable[[Request], Awaitable[T]],
-    rt: Any,
-    scope: Any,
-    previous: Any,
-) -> T:
-    """``execute``'s attempts and waits, under its deadline scope (if any)."""
-    clock = request.clock
     debug = _UNSET  # the debug logger (or None), asked at the call's first retry
     try:
         while True:
@@ -181,7 +170,13 @@ async def _loop(
                 verdict, delay = self._settle(
                     request, reason, action, strategy, debug, failed, failure.retry_after
                 )
-                await _wait(self, request, rt, delay)
+                try:  # the wait, written out here: a shared coroutine is one more frame
+                    if self._sleep is None and not _instant():
+                        await rt.sleep(delay)  # zero: one checkpoint
+                    else:
+                        await _injected_wait(self, request, rt, delay)
+                finally:
+                    self._leave_backoff()
                 if verdict is not _RETRY or request.state is not _PENDING:
                     _resume(request, verdict, strategy)
                 continue
@@ -208,13 +203,16 @@ async def _loop(
         except BaseException as final:  # the error, our timeout, or what the scope re-raised
             request._finish_by(final)
             raise
-    if scope is not None:
-        request._set_cancel_hook(previous)
-        scope.exit(None)
-    if request.state is not _PENDING:  # Request.cancel() while the last attempt was in flight
-        raise _failing.already_completed(request, request.last_reason)
-    request._succeeded()
-    return result
+    else:
+        if scope is not None:
+            request._set_cancel_hook(previous)
+            scope.exit(None)
+        if request.state is not _PENDING:  # Request.cancel() while the last attempt was in flight
+            raise _failing.already_completed(request, request.last_reason)
+        request._succeeded()
+        return result
+    finally:
+        Request._dispatched_done(token)
 
 
 async def maybe_retry(

@@ -155,7 +155,7 @@ class Request:
             left = outer._deadline - outer._clock()
             self._deadline = min(self._deadline, start + (left if left > 0.0 else 0.0))
         self._attempts = 0
-        self._reasons: dict[RetryReason, None] = {}
+        self._reasons: list[RetryReason] = []  # distinct, first-seen order (a list: 100 B less)
         self._state = RequestState.PENDING
         self._cancellation: CancellationReason | None = None
         self._sent = False
@@ -397,7 +397,8 @@ class Request:
     def _retry_booked(self, reason: RetryReason, delay: float | None) -> None:
         """The failed attempt is retried for ``reason`` after ``delay`` seconds."""
         self._attempts += 1
-        self._reasons[reason] = None
+        if reason not in self._reasons:
+            self._reasons.append(reason)
         history = self._history
         if history:
             history[-1][4] = delay
@@ -408,7 +409,8 @@ class Request:
 
     def _reason_seen(self, reason: RetryReason) -> None:
         """A hedge failed for ``reason``: listed in ``retry_reasons``."""
-        self._reasons[reason] = None
+        if reason not in self._reasons:
+            self._reasons.append(reason)
 
     def _set_cancel_hook(self, hook: Any) -> Any:
         """``Request.cancel()`` calls ``hook.cancel()`` from now on; returns the previous hook."""
