@@ -713,7 +713,8 @@ async def test_a_huge_failure_message_stays_bounded() -> None:
     assert len(repr(exc)) < 10_000
     assert exc.context is not None
     assert all(len(h.get("error", "")) <= 600 for h in exc.context.extra["hedges"])
-    assert exc.context.last_error is not None and len(exc.context.last_error) <= 600
+    assert exc.context.last_error is not None
+    assert len(exc.context.last_error) <= 600
 
 
 async def test_a_copy_cut_before_its_send_began_is_booked_as_not_sent(anyio_backend: str) -> None:
