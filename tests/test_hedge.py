@@ -790,3 +790,59 @@ def test_the_first_hedge_of_a_process_imports_nothing_heavy(backend: str) -> Non
     assert done.returncode == 0, done.stderr
     imported = done.stdout.strip()
     assert imported == ("[]" if backend == "asyncio" else "['sdkcore._runtime._trio']")
+
+
+async def test_many_concurrent_chains_with_mixed_outcomes_leave_nothing_behind() -> None:
+    """A seeded mix of wins, failures, deadlines, Request.cancel() and caller cancellations."""
+    import random
+
+    rng = random.Random(14)
+    outcomes: list[Any] = [
+        "ok",
+        RetryableError(TEMP),
+        RetryableError(LOCKED),
+        ValueError("v"),
+        None,
+    ]
+    before = live_tasks()
+    scripts: list[Script] = []
+    requests: list[Request] = []
+    ended: list[str] = []
+
+    async def one(i: int) -> None:
+        plan = {
+            k: (None if rng.random() < 0.2 else rng.uniform(0.0, 0.03), rng.choice(outcomes))
+            for k in range(4)
+        }
+        send = Script(plan)
+        request = idem(rng.choice([None, 0.02, 0.05, 0.3]))
+        scripts.append(send)
+        requests.append(request)
+        policy = HedgePolicy(
+            rng.randint(1, 4), delay=rng.choice([0.0, 0.005, 0.01]), non_fatal={TEMP}
+        )
+        with anyio.move_on_after(rng.choice([0.015, 0.04, 0.3])):  # the caller's own limit
+            try:
+                await RetryOrchestrator().hedge(request, send, policy)
+                ended.append("won")
+            except (RequestCanceledException, UnambiguousTimeoutException, ValueError) as exc:
+                ended.append(type(exc).__name__)
+            return
+        ended.append("caller cancelled")
+
+    async def cancel_some() -> None:
+        await anyio.sleep(0.01)
+        for request in requests[::7]:
+            request.cancel()
+
+    with anyio.fail_after(SAFETY):
+        async with anyio.create_task_group() as tg:
+            for i in range(120):
+                tg.start_soon(one, i)
+            tg.start_soon(cancel_some)
+    assert len(ended) == 120
+    assert len(set(ended)) >= 3  # the mix reached several endings (five are possible)
+    assert live_tasks() == before
+    for send, request in zip(scripts, requests, strict=True):
+        send.assert_nothing_left()  # every send that started saw its end
+        assert request.state is not RequestState.PENDING
