@@ -408,6 +408,11 @@ def _pushback(
     return float(value)
 
 
+def _timed_out(orchestrator: RetryOrchestrator, request: Request) -> BaseException:
+    name = _failing.strategy_name(request.retry_strategy or orchestrator.default_strategy)
+    return _failing.timed_out(request, request.last_reason, name, request.clock())
+
+
 def _with_extra(exc: BaseException, chain: _Chain, *, in_flight: bool) -> None:
     if isinstance(exc, CouchbaseException) and exc.context is not None:
         extra = dict(exc.context.extra)
@@ -461,10 +466,9 @@ async def run_hedged(
             "(Request(idempotent=True)). Nothing was sent.",
             context=request.error_context(),
         )
-    name = _failing.strategy_name(request.retry_strategy or orchestrator.default_strategy)
     left = request.deadline - request.clock()
     if left <= 0.0:  # expired before the first attempt: nothing is sent
-        raise _failing.timed_out(request, request.last_reason, name, request.clock())
+        raise _timed_out(orchestrator, request)
 
     rt = _runtime.current()
     chain = _Chain(request, send, policy, throttler, rt.now)
@@ -501,7 +505,7 @@ async def run_hedged(
         if request.cancelled:  # Request.cancel()
             error = _failing.already_completed(request, request.last_reason)
         else:  # every hedge still in flight was cut and recorded as such
-            error = _failing.timed_out(request, request.last_reason, name, request.clock())
+            error = _timed_out(orchestrator, request)
         _with_extra(error, chain, in_flight=any(a.outcome == _CANCELLED for a in chain.attempts))
         raise error from _failing.cause(request)
     # Every copy failed (or no more could be sent and none is outstanding): the last
