@@ -1,7 +1,7 @@
 """The runtime layer: the only place that waits (rfc/0001, "Layers").
 
 One small module per event loop, as anyio's ``_backends`` has, each with the same
-three operations and nothing else:
+three waiting operations:
 
 * ``sleep(seconds)``: a backoff wait (an injected sleep replaces it in tests);
 * ``Scope(deadline)``: a deadline scope around an attempt, a backoff or a whole
