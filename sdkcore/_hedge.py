@@ -3,31 +3,29 @@
 A hedge is a copy of an idempotent request sent while earlier copies are still
 in flight. The first attempt goes out at once; every ``delay`` without a final
 answer sends the next one, up to ``max_attempts`` (capped). The first success
-wins and cancels the others. Scheduling follows gRPC A6 "Hedging Policy"; it
-runs on anyio (asyncio and trio) and needs no gRPC.
+wins and cancels the others. Scheduling follows gRPC A6 "Hedging Policy" and
+needs no gRPC.
+
+This module decides (the chain: what is sent when, what each outcome means, the
+final answer); the event loop's own tasks run the copies, through the runtime
+layer's ``Hedges`` (:mod:`sdkcore._runtime`, one per backend).
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import Awaitable, Callable
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import anyio
-import attrs
-
-from . import _failing, _log
-from ._cancel import outer_cancel_pending
+from . import _failing, _log, _runtime
 from ._context import AttemptEffect, CancellationReason, describe_error
-from ._duration import to_seconds
 from ._errors import (
     CouchbaseException,
     InvalidArgumentException,
     RequestCanceledException,
     RetryableError,
 )
+from ._hedge_policy import DEFAULT_HEDGE_ATTEMPTS_CAP, HedgePolicy, HedgeThrottler
 from ._hooks import INSTANT_DELAYS
 from ._reason import RetryReason
 from ._request import Request, RequestState
@@ -48,9 +46,6 @@ __all__ = [
 
 T = TypeVar("T")
 
-#: A6 "Limits on Retries and Hedges": the client-side cap on max_attempts.
-DEFAULT_HEDGE_ATTEMPTS_CAP = 5
-
 #: debug: hedge ``hedge`` was sent (``trigger``: first, delay, non_fatal, pushback).
 EVENT_HEDGE_SENT = "hedge.sent"
 #: debug: hedge ``hedge`` returned the answer; the others are cancelled.
@@ -59,91 +54,6 @@ EVENT_HEDGE_WON = "hedge.won"
 EVENT_HEDGE_CANCELLED = "hedge.cancelled"
 #: debug for a non-fatal failure, info for the failure that ends the chain.
 EVENT_HEDGE_FAILED = "hedge.failed"
-
-
-class HedgeThrottler(Protocol):
-    """What the runner needs from a throttler (``sdkcore.grpc.RetryThrottler`` is one)."""
-
-    def allows_retry(self) -> bool: ...
-
-    def record_failure(self) -> bool: ...
-
-    def record_success(self) -> None: ...
-
-
-def _delay(value: Any) -> timedelta:
-    if value is None:
-        return timedelta(0)
-    if isinstance(value, timedelta):
-        to_seconds(value, "HedgePolicy.delay")
-        return value
-    return timedelta(seconds=to_seconds(value, "HedgePolicy.delay"))
-
-
-def _check_attempts(_: Any, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"HedgePolicy.{attribute.name} must be an integer >= 1, got {value!r}")
-
-
-def _non_fatal(value: Any) -> frozenset[RetryReason] | None:
-    if value is None:
-        return None
-    if isinstance(value, RetryReason):
-        raise TypeError(
-            "HedgePolicy.non_fatal must be a collection of RetryReason (or None for every "
-            f"reason), got the single reason {value!r}; wrap it: {{{value!r}}}"
-        )
-    try:
-        reasons = frozenset(value)
-    except TypeError:
-        raise TypeError(
-            f"HedgePolicy.non_fatal must be a collection of RetryReason or None, got {value!r}"
-        ) from None
-    bad = [r for r in reasons if type(r) is not RetryReason]
-    if bad:
-        raise TypeError(f"HedgePolicy.non_fatal must hold RetryReason members only, got {bad[0]!r}")
-    return reasons
-
-
-def _check_pushback(_: Any, __: Any, value: Any) -> None:
-    if value is not None and not callable(value):
-        raise TypeError(
-            "HedgePolicy.pushback must be None or a callable (RetryableError) -> seconds | None, "
-            f"got {value!r}"
-        )
-
-
-@attrs.frozen(slots=True)
-class HedgePolicy:
-    """How :meth:`RetryOrchestrator.hedge` hedges a request (A6 ``hedgingPolicy`` in core terms).
-
-    * ``max_attempts``: copies sent at most, the first included (>= 1), capped by
-      ``max_attempts_cap`` (A6 default 5).
-    * ``delay``: ``timedelta`` or seconds between hedges; ``None`` or 0 sends every
-      copy at once.
-    * ``non_fatal``: the :class:`RetryReason` s a failed copy may report (by raising
-      ``RetryableError``) without ending the chain; ``None`` (default) means every
-      reason. Any other exception from ``send`` is fatal.
-    * ``pushback``: optional ``(RetryableError) -> seconds | None`` reading server
-      pushback from a non-fatal failure: ``None`` no pushback (the next hedge goes
-      at once), ``n >= 0`` the next hedge goes after ``n`` seconds, negative: no
-      more hedges (those in flight keep running).
-    """
-
-    max_attempts: int = attrs.field(validator=_check_attempts)
-    delay: timedelta = attrs.field(default=None, converter=_delay)
-    non_fatal: frozenset[RetryReason] | None = attrs.field(default=None, converter=_non_fatal)
-    pushback: Callable[[RetryableError], float | None] | None = attrs.field(
-        default=None, validator=_check_pushback, eq=False
-    )
-    max_attempts_cap: int = attrs.field(
-        default=DEFAULT_HEDGE_ATTEMPTS_CAP, validator=_check_attempts
-    )
-
-    @property
-    def effective_max_attempts(self) -> int:
-        """``min(max_attempts, max_attempts_cap)``."""
-        return min(self.max_attempts, self.max_attempts_cap)
 
 
 # Per-attempt outcomes, as they appear in error contexts.
@@ -181,16 +91,21 @@ class _Attempt:
 
 
 class _Chain:
-    """One hedged request: scheduling state shared by the scheduler and the attempts."""
+    """One hedged request: what is sent when, and what each copy's outcome means.
+
+    It never waits and starts no task: the runtime's ``Hedges`` runs the copies
+    (:meth:`run`) as the event loop's tasks, asks :meth:`send_due` what to send
+    whenever something changed, cuts the losers once :attr:`over`, and sets
+    :attr:`cut` when the deadline or ``Request.cancel()`` cut the chain.
+    """
 
     __slots__ = (
         "attempts",
         "clock",
+        "cut",
         "delay",
         "fatal",
         "first_elapsed",
-        "first_scope",
-        "group",
         "last_failure",
         "limit",
         "next_at",
@@ -216,14 +131,14 @@ class _Chain:
         clock: Callable[[], float],
     ) -> None:
         self.request = request
-        self.clock = clock  # the backend's clock: the loop's time on asyncio
+        self.clock = clock  # the event loop's clock
         self.send = send
         self.policy = policy
         self.throttler = throttler
         self.limit = policy.effective_max_attempts
         self.delay = 0.0 if INSTANT_DELAYS.get() else policy.delay.total_seconds()
         self.attempts: list[_Attempt] = []
-        self.outstanding = 0
+        self.outstanding = 0  # copies sent and not ended
         self.first_elapsed = 0.0
         self.origin = clock()
         self.next_at = self.origin
@@ -233,65 +148,49 @@ class _Chain:
         self.result: Any = None
         self.fatal: BaseException | None = None
         self.last_failure: RetryableError | None = None
-        self.wake: anyio.Event | None = None  # set by every attempt that ends
-        self.first_scope: anyio.CancelScope | None = None  # hedge 0 run by the caller itself
-        self.group: anyio.CancelScope | None = None  # the task group's scope, once made
+        self.cut = False  # the deadline or Request.cancel() cut the chain (set by the runner)
+        self.wake: Callable[[], None] | None = None  # called by every copy that ends
 
-    def cancel(self) -> None:
-        """``Request.cancel()``: cut every attempt in flight (the request is marked first)."""
-        if self.first_scope is not None:
-            self.first_scope.cancel()
-        if self.group is not None:
-            self.group.cancel()
+    @property
+    def over(self) -> bool:
+        """A copy won, or a failure (or a broken hook) ended the chain: cut the others."""
+        return self.winner is not None or self.fatal is not None
 
-    def cut(self) -> bool:
-        """Whether the deadline or ``Request.cancel()`` cut the chain (read after winner/fatal)."""
-        return (self.first_scope is not None and self.first_scope.cancel_called) or (
-            self.group is not None and self.group.cancel_called
-        )
+    # -- scheduling (A6 "Hedging Policy") ---------------------------------------------
+    def next_due(self) -> float:
+        """When the next hedge is due on the clock (``math.inf``: no more will be sent)."""
+        if self.over or self.stop is not None or len(self.attempts) >= self.limit:
+            return math.inf
+        return self.next_at
 
-    # -- scheduling ----------------------------------------------------------------
-    async def schedule(self, tg: Any) -> None:
+    def send_due(self, start: Callable[[_Attempt], object]) -> float:
+        """Book every hedge due now and hand each to ``start``; then :meth:`next_due`.
+
+        Hedge 0 always goes; a later one only while the throttler allows it (once it
+        does not, no more are sent: A6 "the hedged request is cancelled").
+        """
         while True:
-            if self.winner is not None or self.fatal is not None:
-                if self.outstanding:  # the others are cancelled now
-                    tg.cancel_scope.cancel()
-                    first = self.first_scope
-                    if first is not None and self.attempts[0].outcome == _IN_FLIGHT:
-                        first.cancel()  # hedge 0, in the caller's own task
-                return
-            sent = len(self.attempts)
-            can_send = self.stop is None and sent < self.limit
+            when = self.next_due()
+            if when == math.inf:
+                return when
             now = self.clock()
-            if can_send and now >= self.next_at:
-                throttler = self.throttler
-                if sent > 0 and throttler is not None:
-                    try:
-                        allowed = throttler.allows_retry()
-                    except Exception as exc:  # a broken throttler ends the chain with its error
-                        self._end_with(exc)
-                        continue
-                    if not allowed:
-                        # A6: the hedge is cancelled; no more hedges while throttled.
-                        self.stop = "throttled"
-                        continue
-                self._start(tg, sent, now)
-                continue
-            if not can_send and self.outstanding == 0:
-                return
-            self.wake = anyio.Event()
-            if can_send:
-                with anyio.move_on_after(self.next_at - now):
-                    await self.wake.wait()
-            else:
-                await self.wake.wait()
+            if now < when:
+                return when
+            sent = len(self.attempts)
+            throttler = self.throttler
+            if sent > 0 and throttler is not None:
+                try:
+                    allowed = throttler.allows_retry()
+                except Exception as exc:  # a broken throttler ends the chain with its error
+                    self._end_with(exc)
+                    return math.inf
+                if not allowed:
+                    self.stop = "throttled"
+                    return math.inf
+            start(self.begin(sent, now))
 
-    def _start(self, tg: Any, index: int, now: float) -> None:
-        # Hedges started at the same instant may take their first step in any order.
-        tg.start_soon(self._run, self._begin(index, now))
-
-    def _begin(self, index: int, now: float) -> _Attempt:
-        """Book hedge ``index`` as sent at ``now`` (its send starts right after)."""
+    def begin(self, index: int, now: float) -> _Attempt:
+        """Book hedge ``index`` as sent at ``now`` (its :meth:`run` starts right after)."""
         attempt = _Attempt(index, self.next_trigger, now)
         self.attempts.append(attempt)
         self.outstanding += 1
@@ -312,7 +211,8 @@ class _Chain:
             )
         return attempt
 
-    async def _run(self, attempt: _Attempt) -> None:
+    async def run(self, attempt: _Attempt) -> None:
+        """Send one copy and book its outcome. Raises only the copy's cancellation."""
         try:
             result = await self.send(self.request, attempt.index)
         except RetryableError as failure:
@@ -338,7 +238,16 @@ class _Chain:
         finally:
             wake = self.wake
             if wake is not None:
-                wake.set()
+                wake()
+
+    def unsent(self, attempt: _Attempt) -> None:
+        """``attempt`` was cut before its :meth:`run` began (asyncio can cancel a task
+        before its first step): ``send`` was never called, so it is booked as not sent."""
+        if attempt.outcome is _IN_FLIGHT:
+            self.outstanding -= 1
+            attempt.outcome = _CANCELLED
+            self._book(attempt, None, AttemptEffect.NOT_SENT, None)
+            self._log_cancelled(attempt)
 
     # -- outcomes --------------------------------------------------------------------
     def _book(
@@ -350,11 +259,8 @@ class _Chain:
     ) -> None:
         self.request._attempt_failed(reason, effect, error, self.clock(), started=attempt.started)
 
-    def _over(self) -> bool:
-        return self.winner is not None or self.fatal is not None
-
     def _won(self, attempt: _Attempt, result: Any) -> None:
-        if self._over():  # finished in the same step as the winner: dropped
+        if self.over:  # finished in the same step as the winner: dropped
             attempt.outcome = _DROPPED
             self._log_cancelled(attempt)
             return
@@ -388,7 +294,7 @@ class _Chain:
         request = self.request
         effect = failure.effect or AttemptEffect.for_reason(reason)
         self._book(attempt, reason, effect, failure.__cause__ or failure)
-        if self._over():
+        if self.over:
             return
         request._reason_seen(reason)
         self.last_failure = failure
@@ -438,7 +344,7 @@ class _Chain:
             effect = error.effect or AttemptEffect.for_reason(error.reason)
             cause = error.__cause__ or error
         self._book(attempt, attempt.reason, effect, cause)
-        if self._over():
+        if self.over:
             return
         self.fatal = error
         log = _log.enabled(_log.INFO)
@@ -455,7 +361,7 @@ class _Chain:
 
     def _end_with(self, error: BaseException) -> None:
         """A hook of the chain (throttler, pushback) failed: the call fails with its error."""
-        if not self._over():
+        if not self.over:
             self.fatal = error
 
     def _log_cancelled(self, attempt: _Attempt) -> None:
@@ -502,99 +408,9 @@ def _pushback(
     return float(value)
 
 
-def _asyncio_loop() -> asyncio.AbstractEventLoop | None:
-    """The running asyncio loop when this code runs in an asyncio task, else None (trio)."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        return None
-    return loop if asyncio.current_task(loop) is not None else None
-
-
-async def _in_group(chain: _Chain, left: float) -> None:
-    """Schedule hedges in a task group until the chain is over (A6 "Hedging Policy")."""
-    async with anyio.create_task_group() as tg:
-        scope = chain.group = tg.cancel_scope  # the deadline, Request.cancel(), the winner
-        if left != math.inf:
-            scope.deadline = chain.origin + left
-        if chain.request.cancelled:  # cancelled before the group existed
-            scope.cancel()
-        await chain.schedule(tg)
-
-
-async def _reap(task: asyncio.Task[None]) -> None:
-    """Cancel ``task`` and wait until it has ended (and booked what it cut).
-
-    A cancellation of the caller that arrives meanwhile is raised once the task
-    has ended, so nothing outlives the call.
-    """
-    task.cancel()
-    caught: BaseException | None = None
-    while not task.done():
-        try:
-            await asyncio.wait((task,))
-        except asyncio.CancelledError as exc:
-            caught = exc
-    if caught is not None:
-        raise caught
-
-
-async def _join(task: asyncio.Task[None]) -> None:
-    """Wait for ``task`` to end; a cancelled caller cancels it and waits for that."""
-    try:
-        await asyncio.wait((task,))
-    except BaseException:
-        await _reap(task)
-        raise
-    task.result()  # the helper's own failure, if any
-
-
-async def _first_inline(
-    chain: _Chain, loop: asyncio.AbstractEventLoop, left: float
-) -> asyncio.Task[None] | None:
-    """asyncio: the caller's task runs hedge 0 itself; a timer starts the hedging.
-
-    Most requests end here: hedge 0 answers within the hedging delay, and the
-    call costs one cancel scope and one timer, with no task, task group or extra
-    loop iteration (bench/README, "Hedging cost"). When the delay passes with
-    hedge 0 in flight, the timer starts a helper task that schedules the other
-    hedges in a task group and cancels hedge 0 if another wins. Returns that
-    helper (None if the delay never passed); hedge 0's outcome is in ``chain``.
-    """
-    helper: list[asyncio.Task[None]] = []
-    scope = chain.first_scope = anyio.CancelScope()
-    hedges_due = chain.limit > 1 and chain.delay < left
-
-    def on_timer() -> None:
-        if not hedges_due:  # the deadline, with hedge 0 alone in flight
-            scope.cancel()
-            return
-        # The delay passed with hedge 0 in flight: from now on the deadline cuts it
-        # too, and a helper task schedules the other hedges.
-        if left != math.inf:
-            scope.deadline = chain.origin + left
-        helper.append(loop.create_task(_in_group(chain, left)))
-
-    # One timer per call: the hedging delay, or the deadline when no hedge is due.
-    due = chain.delay if hedges_due else left
-    timer = None if due == math.inf else loop.call_at(chain.origin + due, on_timer)
-    attempt = chain._begin(0, chain.origin)
-    try:
-        with scope:
-            await chain._run(attempt)
-    except BaseException as exc:
-        # grpc.aio (like other libraries running calls in their own tasks) answers our
-        # cut with a fresh cancellation that the scope does not take for its own.
-        ours = scope.cancel_called and isinstance(exc, asyncio.CancelledError)
-        if not ours or outer_cancel_pending():  # the caller was cancelled
-            if timer is not None:
-                timer.cancel()
-            if helper:
-                await _reap(helper[0])
-            raise
-    if timer is not None:
-        timer.cancel()
-    return helper[0] if helper else None
+def _timed_out(orchestrator: RetryOrchestrator, request: Request) -> BaseException:
+    name = _failing.strategy_name(request.retry_strategy or orchestrator.default_strategy)
+    return _failing.timed_out(request, request.last_reason, name, request.clock())
 
 
 def _with_extra(exc: BaseException, chain: _Chain, *, in_flight: bool) -> None:
@@ -650,30 +466,19 @@ async def run_hedged(
             "(Request(idempotent=True)). Nothing was sent.",
             context=request.error_context(),
         )
-    name = _failing.strategy_name(request.retry_strategy or orchestrator.default_strategy)
     left = request.deadline - request.clock()
     if left <= 0.0:  # expired before the first attempt: nothing is sent
-        raise _failing.timed_out(request, request.last_reason, name, request.clock())
+        raise _timed_out(orchestrator, request)
 
-    loop = _asyncio_loop()
-    chain = _Chain(
-        request, send, policy, throttler, anyio.current_time if loop is None else loop.time
-    )
-    request._set_cancel_hook(chain)  # Request.cancel() cuts whatever is in flight
+    rt = _runtime.current()
+    chain = _Chain(request, send, policy, throttler, rt.now)
+    if first_elapsed is not None:
+        chain.first_elapsed = first_elapsed
+    runner = rt.Hedges(chain, chain.origin + left)
+    request._set_cancel_hook(runner)  # Request.cancel() cuts whatever is in flight
     try:
         try:
-            helper = None
-            if first_elapsed is not None:
-                chain.first_elapsed = first_elapsed
-            elif loop is not None and (chain.delay > 0.0 or chain.limit == 1):
-                helper = await _first_inline(chain, loop, left)
-                if helper is None and chain.winner is not None:  # the common case
-                    request._finish(RequestState.SUCCEEDED)
-                    return chain.result  # type: ignore[no-any-return]
-            if helper is not None:
-                await _join(helper)
-            elif not (chain._over() or chain.cut() or request.cancelled):
-                await _in_group(chain, left)
+            await runner.run()
         finally:
             request._set_cancel_hook(None)
     except BaseException as exc:
@@ -696,11 +501,11 @@ async def run_hedged(
             raise error
         request._finish(RequestState.FAILED)
         raise fatal
-    if chain.cut() or request.cancelled:  # the deadline or Request.cancel()
+    if chain.cut or request.cancelled:  # the deadline or Request.cancel()
         if request.cancelled:  # Request.cancel()
             error = _failing.already_completed(request, request.last_reason)
         else:  # every hedge still in flight was cut and recorded as such
-            error = _failing.timed_out(request, request.last_reason, name, request.clock())
+            error = _timed_out(orchestrator, request)
         _with_extra(error, chain, in_flight=any(a.outcome == _CANCELLED for a in chain.attempts))
         raise error from _failing.cause(request)
     # Every copy failed (or no more could be sent and none is outstanding): the last

@@ -555,3 +555,294 @@ async def test_request_cancel_after_the_delay_cuts_every_hedge() -> None:
     [exc] = caught
     assert exc.context is not None
     assert [h["outcome"] for h in exc.context.extra["hedges"]] == ["cancelled"] * 2
+
+
+# -- the user's own errors: unchanged, never wrapped, bounded --------------------------
+
+
+class ThrottlerBroken(Exception):
+    pass
+
+
+class BrokenThrottler:
+    """A throttler whose ``broken`` method raises; the others allow everything."""
+
+    def __init__(self, broken: str) -> None:
+        self.broken = broken
+        self.calls: list[str] = []
+
+    def _call(self, name: str) -> None:
+        self.calls.append(name)
+        if name == self.broken:
+            raise ThrottlerBroken(name)
+
+    def allows_retry(self) -> bool:
+        self._call("allows_retry")
+        return True
+
+    def record_failure(self) -> bool:
+        self._call("record_failure")
+        return True
+
+    def record_success(self) -> None:
+        self._call("record_success")
+
+
+@pytest.mark.parametrize("broken", ["allows_retry", "record_failure", "record_success"])
+async def test_a_broken_throttler_fails_the_call_with_its_own_error(broken: str) -> None:
+    # hedge 0 hangs; hedge 1 (after the delay, if allowed) fails non-fatally or wins
+    outcome: Any = RetryableError(TEMP) if broken == "record_failure" else "r1"
+    send = Script({0: (None, None), 1: (0.0, outcome)})
+    throttler = BrokenThrottler(broken)
+    request = idem()
+    before = live_tasks()
+    with anyio.fail_after(SAFETY), pytest.raises(ThrottlerBroken) as info:
+        await RetryOrchestrator().hedge(
+            request, send, HedgePolicy(3, delay=0.02), throttler=throttler
+        )
+    assert type(info.value) is ThrottlerBroken  # its own error, not an ExceptionGroup
+    assert info.value.args == (broken,)
+    assert throttler.calls[-1] == broken
+    assert sorted(send.started) == ([0] if broken == "allows_retry" else [0, 1])
+    assert send.cancelled == {0}  # the copy in flight is cut
+    send.assert_nothing_left()
+    assert live_tasks() == before
+    assert request.state is RequestState.FAILED
+
+
+class HookBroken(Exception):
+    pass
+
+
+def _raising_hook(failure: RetryableError) -> float | None:
+    raise HookBroken("pushback hook")
+
+
+@pytest.mark.parametrize(
+    ("hook", "error", "match"),
+    [
+        (_raising_hook, HookBroken, "pushback hook"),
+        (lambda failure: "soon", TypeError, r"HedgePolicy\.pushback returned str, not None"),
+        (lambda failure: True, TypeError, r"HedgePolicy\.pushback returned bool"),
+    ],
+)
+async def test_a_broken_pushback_hook_fails_the_call_with_its_own_error(
+    hook: Any, error: type[Exception], match: str
+) -> None:
+    send = Script({0: (None, None), 1: (0.0, RetryableError(TEMP))})
+    request = idem()
+    before = live_tasks()
+    with anyio.fail_after(SAFETY), pytest.raises(error, match=match) as info:
+        await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.02, pushback=hook))
+    assert type(info.value) is error
+    assert sorted(send.started) == [0, 1]  # no hedge after the hook failed
+    assert send.cancelled == {0}
+    send.assert_nothing_left()
+    assert live_tasks() == before
+    assert request.state is RequestState.FAILED
+
+
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no str")
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+async def test_an_unprintable_failure_of_a_hedged_copy_reaches_the_caller_unchanged() -> None:
+    weird = Unprintable()
+    send = Script({0: (None, None), 1: (0.0, weird)})
+    request = idem()
+    with (
+        anyio.fail_after(SAFETY),
+        capture_retry_events() as events,
+        pytest.raises(Unprintable) as info,
+    ):
+        await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.02))
+    assert info.value is weird
+    assert send.cancelled == {0}
+    [failed] = [e for e in events if e["event"] == "hedge.failed"]
+    assert failed["hedge"] == 1
+    assert failed["fatal"] is True
+    assert failed["error"] == "Unprintable"
+    assert request.attempts[0].error == "Unprintable"
+
+
+async def test_an_unprintable_cause_of_a_non_fatal_failure_is_kept_as_the_cause() -> None:
+    weird = Unprintable()
+    send = Script({0: (0.0, RetryableError(TEMP, cause=weird)), 1: (0.01, RetryableError(TEMP))})
+    with anyio.fail_after(SAFETY), pytest.raises(RequestCanceledException) as info:
+        await RetryOrchestrator().hedge(idem(), send, HedgePolicy(2, delay=0.0))
+    exc = info.value
+    assert exc.__cause__ is not weird  # the last failure to arrive: hedge 1's
+    assert exc.context is not None
+    assert exc.context.attempts[0].error == "Unprintable"
+    assert "all 2 hedges failed" in str(exc)
+
+    send = Script({0: (0.0, RetryableError(TEMP, cause=weird))})
+    with anyio.fail_after(SAFETY), pytest.raises(RequestCanceledException) as info:
+        await RetryOrchestrator().hedge(idem(), send, HedgePolicy(1))
+    assert info.value.__cause__ is weird
+    assert info.value.context is not None
+    assert info.value.context.last_error == "Unprintable"
+    assert "KV_TEMPORARY_FAILURE" in str(info.value)
+
+
+async def test_a_huge_failure_message_stays_bounded() -> None:
+    huge = "x" * 1_000_000
+    send = Script(
+        {
+            0: (0.0, RetryableError(TEMP, huge)),  # non-fatal (debug event)
+            1: (0.02, RetryableError(LOCKED, huge, cause=OSError(huge))),  # fatal (info event)
+        }
+    )
+    policy = HedgePolicy(2, delay=0.0, non_fatal={TEMP})
+    with (
+        anyio.fail_after(SAFETY),
+        capture_retry_events() as events,
+        pytest.raises(RequestCanceledException) as info,
+    ):
+        await RetryOrchestrator().hedge(idem(), send, policy)
+    failed = [e for e in events if e["event"] == "hedge.failed"]
+    assert [(e["hedge"], e["fatal"]) for e in failed] == [(0, False), (1, True)]
+    for event in failed:
+        assert 100 < len(event["error"]) <= 600  # describe_error's 500-character cap
+    exc = info.value
+    assert len(str(exc)) < 10_000
+    assert len(repr(exc)) < 10_000
+    assert exc.context is not None
+    assert all(len(h.get("error", "")) <= 600 for h in exc.context.extra["hedges"])
+    assert exc.context.last_error is not None
+    assert len(exc.context.last_error) <= 600
+
+
+async def test_a_copy_cut_before_its_send_began_is_booked_as_not_sent(anyio_backend: str) -> None:
+    """asyncio can cancel a task before its first step: such a copy was never sent.
+
+    Hedges 1 and 2 are started by the delay (0) while hedge 0 waits; hedge 0 then
+    cancels the request before they ran (asyncio), or after their sends began (trio).
+    """
+    called: list[int] = []
+
+    async def send(request: Request, index: int) -> str:
+        called.append(index)
+        if index == 0:
+            await anyio.lowlevel.checkpoint()
+            await anyio.lowlevel.checkpoint()
+            request.cancel()
+            raise RetryableError(TEMP)
+        await anyio.sleep_forever()
+        raise AssertionError("not reached")
+
+    request = idem(None)
+    before = live_tasks()
+    with anyio.fail_after(SAFETY), pytest.raises(RequestCanceledException) as info:
+        await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.0))
+    if anyio_backend == "asyncio":
+        assert called == [0]
+    else:
+        assert sorted(called) == [0, 1, 2]
+    assert live_tasks() == before
+    context = info.value.context
+    assert context is not None
+    assert [h["outcome"] for h in context.extra["hedges"]] == ["failed", "cancelled", "cancelled"]
+    cut = [a.effect.name for a in request.attempts if a.reason is None]
+    never_sent = 3 - len(called)
+    assert cut == ["NOT_SENT"] * never_sent + ["MAYBE_APPLIED"] * (2 - never_sent)
+    assert request.retry_attempts == 2  # both were booked as hedges when started
+
+
+IMPORTS = """
+import sys
+import sdkcore
+assert not [m for m in sys.modules if m.split(".")[0] == "anyio"], "import sdkcore imports anyio"
+before = set(sys.modules)
+
+async def send(request, index):
+    return index
+
+async def main():
+    request = sdkcore.Request(name="get", idempotent=True, timeout=1.0)
+    policy = sdkcore.HedgePolicy(2, delay=0.02)
+    assert await sdkcore.RetryOrchestrator().hedge(request, send, policy) == 0
+
+if sys.argv[1] == "trio":
+    import trio
+    before.update(sys.modules)
+    trio.run(main)
+else:
+    import asyncio
+    asyncio.run(main())
+print(sorted(set(sys.modules) - before))
+"""
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_the_first_hedge_of_a_process_imports_nothing_heavy(backend: str) -> None:
+    """The first hedge used to import anyio's backend on the request's clock (~37 ms)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORTS, backend], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    imported = done.stdout.strip()
+    assert imported == ("[]" if backend == "asyncio" else "['sdkcore._runtime._trio']")
+
+
+async def test_many_concurrent_chains_with_mixed_outcomes_leave_nothing_behind() -> None:
+    """A seeded mix of wins, failures, deadlines, Request.cancel() and caller cancellations."""
+    import random
+
+    rng = random.Random(14)
+    outcomes: list[Any] = [
+        "ok",
+        RetryableError(TEMP),
+        RetryableError(LOCKED),
+        ValueError("v"),
+        None,
+    ]
+    before = live_tasks()
+    scripts: list[Script] = []
+    requests: list[Request] = []
+    ended: list[str] = []
+
+    async def one(i: int) -> None:
+        plan = {
+            k: (None if rng.random() < 0.2 else rng.uniform(0.0, 0.03), rng.choice(outcomes))
+            for k in range(4)
+        }
+        send = Script(plan)
+        request = idem(rng.choice([None, 0.02, 0.05, 0.3]))
+        scripts.append(send)
+        requests.append(request)
+        policy = HedgePolicy(
+            rng.randint(1, 4), delay=rng.choice([0.0, 0.005, 0.01]), non_fatal={TEMP}
+        )
+        with anyio.move_on_after(rng.choice([0.015, 0.04, 0.3])):  # the caller's own limit
+            try:
+                await RetryOrchestrator().hedge(request, send, policy)
+                ended.append("won")
+            except (RequestCanceledException, UnambiguousTimeoutException, ValueError) as exc:
+                ended.append(type(exc).__name__)
+            return
+        ended.append("caller cancelled")
+
+    async def cancel_some() -> None:
+        await anyio.sleep(0.01)
+        for request in requests[::7]:
+            request.cancel()
+
+    with anyio.fail_after(SAFETY):
+        async with anyio.create_task_group() as tg:
+            for i in range(120):
+                tg.start_soon(one, i)
+            tg.start_soon(cancel_some)
+    assert len(ended) == 120
+    assert len(set(ended)) >= 3  # the mix reached several endings (five are possible)
+    assert live_tasks() == before
+    for send, request in zip(scripts, requests, strict=True):
+        send.assert_nothing_left()  # every send that started saw its end
+        assert request.state is not RequestState.PENDING

@@ -1,7 +1,7 @@
 """The runtime layer: the only place that waits (rfc/0001, "Layers").
 
 One small module per event loop, as anyio's ``_backends`` has, each with the same
-three operations and nothing else:
+three waiting operations:
 
 * ``sleep(seconds)``: a backoff wait (an injected sleep replaces it in tests);
 * ``Scope(deadline)``: a deadline scope around an attempt, a backoff or a whole
@@ -10,7 +10,10 @@ three operations and nothing else:
   tells whether the scope itself cut what ran inside it;
 * ``checkpoint()``: one turn of the loop (a zero backoff);
 
-plus ``now()``, the loop's clock that deadlines are armed on.
+plus ``now()``, the loop's clock that deadlines are armed on, and ``Hedges(chain,
+deadline)``, which runs the copies of one hedged request as the loop's own tasks
+(rfc/0004, "The runner"): the chain (:class:`HedgeChain`, in ``sdkcore._hedge``)
+decides what is sent when; ``Hedges`` only starts, wakes and cuts.
 
 Each backend module imports only its own event loop library, which a running
 program has already imported: choosing one costs no import on a request's clock.
@@ -20,11 +23,42 @@ program has already imported: choosing one costs no import on a request's clock.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any, Protocol
 
 from . import _asyncio
 
-__all__ = ["current"]
+__all__ = ["HedgeChain", "current"]
+
+
+class HedgeChain(Protocol):
+    """What ``Hedges`` needs from a hedged request's chain (``sdkcore._hedge._Chain``)."""
+
+    origin: float  # when the chain started, on the loop's clock
+    outstanding: int  # copies sent and not ended
+    cut: bool  # set by ``Hedges``: the deadline or ``Request.cancel()`` cut the chain
+    wake: Callable[[], None] | None  # called by every copy that ends
+
+    @property
+    def over(self) -> bool:
+        """A copy won or a failure ended the chain: the others are to be cut."""
+
+    def next_due(self) -> float:
+        """When the next copy is due (``math.inf``: none will be sent)."""
+
+    def send_due(self, start: Callable[[Any], object]) -> float:
+        """Book every copy due now and hand it to ``start``; then :meth:`next_due`."""
+
+    def begin(self, index: int, now: float) -> Any:
+        """Book copy ``index`` as sent at ``now``."""
+
+    async def run(self, attempt: Any) -> None:
+        """Send one booked copy and book its outcome (raises only its cancellation)."""
+
+    def unsent(self, attempt: Any) -> None:
+        """A booked copy whose :meth:`run` never began: book it as not sent (else no-op)."""
+
 
 _trio_backend: ModuleType | None = None
 

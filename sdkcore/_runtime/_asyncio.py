@@ -12,13 +12,17 @@ anyio cancel scope.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import math
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Scope", "checkpoint", "now", "sleep"]
+if TYPE_CHECKING:
+    from . import HedgeChain
+
+__all__ = ["Hedges", "Scope", "checkpoint", "now", "sleep"]
 
 sleep = asyncio.sleep
 _current_task = asyncio.current_task
@@ -134,3 +138,133 @@ class Scope:
         if self._sent and uncancel is not None and uncancel() > 0:
             return False  # the task is being cancelled from outside as well
         return error is None or isinstance(error, (Exception, _CancelledError))
+
+
+class Hedges:
+    """The copies of one hedged request, run as asyncio tasks (rfc/0004, "The runner").
+
+    The caller's own task runs hedge 0 under a :class:`Scope` (the request's
+    deadline), and one loop timer is armed for when the next hedge is due. Most
+    requests end there: hedge 0 answers within the delay, the timer is cancelled,
+    and the call made no task and no extra turn of the loop. When the timer fires,
+    :meth:`step` starts the hedges due as plain tasks (``loop.create_task``) and
+    re-arms the timer for the next one, or for the deadline. Every hedge task that
+    ends runs :meth:`step` again (a done callback): once the chain is over, the
+    losers are cancelled (``Task.cancel()``, and hedge 0's scope), and the caller,
+    once hedge 0 has ended, waits on a future until every task has ended. A
+    cancellation of the caller cuts every copy and is re-raised once all have ended:
+    nothing outlives the call.
+    """
+
+    __slots__ = ("chain", "deadline", "loop", "scope", "stopped", "tasks", "timer", "waiter")
+
+    def __init__(self, chain: HedgeChain, deadline: float) -> None:
+        self.chain = chain
+        self.deadline = deadline  # on the loop's clock (math.inf: none)
+        self.loop = _get_running_loop()
+        self.scope: Scope | None = None  # hedge 0's, while the caller runs it
+        self.tasks: dict[asyncio.Task[None], Any] = {}  # hedges 1.. (and their attempts)
+        self.timer: asyncio.TimerHandle | None = None  # the next hedge, or the deadline
+        self.waiter: asyncio.Future[None] | None = None  # wakes the caller when all ended
+        self.stopped = False  # no more hedges: the losers are being cut
+
+    def cancel(self) -> None:
+        """``Request.cancel()``: cut every copy in flight."""
+        self.chain.cut = True
+        self.step()
+
+    async def run(self) -> None:
+        chain = self.chain
+        scope = self.scope = Scope(self.deadline)
+        attempt = chain.begin(0, chain.origin)
+        when = chain.next_due()  # the hedging delay (math.inf: one copy only)
+        if when < self.deadline:
+            self.timer = self.loop.call_at(when, self.step)
+        try:
+            await chain.run(attempt)
+        except BaseException as exc:
+            self.scope = None
+            if not scope.exit(exc):  # the caller is cancelled: cut every copy, then re-raise
+                await self._reap()
+                raise
+            if not chain.over:  # the deadline (Request.cancel() set ``cut`` itself)
+                chain.cut = True
+        else:
+            self.scope = None
+            scope.exit(None)
+        if chain.over and not self.tasks:  # the common case: hedge 0 answered in time
+            if self.timer is not None:
+                self.timer.cancel()
+            return
+        self.step()  # hedge 0 ended: what it changed (a non-fatal failure sends the next)
+        try:
+            while self.tasks or self.timer is not None:
+                waiter = self.waiter = self.loop.create_future()
+                await waiter
+        except BaseException:  # the caller is cancelled: cut every copy, then re-raise
+            await self._reap()
+            raise
+
+    def step(self) -> None:
+        """Something changed (the timer fired, a hedge ended, a cut): act on it.
+
+        Starts the hedges now due and re-arms the timer, or cuts every copy once the
+        chain is over or cut, and wakes the caller when nothing is left to wait for.
+        """
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        chain = self.chain
+        if not self.stopped:
+            if not chain.cut and self.loop.time() >= self.deadline and not chain.over:
+                chain.cut = True
+            when = math.inf if chain.cut else chain.send_due(self._start)
+            if chain.over or chain.cut:
+                self._stop()
+            else:
+                if when != math.inf or self.tasks or self.scope is not None:
+                    when = min(when, self.deadline)  # a copy in flight or due: the deadline
+                if when != math.inf:
+                    self.timer = self.loop.call_at(when, self.step)
+        waiter = self.waiter
+        if (
+            not self.tasks
+            and self.timer is None
+            and waiter is not None
+            and not waiter.done()
+            and self.scope is None
+        ):
+            waiter.set_result(None)
+
+    def _start(self, attempt: object) -> None:
+        task = self.loop.create_task(self.chain.run(attempt))
+        self.tasks[task] = attempt
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        # A task cancelled before its first step never ran its copy: not sent after all.
+        self.chain.unsent(self.tasks.pop(task))
+        self.step()
+
+    def _stop(self) -> None:
+        """Send no more hedges and cancel every copy in flight."""
+        self.stopped = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.scope is not None:
+            self.scope.cancel()  # hedge 0, in the caller's task
+        for task in self.tasks:
+            task.cancel()
+
+    async def _reap(self) -> None:
+        """Cancel every hedge task and wait until all have ended (and booked their cut).
+
+        Cancellations of the caller that arrive meanwhile are absorbed: the caller
+        re-raises its own once this returns.
+        """
+        self._stop()
+        while self.tasks:
+            waiter = self.waiter = self.loop.create_future()
+            with contextlib.suppress(_CancelledError):
+                await waiter

@@ -1,10 +1,16 @@
-"""The trio backend: trio's own cancel scope and clock."""
+"""The trio backend: trio's own cancel scope, clock and nursery."""
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 import trio
 
-__all__ = ["Scope", "checkpoint", "now", "sleep"]
+if TYPE_CHECKING:
+    from . import HedgeChain
+
+__all__ = ["Hedges", "Scope", "checkpoint", "now", "sleep"]
 
 sleep = trio.sleep
 checkpoint = trio.lowlevel.checkpoint
@@ -41,3 +47,60 @@ class Scope:
             return False
         # Cut while the code swallowed the cancellation, or raised its own error for it.
         return error is None or isinstance(error, Exception)
+
+
+class Hedges:
+    """The copies of one hedged request, run in a trio nursery (rfc/0004, "The runner").
+
+    The caller's task schedules; every copy, hedge 0 included, is a child task of
+    one nursery whose cancel scope carries the request's deadline and cuts the
+    losers (and ``Request.cancel()``). Between two changes the caller waits on a
+    ``trio.Event`` that every copy sets when it ends, bounded by when the next
+    hedge is due. The nursery waits for every child: nothing outlives the call.
+    """
+
+    __slots__ = ("chain", "deadline", "event", "scope")
+
+    def __init__(self, chain: HedgeChain, deadline: float) -> None:
+        self.chain = chain
+        self.deadline = deadline  # on trio's clock (math.inf: none)
+        self.scope: trio.CancelScope | None = None  # the nursery's, while it is open
+        self.event: trio.Event | None = None
+
+    def cancel(self) -> None:
+        """``Request.cancel()``: cut every copy in flight."""
+        self.chain.cut = True
+        if self.scope is not None:
+            self.scope.cancel()
+
+    def _woken(self) -> None:
+        event = self.event
+        if event is not None:
+            event.set()
+
+    async def run(self) -> None:
+        chain = self.chain
+        chain.wake = self._woken
+        async with trio.open_nursery() as nursery:
+            scope = self.scope = nursery.cancel_scope
+            scope.deadline = self.deadline
+            if chain.cut:  # Request.cancel() before the nursery was open
+                scope.cancel()
+
+            def start(attempt: object) -> None:
+                nursery.start_soon(chain.run, attempt)
+
+            while True:
+                when = chain.send_due(start)
+                if chain.over:
+                    if chain.outstanding:
+                        scope.cancel()  # the losers
+                    break
+                if when == math.inf and not chain.outstanding:
+                    break
+                event = self.event = trio.Event()
+                with trio.CancelScope(deadline=when):
+                    await event.wait()
+        self.scope = None
+        if scope.cancel_called and not chain.over:  # the deadline or Request.cancel()
+            chain.cut = True
