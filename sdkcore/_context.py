@@ -81,7 +81,8 @@ def describe_error(error: BaseException | None) -> str | None:
     render as ``"AioRpcError: UNAVAILABLE: <details>"``. An error raised ``from``
     another (a driver error under an SDK error) names that one too:
     ``"DocumentNotFoundException: ... (from ConnectionResetError: ...)"``. Never
-    raises, whatever the error's ``__str__`` does; at most about 1,000 characters.
+    raises, whatever the error's ``__str__`` does; a message is cut at 500
+    characters, the whole text at 600.
     """
     if error is None:
         return None
@@ -89,7 +90,12 @@ def describe_error(error: BaseException | None) -> str | None:
     cause = error.__cause__
     if cause is not None and cause is not error:
         text = f"{text} (from {_describe_one(cause)})"
+        if len(text) > _LIMIT:
+            text = text[: _LIMIT - 4] + "...)"
     return text
+
+
+_LIMIT = 600  # one error with its cause: every text sdkcore builds from errors is bounded
 
 
 def _clip(text: str) -> str:
