@@ -12,9 +12,9 @@ Intervals are half-open: a sleep window opened at ``t`` is over at
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import itertools
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -48,10 +48,13 @@ _CLOSED = CircuitState.CLOSED
 _OPEN = CircuitState.OPEN
 _HALF_OPEN = CircuitState.HALF_OPEN
 
-# builtin TimeoutError; on Python 3.10 asyncio.TimeoutError is a separate class
-_TIMEOUTS: tuple[type[BaseException], ...] = tuple(
-    {TimeoutException, TimeoutError, asyncio.TimeoutError}
-)
+# builtin TimeoutError; on Python 3.10 asyncio.TimeoutError is a separate class (from
+# 3.11 on it is the builtin one, and importing asyncio here would cost every program)
+_TIMEOUTS: tuple[type[BaseException], ...] = (TimeoutException, TimeoutError)
+if sys.version_info < (3, 11):  # pragma: no cover - exercised on 3.10 only
+    import asyncio
+
+    _TIMEOUTS = (*_TIMEOUTS, asyncio.TimeoutError)
 
 
 def default_is_failure(error: BaseException) -> bool:

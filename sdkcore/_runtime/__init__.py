@@ -16,8 +16,9 @@ deadline)``, which runs the copies of one hedged request as the loop's own tasks
 decides what is sent when; ``Hedges`` only starts, wakes and cuts.
 
 Each backend module imports only its own event loop library, which a running
-program has already imported: choosing one costs no import on a request's clock.
-:func:`current` finds the running loop's module without importing anything.
+program has already imported: choosing one costs no heavy import on a request's
+clock (one small module, once per process). :func:`current` finds the running
+loop's module.
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Protocol
-
-from . import _asyncio
 
 __all__ = ["HedgeChain", "current"]
 
@@ -60,6 +59,7 @@ class HedgeChain(Protocol):
         """A booked copy whose :meth:`run` never began: book it as not sent (else no-op)."""
 
 
+_asyncio_backend: ModuleType | None = None
 _trio_backend: ModuleType | None = None
 
 
@@ -71,16 +71,24 @@ def current() -> ModuleType:
     """
     sniffio = sys.modules.get("sniffio")
     if sniffio is not None and sniffio.thread_local.name == "trio":
-        return _load_trio()
-    return _asyncio
+        return _trio_backend or _load_trio()
+    return _asyncio_backend or _load_asyncio()
+
+
+# Each backend is imported by the first call on its loop: the loop's library is loaded
+# by then (it runs this task), so this costs one small module once per process, and
+# ``import sdkcore`` imports neither asyncio nor trio.
+def _load_asyncio() -> ModuleType:
+    global _asyncio_backend
+    from . import _asyncio as backend
+
+    _asyncio_backend = backend
+    return backend
 
 
 def _load_trio() -> ModuleType:
-    # Imported on the first trio call: trio itself is loaded by then (it runs this
-    # task), so this costs one small module, once per process.
     global _trio_backend
-    if _trio_backend is None:
-        from . import _trio as backend
+    from . import _trio as backend
 
-        _trio_backend = backend
-    return _trio_backend
+    _trio_backend = backend
+    return backend
