@@ -26,7 +26,7 @@ from ._decision import Decision, Verdict, decide, spends_budget
 from ._errors import CouchbaseException
 from ._reason import RetryReason
 from ._request import Request, RequestState
-from ._strategy import FastFailOnTerminalErrorRetryStrategy, RetryStrategy, ask
+from ._strategy import BUILTIN_RETRY_AFTER, FastFailOnTerminalErrorRetryStrategy, RetryStrategy
 
 __all__ = ["DEFAULT_MAX_REQUESTS_IN_RETRY", "OrchestratorCore", "RetryBudgetLike"]
 
@@ -148,9 +148,12 @@ class OrchestratorCore:
         """
         if reason.always_retry:  # the strategy is not consulted
             return None, None
-        strategy = request.retry_strategy or self._default
+        strategy: Any = request.retry_strategy or self._default
         try:
-            return ask(strategy, request, reason), strategy
+            method = strategy.retry_after
+            if getattr(method, "__func__", None) in BUILTIN_RETRY_AFTER:
+                return strategy.decide(request, reason), strategy  # no coroutine per retry
+            return method(request, reason), strategy
         except Exception as exc:
             _failing.strategy_failed(request, reason, _failing.strategy_name(strategy), exc)
             raise
@@ -175,8 +178,6 @@ class OrchestratorCore:
         counted as waiting in retry: the door gives it back with :meth:`_leave_backoff`
         once the wait is over (``threads``: execute_sync's count, under the lock).
         """
-        if request.state is not _PENDING:  # cancelled while the strategy ran
-            raise _failing.already_completed(request, reason)
         if strategy is not None and not isinstance(action, RetryAction):
             name = _failing.strategy_name(strategy)
             error = _failing.bad_action(name, reason, action)

@@ -67,10 +67,13 @@ def _scope_fired(
 async def _awaited(request: Request, reason: RetryReason, answer: Any, strategy: Any) -> Any:
     """An async strategy's answer, awaited (its failure is the strategy's)."""
     try:
-        return await answer
+        action = await answer
     except Exception as exc:
         _failing.strategy_failed(request, reason, _failing.strategy_name(strategy), exc)
         raise
+    if request.state is not _PENDING:  # Request.cancel() while the strategy ran
+        raise _failing.already_completed(request, reason)
+    return action
 
 
 async def _wait(self: OrchestratorCore, request: Request, rt: Any, delay: float) -> None:
@@ -313,6 +316,8 @@ async def _bounded(
     request._set_cancel_hook(previous)
     if scope.exit(None):
         raise _scope_fired(self, request, None, in_flight=False) from _failing.cause(request)
+    if request.state is not _PENDING:  # Request.cancel() while the strategy ran
+        raise _failing.already_completed(request, reason)
     return action
 
 

@@ -3,14 +3,14 @@
 The built-ins decide synchronously in their public ``decide(request, reason)``;
 ``retry_after`` is the protocol's coroutine wrapping it. Every door calls
 ``decide`` directly when a strategy's ``retry_after`` is a built-in's (see
-:func:`ask`), so a retry allocates no coroutine, and a synchronous subclass refines
+``OrchestratorCore._ask``), so a retry allocates no coroutine, and a synchronous subclass refines
 a built-in by overriding ``decide`` and calling ``super().decide(...)``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from ._action import RetryAction
 from ._backoff import Backoff, best_effort_backoff
@@ -174,14 +174,3 @@ BUILTIN_RETRY_AFTER = frozenset(
         FailFastRetryStrategy.retry_after,
     }
 )
-
-
-def ask(strategy: Any, request: Request, reason: RetryReason) -> Any:
-    """The strategy's answer: a RetryAction, or an awaitable of one (an async strategy).
-
-    A built-in ``retry_after`` (not overridden) is answered by ``decide`` directly.
-    """
-    method = strategy.retry_after
-    if getattr(method, "__func__", None) in BUILTIN_RETRY_AFTER:
-        return strategy.decide(request, reason)
-    return method(request, reason)
