@@ -47,9 +47,9 @@ _GONE = (
 )
 
 
-def memcached_binary(which: Callable[[str], str | None] = shutil.which) -> str | None:
-    """The path of ``memcached`` on PATH, or None."""
-    return which("memcached")
+def memcached_binary(which: Callable[[str], str | None] | None = None) -> str | None:
+    """The path of ``memcached`` on PATH (``which``: default ``shutil.which``), or None."""
+    return (shutil.which if which is None else which)("memcached")
 
 
 def memcached_version(binary: str) -> str:
@@ -82,6 +82,11 @@ class MemcachedProcess:
         self.binary = binary
         self.port = _free_port()
         self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The process id while started (None after :meth:`kill`)."""
+        return None if self._process is None else self._process.pid
 
     @property
     def running(self) -> bool:

@@ -58,9 +58,7 @@ __all__ = [
 
 NAME = "memcached-outage"
 #: The one line a run without memcached prints.
-SKIP_LINE = (
-    f"{NAME}: skipped, no memcached on PATH; to enable it: {INSTALL} (or your distro's package)"
-)
+SKIP_LINE = f"{NAME} skipped: no memcached on PATH; {INSTALL} (or your distro's package)"
 
 #: The stream: SET+GET pairs per second (half to each endpoint), for ISSUE_FOR seconds.
 PAIRS_PER_S = 100
@@ -360,7 +358,7 @@ async def run_outage(
     which: Callable[[str], str | None] | None = None,
 ) -> Outage:
     """Run the scenario (skipped, at once, when ``memcached`` is not on PATH)."""
-    binary = memcached_binary() if which is None else memcached_binary(which)
+    binary = memcached_binary(which)
     if binary is None:
         return Outage(skipped=True)
     result = Outage(version=memcached_version(binary))
