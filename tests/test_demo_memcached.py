@@ -311,3 +311,15 @@ def _alive(pid: int) -> bool:
             return True
         return not Path("/proc").is_dir()
     return stat[stat.rindex(")") + 2] != "Z"
+
+
+def test_missing_memcached_skips_locally_and_fails_under_ci(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="apt-get install memcached"):
+        memcached_or_skip()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true"):
+        memcached_or_skip()
