@@ -323,3 +323,22 @@ def test_missing_memcached_skips_locally_and_fails_under_ci(
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="CI=true"):
         memcached_or_skip()
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_breaker_events_reach_stderr_with_v_only(
+    verbose: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import structlog
+
+    from sdkcore import CircuitBreaker
+    from sdkcore._demo import _logging
+
+    structlog.reset_defaults()
+    breaker = CircuitBreaker(name="127.0.0.1:1", volume_threshold=1)
+    with _logging(verbose):
+        breaker.record_failure(TimeoutError("no answer"))  # trips: breaker.opened, a warning
+    assert breaker.state.name == "OPEN"
+    err = capsys.readouterr().err
+    assert ("breaker.opened" in err) is verbose
+    assert not structlog.is_configured()

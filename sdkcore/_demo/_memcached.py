@@ -141,7 +141,8 @@ class Outage:
     #: Frames at A from the kill to the trip, and from the trip to the restart, by opcode name.
     frames_before_trip: dict[str, int] = attrs.field(factory=dict)
     frames_after_trip: dict[str, int] = attrs.field(factory=dict)
-    #: Requests to A issued while its breaker was open (trip to restart).
+    #: Requests to A issued while its breaker was open (trip to restart; ``restarted_at``
+    #: is when the restart began, memcached listens a few ms later).
     requests_while_open: int = 0
     #: Outcomes of the requests to A issued between the kill and the restart.
     outage_outcomes: dict[str, int] = attrs.field(factory=dict)
@@ -415,8 +416,8 @@ async def _around_a_restart(
         if state == "open" and result.tripped_at is None:
             result.tripped_at = t
             marks["trip"] = pa.snapshot()
-        elif state == "closed" and result.restarted_at is not None and result.closed_at is None:
-            result.closed_at = t
+        elif state == "closed" and result.closed_at is None:
+            result.closed_at = t  # only memcached's answer closes it: after the restart
 
     def breaker(name: str) -> CircuitBreaker:
         return _WatchedBreaker(
@@ -460,10 +461,18 @@ async def _around_a_restart(
             marks["kill"] = pa.snapshot()
             result.timeline.append((result.killed_at, "memcached A killed (SIGKILL)"))
             await anyio.sleep_until(t0 + KILL_AT + OUTAGE)
-            await a.start()
+            # The outage ends when the restart begins: a probe may find memcached
+            # listening (and close the breaker) before start() has seen it listen.
             result.restarted_at = now()
             marks["restart"] = pa.snapshot()
-            result.timeline.append((result.restarted_at, "memcached A restarted, same port, empty"))
+            await a.start()
+            listening = (now() - result.restarted_at) * 1000
+            result.timeline.append(
+                (
+                    result.restarted_at,
+                    f"memcached A restarted, same port, empty (listening after {listening:.0f} ms)",
+                )
+            )
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(operator)
