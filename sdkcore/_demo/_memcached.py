@@ -87,7 +87,7 @@ LIMIT = 60.0
 
 
 def planned_requests() -> int:
-    """How many requests the scenario issues (for a progress bar)."""
+    """How many requests the scenario sends (for a progress bar)."""
     return 2 * int(PAIRS_PER_S * ISSUE_FOR) + 2 * BUDGET_REQUESTS
 
 
