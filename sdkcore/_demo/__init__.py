@@ -5,7 +5,9 @@ does (rebalance, a locked document, a restarting node, overload with pushback,
 wrong credentials, a slow replica); a mixed workload of idempotent reads and
 non-idempotent writes runs against it through ``RetryOrchestrator.execute`` with
 the mapping module, the ``sdkcore.grpc`` channels with a service config, and hedged
-reads, once per retry strategy. This package is the application: it configures
+reads, once per retry strategy. When ``memcached`` is installed, a last scenario
+kills and restarts a real one under the example memcached client (circuit
+breakers, a retry budget). This package is the application: it configures
 structlog for its own run (and restores it); the library never does.
 
 Needs grpcio (``pip install 'sdkcore[grpc]'``); uses rich for the progress bar
@@ -33,6 +35,7 @@ SCENARIO_HELP = {
     "bad-credentials": "bucket 'billing' is opened with a wrong password (UNAUTHENTICATED)",
     "slow-replica": "reads from replica 0, whose tail is long: 1 read in 7 takes 300 ms",
     "hedged-reads": "the same reads, hedged to replica 1 when replica 0 has not answered in 20 ms",
+    "memcached-outage": "real memcached killed and restarted: circuit breakers, a retry budget",
 }
 SCENARIO_NAMES = tuple(SCENARIO_HELP)
 
@@ -43,8 +46,9 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Run a mixed workload (idempotent reads, non-idempotent writes) against an\n"
             "in-process troubled cluster on 127.0.0.1, once per retry strategy, and report\n"
-            "what each strategy did. Needs grpcio (extra 'grpc'); rich (extra 'cli') adds a\n"
-            "progress bar."
+            "what each strategy did; then, when memcached is installed, kill and restart a\n"
+            "real memcached under circuit breakers and a retry budget. Needs grpcio (extra\n"
+            "'grpc'); rich (extra 'cli') adds a progress bar."
         ),
         epilog="scenarios (default: all):\n"
         + "\n".join(f"  {name:<16} {text}" for name, text in SCENARIO_HELP.items()),
@@ -66,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
         "-v",
         "--verbose",
         action="store_true",
-        help="stream sdkcore's log events (retry.*, hedge.*) to stderr",
+        help="stream sdkcore's log events (retry.*, hedge.*, breaker.*, budget.*) to stderr",
     )
     return parser
 
@@ -170,8 +174,18 @@ class _logging:
 
         self._was_configured = structlog.is_configured()
         self._old = structlog.get_config()
+        verbose = self.verbose
+
+        def quiet_protection(_logger: Any, _method: str, event: Any) -> Any:
+            # The memcached scenario's breaker and budget events are its report's
+            # timeline: on stderr with -v only, even the breaker's warnings.
+            if not verbose and str(event.get("event", "")).startswith(("breaker.", "budget.")):
+                raise structlog.DropEvent
+            return event
+
         structlog.configure(
             processors=[
+                quiet_protection,
                 structlog.processors.add_log_level,
                 structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=False),
                 structlog.dev.ConsoleRenderer(colors=False),

@@ -13,6 +13,7 @@ from typing import IO, Any
 
 import attrs
 
+from ._memcached import Outage, render_outage
 from ._workload import OpResult
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "Report",
     "Summary",
     "render_head",
+    "render_memcached",
     "render_row",
     "render_strategy",
     "render_tail",
@@ -124,16 +126,20 @@ class Report:
     writes_succeeded: int = 0
     duplicate_writes: list[tuple[str, str, int]] = attrs.field(factory=list)
     elapsed_s: float = 0.0
+    #: The memcached-outage scenario (None when it was not selected).
+    memcached: Outage | None = None
 
     @property
     def ok(self) -> bool:
-        """The demo's checks: no write applied twice, no failure outside sdkcore's exceptions."""
+        """The demo's checks: no write applied twice, no failure outside sdkcore's exceptions,
+        and the memcached scenario's claims (a skipped scenario claims nothing)."""
         unexpected = any(s.unexpected for t in self.tables.values() for s in t.values())
-        return not self.duplicate_writes and not unexpected
+        outage_ok = self.memcached is None or self.memcached.ok
+        return not self.duplicate_writes and not unexpected and outage_ok
 
 
 def to_json(report: Report) -> dict[str, Any]:
-    return {
+    out = {
         "target": report.target,
         "elapsed_s": round(report.elapsed_s, 3),
         "scenarios": dict(report.scenario_titles),
@@ -154,6 +160,9 @@ def to_json(report: Report) -> dict[str, Any]:
         },
         "ok": report.ok,
     }
+    if report.memcached is not None:
+        out["memcached"] = report.memcached.to_json()
+    return out
 
 
 # -- text ----------------------------------------------------------------------------------
@@ -215,13 +224,14 @@ def _plain(text: str) -> str:
 
 def render_head(report: Report, n_ops: int, style: Callable[[str], str] = _plain) -> list[str]:
     """The first lines: what runs where, and the scenario list (known before anything runs)."""
-    out = [
-        style(f"sdkcore demo: {n_ops} operations against a troubled cluster at {report.target}"),
-        "",
-        "Scenarios",
-    ]
+    head = (
+        f"sdkcore demo: {n_ops} operations against a troubled cluster at {report.target}"
+        if report.target
+        else "sdkcore demo: a memcached outage"
+    )
+    out = [style(head), "", "Scenarios"]
     for name, title in report.scenario_titles.items():
-        out += _wrap(f"{name:<16}", title, indent=2)
+        out += _wrap(f"{name:<17}", title, indent=2)
     return out
 
 
@@ -235,12 +245,20 @@ def render_row(name: str, summary: Summary) -> list[str]:
     return _row(name, summary)
 
 
+def render_memcached(report: Report, style: Callable[[str], str] = _plain) -> list[str]:
+    """The memcached-outage scenario's lines (one line when it was skipped)."""
+    if report.memcached is None:
+        return []
+    return render_outage(report.memcached, style, _wrap)
+
+
 def render_text(report: Report, style: Callable[[str], str] = _plain) -> list[str]:
     """The report as lines of at most :data:`WIDTH` columns.
 
     The same lines, in the same order, as :func:`render_head`, then per strategy
     :func:`render_strategy` and one :func:`render_row` per scenario, then
-    :func:`render_tail`: what a piped run streams as each scenario ends.
+    :func:`render_memcached`, then :func:`render_tail`: what a piped run streams as
+    each scenario ends.
     """
     n_ops = sum(t["all"].ops for t in report.tables.values() if "all" in t)
     out = render_head(report, n_ops, style)
@@ -248,7 +266,7 @@ def render_text(report: Report, style: Callable[[str], str] = _plain) -> list[st
         out += render_strategy(label, style)
         for name, summary in table.items():
             out += render_row(name, summary)
-    return out + render_tail(report, style)
+    return out + render_memcached(report, style) + render_tail(report, style)
 
 
 def render_tail(report: Report, style: Callable[[str], str] = _plain) -> list[str]:
@@ -269,6 +287,8 @@ def render_tail(report: Report, style: Callable[[str], str] = _plain) -> list[st
                     f"    ... ({left} more characters; --json has all)",
                 ]
             out += lines
+    if not report.tables:  # only the memcached scenario ran
+        return ["", f"Finished in {report.elapsed_s:.1f} s."]
     out.append("")
     out.append(style("Writes (non-idempotent)"))
     lost = report.writes_applied - report.writes_succeeded

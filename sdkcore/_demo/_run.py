@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 
-from ._report import Progress, Report, render_head, render_row, render_strategy, summarize
+from . import SCENARIO_HELP
+from ._memcached import NAME as MEMCACHED
+from ._memcached import planned_requests, run_outage
+from ._report import (
+    Progress,
+    Report,
+    render_head,
+    render_memcached,
+    render_row,
+    render_strategy,
+    summarize,
+)
 from ._server import TroubledCluster
 from ._workload import SCENARIOS, STRATEGIES, OpResult, run_scenario
 
@@ -22,26 +34,37 @@ async def run(
     progress: bool = True,
     emit: Callable[[list[str]], None] = _nothing,
     style: Callable[[str], str] = lambda s: s,
+    which: Callable[[str], str | None] | None = None,
 ) -> Report:
     """Run the named scenarios under each strategy against a fresh cluster.
 
     ``emit`` gets the text report's lines as soon as they are known: the head and
     the scenario list once the cluster listens, each strategy's heading as it
-    starts, each scenario's line as it ends (``render_text`` of the returned report
-    gives the same lines, and the tail after them).
+    starts, each scenario's line as it ends, then the memcached scenario's lines
+    (``render_text`` of the returned report gives the same lines, and the tail
+    after them). ``which`` finds ``memcached`` (default ``shutil.which``).
     """
     started = time.perf_counter()
     runnable = [s for s in SCENARIOS if s.name in names]
     report = Report(target="")
     for scenario in runnable:
         report.scenario_titles[scenario.name] = scenario.title
+    outage = MEMCACHED in names
+    if outage:
+        report.scenario_titles[MEMCACHED] = SCENARIO_HELP[MEMCACHED]
     total = sum(s.ops for s in runnable) * len(STRATEGIES)
     writes_ok = 0
-    async with TroubledCluster() as cluster:
-        report.target = cluster.target
+    async with contextlib.AsyncExitStack() as stack:
+        cluster = None
+        if runnable:
+            cluster = await stack.enter_async_context(TroubledCluster())
+            report.target = cluster.target
         emit(render_head(report, total, style))
-        with Progress(total, enabled=progress) as bar:
+        bar_total = total + (planned_requests() if outage else 0)
+        with Progress(bar_total, enabled=progress) as bar:
             for n, (label, make) in enumerate(STRATEGIES):
+                if cluster is None:
+                    break
                 table = report.tables.setdefault(label, {})
                 emit(render_strategy(label, style))
                 every: list[OpResult] = []
@@ -61,11 +84,15 @@ async def run(
                             seen = report.examples.get(r.error)
                             if seen is None or len(r.message) < len(seen[2]):
                                 report.examples[r.error] = (scenario.name, label, r.message)
-                if runnable:
-                    table["all"] = summarize(every, a6_total)
-                    emit(render_row("all", table["all"]))
-        report.writes_applied = sum(cluster.applied.values())
-        report.writes_succeeded = writes_ok
-        report.duplicate_writes = cluster.duplicate_writes()
+                table["all"] = summarize(every, a6_total)
+                emit(render_row("all", table["all"]))
+            if outage:
+                bar.stage(MEMCACHED)
+                report.memcached = await run_outage(on_done=bar.advance, which=which)
+                emit(render_memcached(report, style))
+        if cluster is not None:
+            report.writes_applied = sum(cluster.applied.values())
+            report.writes_succeeded = writes_ok
+            report.duplicate_writes = cluster.duplicate_writes()
     report.elapsed_s = time.perf_counter() - started
     return report

@@ -1,0 +1,344 @@
+"""``sdkcore demo --scenario memcached-outage``: a real memcached killed and restarted.
+
+The scenario runs once (about 3 s) against real memcached processes that it starts
+itself; its numbers are checked here. Without memcached these tests skip locally
+(naming ``apt-get install memcached``) and fail under CI=true, as tests/memcached
+do; the demo's own behaviour without memcached (one line, exit 0) is tested with a
+PATH that has no memcached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from sdkcore._demo import SCENARIO_NAMES, main
+from sdkcore._demo._mcserver import CountingProxy, MemcachedProcess
+from sdkcore._demo._memcached import (
+    BREAKER,
+    BUDGET_REQUESTS,
+    NAME,
+    RESERVE,
+    SKIP_LINE,
+)
+from sdkcore.mapping import KvOpcode
+
+ROOT = Path(__file__).resolve().parent.parent
+INSTALL = "apt-get install memcached"
+PERCENT = 0.2
+
+
+def memcached_or_skip() -> str:
+    """memcached's path; skip locally, fail under CI=true, when it is not installed."""
+    path = shutil.which("memcached")
+    if path is None:
+        message = f"memcached is not installed; install it with: {INSTALL}"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{message} (CI=true: the memcached demo scenario must run)")
+        pytest.skip(message)
+    return path
+
+
+@pytest.fixture(scope="module")
+def outage() -> dict[str, Any]:
+    """One run of the scenario through the demo's runner: JSON, text, streamed lines."""
+    pytest.importorskip("grpc")
+    memcached_or_skip()
+    from sdkcore._demo._report import render_tail, render_text, to_json
+    from sdkcore._demo._run import run
+
+    emitted: list[list[str]] = []
+    report = asyncio.run(run([NAME], progress=False, emit=emitted.append))
+    data = to_json(report)
+    data["_text"] = render_text(report)
+    data["_streamed"] = [line for chunk in emitted for line in chunk] + render_tail(report)
+    return data
+
+
+def test_the_scenario_is_listed_last() -> None:
+    assert SCENARIO_NAMES[-1] == NAME
+
+
+def test_breaker_opens_after_the_kill_and_the_canary_closes_it_after_the_restart(
+    outage: dict[str, Any],
+) -> None:
+    m = outage["memcached"]
+    assert m["skipped"] is False
+    a = [(t["t_s"], t["state"], t["cause"]) for t in m["transitions"] if t["endpoint"] == "A"]
+    states = [state for _, state, _ in a]
+    assert states[0] == "open"  # tripped by the outage, not before
+    assert a[0][0] >= m["killed_at_s"]
+    assert "half_open" in states
+    assert states[-1] == "closed"
+    assert a[-1][2] == "the NOOP canary was answered"
+    assert m["killed_at_s"] < m["restarted_at_s"] <= m["closed_at_s"] == a[-1][0]
+    assert states.count("closed") == 1  # it stayed open until memcached was back
+    # B was never killed: its breaker never moved, and all its requests succeeded
+    assert not [t for t in m["transitions"] if t["endpoint"] == "B"]
+    assert m["steady"]["requests"] > 0
+    assert m["steady"]["succeeded"] == m["steady"]["requests"]
+
+
+def test_the_dead_endpoint_sees_at_most_one_probe_per_sleep_window(
+    outage: dict[str, Any],
+) -> None:
+    m = outage["memcached"]
+    o = m["outage"]
+    windows = (m["restarted_at_s"] - m["tripped_at_s"]) / BREAKER["sleep_window"]
+    assert abs(windows - o["sleep_windows"]) < 0.01
+    after = o["frames_after_trip"]
+    assert set(after) <= {"NOOP", "GET", "SET"}
+    assert 1 <= after.get("NOOP", 0) == o["probes"] <= int(windows) + 1
+    # only the probes, and at most a few dispatches let through just before the trip
+    assert sum(after.values()) - o["probes"] <= 5
+    # while it was open, far more requests were issued than frames reached A
+    assert o["requests_while_open"] > 5 * sum(after.values())
+    assert sum(o["frames_before_trip"].values()) >= BREAKER["volume_threshold"] // 2
+
+
+def test_requests_succeed_again_after_the_restart(outage: dict[str, Any]) -> None:
+    m = outage["memcached"]
+    assert m["recovered"]["requests"] > 0
+    assert m["recovered"]["succeeded"] == m["recovered"]["requests"]
+    outcomes = m["outage"]["outcomes"]
+    assert outcomes.get("timed out", 0) > 0  # requests to the dead A timed out
+    assert not [k for k in outcomes if k.startswith("NOT an sdkcore")]
+    assert m["errors"] == []
+
+
+def test_the_budget_holds_during_a_total_outage(outage: dict[str, Any]) -> None:
+    budget = outage["memcached"]["budget"]
+    bound = BUDGET_REQUESTS * (1 + PERCENT) + RESERVE
+    assert budget["bound"] == bound
+    with_budget = budget["runs"]["with the budget"]
+    without = budget["runs"]["without a budget"]
+    assert with_budget["first_attempts"] == without["first_attempts"] == BUDGET_REQUESTS
+    assert BUDGET_REQUESTS <= with_budget["attempts"] <= bound
+    assert with_budget["frames_at_endpoint"] <= with_budget["attempts"]
+    assert with_budget["refused_by_budget"] > 0
+    assert without["refused_by_budget"] == 0
+    assert without["attempts"] > bound  # retries multiply without it
+
+
+def test_checks_hold_and_the_text_report_streams(outage: dict[str, Any]) -> None:
+    m = outage["memcached"]
+    assert m["checks"]
+    assert all(m["checks"].values()), m["checks"]
+    assert m["ok"] is True
+    assert outage["ok"] is True
+    text = outage["_text"]
+    assert outage["_streamed"] == text  # streamed as it ended, line for line
+    assert text[0] == "sdkcore demo: a memcached outage"
+    assert max(len(line) for line in text) <= 100
+    joined = "\n".join(text)
+    assert f"Scenario {NAME}: memcached " in joined
+    assert "memcached A killed" in joined
+    assert "memcached A restarted" in joined
+    assert "A's breaker closed: the NOOP canary was answered" in joined
+    assert "OK: A's breaker opened and closed around the restart" in joined
+    assert "Writes (non-idempotent)" not in joined  # no gRPC scenario ran
+
+
+def test_without_memcached_the_demo_says_how_to_enable_it_and_exits_0() -> None:
+    pytest.importorskip("grpc")
+    done = subprocess.run(
+        [sys.executable, "-m", "sdkcore._demo", "--scenario", NAME],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "PATH": str(ROOT / "no-such-dir"), "NO_COLOR": "1"},
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    lines = done.stdout.decode().splitlines()
+    hints = [line for line in lines if INSTALL in line]
+    assert hints == [SKIP_LINE]
+    assert len(SKIP_LINE) <= 100
+    assert b"Traceback" not in done.stderr
+
+
+def test_without_memcached_json_marks_it_skipped_and_the_rest_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("grpc")
+    real = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name: None if name == "memcached" else real(name))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["--json", "--scenario", "locked", "--scenario", NAME])
+    data = json.loads(out.getvalue())
+    assert code == 0
+    assert data["memcached"] == {"skipped": True, "hint": SKIP_LINE, "ok": True}
+    assert data["ok"] is True
+    assert data["strategies"]["BestEffort"]["locked"]["ops"] > 0
+
+
+# -- the launcher and the proxy ----------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_memcached_is_killed_when_its_block_fails_or_is_cancelled() -> None:
+    binary = memcached_or_skip()
+    server = MemcachedProcess(binary)
+    pids: list[int | None] = []
+
+    async def fails() -> None:
+        async with server:
+            assert server.running
+            pids.append(server.pid)
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        await fails()
+    assert not server.running
+    assert server.pid is None
+    assert pids[0] is not None
+    assert not _alive(pids[0])
+    server = MemcachedProcess(binary)
+    with anyio.move_on_after(0.2):
+        async with server:
+            pids.append(server.pid)
+            await anyio.sleep(30)
+    assert not server.running
+    assert pids[1] is not None
+    assert not _alive(pids[1])
+
+
+@pytest.mark.anyio
+async def test_the_proxy_counts_frames_alive_and_dead() -> None:
+    from sdkcore.examples.memcached import MemcachedClient
+
+    binary = memcached_or_skip()
+    async with MemcachedProcess(binary) as server, anyio.create_task_group() as tg:
+        proxy = CountingProxy(server.port)
+        port = await tg.start(proxy.serve)
+        async with MemcachedClient(f"127.0.0.1:{port}", timeout=1.0) as client:
+            await client.set("k", b"v")
+            assert await client.get("k") == b"v"
+            await client.noop()
+        assert proxy.snapshot() == {KvOpcode.SET: 1, KvOpcode.GET: 1, KvOpcode.NOOP: 1}
+        server.kill()
+        with anyio.fail_after(10):  # a safety net
+            stream = await anyio.connect_tcp("127.0.0.1", port)
+            async with stream:
+                from sdkcore.examples.memcached._protocol import noop_frame
+
+                await stream.send(noop_frame(7) + noop_frame(8))
+                with pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError, OSError)):
+                    await stream.receive()  # counted, unanswered, hung up
+        assert proxy.snapshot()[KvOpcode.NOOP] == 3
+        assert proxy.refused == 1
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads child processes from /proc")
+def test_ctrl_c_during_the_scenario_leaves_no_memcached_behind(tmp_path: Path) -> None:
+    pytest.importorskip("grpc")
+    binary = memcached_or_skip()
+    # A PATH with memcached and nothing else: no setpriv, so no parent-death signal
+    # either; only the demo's own cleanup can kill the processes it started.
+    (tmp_path / "memcached").symlink_to(binary)
+    code = (
+        "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "from sdkcore._demo import main; sys.exit(main(sys.argv[1:]))"
+    )  # SIGINT may be ignored where the tests run (a background job): restore Ctrl-C
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "--scenario", NAME],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PATH": str(tmp_path)},
+    )
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + 30  # a safety net
+        while not seen and time.monotonic() < deadline and proc.poll() is None:
+            seen.update(_memcached_children(proc.pid))
+            time.sleep(0.01)
+        assert seen, "the scenario started memcached"
+        time.sleep(0.05)
+        seen.update(_memcached_children(proc.pid))
+        proc.send_signal(signal.SIGINT)  # Ctrl-C, to the demo only
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode != 0  # interrupted, not finished
+    for pid in seen:
+        assert not _alive(pid), f"memcached {pid} outlived the demo"
+
+
+def _memcached_children(parent: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        if ppid == parent and name == "memcached":
+            found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, killed but not reaped, is not running)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return not Path("/proc").is_dir()
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def test_missing_memcached_skips_locally_and_fails_under_ci(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="apt-get install memcached"):
+        memcached_or_skip()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true"):
+        memcached_or_skip()
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_breaker_events_reach_stderr_with_v_only(
+    verbose: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import structlog
+
+    from sdkcore import CircuitBreaker
+    from sdkcore._demo import _logging
+
+    structlog.reset_defaults()
+    breaker = CircuitBreaker(name="127.0.0.1:1", volume_threshold=1)
+    with _logging(verbose):
+        breaker.record_failure(TimeoutError("no answer"))  # trips: breaker.opened, a warning
+    assert breaker.state.name == "OPEN"
+    err = capsys.readouterr().err
+    assert ("breaker.opened" in err) is verbose
+    assert not structlog.is_configured()
