@@ -70,16 +70,19 @@ def pick(key: bytes | str, count: int) -> int:
 
 
 def refuse_if_open(breaker: CircuitBreaker) -> bool:
-    """The one line that guards a dispatch: True when this dispatch is the breaker's probe.
+    """:meth:`CircuitBreaker.guard` split in two for a NOOP canary: True when this is the probe.
 
     Raises ``RetryableError(CIRCUIT_BREAKER_OPEN)`` when the breaker refuses: nothing
     was written, so the attempt is unambiguous and any request may be retried.
     """
     admitted = breaker.admit()
     if admitted is None:
+        # As CircuitBreaker.guard() does: while OPEN, the retry waits for the probe.
+        wait = breaker.probe_after() if breaker.state is CircuitState.OPEN else None
         raise RetryableError(
             RetryReason.CIRCUIT_BREAKER_OPEN,
             f"circuit breaker of {breaker.name} is open; nothing was sent",
+            retry_after=wait,
         )
     return admitted is CircuitState.HALF_OPEN
 
@@ -103,6 +106,7 @@ def canary_failed(breaker: CircuitBreaker, error: BaseException) -> NoReturn:
     raise RetryableError(
         RetryReason.CIRCUIT_BREAKER_OPEN,
         f"the NOOP canary to {breaker.name} failed ({type(error).__name__}); nothing was sent",
+        retry_after=breaker.probe_after(),
     ) from error
 
 
