@@ -31,7 +31,7 @@ from ._reason import RetryReason
 from ._request import Request, RequestState
 
 if TYPE_CHECKING:
-    from ._orchestrator import RetryOrchestrator
+    from ._core import OrchestratorCore, RetryBudgetLike
 
 __all__ = [
     "DEFAULT_HEDGE_ATTEMPTS_CAP",
@@ -101,6 +101,7 @@ class _Chain:
 
     __slots__ = (
         "attempts",
+        "budget",
         "clock",
         "cut",
         "delay",
@@ -129,8 +130,10 @@ class _Chain:
         policy: HedgePolicy,
         throttler: HedgeThrottler | None,
         clock: Callable[[], float],
+        budget: RetryBudgetLike | None = None,
     ) -> None:
         self.request = request
+        self.budget = budget  # the orchestrator's retry budget: every hedge after the first
         self.clock = clock  # the event loop's clock
         self.send = send
         self.policy = policy
@@ -167,7 +170,8 @@ class _Chain:
         """Book every hedge due now and hand each to ``start``; then :meth:`next_due`.
 
         Hedge 0 always goes; a later one only while the throttler allows it (once it
-        does not, no more are sent: A6 "the hedged request is cancelled").
+        does not, no more are sent: A6 "the hedged request is cancelled") and the
+        orchestrator's retry budget pays for it (likewise).
         """
         while True:
             when = self.next_due()
@@ -187,6 +191,9 @@ class _Chain:
                 if not allowed:
                     self.stop = "throttled"
                     return math.inf
+            if sent > 0 and self.budget is not None and not self.budget.try_withdraw():
+                self.stop = "retry_budget"  # a hedge is a retry: the budget pays for it
+                return math.inf
             start(self.begin(sent, now))
 
     def begin(self, index: int, now: float) -> _Attempt:
@@ -408,7 +415,7 @@ def _pushback(
     return float(value)
 
 
-def _timed_out(orchestrator: RetryOrchestrator, request: Request) -> BaseException:
+def _timed_out(orchestrator: OrchestratorCore, request: Request) -> BaseException:
     name = _failing.strategy_name(request.retry_strategy or orchestrator.default_strategy)
     return _failing.timed_out(request, request.last_reason, name, request.clock())
 
@@ -421,7 +428,7 @@ def _with_extra(exc: BaseException, chain: _Chain, *, in_flight: bool) -> None:
 
 
 async def run_hedged(
-    orchestrator: RetryOrchestrator,
+    orchestrator: OrchestratorCore,
     request: Request,
     send: Callable[[Request, int], Awaitable[T]],
     policy: HedgePolicy,
@@ -471,7 +478,8 @@ async def run_hedged(
         raise _timed_out(orchestrator, request)
 
     rt = _runtime.current()
-    chain = _Chain(request, send, policy, throttler, rt.now)
+    orchestrator._deposit(request)  # the first attempt pays into the retry budget
+    chain = _Chain(request, send, policy, throttler, rt.now, orchestrator.retry_budget)
     if first_elapsed is not None:
         chain.first_elapsed = first_elapsed
     runner = rt.Hedges(chain, chain.origin + left)
@@ -512,11 +520,17 @@ async def run_hedged(
     # failure to arrive is the answer.
     last = chain.last_failure
     assert last is not None
-    request._finish(RequestState.CANCELLED, CancellationReason.NO_MORE_RETRIES)
+    request._finish(
+        RequestState.CANCELLED,
+        CancellationReason.RETRY_BUDGET_EXHAUSTED
+        if chain.stop == "retry_budget"
+        else CancellationReason.NO_MORE_RETRIES,
+    )
     why = {
         None: f"all {len(chain.attempts)} hedges failed",
         "throttled": "hedging throttled after the sent hedges failed",
         "pushback": "the server's pushback asked for no more hedges and the sent ones failed",
+        "retry_budget": "the retry budget refused more hedges and the sent ones failed",
     }[chain.stop]
     error = RequestCanceledException(
         f"not hedged further: {why}; the last failure was {last.reason.name}",

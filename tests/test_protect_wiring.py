@@ -293,3 +293,30 @@ async def test_the_outer_request_is_forgotten_once_execute_returns() -> None:
     left = Request(timeout=60).time_left
     assert left is not None
     assert left > timedelta(seconds=59)
+
+
+# -- hedges draw on the same budget --------------------------------------------------------
+
+
+async def test_every_hedge_after_the_first_withdraws_from_the_budget() -> None:
+    from sdkcore import HedgePolicy
+
+    clock = VirtualClock()
+    shared = budget(clock, percent=1.0)  # the first attempt pays for exactly one hedge
+    orch = RetryOrchestrator(retry_budget=shared)
+    sent: list[int] = []
+
+    async def send(request: Request, index: int) -> str:
+        sent.append(index)
+        raise RetryableError(RetryReason.KV_TEMPORARY_FAILURE)
+
+    request = Request(idempotent=True, timeout=5)
+    with pytest.raises(RequestCanceledException) as info:
+        await orch.hedge(request, send, HedgePolicy(4, delay=0))
+    assert sent == [0, 1]  # hedges 2 and 3 were not paid for
+    assert shared.balance == 0
+    context = info.value.context
+    assert context is not None
+    assert context.cancellation_reason is CancellationReason.RETRY_BUDGET_EXHAUSTED
+    assert context.extra["hedge_stopped_by"] == "retry_budget"
+    assert "retry budget refused more hedges" in info.value.message
