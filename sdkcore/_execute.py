@@ -179,7 +179,7 @@ async def execute(
                     else:
                         await _injected_wait(self, request, rt, delay)
                 finally:
-                    self._leave_backoff()
+                    self._in_retry -= 1  # counted by _settle (the loop's thread only)
                 if verdict is not _RETRY or request.state is not _PENDING:
                     _resume(request, verdict, strategy)
                 continue
