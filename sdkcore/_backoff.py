@@ -6,6 +6,7 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from ._duration import to_seconds
+from ._untrusted import show
 
 __all__ = ["Backoff", "best_effort_backoff", "controlled_backoff", "exponential_backoff"]
 
@@ -18,8 +19,10 @@ _CONTROLLED_MAX = timedelta(milliseconds=1000)
 
 def controlled_backoff(attempt: int) -> timedelta:
     """The always-retry backoff: 1, 10, 50, 100, 500 ms, then 1000 ms for every later attempt."""
+    if isinstance(attempt, bool) or not isinstance(attempt, int):
+        raise TypeError(f"controlled_backoff(attempt) must be an int >= 0, got {show(attempt)}")
     if attempt < 0:
-        raise ValueError(f"controlled_backoff(attempt) must be >= 0, got {attempt}")
+        raise ValueError(f"controlled_backoff(attempt) must be >= 0, got {show(attempt)}")
     return _CONTROLLED[attempt] if attempt < 5 else _CONTROLLED_MAX
 
 
@@ -34,8 +37,13 @@ def exponential_backoff(
     hi = to_seconds(upper, "exponential_backoff(upper)", allow_zero=False)
     if hi < lo:
         raise ValueError(f"exponential_backoff(upper) must be >= lower ({lo} s), got {hi} s")
-    if not factor >= 1.0:
-        raise ValueError(f"exponential_backoff(factor) must be >= 1, got {factor!r}")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        raise TypeError(f"exponential_backoff(factor) must be a number >= 1, got {show(factor)}")
+    if not 1.0 <= factor <= 1e6:  # NaN, inf and ints too large for a float fail here too
+        raise ValueError(
+            f"exponential_backoff(factor) must be >= 1 (and at most 1e6), got {show(factor)}"
+        )
+    factor = float(factor)
     table: list[timedelta] = []  # the first delays, precomputed (up to 64 of them)
     while len(table) < 64 and (d := lo * factor ** len(table)) < hi:
         table.append(timedelta(seconds=d))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import sys
 import threading
 import time
@@ -26,6 +27,7 @@ from . import _log
 from ._duration import to_seconds
 from ._errors import RetryableError, TimeoutException
 from ._reason import RetryReason
+from ._untrusted import show
 
 __all__ = ["BreakerGuard", "CircuitBreaker", "CircuitState", "default_is_failure"]
 
@@ -64,20 +66,23 @@ def default_is_failure(error: BaseException) -> bool:
 
 def _positive_int(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int >= 1, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{what} must be an int >= 1, got {show(value)} ({type(value).__name__})")
     if value < 1:
-        raise ValueError(f"{what} must be an int >= 1, got {value!r}")
+        raise ValueError(f"{what} must be an int >= 1, got {show(value)}")
     return int(value)
 
 
 def _percentage(value: object, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(
-            f"{what} must be a number in (0, 100], got {value!r} ({type(value).__name__})"
+            f"{what} must be a number in (0, 100], got {show(value)} ({type(value).__name__})"
         )
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
     if not 0.0 < number <= 100.0:  # also rejects NaN
-        raise ValueError(f"{what} must be a number in (0, 100], got {value!r}")
+        raise ValueError(f"{what} must be a number in (0, 100], got {show(value)}")
     return number
 
 

@@ -19,6 +19,7 @@ from datetime import timedelta
 
 from . import _log
 from ._duration import to_seconds
+from ._untrusted import show
 
 __all__ = ["RetryBudget"]
 
@@ -223,8 +224,11 @@ class RetryBudget:
 
 def _number(value: object, what: str, allowed: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{what} must be {allowed}, got {value!r} ({type(value).__name__})")
-    number = float(value)
+        raise TypeError(f"{what} must be {allowed}, got {show(value)} ({type(value).__name__})")
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float: out of every range here
+        number = math.inf
     if math.isnan(number) or math.isinf(number):
-        raise ValueError(f"{what} must be {allowed}, got {value!r}")
+        raise ValueError(f"{what} must be {allowed}, got {show(value)}")
     return number

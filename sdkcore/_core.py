@@ -27,6 +27,7 @@ from ._errors import CouchbaseException
 from ._reason import RetryReason
 from ._request import Request, RequestState
 from ._strategy import BUILTIN_RETRY_AFTER, FastFailOnTerminalErrorRetryStrategy, RetryStrategy
+from ._untrusted import show
 
 __all__ = ["DEFAULT_MAX_REQUESTS_IN_RETRY", "OrchestratorCore", "RetryBudgetLike"]
 
@@ -34,6 +35,7 @@ __all__ = ["DEFAULT_MAX_REQUESTS_IN_RETRY", "OrchestratorCore", "RetryBudgetLike
 DEFAULT_MAX_REQUESTS_IN_RETRY = 32768
 
 _PENDING = RequestState.PENDING
+_MAX_COUNT = 2**31 - 1  # a limit beyond any process's memory: bigger ones are typos
 
 
 class RetryBudgetLike(Protocol):
@@ -82,11 +84,11 @@ class OrchestratorCore:
         if (
             not isinstance(max_requests_in_retry, int)
             or isinstance(max_requests_in_retry, bool)
-            or max_requests_in_retry < 1
+            or not 1 <= max_requests_in_retry <= _MAX_COUNT
         ):
             raise ValueError(
-                "RetryOrchestrator(max_requests_in_retry=...) must be an integer >= 1, "
-                f"got {max_requests_in_retry!r}"
+                "RetryOrchestrator(max_requests_in_retry=...) must be an integer >= 1 (at most "
+                f"{_MAX_COUNT}), got {show(max_requests_in_retry)}"
             )
         if sleep is not None and not callable(sleep):
             raise TypeError(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from datetime import timedelta
 
+from ._untrusted import show
+
 __all__ = ["MAX_SECONDS", "to_seconds"]
 
 #: The longest duration a ``timedelta`` can hold, in seconds (about 2.7 million years).
@@ -26,16 +28,16 @@ def to_seconds(value: object, what: str, *, allow_zero: bool = True) -> float:
     else:
         raise TypeError(
             f"{what} must be a datetime.timedelta or a number of seconds, "
-            f"got {value!r} ({type(value).__name__})"
+            f"got {show(value)} ({type(value).__name__})"
         )
     if math.isnan(seconds) or math.isinf(seconds):
-        raise ValueError(f"{what} must be a finite duration, got {value!r}")
+        raise ValueError(f"{what} must be a finite duration, got {show(value)}")
     if seconds > MAX_SECONDS:
         raise ValueError(
             f"{what} must be at most {MAX_SECONDS:.0f} seconds (what a timedelta holds), "
-            f"got {value!r}; a timeout can be None for no deadline"
+            f"got {show(value)}; a timeout can be None for no deadline"
         )
     if seconds < 0 or (seconds == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{what} must be {bound} seconds, got {value!r}")
+        raise ValueError(f"{what} must be {bound} seconds, got {show(value)}")
     return seconds

@@ -15,6 +15,7 @@ import attrs
 from ._duration import to_seconds
 from ._errors import RetryableError
 from ._reason import RetryReason
+from ._untrusted import show
 
 __all__ = ["DEFAULT_HEDGE_ATTEMPTS_CAP", "HedgePolicy", "HedgeThrottler"]
 
@@ -42,8 +43,11 @@ def _delay(value: Any) -> timedelta:
 
 
 def _check_attempts(_: Any, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"HedgePolicy.{attribute.name} must be an integer >= 1, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**31 - 1:
+        raise ValueError(
+            f"HedgePolicy.{attribute.name} must be an integer >= 1 (at most {2**31 - 1}), "
+            f"got {show(value)}"
+        )
 
 
 def _non_fatal(value: Any) -> frozenset[RetryReason] | None:
@@ -58,7 +62,7 @@ def _non_fatal(value: Any) -> frozenset[RetryReason] | None:
         reasons = frozenset(value)
     except TypeError:
         raise TypeError(
-            f"HedgePolicy.non_fatal must be a collection of RetryReason or None, got {value!r}"
+            f"HedgePolicy.non_fatal must be a collection of RetryReason or None, got {show(value)}"
         ) from None
     bad = [r for r in reasons if type(r) is not RetryReason]
     if bad:

@@ -10,10 +10,12 @@ a built-in by overriding ``decide`` and calling ``super().decide(...)``.
 from __future__ import annotations
 
 from collections.abc import Awaitable
+from datetime import timedelta
 from typing import Protocol, runtime_checkable
 
 from ._action import RetryAction
 from ._backoff import Backoff, best_effort_backoff
+from ._duration import to_seconds
 from ._errors import (
     AuthenticationFailureException,
     CollectionNotFoundException,
@@ -103,7 +105,11 @@ class BestEffortRetryStrategy:
                     "return a timedelta or seconds >= 0 (to stop retrying, return "
                     "RetryAction.no_retry() from retry_after instead)"
                 )
-            action = RetryAction.with_duration(delay)
+            action = RetryAction.with_duration(
+                to_seconds(delay, f"{type(self).__name__}: backoff({attempt})")
+                if not isinstance(delay, timedelta)
+                else delay
+            )
             self._memo = (delay, action)
             return action
         return _NO_RETRY

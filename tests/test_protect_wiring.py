@@ -313,7 +313,7 @@ async def test_every_hedge_after_the_first_withdraws_from_the_budget() -> None:
     request = Request(idempotent=True, timeout=5)
     with pytest.raises(RequestCanceledException) as info:
         await orch.hedge(request, send, HedgePolicy(4, delay=0))
-    assert sent == [0, 1]  # hedges 2 and 3 were not paid for
+    assert sorted(sent) == [0, 1]  # hedges 2 and 3 were not paid for
     assert shared.balance == 0
     context = info.value.context
     assert context is not None
