@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-from ._cli import WIDTH, Output, UsageError
+from ._console import WIDTH, Output, UsageError
 from ._untrusted import parse_int, printable
 from .grpc._service_config import (
     DEFAULT_MAX_ATTEMPTS_CAP,

@@ -17,7 +17,7 @@ from typing import Any
 
 import anyio
 
-from ._cli import Output, UsageError
+from ._console import Output, UsageError
 from ._context import AttemptEffect
 from ._errors import CouchbaseException, RetryableError
 from ._orchestrator import RetryOrchestrator

@@ -6,23 +6,21 @@ import enum
 import itertools
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar
 from datetime import timedelta
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
 from . import _runtime
+from ._action import RetryAction
 from ._context import AttemptEffect, AttemptRecord, CancellationReason, ErrorContext, describe_error
 from ._duration import MAX_SECONDS, to_seconds
 from ._reason import RetryReason
 
-if TYPE_CHECKING:
-    from ._strategy import RetryStrategy
-
-__all__ = ["DEFAULT_TIMEOUT", "DispatchInfo", "Request", "RequestState"]
+__all__ = ["DEFAULT_TIMEOUT", "DispatchInfo", "Request", "RequestState", "RetryStrategy"]
 
 #: The default request timeout: the Couchbase SDKs' KV timeout, 2.5 s.
 DEFAULT_TIMEOUT = timedelta(milliseconds=2500)
@@ -51,6 +49,23 @@ class DispatchInfo:
 
     attempt: int
     time_left: float | None
+
+
+@runtime_checkable
+class RetryStrategy(Protocol):
+    """Decides whether and when a failed request is retried (RFC 0049 "Retry Strategies").
+
+    ``retry_after`` may be a plain method returning a :class:`RetryAction` or a
+    coroutine (it may await I/O): the orchestrator awaits what it returns when that
+    is not a RetryAction. ``execute_sync`` takes only strategies that decide
+    synchronously. The built-ins are in :mod:`sdkcore._strategy`; the protocol lives
+    here, beside the :class:`Request` that carries one, so neither module imports
+    the other's.
+    """
+
+    def retry_after(
+        self, request: Request, reason: RetryReason
+    ) -> RetryAction | Awaitable[RetryAction]: ...
 
 
 class RequestState(enum.Enum):

@@ -1,4 +1,4 @@
-"""RetryStrategy protocol and the built-in strategies (RFC 0049 "Retry Strategies").
+"""The built-in strategies (RFC 0049 "Retry Strategies"); the RetryStrategy protocol is re-exported.
 
 The built-ins decide synchronously in their public ``decide(request, reason)``;
 ``retry_after`` is the protocol's coroutine wrapping it. Every door calls
@@ -9,9 +9,7 @@ a built-in by overriding ``decide`` and calling ``super().decide(...)``.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
 from datetime import timedelta
-from typing import Protocol, runtime_checkable
 
 from ._action import RetryAction
 from ._backoff import Backoff, best_effort_backoff
@@ -23,7 +21,7 @@ from ._errors import (
     ScopeNotFoundException,
 )
 from ._reason import RetryReason
-from ._request import Request
+from ._request import Request, RetryStrategy
 
 __all__ = [
     "BUILTIN_RETRY_AFTER",
@@ -32,21 +30,6 @@ __all__ = [
     "FastFailOnTerminalErrorRetryStrategy",
     "RetryStrategy",
 ]
-
-
-@runtime_checkable
-class RetryStrategy(Protocol):
-    """Decides whether and when a failed request is retried.
-
-    ``retry_after`` may be a plain method returning a :class:`RetryAction` or a
-    coroutine (it may await I/O): the orchestrator awaits what it returns when that
-    is not a RetryAction. ``execute_sync`` takes only strategies that decide
-    synchronously.
-    """
-
-    def retry_after(
-        self, request: Request, reason: RetryReason
-    ) -> RetryAction | Awaitable[RetryAction]: ...
 
 
 # Precomputed actions for the default backoff: no allocation per attempt.
