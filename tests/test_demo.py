@@ -273,7 +273,7 @@ def test_without_grpcio_it_names_the_extra_and_exits_2(
 
 def test_scenario_names_match_the_workload() -> None:
     pytest.importorskip("grpc")
-    from sdkcore._demo._memcached import NAME
+    from sdkcore._demo._memcached_report import NAME
     from sdkcore._demo._workload import SCENARIOS
 
     # the gRPC cluster's scenarios, then the one on a real memcached

@@ -27,7 +27,7 @@ import pytest
 
 from sdkcore._demo import SCENARIO_NAMES, main
 from sdkcore._demo._mcserver import CountingProxy, MemcachedProcess
-from sdkcore._demo._memcached import (
+from sdkcore._demo._memcached_report import (
     BREAKER,
     BUDGET_REQUESTS,
     NAME,

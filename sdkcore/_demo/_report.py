@@ -13,7 +13,7 @@ from typing import IO, Any
 
 import attrs
 
-from ._memcached import Outage, render_outage
+from ._memcached_report import Outage, render_outage
 from ._workload import OpResult
 
 __all__ = [

@@ -7,8 +7,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from . import SCENARIO_HELP
-from ._memcached import NAME as MEMCACHED
-from ._memcached import planned_requests, run_outage
+from ._memcached import run_outage
+from ._memcached_report import NAME as MEMCACHED
+from ._memcached_report import planned_requests
 from ._report import (
     Progress,
     Report,
