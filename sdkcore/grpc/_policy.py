@@ -131,6 +131,7 @@ class CallState:
         "attempts",
         "backoff_n",
         "code",
+        "commit_why",
         "committed",
         "details",
         "pushback",
@@ -153,6 +154,8 @@ class CallState:
         #: True once response headers or a message reached the application, or the
         #: replay buffer overflowed: no more retries of any kind.
         self.committed = False
+        #: Why the call committed, when not for response headers or messages.
+        self.commit_why = ""
         #: The transparent-retry case of the last failure, if any.
         self.transparent: TransparentKind | None = None
         self.transparent_retries = 0
@@ -309,7 +312,8 @@ class A6RetryStrategy:
                 "retries are throttled (retryThrottling tokens at or below half)", state
             )
         if state.committed:
-            return _refusal("the call is committed (response headers or messages received)", state)
+            why = state.commit_why or "response headers or messages received"
+            return _refusal(f"the call is committed ({why})", state)
         if state.attempts >= self._max_attempts:
             return _refusal(f"all {self._max_attempts} attempts (maxAttempts) used", state)
         if pushback is not None:

@@ -1,0 +1,56 @@
+"""A finished successful unary call that reports the client's previous-attempts count."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import Any
+
+from grpc.aio import _base_call
+
+from ._metadata import _with_attempts
+
+__all__: list[str] = []
+
+
+class _FinishedUnaryCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
+    """A finished successful call, reporting how many attempts preceded it."""
+
+    def __init__(self, call: Any, previous: int) -> None:
+        self._call = call
+        self._previous = previous
+
+    def cancel(self) -> bool:
+        return False
+
+    def cancelled(self) -> bool:
+        return False
+
+    def done(self) -> bool:
+        return True
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        callback(self)
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    async def initial_metadata(self) -> Any:
+        return await self._call.initial_metadata()
+
+    async def trailing_metadata(self) -> Any:
+        return _with_attempts(await self._call.trailing_metadata(), self._previous)
+
+    async def code(self) -> Any:
+        return await self._call.code()
+
+    async def details(self) -> str:
+        return str(await self._call.details())
+
+    async def debug_error_string(self) -> str | None:
+        return await self._call.debug_error_string()  # type: ignore[no-any-return]
+
+    async def wait_for_connection(self) -> None:
+        return None
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._call.__await__()  # type: ignore[no-any-return]

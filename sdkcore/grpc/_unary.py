@@ -1,0 +1,344 @@
+"""Unary-unary calls: the interceptor path and the direct path of the channel helpers.
+
+The channel helpers drive grpc.aio's unary-unary multi-callable directly
+(:class:`_UnaryCall`): the first attempt is grpc.aio's own call, with no task and no
+interceptor of sdkcore around it, and the retry loop (a task) starts only when an
+attempt fails. A channel built by hand with :meth:`RetryController.interceptors`
+uses :func:`unary_unary_call`, the same loop inside grpc.aio's interceptor chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Generator
+from typing import Any
+
+import grpc
+from grpc import aio
+from grpc.aio import _base_call
+
+from ._call import _Call
+from ._controller import _Controller
+from ._finished import _FinishedUnaryCall
+from ._hedging import hedged_unary_unary
+from ._metadata import _client_trailing
+from ._plans import _Plan
+
+__all__: list[str] = []
+
+_OK = grpc.StatusCode.OK
+_CANCELLED = grpc.StatusCode.CANCELLED
+
+
+async def unary_unary_call(
+    core: _Controller, continuation: Callable[..., Any], details: Any, request: Any
+) -> Any:
+    """The interceptor path: one unary-unary call with A6 retries or hedging."""
+    if core.service_config is not None:  # A6 hedgingPolicy (rfc/0004)
+        hedging = core.hedge_plan(details.method)
+        if hedging is not None:
+            return await hedged_unary_unary(core, hedging, continuation, details, request)
+    plan = core.plan(details.method)
+    if plan is None:
+        return await continuation(details, request)
+    c = _Call.from_details(core, plan, details)
+    if plan.strategy.policy is not None:
+        c.buffer_unary(request)
+    try:
+        while True:
+            call = await continuation(c.next_details(), request)
+            try:
+                await call
+            except aio.AioRpcError as err:
+                await c.failed(err)
+                continue
+            c.succeeded()
+            previous = c.state.attempts - 1
+            if previous == 0:
+                md = await call.trailing_metadata()
+                if _client_trailing(md, 0) is md:
+                    return call  # nothing to correct: the call as grpc.aio made it
+            return _FinishedUnaryCall(call, previous)
+    finally:
+        c.release()
+
+
+def _ended_ok(call: Any) -> bool | None:
+    """Whether a finished grpc.aio call ended OK (None: cannot tell without awaiting)."""
+    cython_call = getattr(call, "_cython_call", None)
+    if cython_call is None:
+        return None
+    return bool(cython_call.is_ok())
+
+
+class _UnaryCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
+    """A unary-unary call of the direct path: grpc.aio's call until an attempt fails.
+
+    ``await call`` (the usual use) awaits grpc.aio's call itself. A failed attempt
+    starts the retry loop (:meth:`_drive`, a task), which every reader then waits for.
+    """
+
+    def __init__(
+        self,
+        core: _Controller,
+        plan: _Plan,
+        inner: Any,
+        method: Any,
+        message: Any,
+        timeout: float | None,
+        metadata: Any,
+        credentials: Any,
+        wait_for_ready: bool | None,
+        compression: Any,
+    ) -> None:
+        c = self._c = _Call(core, plan, method, timeout, metadata, credentials, wait_for_ready)
+        if plan.strategy.policy is not None:
+            c.buffer_unary(message)
+        self._inner = inner
+        self._message = message
+        self._compression = compression
+        self._driver: asyncio.Task[Any] | None = None
+        self._watcher: asyncio.Task[Any] | None = None
+        self._ended = False
+        self._cancelled = False
+        self._call = self._attempt()
+        # The retry loop must run even if nobody awaits the call: the first attempt's
+        # end starts it (a failure) or does the success's bookkeeping.
+        self._call.add_done_callback(self._first_done)
+
+    def _attempt(self) -> Any:
+        c = self._c
+        md = c.next_attempt()
+        return self._inner(
+            self._message,
+            timeout=c.time_left(),
+            metadata=md,
+            credentials=c.credentials,
+            wait_for_ready=c.wait_for_ready,
+            compression=self._compression,
+        )
+
+    def _ok(self) -> None:
+        """The first attempt ended OK (once per call)."""
+        if not self._ended:
+            self._ended = True
+            c = self._c
+            c.succeeded()
+            c.release()
+
+    def _first_done(self, call: Any) -> None:
+        if self._driver is not None or self._ended or call.cancelled():
+            return
+        ok = _ended_ok(call)
+        if ok:
+            self._ok()
+        else:  # failed, or cannot tell: settle it in a task
+            self._watch()
+
+    def _first_failed(self, err: Any) -> asyncio.Task[Any]:
+        driver = self._driver
+        if driver is None:
+            driver = self._driver = asyncio.get_running_loop().create_task(self._drive(err))
+        return driver
+
+    async def _drive(self, err: Any) -> Any:
+        """The retry loop after the first failure: the successful call, or raise the error."""
+        c = self._c
+        try:
+            while True:
+                await c.failed(err)
+                call = self._call = self._attempt()
+                try:
+                    await call
+                except aio.AioRpcError as failure:
+                    err = failure
+                    continue
+                c.succeeded()
+                return call
+        finally:
+            self._ended = True
+            c.release()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        if self._driver is None:
+            try:
+                response = yield from self._call.__await__()
+            except aio.AioRpcError as err:
+                self._first_failed(err)
+            except BaseException:
+                self._ended = True
+                self._c.release()
+                raise
+            else:
+                if self._driver is None:
+                    self._ok()
+                    return response
+        assert self._driver is not None
+        call = yield from self._driver.__await__()
+        response = yield from call.__await__()
+        return response
+
+    # -- readers -------------------------------------------------------------------
+    async def _outcome(self) -> tuple[Any, Any]:
+        """(the final call, None) or (None, the final AioRpcError)."""
+        if self._driver is None:
+            call = self._call
+            code = await call.code()
+            if self._driver is None:
+                if code is _OK:
+                    self._ok()
+                    return call, None
+                try:
+                    await call  # over: raises its error (or CancelledError) at once
+                except aio.AioRpcError as err:
+                    self._first_failed(err)
+                else:  # pragma: no cover - a status other than OK always raises
+                    return call, None
+        assert self._driver is not None
+        try:
+            return await asyncio.shield(self._driver), None
+        except aio.AioRpcError as err:
+            return None, err
+
+    async def _settled(self) -> tuple[Any, Any] | None:
+        """Like :meth:`_outcome`; None when the call itself was cancelled."""
+        try:
+            return await self._outcome()
+        except asyncio.CancelledError:
+            if not self.cancelled():
+                raise  # the awaiting task itself was cancelled
+            return None
+
+    def _watch(self) -> asyncio.Task[Any]:
+        """A task that settles the call, for the readers that cannot await."""
+        watcher = self._watcher
+        if watcher is None:
+            watcher = self._watcher = asyncio.get_running_loop().create_task(self._settled())
+        return watcher
+
+    async def initial_metadata(self) -> Any:
+        out = await self._settled()
+        if out is None:
+            return None
+        call, err = out
+        return err.initial_metadata() if err is not None else await call.initial_metadata()
+
+    async def trailing_metadata(self) -> Any:
+        out = await self._settled()
+        if out is None:
+            return None
+        call, err = out
+        if err is not None:
+            return err.trailing_metadata()
+        return _client_trailing(await call.trailing_metadata(), self._c.state.attempts - 1)
+
+    async def code(self) -> Any:
+        out = await self._settled()
+        if out is None:
+            return _CANCELLED
+        call, err = out
+        return err.code() if err is not None else await call.code()
+
+    async def details(self) -> str:
+        out = await self._settled()
+        if out is None:
+            return "Locally cancelled by application!"
+        call, err = out
+        return str(err.details() if err is not None else await call.details())
+
+    async def debug_error_string(self) -> str | None:
+        out = await self._settled()
+        if out is None:
+            return ""
+        call, err = out
+        if err is not None:
+            return err.debug_error_string()  # type: ignore[no-any-return]
+        return await call.debug_error_string()  # type: ignore[no-any-return]
+
+    async def wait_for_connection(self) -> None:
+        try:
+            await self._call.wait_for_connection()
+        except aio.AioRpcError:
+            return None  # the attempt failed: its status is read from the call
+
+    def time_remaining(self) -> float | None:
+        return self._c.time_left()
+
+    # -- state -----------------------------------------------------------------------
+    def cancel(self) -> bool:
+        if self.done():
+            return False
+        self._cancelled = True
+        driver = self._driver
+        if driver is not None:
+            driver.cancel()
+        self._call.cancel()
+        return True
+
+    def cancelled(self) -> bool:
+        if self._cancelled:
+            return True
+        driver = self._driver
+        if driver is not None and driver.cancelled():
+            return True
+        return bool(self._call.cancelled())
+
+    def done(self) -> bool:
+        driver = self._driver
+        if driver is None:
+            call = self._call
+            if not call.done():
+                return False
+            if call.cancelled() or _ended_ok(call):
+                return True
+            self._watch()  # a failed attempt: retried, or final once the policy says so
+            return False
+        if not driver.done():
+            return False
+        if driver.cancelled() or driver.exception() is not None:
+            return True
+        return bool(driver.result().done())
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        def settled(_: Any) -> None:
+            callback(self)
+
+        if self._driver is None and not self.done():
+            self._watch().add_done_callback(settled)
+        elif self._driver is None:
+            self._call.add_done_callback(settled)
+        else:
+            self._driver.add_done_callback(settled)
+
+
+class _UnaryUnaryMultiCallable(aio.UnaryUnaryMultiCallable):  # type: ignore[misc]
+    """A retried method's multi-callable on an sdkcore channel (see :class:`_UnaryCall`)."""
+
+    def __init__(self, core: _Controller, plan: _Plan, inner: Any, method: Any) -> None:
+        self._core = core
+        self._plan = plan
+        self._inner = inner
+        self._method = method
+
+    def __call__(
+        self,
+        request: Any,
+        *,
+        timeout: float | None = None,
+        metadata: Any = None,
+        credentials: Any = None,
+        wait_for_ready: bool | None = None,
+        compression: Any = None,
+    ) -> Any:
+        return _UnaryCall(
+            self._core,
+            self._plan,
+            self._inner,
+            self._method,
+            request,
+            timeout,
+            metadata,
+            credentials,
+            wait_for_ready,
+            compression,
+        )
