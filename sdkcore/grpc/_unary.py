@@ -132,10 +132,13 @@ class _UnaryCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
         ok = _ended_ok(call)
         if ok:
             self._ok()
-        else:  # failed, or cannot tell: settle it in a task
+        elif ok is None:  # an application interceptor's call: settle it in a task
             self._watch()
+        else:
+            self._first_failed(None)
 
     def _first_failed(self, err: Any) -> asyncio.Task[Any]:
+        """Start the retry loop (once): ``err`` is the first attempt's, None to read it."""
         driver = self._driver
         if driver is None:
             driver = self._driver = asyncio.get_running_loop().create_task(self._drive(err))
@@ -145,6 +148,14 @@ class _UnaryCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
         """The retry loop after the first failure: the successful call, or raise the error."""
         c = self._c
         try:
+            if err is None:
+                try:
+                    await self._call  # over: raises its error at once
+                except aio.AioRpcError as failure:
+                    err = failure
+                else:  # pragma: no cover - the first attempt failed
+                    c.succeeded()
+                    return self._call
             while True:
                 await c.failed(err)
                 call = self._call = self._attempt()
