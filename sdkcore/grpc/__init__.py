@@ -36,6 +36,7 @@ from ._stats import HISTOGRAM_BUCKETS, MethodRetryStats, RetryStats
 from ._throttle import RetryThrottler, throttler_for_target
 
 if TYPE_CHECKING:
+    from ._call import call_context
     from ._channel import insecure_channel, retry_controller, retry_stats, secure_channel
     from ._interceptors import (
         RetryController,
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     )
 
 _LAZY = {
+    "call_context": "_call",
     "insecure_channel": "_channel",
     "secure_channel": "_channel",
     "retry_controller": "_channel",
@@ -117,6 +119,7 @@ __all__ = [
     "ServiceConfigError",
     "ServiceConfigViolation",
     "TransparentKind",
+    "call_context",
     "default_message_size",
     "insecure_channel",
     "parse_duration",

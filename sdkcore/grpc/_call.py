@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from .._context import AttemptEffect
+from .._context import AttemptEffect, ErrorContext
 from .._errors import CouchbaseException, RequestCanceledException, TimeoutException
 from .._reason import RetryReason
 from .._request import Request
@@ -45,6 +45,28 @@ ANSWERED = (
     "the server's answer arrived: the client failed the call after it "
     "(a status the client makes, such as a response over the receive limit)"
 )
+
+
+def call_context(error: BaseException) -> ErrorContext | None:
+    """sdkcore's ErrorContext of the call an sdkcore channel failed with ``error``.
+
+    A plain function. ``error`` is the ``grpc.aio.AioRpcError`` a call raised (or an
+    exception chained from it, such as an outer request's failure). The context lists
+    every attempt the channel made for the call: its A6 retries and transparent
+    re-sends. None when the channel made no retry decision for it (a first answer is
+    grpc's error unchanged).
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:  # to the first AioRpcError
+        seen.add(id(current))
+        if isinstance(current, aio.AioRpcError):
+            cause = current.__cause__
+            if isinstance(cause, CouchbaseException):
+                return cause.context
+            return None
+        current = current.__cause__
+    return None
 
 
 def answered(err: Any) -> bool:
@@ -336,16 +358,31 @@ class _Call:
         """The error the application gets for the last attempt's ``err``.
 
         ``copy``: always a new AioRpcError (when it is raised from an exception whose
-        cause chain holds ``err``, so the chain has no cycle).
+        cause chain holds ``err``, so the chain has no cycle). After retries, the copy's
+        debug string starts with the channel's attempt count (rfc/0003).
         """
         previous = max(self.state.attempts - 1, 0)
         trailing = err.trailing_metadata()
         md = _client_trailing(trailing, previous)
-        if md is trailing and not copy:
+        note = self._note()
+        if md is trailing and not copy and not note:
             return err
         return aio.AioRpcError(
-            err.code(), err.initial_metadata(), md, err.details(), err.debug_error_string()
+            err.code(),
+            err.initial_metadata(),
+            md,
+            err.details(),
+            note + (err.debug_error_string() or ""),
         )
+
+    def _note(self) -> str:
+        """``"sdkcore: N attempts; "`` when the channel retried the call, else ``""``."""
+        st = self.state
+        if not self._retried():
+            return ""
+        resent = st.transparent_retries + st.refused_retries
+        extra = f", {resent} transparent re-send(s)" if resent else ""
+        return f"sdkcore: {st.attempts} attempts{extra}; "
 
     def _deadline(self, err: Any) -> Any:
         previous = max(self.state.attempts - 1, 0)
@@ -354,7 +391,8 @@ class _Call:
             err.initial_metadata(),
             _client_trailing(err.trailing_metadata(), previous),
             "Deadline Exceeded",
-            f"deadline reached while waiting to retry after {err.code().name}: {err.details()}",
+            f"{self._note()}deadline reached while waiting to retry after {err.code().name}: "
+            f"{err.details()}",
         )
 
     # -- a committed streaming call ends ----------------------------------------------

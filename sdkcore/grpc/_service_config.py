@@ -436,6 +436,8 @@ class _Parser:
             milli = _milli(v) if _is_number(v) else None
             if milli is None or v <= 0:
                 self.err(f"{path}.tokenRatio", f"must be a finite number > 0, got {_show(v)}")
+            elif v > 1_000_000:  # RetryThrottler's bound: a success refills any bucket
+                self.err(f"{path}.tokenRatio", f"must be at most 1000000, got {_show(v)}")
             elif milli == 0:
                 self.err(
                     f"{path}.tokenRatio",
