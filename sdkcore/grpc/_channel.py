@@ -11,6 +11,7 @@ from grpc import aio
 from grpc.aio import _channel as _aio_channel
 
 from .._orchestrator import RetryOrchestrator
+from ._hedged_call import _HedgedMultiCallable
 from ._interceptors import (
     DEFAULT_CHANNEL_BUFFER_LIMIT,
     DEFAULT_PER_CALL_BUFFER_LIMIT,
@@ -18,7 +19,6 @@ from ._interceptors import (
     RetryStreamStreamInterceptor,
     RetryStreamUnaryInterceptor,
     RetryUnaryStreamInterceptor,
-    RetryUnaryUnaryInterceptor,
 )
 from ._policy import BackoffJitter
 from ._service_config import DEFAULT_MAX_ATTEMPTS_CAP, ServiceConfig
@@ -33,9 +33,9 @@ _controllers: weakref.WeakKeyDictionary[Any, RetryController] = weakref.WeakKeyD
 class _Channel(_aio_channel.Channel):  # type: ignore[misc]
     """A grpc.aio channel whose unary-unary calls sdkcore drives directly.
 
-    A retried unary-unary method gets sdkcore's multi-callable around grpc.aio's own
-    (the application's interceptors run inside, once per attempt); a hedged one gets
-    sdkcore's interceptor in front of the application's; a method with no plan gets
+    A retried or hedged unary-unary method gets sdkcore's multi-callable around
+    grpc.aio's own (the application's interceptors run inside, once per attempt); a
+    method with no plan gets
     grpc.aio's multi-callable unchanged. The streaming shapes go through sdkcore's
     interceptors, first in the chain. Measured in bench/bench_grpc_cpu.py.
     """
@@ -57,7 +57,6 @@ class _Channel(_aio_channel.Channel):  # type: ignore[misc]
         ]
         super().__init__(target, options, credentials, compression, chain)
         self._sdkcore = controller
-        self._sdkcore_hedging = RetryUnaryUnaryInterceptor(controller)
 
     def unary_unary(
         self,
@@ -70,9 +69,10 @@ class _Channel(_aio_channel.Channel):  # type: ignore[misc]
             method, request_serializer, response_deserializer, _registered_method
         )
         core = self._sdkcore
-        if core.service_config is not None and core.hedge_plan(method) is not None:
-            inner._interceptors = [self._sdkcore_hedging, *self._unary_unary_interceptors]
-            return inner
+        if core.service_config is not None:
+            hedging = core.hedge_plan(method)
+            if hedging is not None:
+                return _HedgedMultiCallable(core, hedging, inner, method)
         plan = core.plan(method)
         if plan is None:
             return inner

@@ -1,4 +1,4 @@
-"""A finished successful unary call that reports the client's previous-attempts count."""
+"""Finished unary calls: a successful one reporting the client's attempt count; OK or not."""
 
 from __future__ import annotations
 
@@ -10,6 +10,14 @@ from grpc.aio import _base_call
 from ._metadata import _with_attempts
 
 __all__: list[str] = []
+
+
+def _ended_ok(call: Any) -> bool | None:
+    """Whether a finished grpc.aio call ended OK (None: cannot tell without awaiting)."""
+    cython_call = getattr(call, "_cython_call", None)
+    if cython_call is None:
+        return None
+    return bool(cython_call.is_ok())
 
 
 class _FinishedUnaryCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]

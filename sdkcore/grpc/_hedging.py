@@ -62,6 +62,11 @@ async def hedged_unary_unary(
     continuation: Callable[..., Any],
     details: Any,
     message: Any,
+    *,
+    first: Any = None,
+    started: float | None = None,
+    sent_at: float | None = None,
+    open_streamed: Callable[[Any], Any] | None = None,
 ) -> Any:
     """Run one unary-unary call as A6 hedges; return the committed call or raise its error.
 
@@ -69,6 +74,11 @@ async def hedged_unary_unary(
     waits for it up to the hedging delay without starting any task. Only when the
     delay passes (or it fails with a non-fatal status) does the generic runner take
     over, with that attempt as hedge 0 and header-aware hedges after it.
+
+    The direct path (``_hedged_call``) sends hedge 0 and waits for it itself: it
+    passes ``first`` (that call), ``started`` (time.monotonic() when it was made),
+    ``sent_at`` (the loop time it was sent) and ``open_streamed`` (how to open hedges
+    as unary-stream RPCs, or None).
     """
     method = details.method
     name: str = method.decode() if isinstance(method, bytes) else str(method)
@@ -77,7 +87,8 @@ async def hedged_unary_unary(
         timeout = plan.timeout
     if timeout is not None:
         timeout = max(timeout, 1e-6)
-    started = time.monotonic()
+    if started is None:
+        started = time.monotonic()
     wait_for_ready = (
         details.wait_for_ready if details.wait_for_ready is not None else plan.wait_for_ready
     )
@@ -131,11 +142,14 @@ async def hedged_unary_unary(
 
     # -- hedge 0: a plain unary call, awaited up to the hedging delay -------------------
     loop = asyncio.get_running_loop()
-    sent_at = loop.time()
-    first = await continuation(attempt_details(0), message)
+    direct = first is not None
+    if first is None:
+        sent_at = loop.time()
+        first = await continuation(attempt_details(0), message)
+    assert sent_at is not None
     adopted: Any = first
     try:
-        if not first.done():
+        if not first.done() and not direct:
             woken = loop.create_future()
 
             def wake(_: Any = None) -> None:
@@ -173,7 +187,8 @@ async def hedged_unary_unary(
         raise
 
     # -- the delay passed (or hedge 0 failed with a non-fatal status): hedge -------------
-    open_streamed = _streamed_opener(continuation, message)
+    if not direct:
+        open_streamed = _streamed_opener(continuation, message)
 
     async def send(request: Request, index: int) -> tuple[int, Any, Any]:
         flight[0] += 1
@@ -332,6 +347,41 @@ def _streamed_opener(continuation: Any, message: Any) -> Callable[[Any], Any] | 
             d.wait_for_ready,
             channel,
             d.method,
+            serializer,
+            deserializer,
+            loop,
+        )
+
+    return open_call
+
+
+def direct_opener(inner: Any, message: Any, compression: Any) -> Callable[[Any], Any] | None:
+    """:func:`_streamed_opener` for the direct path: from grpc.aio's multi-callable ``inner``.
+
+    Only when the channel has no unary-unary interceptor of the application's (a
+    hedge opened as a unary-stream RPC would skip it); otherwise None.
+    """
+    if _UnaryStreamCall is None or getattr(inner, "_interceptors", True):
+        return None
+    try:
+        channel = inner._channel
+        method = inner._method
+        serializer = inner._request_serializer
+        deserializer = inner._response_deserializer
+        loop = inner._loop
+        init_metadata = inner._init_metadata
+    except AttributeError:  # pragma: no cover - depends on grpcio internals
+        return None
+
+    def open_call(d: Any) -> Any:
+        return _UnaryStreamCall(
+            message,
+            None if d.timeout is None else time.time() + d.timeout,
+            init_metadata(d.metadata, compression),
+            d.credentials,
+            d.wait_for_ready,
+            channel,
+            method,
             serializer,
             deserializer,
             loop,

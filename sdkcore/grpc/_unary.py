@@ -19,7 +19,7 @@ from grpc.aio import _base_call
 
 from ._call import _Call
 from ._controller import _Controller
-from ._finished import _FinishedUnaryCall
+from ._finished import _ended_ok, _FinishedUnaryCall
 from ._hedging import hedged_unary_unary
 from ._metadata import _client_trailing
 from ._plans import _Plan
@@ -61,14 +61,6 @@ async def unary_unary_call(
             return _FinishedUnaryCall(call, previous)
     finally:
         c.release()
-
-
-def _ended_ok(call: Any) -> bool | None:
-    """Whether a finished grpc.aio call ended OK (None: cannot tell without awaiting)."""
-    cython_call = getattr(call, "_cython_call", None)
-    if cython_call is None:
-        return None
-    return bool(cython_call.is_ok())
 
 
 class _UnaryCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
