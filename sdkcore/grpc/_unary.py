@@ -303,13 +303,15 @@ class _UnaryCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
         return bool(driver.result().done())
 
     def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        if self.done():
+            callback(self)
+            return
+
         def settled(_: Any) -> None:
             callback(self)
 
-        if self._driver is None and not self.done():
+        if self._driver is None:
             self._watch().add_done_callback(settled)
-        elif self._driver is None:
-            self._call.add_done_callback(settled)
         else:
             self._driver.add_done_callback(settled)
 

@@ -367,3 +367,51 @@ def test_token_ratio_the_throttler_refuses_is_refused_by_the_config_too() -> Non
 def test_retry_controller_rejects_bad_numbers_naming_the_field(field: str, value: Any) -> None:
     with pytest.raises((TypeError, ValueError), match=field):
         RetryController("numbers.invalid:1", None, **{field: value})
+
+
+# -- both paths: the channel helpers (direct) and a channel built with the interceptors ----
+@pytest.mark.asyncio
+async def test_hedging_through_the_interceptors_on_a_hand_built_channel(server: Server) -> None:
+    from hedge_server import ok
+
+    script = HedgeScript(server, "HI", {1: ok(body=b"from 1")})  # hedge 0 blocks
+    cfg = hedging_config(max_attempts=2, delay="0.05s")
+    controller = RetryController(server.target, cfg)
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with aio.insecure_channel(
+            server.target,
+            options=controller.channel_options(),
+            interceptors=controller.interceptors(),
+        ) as ch:
+            call = ch.unary_unary(script.method)(b"x")
+            assert await call == b"from 1"
+            assert previous_rpc_attempts(await call.trailing_metadata()) == 1
+    assert script.count == 2
+
+
+@pytest.mark.asyncio
+async def test_direct_call_readers_after_a_retry(server: Server) -> None:
+    """code(), details(), metadata and done() of a direct call that was retried, never awaited."""
+    method = server.unary_unary("RD", _unavailable_then_ok())
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=retry_config(initial="0.001s", maximum="0.001s")
+        ) as ch:
+            call = ch.unary_unary(method)(b"x")
+            assert await call.code() is grpc.StatusCode.OK
+            assert call.done()
+            assert previous_rpc_attempts(await call.trailing_metadata()) == 1
+            assert await call == b"ok"
+            seen: list[Any] = []
+            call.add_done_callback(seen.append)
+            assert seen == [call]
+    assert server.count("RD") == 2
+
+
+def _unavailable_then_ok() -> Any:
+    async def fn(request: bytes, context: Any, attempt: int) -> bytes:
+        if attempt == 1:
+            await abort(context, UNAVAILABLE)
+        return b"ok"
+
+    return fn
