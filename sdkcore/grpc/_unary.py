@@ -66,8 +66,10 @@ async def unary_unary_call(
 class _UnaryCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
     """A unary-unary call of the direct path: grpc.aio's call until an attempt fails.
 
-    ``await call`` (the usual use) awaits grpc.aio's call itself. A failed attempt
-    starts the retry loop (:meth:`_drive`, a task), which every reader then waits for.
+    ``await call`` (the usual use) awaits grpc.aio's call itself, and when it fails,
+    runs the retry loop (:meth:`_drive`) in the awaiting task. A call nobody awaits
+    runs the loop in a task started by the first attempt's done callback. Every
+    other reader waits for whichever runs it.
     """
 
     def __init__(
@@ -90,6 +92,11 @@ class _UnaryCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
         self._message = message
         self._compression = compression
         self._driver: asyncio.Task[Any] | None = None
+        #: Set while an awaiting task runs the retry loop; done (with None) when it ends.
+        self._inline: asyncio.Future[None] | None = None
+        #: The outcome of an inline retry loop: (call, None) or (None, error or None).
+        self._result: tuple[Any, Any] | None = None
+        self._awaited = False
         self._watcher: asyncio.Task[Any] | None = None
         self._ended = False
         self._cancelled = False
@@ -118,23 +125,25 @@ class _UnaryCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
             c.succeeded()
             c.release()
 
+    def _driving(self) -> bool:
+        """True once the retry loop started (in a task or in an awaiting task)."""
+        return self._driver is not None or self._inline is not None
+
     def _first_done(self, call: Any) -> None:
-        if self._driver is not None or self._ended or call.cancelled():
+        if self._driving() or self._ended or call.cancelled():
             return
         ok = _ended_ok(call)
         if ok:
             self._ok()
         elif ok is None:  # an application interceptor's call: settle it in a task
             self._watch()
-        else:
+        elif not self._awaited:  # nobody awaits the call: the loop runs in a task
             self._first_failed(None)
 
-    def _first_failed(self, err: Any) -> asyncio.Task[Any]:
-        """Start the retry loop (once): ``err`` is the first attempt's, None to read it."""
-        driver = self._driver
-        if driver is None:
-            driver = self._driver = asyncio.get_running_loop().create_task(self._drive(err))
-        return driver
+    def _first_failed(self, err: Any) -> None:
+        """Start the retry loop in a task (once): ``err`` is the first attempt's, or None."""
+        if not self._driving():
+            self._driver = asyncio.get_running_loop().create_task(self._drive(err))
 
     async def _drive(self, err: Any) -> Any:
         """The retry loop after the first failure: the successful call, or raise the error."""
@@ -163,45 +172,78 @@ class _UnaryCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
             c.release()
 
     def __await__(self) -> Generator[Any, None, Any]:
-        if self._driver is None:
+        if not self._driving() and self._result is None:
+            self._awaited = True
+            failure: Any = None
             try:
                 response = yield from self._call.__await__()
             except aio.AioRpcError as err:
-                self._first_failed(err)
+                failure = err
             except BaseException:
                 self._ended = True
                 self._c.release()
                 raise
-            else:
-                if self._driver is None:
+            if failure is None:
+                if not self._driving():
                     self._ok()
                     return response
-        assert self._driver is not None
-        call = yield from self._driver.__await__()
-        response = yield from call.__await__()
+            elif not self._driving():
+                call = yield from self._drive_here(failure).__await__()
+                response = yield from call.__await__()
+                return response
+        final_call, final_error = yield from self._outcome().__await__()
+        if final_error is not None:
+            raise final_error
+        response = yield from final_call.__await__()
         return response
+
+    async def _drive_here(self, err: Any) -> Any:
+        """The retry loop in the awaiting task; readers wait on ``_inline``."""
+        inline = self._inline = asyncio.get_running_loop().create_future()
+        outcome: tuple[Any, Any] = (None, None)
+        try:
+            call = await self._drive(err)
+            outcome = (call, None)
+            return call
+        except aio.AioRpcError as final:
+            if self._cancelled:  # call.cancel() during the backoff: as grpc.aio does
+                raise asyncio.CancelledError() from None
+            outcome = (None, final)
+            raise
+        finally:
+            self._result = outcome
+            inline.set_result(None)
 
     # -- readers -------------------------------------------------------------------
     async def _outcome(self) -> tuple[Any, Any]:
-        """(the final call, None) or (None, the final AioRpcError)."""
-        if self._driver is None:
+        """(the final call, None) or (None, the final AioRpcError); raises if cancelled."""
+        while True:
+            result = self._result
+            if result is not None:
+                if result == (None, None):
+                    raise asyncio.CancelledError()
+                return result
+            if self._inline is not None:
+                await asyncio.shield(self._inline)
+                continue
+            if self._driver is not None:
+                try:
+                    return await asyncio.shield(self._driver), None
+                except aio.AioRpcError as err:
+                    return None, err
             call = self._call
             code = await call.code()
-            if self._driver is None:
-                if code is _OK:
-                    self._ok()
-                    return call, None
-                try:
-                    await call  # over: raises its error (or CancelledError) at once
-                except aio.AioRpcError as err:
-                    self._first_failed(err)
-                else:  # pragma: no cover - a status other than OK always raises
-                    return call, None
-        assert self._driver is not None
-        try:
-            return await asyncio.shield(self._driver), None
-        except aio.AioRpcError as err:
-            return None, err
+            if self._driving():
+                continue
+            if code is _OK:
+                self._ok()
+                return call, None
+            try:
+                await call  # over: raises its error (or CancelledError) at once
+            except aio.AioRpcError as err:
+                self._first_failed(err)
+            else:  # pragma: no cover - a status other than OK always raises
+                return call, None
 
     async def _settled(self) -> tuple[Any, Any] | None:
         """Like :meth:`_outcome`; None when the call itself was cancelled."""
@@ -275,6 +317,8 @@ class _UnaryCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
         driver = self._driver
         if driver is not None:
             driver.cancel()
+        elif self._inline is not None and self._c.in_backoff:
+            self._c.request.cancel()  # ends the wait; the awaiting task gets CancelledError
         self._call.cancel()
         return True
 
@@ -287,6 +331,10 @@ class _UnaryCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
         return bool(self._call.cancelled())
 
     def done(self) -> bool:
+        if self._result is not None:
+            return True
+        if self._inline is not None:
+            return False
         driver = self._driver
         if driver is None:
             call = self._call
@@ -294,7 +342,8 @@ class _UnaryCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
                 return False
             if call.cancelled() or _ended_ok(call):
                 return True
-            self._watch()  # a failed attempt: retried, or final once the policy says so
+            if not self._awaited:
+                self._watch()  # a failed attempt: retried, or final once the policy says so
             return False
         if not driver.done():
             return False
@@ -310,7 +359,9 @@ class _UnaryCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
         def settled(_: Any) -> None:
             callback(self)
 
-        if self._driver is None:
+        if self._inline is not None:
+            self._inline.add_done_callback(settled)
+        elif self._driver is None:
             self._watch().add_done_callback(settled)
         else:
             self._driver.add_done_callback(settled)

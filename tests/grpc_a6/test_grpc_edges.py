@@ -37,6 +37,7 @@ from sdkcore.grpc import (  # noqa: E402
     call_context,
     insecure_channel,
     previous_rpc_attempts,
+    retry_controller,
     throttler_for_target,
 )
 
@@ -413,5 +414,64 @@ def _unavailable_then_ok() -> Any:
         if attempt == 1:
             await abort(context, UNAVAILABLE)
         return b"ok"
+
+    return fn
+
+
+@pytest.mark.asyncio
+async def test_awaited_call_cancelled_during_the_backoff(server: Server) -> None:
+    """The awaiting task runs the retry loop; call.cancel() in the backoff ends it at once."""
+    import asyncio
+
+    from grpc_server import wait_until
+
+    method = server.unary_unary("CB", _always(UNAVAILABLE))
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=retry_config(initial="20s", maximum="20s")
+        ) as ch:
+            orchestrator = retry_controller(ch).orchestrator
+            call = ch.unary_unary(method)(b"x")
+            waiter = asyncio.ensure_future(_await(call))
+            await wait_until(lambda: orchestrator.requests_in_retry == 1)
+            assert not call.done()
+            assert call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiter
+            assert await call.code() is grpc.StatusCode.CANCELLED
+            assert call.cancelled()
+            assert orchestrator.requests_in_retry == 0
+    assert server.count("CB") == 1
+
+
+@pytest.mark.asyncio
+async def test_awaited_call_and_a_concurrent_reader_agree(server: Server) -> None:
+    import asyncio
+
+    method = server.unary_unary("CR", _unavailable_then(NOT_FOUND))
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=retry_config(initial="0.01s", maximum="0.01s")
+        ) as ch:
+            call = ch.unary_unary(method)(b"x")
+            reader = asyncio.ensure_future(call.code())
+            with pytest.raises(aio.AioRpcError) as info:
+                await call
+            assert await reader is NOT_FOUND
+            assert info.value.code() is NOT_FOUND
+            assert await call.details() == info.value.details()
+            assert previous_rpc_attempts(await call.trailing_metadata()) == 1
+            assert call.done()
+    assert server.count("CR") == 2
+
+
+async def _await(call: Any) -> Any:
+    return await call
+
+
+def _always(code: Any) -> Any:
+    async def fn(request: bytes, context: Any, attempt: int) -> bytes:
+        await abort(context, code)
+        raise AssertionError("unreachable")
 
     return fn
