@@ -394,25 +394,3 @@ class _Call:
             f"{self._note()}deadline reached while waiting to retry after {err.code().name}: "
             f"{err.details()}",
         )
-
-    # -- a committed streaming call ends ----------------------------------------------
-    def account_end(
-        self, code: Any, trailing: Any, error: BaseException | None, cancelled: bool
-    ) -> None:
-        """How a committed call ended, for the request, throttler and stats."""
-        if code is _OK:
-            self.succeeded()  # completes the request and feeds the throttler
-            return
-        if cancelled:  # the application cancelled the call
-            self.request.cancel()
-        elif error is not None:
-            self.core.orchestrator.fail(self.request, error)
-        if self.state.attempts > 1:
-            self.core.stats.record_failed_retry(self.name)
-        policy = self.strategy.policy
-        throttler = self.core.throttler
-        if throttler is not None and policy is not None:
-            # The same rule as for an attempt that can still be retried (_policy._status).
-            pushback = parse_pushback(trailing.get_all(PUSHBACK_KEY)) if trailing else None
-            if code.value[0] in policy.retryable_status_codes or pushback == PUSHBACK_DONT_RETRY:
-                throttler.record_failure()

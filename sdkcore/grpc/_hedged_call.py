@@ -19,7 +19,7 @@ from grpc.aio import _base_call
 
 from .._hooks import INSTANT_DELAYS
 from ._controller import _Controller
-from ._finished import _ended_ok
+from ._finished import _ended_ok, _Readers
 from ._hedging import direct_opener, hedged_unary_unary
 from ._metadata import _client_trailing, _strip_attempts
 from ._plans import HedgePlan
@@ -29,7 +29,7 @@ __all__: list[str] = []
 _CANCELLED = grpc.StatusCode.CANCELLED
 
 
-class _HedgedCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
+class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
     """One hedged unary-unary call (see the module docstring)."""
 
     def __init__(
@@ -193,45 +193,8 @@ class _HedgedCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
                 raise  # the awaiting task itself was cancelled
             return None
 
-    async def initial_metadata(self) -> Any:
-        out = await self._settled()
-        if out is None:
-            return None
-        call, err = out
-        return err.initial_metadata() if err is not None else await call.initial_metadata()
-
-    async def trailing_metadata(self) -> Any:
-        out = await self._settled()
-        if out is None:
-            return None
-        call, err = out
-        if err is not None:
-            return err.trailing_metadata()
-        md = await call.trailing_metadata()
+    def _trailing(self, call: Any, md: Any) -> Any:
         return md if call is not self._first else _client_trailing(md, 0)
-
-    async def code(self) -> Any:
-        out = await self._settled()
-        if out is None:
-            return _CANCELLED
-        call, err = out
-        return err.code() if err is not None else await call.code()
-
-    async def details(self) -> str:
-        out = await self._settled()
-        if out is None:
-            return "Locally cancelled by application!"
-        call, err = out
-        return str(err.details() if err is not None else await call.details())
-
-    async def debug_error_string(self) -> str | None:
-        out = await self._settled()
-        if out is None:
-            return ""
-        call, err = out
-        if err is not None:
-            return err.debug_error_string()  # type: ignore[no-any-return]
-        return await call.debug_error_string()  # type: ignore[no-any-return]
 
     async def wait_for_connection(self) -> None:
         try:

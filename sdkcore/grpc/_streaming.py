@@ -17,6 +17,7 @@ from grpc.aio import _base_call
 from ._call import _Call
 from ._controller import _Controller
 from ._metadata import _client_trailing
+from ._policy import PUSHBACK_DONT_RETRY, PUSHBACK_KEY, parse_pushback
 from ._replay import _ReplayBuffer
 
 __all__: list[str] = []
@@ -155,7 +156,7 @@ class _RetryingCall:
         """How a committed call ended, for the request, throttler and stats (once per call)."""
         if not self._accounted:
             self._accounted = True
-            self._c.account_end(code, trailing, error, self._cancelled)
+            _account_end(self._c, code, trailing, error, self._cancelled)
 
     def _driver_done(self, task: asyncio.Task[_Outcome]) -> None:
         self._c.release()
@@ -344,6 +345,28 @@ class _RetryingStreamUnaryCall(_RetryingCall, _base_call.StreamUnaryCall):  # ty
 
 class _RetryingStreamStreamCall(_RetryingCall, _base_call.StreamStreamCall):  # type: ignore[misc]
     pass
+
+
+def _account_end(
+    c: _Call, code: Any, trailing: Any, error: BaseException | None, cancelled: bool
+) -> None:
+    """How a committed call ended, for the request, throttler and stats."""
+    if code is _OK:
+        c.succeeded()  # completes the request and feeds the throttler
+        return
+    if cancelled:  # the application cancelled the call
+        c.request.cancel()
+    elif error is not None:
+        c.core.orchestrator.fail(c.request, error)
+    if c.state.attempts > 1:
+        c.core.stats.record_failed_retry(c.name)
+    policy = c.strategy.policy
+    throttler = c.core.throttler
+    if throttler is not None and policy is not None:
+        # The same rule as for an attempt that can still be retried (_policy._status).
+        pushback = parse_pushback(trailing.get_all(PUSHBACK_KEY)) if trailing else None
+        if code.value[0] in policy.retryable_status_codes or pushback == PUSHBACK_DONT_RETRY:
+            throttler.record_failure()
 
 
 async def streaming_call(

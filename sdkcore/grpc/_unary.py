@@ -19,7 +19,7 @@ from grpc.aio import _base_call
 
 from ._call import _Call
 from ._controller import _Controller
-from ._finished import _ended_ok, _FinishedUnaryCall
+from ._finished import _ended_ok, _FinishedUnaryCall, _Readers
 from ._hedging import hedged_unary_unary
 from ._metadata import _client_trailing
 from ._plans import _Plan
@@ -63,7 +63,7 @@ async def unary_unary_call(
         c.release()
 
 
-class _UnaryCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
+class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
     """A unary-unary call of the direct path: grpc.aio's call until an attempt fails.
 
     ``await call`` (the usual use) awaits grpc.aio's call itself, and when it fails,
@@ -261,44 +261,8 @@ class _UnaryCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
             watcher = self._watcher = asyncio.get_running_loop().create_task(self._settled())
         return watcher
 
-    async def initial_metadata(self) -> Any:
-        out = await self._settled()
-        if out is None:
-            return None
-        call, err = out
-        return err.initial_metadata() if err is not None else await call.initial_metadata()
-
-    async def trailing_metadata(self) -> Any:
-        out = await self._settled()
-        if out is None:
-            return None
-        call, err = out
-        if err is not None:
-            return err.trailing_metadata()
-        return _client_trailing(await call.trailing_metadata(), self._c.state.attempts - 1)
-
-    async def code(self) -> Any:
-        out = await self._settled()
-        if out is None:
-            return _CANCELLED
-        call, err = out
-        return err.code() if err is not None else await call.code()
-
-    async def details(self) -> str:
-        out = await self._settled()
-        if out is None:
-            return "Locally cancelled by application!"
-        call, err = out
-        return str(err.details() if err is not None else await call.details())
-
-    async def debug_error_string(self) -> str | None:
-        out = await self._settled()
-        if out is None:
-            return ""
-        call, err = out
-        if err is not None:
-            return err.debug_error_string()  # type: ignore[no-any-return]
-        return await call.debug_error_string()  # type: ignore[no-any-return]
+    def _trailing(self, call: Any, md: Any) -> Any:
+        return _client_trailing(md, self._c.state.attempts - 1)
 
     async def wait_for_connection(self) -> None:
         try:
