@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._orchestrator import RetryOrchestrator
+from .._untrusted import show as _show
 from ._metadata import (
     DEFAULT_CHANNEL_BUFFER_LIMIT,
     DEFAULT_PER_CALL_BUFFER_LIMIT,
@@ -79,11 +80,11 @@ class _Controller:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(
-                    f"RetryController({name}=...) must be an integer >= 0 bytes, got {value!r}"
+                    f"RetryController({name}=...) must be an integer >= 0 bytes, got {_show(value)}"
                 )
         for name, value in (("enabled", enabled), ("transparent_retries", transparent_retries)):
             if not isinstance(value, bool):
-                raise TypeError(f"RetryController({name}=...) must be a bool, got {value!r}")
+                raise TypeError(f"RetryController({name}=...) must be a bool, got {_show(value)}")
         if not isinstance(backoff_jitter, BackoffJitter):
             raise TypeError(
                 "RetryController(backoff_jitter=...) must be a BackoffJitter (FULL or "

@@ -17,6 +17,7 @@ from .._context import ErrorContext
 from .._errors import RequestCanceledException
 from .._reason import RetryReason
 from .._request import Request
+from .._untrusted import show as _show
 from ..mapping._grpc_status import STATUS_REASONS, GrpcCode
 from ._service_config import DEFAULT_MAX_ATTEMPTS_CAP, RetryPolicy
 from ._status import status_name
@@ -233,7 +234,9 @@ class A6RetryStrategy:
             or not isinstance(max_attempts_cap, int)
             or max_attempts_cap < 1
         ):
-            raise ValueError(f"max_attempts_cap must be an integer >= 1, got {max_attempts_cap!r}")
+            raise ValueError(
+                f"max_attempts_cap must be an integer >= 1, got {_show(max_attempts_cap)}"
+            )
         if not isinstance(jitter, BackoffJitter):
             raise TypeError(f"jitter must be a BackoffJitter, got {jitter!r}")
         if (
@@ -242,7 +245,8 @@ class A6RetryStrategy:
             or transparent_retry_limit < 0
         ):
             raise ValueError(
-                f"transparent_retry_limit must be an integer >= 0, got {transparent_retry_limit!r}"
+                "transparent_retry_limit must be an integer >= 0, got "
+                f"{_show(transparent_retry_limit)}"
             )
         self._policy = policy
         self._throttler = throttler

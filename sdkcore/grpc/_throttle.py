@@ -8,6 +8,8 @@ import weakref
 from collections.abc import Callable
 from decimal import Decimal
 
+from .._untrusted import show as _show
+
 __all__ = ["RetryThrottler", "throttler_for_target"]
 
 
@@ -114,7 +116,7 @@ def _checked(max_tokens: object, token_ratio: object) -> tuple[int, int]:
     ):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(
-                f"RetryThrottler({name}) must be a number {allowed}, got {value!r} "
+                f"RetryThrottler({name}) must be a number {allowed}, got {_show(value)} "
                 f"({type(value).__name__})"
             )
         if isinstance(value, float) and not math.isfinite(value):

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from typing import Any
 
 import anyio
@@ -30,8 +31,11 @@ from sdkcore import (  # noqa: E402
     RetryReason,
 )
 from sdkcore.grpc import (  # noqa: E402
+    HedgingPolicy,
     RetryController,
+    RetryPolicy,
     RetryThrottler,
+    RetryThrottlingPolicy,
     ServiceConfig,
     ServiceConfigError,
     call_context,
@@ -47,6 +51,8 @@ NOT_FOUND = grpc.StatusCode.NOT_FOUND
 LIMIT = 1000
 BIG = b"x" * (2 * LIMIT)
 SMALL_RECEIVE = [("grpc.max_receive_message_length", LIMIT)]
+SECOND = timedelta(seconds=1)
+CODES = frozenset({14})
 
 
 def exhausted_config() -> str:
@@ -331,7 +337,13 @@ async def test_inner_retries_reach_an_outer_requests_failure(server: Server) -> 
 
 
 # -- numbers -------------------------------------------------------------------------
-BAD_NUMBERS = [float("inf"), float("nan"), 10**400, True, -(10**400)]
+BAD_NUMBERS = [
+    float("inf"),
+    float("nan"),
+    pytest.param(10**400, id="10**400"),
+    True,
+    pytest.param(-(10**400), id="-10**400"),
+]
 
 
 @pytest.mark.parametrize("value", BAD_NUMBERS)
@@ -355,7 +367,9 @@ def test_token_ratio_the_throttler_refuses_is_refused_by_the_config_too() -> Non
         ServiceConfig.from_json(cfg)
 
 
-@pytest.mark.parametrize("value", [float("inf"), float("nan"), True, -(10**400), 1.5])
+@pytest.mark.parametrize(
+    "value", [float("inf"), float("nan"), True, pytest.param(-(10**5000), id="-10**5000"), 1.5]
+)
 @pytest.mark.parametrize(
     "field",
     [
@@ -475,3 +489,46 @@ def _always(code: Any) -> Any:
         raise AssertionError("unreachable")
 
     return fn
+
+
+@pytest.mark.parametrize(
+    ("build", "field"),
+    [
+        (lambda v: RetryPolicy(v, SECOND, SECOND, 2.0, CODES), "max_attempts"),
+        (lambda v: RetryPolicy(3, SECOND, SECOND, v, CODES), "backoff_multiplier"),
+        (lambda v: HedgingPolicy(v), "max_attempts"),
+        (lambda v: RetryThrottlingPolicy(v, 0.5), "max_tokens"),
+        (lambda v: RetryThrottlingPolicy(10, v), "token_ratio"),
+    ],
+)
+@pytest.mark.parametrize(
+    "value",
+    [
+        float("inf"),
+        float("nan"),
+        pytest.param(10**5000, id="10**5000"),
+        pytest.param(-(10**5000), id="-10**5000"),
+        True,
+        -1,
+        "3",
+    ],
+)
+def test_policy_values_reject_bad_numbers_naming_the_field(
+    build: Any, field: str, value: Any
+) -> None:
+    with pytest.raises((TypeError, ValueError), match=field) as info:
+        build(value)
+    assert not isinstance(info.value, OverflowError)
+
+
+def test_policy_values_built_by_hand_keep_a_working_repr() -> None:
+    for value in (
+        RetryPolicy(10**400, SECOND, SECOND, 1e300, CODES),
+        HedgingPolicy(2, timedelta(0), frozenset()),
+        RetryThrottlingPolicy(1000, 1_000_000),
+    ):
+        assert type(value).__name__ in repr(value)
+    with pytest.raises(ValueError, match="initial_backoff"):
+        RetryPolicy(3, timedelta(0), SECOND, 2.0, CODES)
+    with pytest.raises(TypeError, match="retryable_status_codes"):
+        RetryPolicy(3, SECOND, SECOND, 2.0, {14})
