@@ -36,35 +36,39 @@ from ._stats import HISTOGRAM_BUCKETS, MethodRetryStats, RetryStats
 from ._throttle import RetryThrottler, throttler_for_target
 
 if TYPE_CHECKING:
+    from ._call import call_context
     from ._channel import insecure_channel, retry_controller, retry_stats, secure_channel
     from ._interceptors import (
-        DEFAULT_CHANNEL_BUFFER_LIMIT,
-        DEFAULT_PER_CALL_BUFFER_LIMIT,
-        PREVIOUS_ATTEMPTS_KEY,
         RetryController,
         RetryStreamStreamInterceptor,
         RetryStreamUnaryInterceptor,
         RetryUnaryStreamInterceptor,
         RetryUnaryUnaryInterceptor,
+    )
+    from ._metadata import (
+        DEFAULT_CHANNEL_BUFFER_LIMIT,
+        DEFAULT_PER_CALL_BUFFER_LIMIT,
+        PREVIOUS_ATTEMPTS_KEY,
         default_message_size,
         previous_rpc_attempts,
     )
 
 _LAZY = {
+    "call_context": "_call",
     "insecure_channel": "_channel",
     "secure_channel": "_channel",
     "retry_controller": "_channel",
     "retry_stats": "_channel",
-    "DEFAULT_CHANNEL_BUFFER_LIMIT": "_interceptors",
-    "DEFAULT_PER_CALL_BUFFER_LIMIT": "_interceptors",
-    "PREVIOUS_ATTEMPTS_KEY": "_interceptors",
+    "DEFAULT_CHANNEL_BUFFER_LIMIT": "_metadata",
+    "DEFAULT_PER_CALL_BUFFER_LIMIT": "_metadata",
+    "PREVIOUS_ATTEMPTS_KEY": "_metadata",
     "RetryController": "_interceptors",
     "RetryStreamStreamInterceptor": "_interceptors",
     "RetryStreamUnaryInterceptor": "_interceptors",
     "RetryUnaryStreamInterceptor": "_interceptors",
     "RetryUnaryUnaryInterceptor": "_interceptors",
-    "default_message_size": "_interceptors",
-    "previous_rpc_attempts": "_interceptors",
+    "default_message_size": "_metadata",
+    "previous_rpc_attempts": "_metadata",
 }
 
 
@@ -115,6 +119,7 @@ __all__ = [
     "ServiceConfigError",
     "ServiceConfigViolation",
     "TransparentKind",
+    "call_context",
     "default_message_size",
     "insecure_channel",
     "parse_duration",

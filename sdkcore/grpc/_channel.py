@@ -8,20 +8,75 @@ from typing import Any
 
 import grpc
 from grpc import aio
+from grpc.aio import _channel as _aio_channel
 
 from .._orchestrator import RetryOrchestrator
+from ._hedged_call import _HedgedMultiCallable
 from ._interceptors import (
     DEFAULT_CHANNEL_BUFFER_LIMIT,
     DEFAULT_PER_CALL_BUFFER_LIMIT,
     RetryController,
+    RetryStreamStreamInterceptor,
+    RetryStreamUnaryInterceptor,
+    RetryUnaryStreamInterceptor,
 )
 from ._policy import BackoffJitter
 from ._service_config import DEFAULT_MAX_ATTEMPTS_CAP, ServiceConfig
 from ._stats import RetryStats
+from ._unary import _UnaryUnaryMultiCallable
 
 __all__ = ["insecure_channel", "retry_controller", "retry_stats", "secure_channel"]
 
 _controllers: weakref.WeakKeyDictionary[Any, RetryController] = weakref.WeakKeyDictionary()
+
+
+class _Channel(_aio_channel.Channel):  # type: ignore[misc]
+    """A grpc.aio channel whose unary-unary calls sdkcore drives directly.
+
+    A retried or hedged unary-unary method gets sdkcore's multi-callable around
+    grpc.aio's own (the application's interceptors run inside, once per attempt); a
+    method with no plan gets
+    grpc.aio's multi-callable unchanged. The streaming shapes go through sdkcore's
+    interceptors, first in the chain. Measured in bench/bench_grpc_cpu.py.
+    """
+
+    def __init__(
+        self,
+        controller: RetryController,
+        target: str,
+        options: Sequence[tuple[str, Any]],
+        credentials: Any,
+        compression: grpc.Compression | None,
+        interceptors: Sequence[aio.ClientInterceptor],
+    ) -> None:
+        chain = [
+            RetryUnaryStreamInterceptor(controller),
+            RetryStreamUnaryInterceptor(controller),
+            RetryStreamStreamInterceptor(controller),
+            *interceptors,
+        ]
+        super().__init__(target, options, credentials, compression, chain)
+        self._sdkcore = controller
+
+    def unary_unary(
+        self,
+        method: str,
+        request_serializer: Any = None,
+        response_deserializer: Any = None,
+        _registered_method: bool | None = False,
+    ) -> Any:
+        inner = super().unary_unary(
+            method, request_serializer, response_deserializer, _registered_method
+        )
+        core = self._sdkcore
+        if core.service_config is not None:
+            hedging = core.hedge_plan(method)
+            if hedging is not None:
+                return _HedgedMultiCallable(core, hedging, inner, method)
+        plan = core.plan(method)
+        if plan is None:
+            return inner
+        return _UnaryUnaryMultiCallable(core, plan, inner, method)
 
 
 def _build(
@@ -37,19 +92,14 @@ def _build(
     controller = RetryController(target, service_config, orchestrator=orchestrator, **retry_options)
     try:
         channel_options = controller.channel_options(options)
-        chain = [*controller.interceptors(), *(interceptors or ())]
-        if credentials is None:
-            channel = aio.insecure_channel(
-                target, options=channel_options, compression=compression, interceptors=chain
-            )
-        else:
-            channel = aio.secure_channel(
-                target,
-                credentials,
-                options=channel_options,
-                compression=compression,
-                interceptors=chain,
-            )
+        channel = _Channel(
+            controller,
+            target,
+            channel_options,
+            None if credentials is None else credentials._credentials,
+            compression,
+            list(interceptors or ()),
+        )
     except BaseException:
         # A rejected option, interceptor or compression: other channels to the target
         # keep the throttler they had.

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-import weakref
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -25,103 +24,21 @@ except ImportError:  # pragma: no cover - depends on grpcio internals
 
 from .._context import AttemptEffect
 from .._errors import RequestCanceledException, RetryableError, TimeoutException
-from .._hedge import HedgePolicy, run_hedged
+from .._hedge import run_hedged
 from .._hooks import INSTANT_DELAYS
 from .._request import Request
-from ._interceptors import (
-    PREVIOUS_ATTEMPTS_KEY,
-    RetryController,
-    _client_trailing,
-    _FinishedUnaryCall,
-    _with_attempts,
-)
-from ._policy import PUSHBACK_DONT_RETRY, PUSHBACK_KEY, parse_pushback, status_reason
+from ._call import _Since, answered
+from ._controller import _Controller
+from ._finished import _FinishedUnaryCall
+from ._metadata import _client_trailing, _strip_attempts, _with_attempts
+from ._plans import HedgePlan, _pushback_ms
+from ._policy import PUSHBACK_DONT_RETRY, status_reason
 from ._status import status_name
-from ._throttle import RetryThrottler
 
-__all__ = ["HedgePlan", "hedge_plan", "hedged_unary_unary"]
+__all__ = ["HedgePlan", "hedged_unary_unary"]
 
 _OK = grpc.StatusCode.OK
 _PENDING: Any = object()  # committed on headers, the response is still to come
-
-
-class HedgePlan:
-    """What a method with a ``hedgingPolicy`` gets: the core policy and the call settings."""
-
-    __slots__ = ("non_fatal", "policy", "throttler", "timeout", "wait_for_ready")
-
-    def __init__(self, core: RetryController, method_config: Any) -> None:
-        hp = method_config.hedging_policy
-        self.non_fatal: frozenset[int] = hp.non_fatal_status_codes
-        self.policy = HedgePolicy(
-            hp.max_attempts,
-            delay=hp.hedging_delay,
-            pushback=_pushback_seconds,
-            max_attempts_cap=core._strategy_args["max_attempts_cap"],
-        )
-        self.throttler = None if core.throttler is None else _Gate(core.throttler)
-        timeout = method_config.timeout
-        self.timeout = None if timeout is None else timeout.total_seconds()
-        self.wait_for_ready = method_config.wait_for_ready
-
-
-class _Gate:
-    """The channel's throttler for the runner: gating and non-fatal failures only.
-
-    A success is recorded once the committed hedge ends OK (a hedge commits on its
-    headers, before its status is known).
-    """
-
-    __slots__ = ("_t",)
-
-    def __init__(self, throttler: RetryThrottler) -> None:
-        self._t = throttler
-
-    def allows_retry(self) -> bool:
-        return self._t.allows_retry()
-
-    def record_failure(self) -> bool:
-        return self._t.record_failure()
-
-    def record_success(self) -> None:
-        return None
-
-
-def _pushback_ms(err: Any) -> int | None:
-    trailing = err.trailing_metadata()
-    return parse_pushback(trailing.get_all(PUSHBACK_KEY)) if trailing else None
-
-
-def _pushback_seconds(failure: RetryableError) -> float | None:
-    err = failure.__cause__
-    if err is None:
-        return None
-    ms = _pushback_ms(err)
-    if ms is None:
-        return None
-    return -1.0 if ms == PUSHBACK_DONT_RETRY else ms / 1000.0
-
-
-_plans: weakref.WeakKeyDictionary[RetryController, dict[Any, HedgePlan | None]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def hedge_plan(core: RetryController, method: Any) -> HedgePlan | None:
-    """The hedging plan of ``method`` (bytes or str), or None when it is not hedged."""
-    plans = _plans.get(core)
-    if plans is None:
-        plans = _plans.setdefault(core, {})
-    try:
-        return plans[method]
-    except KeyError:
-        pass
-    name = method.decode() if isinstance(method, bytes) else str(method)
-    config = core.service_config
-    mc = None if config is None or not core.enabled else config.method_config(name)
-    plan = None if mc is None or mc.hedging_policy is None else HedgePlan(core, mc)
-    plans[method] = plan
-    return plan
 
 
 def _error(err: Any, previous: int) -> Any:
@@ -140,11 +57,16 @@ def _error(err: Any, previous: int) -> Any:
 
 
 async def hedged_unary_unary(
-    core: RetryController,
+    core: _Controller,
     plan: HedgePlan,
     continuation: Callable[..., Any],
     details: Any,
     message: Any,
+    *,
+    first: Any = None,
+    started: float | None = None,
+    sent_at: float | None = None,
+    open_streamed: Callable[[Any], Any] | None = None,
 ) -> Any:
     """Run one unary-unary call as A6 hedges; return the committed call or raise its error.
 
@@ -152,31 +74,37 @@ async def hedged_unary_unary(
     waits for it up to the hedging delay without starting any task. Only when the
     delay passes (or it fails with a non-fatal status) does the generic runner take
     over, with that attempt as hedge 0 and header-aware hedges after it.
+
+    The direct path (``_hedged_call``) sends hedge 0 and waits for it itself: it
+    passes ``first`` (that call), ``started`` (time.monotonic() when it was made),
+    ``sent_at`` (the loop time it was sent) and ``open_streamed`` (how to open hedges
+    as unary-stream RPCs, or None).
     """
     method = details.method
     name: str = method.decode() if isinstance(method, bytes) else str(method)
     timeout = details.timeout
     if plan.timeout is not None and (timeout is None or plan.timeout < timeout):
         timeout = plan.timeout
-    request = Request(
-        name=name, idempotent=True, timeout=None if timeout is None else max(timeout, 1e-6)
-    )
+    if timeout is not None:
+        timeout = max(timeout, 1e-6)
+    if started is None:
+        started = time.monotonic()
     wait_for_ready = (
         details.wait_for_ready if details.wait_for_ready is not None else plan.wait_for_ready
     )
-    base_md = details.metadata
-    if base_md and any(k == PREVIOUS_ATTEMPTS_KEY for k, _ in base_md):
-        base_md = aio.Metadata(*[(k, v) for k, v in base_md if k != PREVIOUS_ATTEMPTS_KEY])
+    base_md = _strip_attempts(details.metadata)
     stats = core.stats
     throttler = core.throttler
     non_fatal = plan.non_fatal
     last = [0]  # index of the last hedge whose failure arrived
+    flight = [0, 0]  # hedges sent, hedges that ended (not cancelled)
+    last_status = [""]  # the status of the last hedge that failed
 
     def attempt_details(index: int) -> Any:
-        left = request.time_left
+        left = None if timeout is None else max(0.0, started + timeout - time.monotonic())
         return aio.ClientCallDetails(
             method,
-            None if left is None else left.total_seconds(),
+            left,
             base_md if index == 0 else _with_attempts(base_md, index),
             details.credentials,
             wait_for_ready,
@@ -188,6 +116,7 @@ async def hedged_unary_unary(
             stats.record_failed_retry(name)
         last[0] = index
         code = err.code().value[0]
+        last_status[0] = status_name(code)
         if code in non_fatal:
             # The server answered: whatever the status, it may have applied the call.
             failure = RetryableError(
@@ -213,11 +142,14 @@ async def hedged_unary_unary(
 
     # -- hedge 0: a plain unary call, awaited up to the hedging delay -------------------
     loop = asyncio.get_running_loop()
-    sent_at = loop.time()
-    first = await continuation(attempt_details(0), message)
+    direct = first is not None
+    if first is None:
+        sent_at = loop.time()
+        first = await continuation(attempt_details(0), message)
+    assert sent_at is not None
     adopted: Any = first
     try:
-        if not first.done():
+        if not first.done() and not direct:
             woken = loop.create_future()
 
             def wake(_: Any = None) -> None:
@@ -238,7 +170,7 @@ async def hedged_unary_unary(
             try:
                 response = await first
             except aio.AioRpcError as err:
-                if err.initial_metadata():  # headers, then a status: final
+                if err.initial_metadata() or answered(err):  # headers, then a status: final
                     raise committed_failure(err, 0) from None
                 adopted = failed(err, 0)
                 if adopted is err:  # a fatal status
@@ -255,9 +187,20 @@ async def hedged_unary_unary(
         raise
 
     # -- the delay passed (or hedge 0 failed with a non-fatal status): hedge -------------
-    open_streamed = _streamed_opener(continuation, message)
+    if not direct:
+        open_streamed = _streamed_opener(continuation, message)
 
     async def send(request: Request, index: int) -> tuple[int, Any, Any]:
+        flight[0] += 1
+        try:
+            out = await send_hedge(index)
+        except (aio.AioRpcError, RetryableError):
+            flight[1] += 1
+            raise
+        flight[1] += 1
+        return out
+
+    async def send_hedge(index: int) -> tuple[int, Any, Any]:
         if index == 0:  # the attempt sent above
             if isinstance(adopted, RetryableError):
                 raise adopted
@@ -279,7 +222,7 @@ async def hedged_unary_unary(
                 response = await call
             return index, call, response
         except aio.AioRpcError as err:
-            if err.initial_metadata():
+            if err.initial_metadata() or answered(err):
                 return index, call, _PENDING  # headers, then a status: this hedge is final
             failure = failed(err, index)
             if failure is err:  # a fatal status
@@ -289,6 +232,8 @@ async def hedged_unary_unary(
             call.cancel()
             raise
 
+    # The runner's Request, dated back to the call's start: one deadline for every hedge.
+    request = Request(name=name, idempotent=True, timeout=timeout, clock=_Since(started))
     winner: Any = None
     try:
         index, winner, response = await run_hedged(
@@ -303,12 +248,20 @@ async def hedged_unary_unary(
         raise _error(err, last[0]) from None
     except TimeoutException as exc:
         previous = request.retry_attempts
+        in_flight = flight[0] - flight[1]
+        if in_flight > 0:
+            why = f"deadline reached with {in_flight} hedge(s) in flight"
+        else:  # every hedge sent had failed: the call was waiting to send the next one
+            why = (
+                f"deadline reached with no hedge in flight: {flight[1]} hedge(s) failed "
+                f"(last: {last_status[0] or 'unknown'}) and the next one was not sent yet"
+            )
         raise aio.AioRpcError(
             grpc.StatusCode.DEADLINE_EXCEEDED,
             aio.Metadata(),
             _with_attempts(aio.Metadata(), previous) if previous else aio.Metadata(),
             "Deadline Exceeded",
-            f"deadline reached with {previous + 1} hedge(s) in flight",
+            why,
         ) from exc
     except RequestCanceledException as exc:
         cause = exc.__cause__
@@ -394,6 +347,41 @@ def _streamed_opener(continuation: Any, message: Any) -> Callable[[Any], Any] | 
             d.wait_for_ready,
             channel,
             d.method,
+            serializer,
+            deserializer,
+            loop,
+        )
+
+    return open_call
+
+
+def direct_opener(inner: Any, message: Any, compression: Any) -> Callable[[Any], Any] | None:
+    """:func:`_streamed_opener` for the direct path: from grpc.aio's multi-callable ``inner``.
+
+    Only when the channel has no unary-unary interceptor of the application's (a
+    hedge opened as a unary-stream RPC would skip it); otherwise None.
+    """
+    if _UnaryStreamCall is None or getattr(inner, "_interceptors", True):
+        return None
+    try:
+        channel = inner._channel
+        method = inner._method
+        serializer = inner._request_serializer
+        deserializer = inner._response_deserializer
+        loop = inner._loop
+        init_metadata = inner._init_metadata
+    except AttributeError:  # pragma: no cover - depends on grpcio internals
+        return None
+
+    def open_call(d: Any) -> Any:
+        return _UnaryStreamCall(
+            message,
+            None if d.timeout is None else time.time() + d.timeout,
+            init_metadata(d.metadata, compression),
+            d.credentials,
+            d.wait_for_ready,
+            channel,
+            method,
             serializer,
             deserializer,
             loop,

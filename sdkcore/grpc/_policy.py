@@ -17,6 +17,7 @@ from .._context import ErrorContext
 from .._errors import RequestCanceledException
 from .._reason import RetryReason
 from .._request import Request
+from .._untrusted import show as _show
 from ..mapping._grpc_status import STATUS_REASONS, GrpcCode
 from ._service_config import DEFAULT_MAX_ATTEMPTS_CAP, RetryPolicy
 from ._status import status_name
@@ -131,6 +132,7 @@ class CallState:
         "attempts",
         "backoff_n",
         "code",
+        "commit_why",
         "committed",
         "details",
         "pushback",
@@ -153,6 +155,8 @@ class CallState:
         #: True once response headers or a message reached the application, or the
         #: replay buffer overflowed: no more retries of any kind.
         self.committed = False
+        #: Why the call committed, when not for response headers or messages.
+        self.commit_why = ""
         #: The transparent-retry case of the last failure, if any.
         self.transparent: TransparentKind | None = None
         self.transparent_retries = 0
@@ -230,7 +234,9 @@ class A6RetryStrategy:
             or not isinstance(max_attempts_cap, int)
             or max_attempts_cap < 1
         ):
-            raise ValueError(f"max_attempts_cap must be an integer >= 1, got {max_attempts_cap!r}")
+            raise ValueError(
+                f"max_attempts_cap must be an integer >= 1, got {_show(max_attempts_cap)}"
+            )
         if not isinstance(jitter, BackoffJitter):
             raise TypeError(f"jitter must be a BackoffJitter, got {jitter!r}")
         if (
@@ -239,7 +245,8 @@ class A6RetryStrategy:
             or transparent_retry_limit < 0
         ):
             raise ValueError(
-                f"transparent_retry_limit must be an integer >= 0, got {transparent_retry_limit!r}"
+                "transparent_retry_limit must be an integer >= 0, got "
+                f"{_show(transparent_retry_limit)}"
             )
         self._policy = policy
         self._throttler = throttler
@@ -309,7 +316,8 @@ class A6RetryStrategy:
                 "retries are throttled (retryThrottling tokens at or below half)", state
             )
         if state.committed:
-            return _refusal("the call is committed (response headers or messages received)", state)
+            why = state.commit_why or "response headers or messages received"
+            return _refusal(f"the call is committed ({why})", state)
         if state.attempts >= self._max_attempts:
             return _refusal(f"all {self._max_attempts} attempts (maxAttempts) used", state)
         if pushback is not None:

@@ -64,6 +64,79 @@ class ServiceConfigError(ValueError):
         )
 
 
+# -- checks of the value classes (a config built by hand gets the parser's rules) ------
+def _where(inst: Any, attribute: Any) -> str:
+    return f"{type(inst).__name__}({attribute.name})"
+
+
+def _shown(value: Any) -> str:
+    """A bounded repr (see ``sdkcore._untrusted.show``)."""
+    return _show(value)
+
+
+def _attempts(inst: Any, attribute: Any, value: Any) -> None:
+    if not _is_int(value):
+        raise TypeError(f"{_where(inst, attribute)} must be an int >= 2, got {_shown(value)}")
+    if value < 2:
+        raise ValueError(f"{_where(inst, attribute)} must be an int >= 2, got {_shown(value)}")
+    if value.bit_length() > 10_000:  # its repr would exceed CPython's int digit limit
+        raise ValueError(f"{_where(inst, attribute)} must be an int >= 2, got one too large")
+
+
+def _finite_positive(inst: Any, attribute: Any, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{_where(inst, attribute)} must be a finite number > 0, got {_shown(value)}"
+        )
+    if not _is_number(value) or value <= 0:
+        raise ValueError(
+            f"{_where(inst, attribute)} must be a finite number > 0, got {_shown(value)}"
+        )
+
+
+def _duration(*, positive: bool) -> Any:
+    def check(inst: Any, attribute: Any, value: Any) -> None:
+        allowed = "> 0" if positive else ">= 0"
+        if not isinstance(value, timedelta):
+            raise TypeError(
+                f"{_where(inst, attribute)} must be a datetime.timedelta {allowed}, "
+                f"got {_shown(value)}"
+            )
+        if value < timedelta(0) or (positive and value == timedelta(0)):
+            raise ValueError(f"{_where(inst, attribute)} must be {allowed}, got {_shown(value)}")
+
+    return check
+
+
+def _codes(inst: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, frozenset) or not all(_is_int(c) and 0 <= c <= 16 for c in value):
+        raise TypeError(
+            f"{_where(inst, attribute)} must be a frozenset of status numbers 0-16, "
+            f"got {_shown(value)}"
+        )
+
+
+def _max_tokens(inst: Any, attribute: Any, value: Any) -> None:
+    if not _is_int(value):
+        raise TypeError(
+            f"{_where(inst, attribute)} must be an int in (0, {_MAX_TOKENS_LIMIT}], "
+            f"got {_shown(value)}"
+        )
+    if not 0 < value <= _MAX_TOKENS_LIMIT:
+        raise ValueError(
+            f"{_where(inst, attribute)} must be an int in (0, {_MAX_TOKENS_LIMIT}], "
+            f"got {_shown(value)}"
+        )
+
+
+def _token_ratio(inst: Any, attribute: Any, value: Any) -> None:
+    _finite_positive(inst, attribute, value)
+    if value > 1_000_000 or value < 0.001:
+        raise ValueError(
+            f"{_where(inst, attribute)} must be in [0.001, 1000000], got {_shown(value)}"
+        )
+
+
 @attrs.frozen(slots=True)
 class MethodName:
     """A ``methodConfig[].name[]`` entry: empty service means "every method" (the default)."""
@@ -80,11 +153,11 @@ class RetryPolicy:
     next whole microsecond (``"0.0000004s"`` is 1 µs), so a duration > 0 stays > 0.
     """
 
-    max_attempts: int
-    initial_backoff: timedelta
-    max_backoff: timedelta
-    backoff_multiplier: float
-    retryable_status_codes: frozenset[int]
+    max_attempts: int = attrs.field(validator=_attempts)
+    initial_backoff: timedelta = attrs.field(validator=_duration(positive=True))
+    max_backoff: timedelta = attrs.field(validator=_duration(positive=True))
+    backoff_multiplier: float = attrs.field(validator=_finite_positive)
+    retryable_status_codes: frozenset[int] = attrs.field(validator=_codes)
 
     def effective_max_attempts(self, cap: int = DEFAULT_MAX_ATTEMPTS_CAP) -> int:
         """``min(max_attempts, cap)``: values above the client cap are treated as the cap."""
@@ -95,9 +168,11 @@ class RetryPolicy:
 class HedgingPolicy:
     """A6 ``hedgingPolicy`` (parsed and validated; executing it is a separate feature)."""
 
-    max_attempts: int
-    hedging_delay: timedelta = timedelta(0)
-    non_fatal_status_codes: frozenset[int] = frozenset()
+    max_attempts: int = attrs.field(validator=_attempts)
+    hedging_delay: timedelta = attrs.field(
+        default=timedelta(0), validator=_duration(positive=False)
+    )
+    non_fatal_status_codes: frozenset[int] = attrs.field(default=frozenset(), validator=_codes)
 
     def effective_max_attempts(self, cap: int = DEFAULT_MAX_ATTEMPTS_CAP) -> int:
         return min(self.max_attempts, cap)
@@ -107,8 +182,8 @@ class HedgingPolicy:
 class RetryThrottlingPolicy:
     """A6 ``retryThrottling``; ``token_ratio`` is already truncated to 3 decimals."""
 
-    max_tokens: int
-    token_ratio: float
+    max_tokens: int = attrs.field(validator=_max_tokens)
+    token_ratio: float = attrs.field(validator=_token_ratio)
 
 
 @attrs.frozen(slots=True)
@@ -436,6 +511,8 @@ class _Parser:
             milli = _milli(v) if _is_number(v) else None
             if milli is None or v <= 0:
                 self.err(f"{path}.tokenRatio", f"must be a finite number > 0, got {_show(v)}")
+            elif v > 1_000_000:  # RetryThrottler's bound: a success refills any bucket
+                self.err(f"{path}.tokenRatio", f"must be at most 1000000, got {_show(v)}")
             elif milli == 0:
                 self.err(
                     f"{path}.tokenRatio",

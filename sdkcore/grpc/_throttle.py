@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Callable
 from decimal import Decimal
+
+from .._untrusted import show as _show
 
 __all__ = ["RetryThrottler", "throttler_for_target"]
 
@@ -30,19 +33,11 @@ class RetryThrottler:
     def __init__(
         self, max_tokens: int | float, token_ratio: float, *, replaces: RetryThrottler | None = None
     ) -> None:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, float)):
-            raise TypeError(f"RetryThrottler(max_tokens) must be a number, got {max_tokens!r}")
-        if isinstance(token_ratio, bool) or not isinstance(token_ratio, (int, float)):
-            raise TypeError(f"RetryThrottler(token_ratio) must be a number, got {token_ratio!r}")
-        max_milli = _to_milli(max_tokens)
-        ratio_milli = _to_milli(token_ratio)
-        if not 0 < max_milli <= 1_000_000:
-            raise ValueError(f"RetryThrottler(max_tokens) must be in (0, 1000], got {max_tokens!r}")
-        if ratio_milli <= 0:
-            raise ValueError(
-                "RetryThrottler(token_ratio) must be >= 0.001 (3 decimals are used), "
-                f"got {token_ratio!r}"
+        if replaces is not None and not isinstance(replaces, RetryThrottler):
+            raise TypeError(
+                f"RetryThrottler(replaces=...) must be a RetryThrottler or None, got {replaces!r}"
             )
+        max_milli, ratio_milli = _checked(max_tokens, token_ratio)
         self._lock = threading.Lock()
         self._max = max_milli
         self._ratio = ratio_milli
@@ -108,6 +103,40 @@ class RetryThrottler:
         )
 
 
+#: The largest token_ratio: a success then refills any bucket (max_tokens <= 1000).
+_MAX_RATIO = 10**6
+
+
+def _checked(max_tokens: object, token_ratio: object) -> tuple[int, int]:
+    """(max_tokens, token_ratio) in thousandths, or TypeError / ValueError naming the field."""
+    out = []
+    for name, value, allowed in (
+        ("max_tokens", max_tokens, "in (0, 1000]"),
+        ("token_ratio", token_ratio, f"in [0.001, {_MAX_RATIO}] (3 decimals are used)"),
+    ):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(
+                f"RetryThrottler({name}) must be a number {allowed}, got {_show(value)} "
+                f"({type(value).__name__})"
+            )
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(
+                f"RetryThrottler({name}) must be a finite number {allowed}, got {value!r}"
+            )
+        if not -_MAX_RATIO <= value <= _MAX_RATIO:
+            raise ValueError(f"RetryThrottler({name}) must be {allowed}, got a number too large")
+        out.append(_to_milli(value))
+    max_milli, ratio_milli = out
+    if not 0 < max_milli <= 1_000_000:
+        raise ValueError(f"RetryThrottler(max_tokens) must be in (0, 1000], got {max_tokens!r}")
+    if ratio_milli <= 0:
+        raise ValueError(
+            "RetryThrottler(token_ratio) must be >= 0.001 (3 decimals are used), "
+            f"got {token_ratio!r}"
+        )
+    return max_milli, ratio_milli
+
+
 def _to_milli(value: float) -> int:
     """Thousandths, truncated, decided on the number's decimal text (0.5466 -> 546)."""
     return int(Decimal(repr(value)) * 1000)
@@ -137,14 +166,13 @@ def _acquire(
     The undo puts back the bucket the new one replaced (or forgets the target);
     it does nothing when the bucket was shared or has been replaced since.
     """
+    if not isinstance(target, str):
+        raise TypeError(f"throttler_for_target(target) must be a str, got {target!r}")
+    max_milli, ratio_milli = _checked(max_tokens, token_ratio)
     with _registry_lock:
         old = _registry.get(target)
         cur = None if old is None else old._current()
-        if (
-            cur is not None
-            and cur._max == _to_milli(max_tokens)
-            and cur._ratio == _to_milli(token_ratio)
-        ):
+        if cur is not None and cur._max == max_milli and cur._ratio == ratio_milli:
             return cur, _nothing
         # Built before anything is changed: a bad max_tokens / token_ratio raises here.
         new = RetryThrottler(max_tokens, token_ratio, replaces=cur)

@@ -33,7 +33,7 @@ from sdkcore.grpc import (  # noqa: E402
     BackoffJitter,
     MethodRetryStats,
     RetryStats,
-    _interceptors,
+    _call,
     insecure_channel,
     parse_pushback,
     previous_rpc_attempts,
@@ -394,7 +394,7 @@ class _Recording(Request):
 async def test_non_retryable_status_fails_without_a_retry_decision(
     server: Server, monkeypatch: pytest.MonkeyPatch, has_policy: bool
 ) -> None:
-    monkeypatch.setattr(_interceptors, "Request", _Recording)
+    monkeypatch.setattr(_call, "Request", _Recording)
     _Recording.made = []
     method = server.unary_unary("M", fail_then_ok(99, grpc.StatusCode.NOT_FOUND))
     cfg = retry_config() if has_policy else retry_config().replace("test.Svc", "other.Svc")
@@ -413,7 +413,7 @@ async def test_non_retryable_status_fails_without_a_retry_decision(
 async def test_non_retryable_status_on_a_streaming_call(
     server: Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_interceptors, "Request", _Recording)
+    monkeypatch.setattr(_call, "Request", _Recording)
     _Recording.made = []
 
     async def fn(request: bytes, context: Any, attempt: int) -> Any:
@@ -479,7 +479,7 @@ def _chain(exc: BaseException | None) -> list[BaseException]:
 async def test_refused_retry_is_caused_by_the_attempts_grpc_error(
     server: Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_interceptors, "Request", _Recording)
+    monkeypatch.setattr(_call, "Request", _Recording)
     _Recording.made = []
     method = server.unary_unary("M", fail_then_ok(99))
     with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
@@ -521,7 +521,7 @@ async def test_server_unavailable_makes_a_timeout_ambiguous(server: Server) -> N
 async def test_never_sent_attempts_make_a_timeout_unambiguous(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_interceptors, "Request", _Recording)
+    monkeypatch.setattr(_call, "Request", _Recording)
     _Recording.made = []
     with ReservedPort() as port, anyio.fail_after(TEST_TIMEOUT):
         async with insecure_channel(port.target, service_config=retry_config()) as ch:
@@ -544,7 +544,7 @@ async def _drain_into(call: Any, got: list[bytes]) -> None:
 async def test_committed_stream_that_fails_completes_its_request_as_failed(
     server: Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_interceptors, "Request", _Recording)
+    monkeypatch.setattr(_call, "Request", _Recording)
     _Recording.made = []
 
     async def fn(request: bytes, context: Any, attempt: int) -> Any:

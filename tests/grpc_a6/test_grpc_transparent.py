@@ -301,7 +301,7 @@ def status(code: Any) -> Any:
 async def test_a_retry_resent_transparently_fails_once() -> None:
     """Retry 1 first finds no connection (transparent re-send), then fails with a status:
     one retry attempt, one failed retry attempt, one transparent retry."""
-    from sdkcore.grpc._interceptors import _Call
+    from sdkcore.grpc._call import _Call
 
     cfg = retry_config(max_attempts=2, initial="0.001s", maximum="0.001s")
     controller = RetryController("resent-retry.invalid:1", cfg)
@@ -310,7 +310,7 @@ async def test_a_retry_resent_transparently_fails_once() -> None:
     method = "/test.Svc/M"
     plan = controller.plan(method)
     assert plan is not None
-    c = _Call(controller, plan, aio.ClientCallDetails(method, None, None, None, None))
+    c = _Call.from_details(controller, plan, aio.ClientCallDetails(method, None, None, None, None))
     with anyio.fail_after(TEST_TIMEOUT):
         c.next_details()  # attempt 1, connected
         await c.failed(status(grpc.StatusCode.ABORTED))
@@ -334,7 +334,7 @@ async def test_a_retry_resent_transparently_fails_once() -> None:
 async def test_server_status_on_a_connected_attempt_is_never_transparent() -> None:
     """UNAVAILABLE with nothing received, channel failing now, but it was READY when the
     attempt started (the request may have reached the server): an ordinary status."""
-    from sdkcore.grpc._interceptors import _Call
+    from sdkcore.grpc._call import _Call
 
     cfg = retry_config(max_attempts=2, initial="0.001s", maximum="0.001s")
     controller = RetryController("connected-attempt.invalid:1", cfg)
@@ -342,7 +342,9 @@ async def test_server_status_on_a_connected_attempt_is_never_transparent() -> No
     controller.bind_channel(channel)
     plan = controller.plan("/test.Svc/M")
     assert plan is not None
-    c = _Call(controller, plan, aio.ClientCallDetails("/test.Svc/M", None, None, None, None))
+    c = _Call.from_details(
+        controller, plan, aio.ClientCallDetails("/test.Svc/M", None, None, None, None)
+    )
     with anyio.fail_after(TEST_TIMEOUT):
         c.next_details()
         channel.state = grpc.ChannelConnectivity.TRANSIENT_FAILURE

@@ -1,0 +1,250 @@
+"""Client CPU per OK unary call: sdkcore's gRPC channels against plain grpc.aio.
+
+The server runs in a subprocess; client and server are pinned to separate cores
+(``os.sched_setaffinity``) where the box has two. Every variant runs in the same
+process, interleaved round by round in a shuffled order; each figure is the median
+over the rounds of the client's CPU time (``time.process_time``: every thread of
+the client process, grpc's own included) per successful call. A ratio is taken per
+round against its reference in the same round, then the median is printed.
+
+Variants (all on one loopback server):
+
+* ``plain``: ``grpc.aio.insecure_channel``, no service config (the reference);
+* ``no policy``: ``sdkcore.grpc.insecure_channel`` without a service config
+  (transparent retries only);
+* ``retryPolicy`` / ``hedgingPolicy``: the method has that policy, every call is OK
+  (the hedging delay is 1 s, so no hedge is ever sent);
+* ``retried (grpcio)``: grpcio's built-in retries (``grpc.enable_retries`` with the
+  same service config), each call's first attempt fails with UNAVAILABLE and its
+  retry succeeds (the reference of ``retried (sdkcore)``);
+* ``retried (sdkcore)``: the same on an sdkcore channel;
+* ``retried (hand loop)``: the same on a plain grpc.aio channel, retried by a
+  hand-written loop (catch, sleep 10 ms, call again): the floor of any retry made
+  from Python, for reference.
+
+    uv run python bench/bench_grpc_cpu.py [--calls 2000] [--rounds 9] [--concurrency 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+import grpc
+import structlog
+from grpc import aio
+
+ECHO = "/bench.Svc/Echo"
+FAIL_ONCE = "/bench.Svc/FailOnce"
+HEDGED = "/bench.Hedged/Echo"
+
+
+def _policy(service: str, kind: str) -> dict[str, Any]:
+    mc: dict[str, Any] = {"name": [{"service": service}]}
+    if kind == "retry":
+        mc["retryPolicy"] = {
+            "maxAttempts": 2,
+            "initialBackoff": "0.01s",
+            "maxBackoff": "0.01s",
+            "backoffMultiplier": 1,
+            "retryableStatusCodes": ["UNAVAILABLE"],
+        }
+    else:
+        mc["hedgingPolicy"] = {"maxAttempts": 2, "hedgingDelay": "1s"}
+    return mc
+
+
+CONFIG = json.dumps(
+    {"methodConfig": [_policy("bench.Svc", "retry"), _policy("bench.Hedged", "hedge")]}
+)
+#: grpcio's own retries get the retryPolicy only (grpc C-core does not hedge).
+NATIVE_CONFIG = json.dumps({"methodConfig": [_policy("bench.Svc", "retry")]})
+
+
+# -- the server (a subprocess) -------------------------------------------------------
+async def serve() -> None:
+    seen: set[bytes] = set()
+
+    async def echo(request: bytes, context: Any) -> bytes:
+        return request
+
+    async def fail_once(request: bytes, context: Any) -> bytes:
+        if request not in seen:
+            seen.add(request)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "first attempt fails")
+        seen.discard(request)
+        return b"ok"
+
+    class Handler(grpc.GenericRpcHandler):  # type: ignore[misc]
+        def service(self, details: Any) -> Any:
+            if details.method in (ECHO, HEDGED):
+                return grpc.unary_unary_rpc_method_handler(echo)
+            if details.method == FAIL_ONCE:
+                return grpc.unary_unary_rpc_method_handler(fail_once)
+            return None
+
+    server = aio.server()
+    server.add_generic_rpc_handlers((Handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until closed
+    await server.stop(None)
+
+
+def start_server(core: int | None) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--serve", "" if core is None else str(core)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline())
+
+
+# -- the client ------------------------------------------------------------------------
+async def run_calls(fn: Callable[[bytes], Any], calls: int, concurrency: int, tag: int) -> None:
+    per_worker = calls // concurrency
+
+    async def worker(w: int) -> None:
+        for i in range(per_worker):
+            await fn(b"%d:%d:%d" % (tag, w, i))
+
+    await asyncio.gather(*(worker(w) for w in range(concurrency)))
+
+
+async def measure(fn: Callable[[bytes], Any], calls: int, concurrency: int, tag: int) -> float:
+    """Client CPU seconds per call."""
+    t0 = time.process_time()
+    await run_calls(fn, calls, concurrency, tag)
+    return (time.process_time() - t0) / (calls // concurrency * concurrency)
+
+
+async def client(port: int, calls: int, rounds: int, concurrency: int) -> dict[str, Any]:
+    from sdkcore.grpc import insecure_channel
+
+    target = f"127.0.0.1:{port}"
+    plain = aio.insecure_channel(target)
+    native = aio.insecure_channel(
+        target, options=[("grpc.enable_retries", 1), ("grpc.service_config", NATIVE_CONFIG)]
+    )
+    bare = insecure_channel(target)
+    ours = insecure_channel(target, service_config=CONFIG)
+    plain_fail = plain.unary_unary(FAIL_ONCE)
+
+    async def hand_loop(request: bytes) -> Any:
+        try:
+            return await plain_fail(request)
+        except aio.AioRpcError as err:
+            if err.code() is not grpc.StatusCode.UNAVAILABLE:
+                raise
+        await asyncio.sleep(0.01)
+        return await plain_fail(request)
+
+    variants: dict[str, Callable[[bytes], Any]] = {
+        "plain": plain.unary_unary(ECHO),
+        "no policy": bare.unary_unary(ECHO),
+        "retryPolicy": ours.unary_unary(ECHO),
+        "hedgingPolicy": ours.unary_unary(HEDGED),
+        "retried (grpcio)": native.unary_unary(FAIL_ONCE),
+        "retried (sdkcore)": ours.unary_unary(FAIL_ONCE),
+        "retried (hand loop)": hand_loop,
+    }
+    reference = {
+        "no policy": "plain",
+        "retryPolicy": "plain",
+        "hedgingPolicy": "plain",
+        "retried (sdkcore)": "retried (grpcio)",
+        "retried (hand loop)": "retried (grpcio)",
+    }
+    for fn in variants.values():  # warm up every path
+        await run_calls(fn, max(calls // 10, concurrency), concurrency, -1)
+    per_call: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(rounds):
+        order = list(variants)
+        random.shuffle(order)
+        for name in order:
+            per_call[name].append(await measure(variants[name], calls, concurrency, r))
+    for ch in (plain, native, bare, ours):
+        await ch.close()
+    ratios = {
+        name: statistics.median(a / b for a, b in zip(per_call[name], per_call[ref], strict=True))
+        for name, ref in reference.items()
+    }
+    return {
+        "us_per_call": {k: statistics.median(v) * 1e6 for k, v in per_call.items()},
+        "ratios": ratios,
+        "reference": reference,
+    }
+
+
+TARGETS = {
+    "no policy": 1.05,
+    "retryPolicy": 1.12,
+    "hedgingPolicy": 1.12,
+    "retried (sdkcore)": 1.25,
+}
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve":
+        if len(sys.argv) > 2 and sys.argv[2]:
+            os.sched_setaffinity(0, {int(sys.argv[2])})
+        asyncio.run(serve())
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=2000, help="calls per variant per round")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--concurrency", type=int, default=8)
+    args = parser.parse_args()
+    # An application decides what is logged; per-retry debug events are off here.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    pinned = len(cores) >= 2
+    proc, port = start_server(cores[1] if pinned else None)
+    try:
+        if pinned:
+            os.sched_setaffinity(0, {cores[0]})
+        out = asyncio.run(client(port, args.calls, args.rounds, args.concurrency))
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(timeout=30)
+    where = (
+        f"pinned: client core {cores[0]}, server core {cores[1]}"
+        if pinned
+        else "not pinned (fewer than 2 cores)"
+    )
+    print(
+        f"client CPU per OK call, {args.calls} calls x {args.rounds} rounds, "
+        f"concurrency {args.concurrency}, {where}"
+    )
+    for name, us in out["us_per_call"].items():
+        line = f"  {name:<18} {us:8.1f} us"
+        if name in out["ratios"]:
+            ratio = out["ratios"][name]
+            line += f"   {ratio:.3f}x {out['reference'][name]}"
+            target = TARGETS.get(name)
+            if target is not None:
+                verdict = "meets" if ratio <= target else "MISSES"
+                line += f"  (target <= {target:.2f}x: {verdict})"
+            else:
+                line += "  (reference only)"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,396 @@
+"""One application call on a retried method: its state, and the decision on a failed attempt.
+
+Every call shape (unary, streaming, interceptor or direct) keeps one :class:`_Call`.
+It is cheap until an attempt fails: the :class:`sdkcore.Request` the orchestrator
+decides on is only built then (:attr:`_Call.request`), dated back to the call's start
+so its deadline and elapsed time are those of the whole call.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from .._context import AttemptEffect, ErrorContext
+from .._errors import CouchbaseException, RequestCanceledException, TimeoutException
+from .._reason import RetryReason
+from .._request import Request
+from ._controller import _Controller
+from ._metadata import _client_trailing, _strip_attempts, _with_attempts
+from ._plans import _Plan
+from ._policy import (
+    CALL_STATE_KEY,
+    PUSHBACK_DONT_RETRY,
+    PUSHBACK_KEY,
+    REASON_TRANSPARENT,
+    CallState,
+    TransparentKind,
+    parse_pushback,
+    status_reason,
+)
+
+_OK = grpc.StatusCode.OK
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+_RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+_INTERNAL = grpc.StatusCode.INTERNAL
+_READY = grpc.ChannelConnectivity.READY
+_TRANSIENT_FAILURE = grpc.ChannelConnectivity.TRANSIENT_FAILURE
+_monotonic = time.monotonic
+
+#: Why a call whose last status the client made after the answer arrived is not retried.
+ANSWERED = (
+    "the server's answer arrived: the client failed the call after it "
+    "(a status the client makes, such as a response over the receive limit)"
+)
+
+
+def call_context(error: BaseException) -> ErrorContext | None:
+    """sdkcore's ErrorContext of the call an sdkcore channel failed with ``error``.
+
+    A plain function. ``error`` is the ``grpc.aio.AioRpcError`` a call raised (or an
+    exception chained from it, such as an outer request's failure). The context lists
+    every attempt the channel made for the call: its A6 retries and transparent
+    re-sends. None when the channel made no retry decision for it (a first answer is
+    grpc's error unchanged).
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:  # to the first AioRpcError
+        seen.add(id(current))
+        if isinstance(current, aio.AioRpcError):
+            cause = current.__cause__
+            if isinstance(cause, CouchbaseException):
+                return cause.context
+            return None
+        current = current.__cause__
+    return None
+
+
+def answered(err: Any) -> bool:
+    """True when ``err`` may be a status the client made after the server's answer arrived.
+
+    grpc C-core fails a call on the client when a response message is over the
+    channel's receive limit (RESOURCE_EXHAUSTED "Received message larger than max")
+    or cannot be decompressed (INTERNAL): the server has run the call by then, so
+    A6 counts it as committed. grpc.aio does not say whether the headers arrived, so
+    the status text decides, in the safe direction only: a server imitating the
+    text makes its own status final (never retried), never the reverse.
+    A request over the send limit ("Sent message larger than max") never left the
+    client; resending it would fail the same way, so it is final too.
+    """
+    code = err.code()
+    if code is _RESOURCE_EXHAUSTED:
+        details = err.details() or ""
+        return "larger than max" in details
+    if code is _INTERNAL:
+        details = err.details() or ""
+        return "CLIENT:" in details or "ecompress" in details
+    return False
+
+
+class _Since:
+    """A monotonic clock whose first reading is the call's start (see :attr:`_Call.request`)."""
+
+    __slots__ = ("start",)
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+
+    def __call__(self) -> float:
+        start = self.start
+        if start < 0.0:
+            return _monotonic()
+        self.start = -1.0
+        return start
+
+
+class _Call:
+    """One application call: its state, and the Request once an attempt failed."""
+
+    __slots__ = (
+        "_request",
+        "base_md",
+        "buffered",
+        "core",
+        "credentials",
+        "in_backoff",
+        "method",
+        "plan",
+        "ready_at_start",
+        "started",
+        "state",
+        "strategy",
+        "timeout",
+        "wait_for_ready",
+    )
+
+    def __init__(
+        self,
+        core: _Controller,
+        plan: _Plan,
+        method: Any,
+        timeout: float | None,
+        metadata: Any,
+        credentials: Any,
+        wait_for_ready: bool | None,
+    ) -> None:
+        self.core = core
+        self.plan = plan
+        self.method = method
+        if plan.timeout is not None and (timeout is None or plan.timeout < timeout):
+            timeout = plan.timeout
+        self.timeout = None if timeout is None else max(timeout, 1e-6)
+        self.started = _monotonic()
+        self.state = CallState()
+        self.strategy = plan.strategy
+        self.wait_for_ready = wait_for_ready if wait_for_ready is not None else plan.wait_for_ready
+        self.base_md = _strip_attempts(metadata)
+        self.credentials = credentials
+        self.buffered = 0
+        #: True while the call waits in the orchestrator for its next attempt.
+        self.in_backoff = False
+        #: Whether the channel was READY (or unknown) when the current attempt started.
+        self.ready_at_start = True
+        self._request: Request | None = None
+
+    @classmethod
+    def from_details(cls, core: _Controller, plan: _Plan, details: Any) -> _Call:
+        """A call from an interceptor's ``ClientCallDetails``."""
+        return cls(
+            core,
+            plan,
+            details.method,
+            details.timeout,
+            details.metadata,
+            details.credentials,
+            details.wait_for_ready,
+        )
+
+    @property
+    def name(self) -> str:
+        name = self.plan.name
+        if not name:
+            method = self.method
+            name = method.decode() if isinstance(method, bytes) else str(method)
+        return name
+
+    @property
+    def request(self) -> Request:
+        """The call's Request, built on first use (the first failure needs it)."""
+        request = self._request
+        if request is None:
+            request = self._request = Request(
+                name=self.name,
+                timeout=self.timeout,
+                retry_strategy=self.strategy,
+                client_context={CALL_STATE_KEY: self.state},
+                clock=_Since(self.started),
+            )
+        return request
+
+    def time_left(self) -> float | None:
+        timeout = self.timeout
+        if timeout is None:
+            return None
+        left = self.started + timeout - _monotonic()
+        return left if left > 0.0 else 0.0
+
+    def next_attempt(self) -> Any:
+        """Count the next attempt; its metadata (with the previous-attempts header)."""
+        st = self.state
+        st.attempts += 0 if st.transparent is not None else 1
+        st.transparent = None
+        previous = st.attempts - 1
+        core = self.core
+        if core.transparent_retries and core._channel is not None:
+            state = core._connectivity()
+            self.ready_at_start = state is None or state is _READY
+        return self.base_md if previous == 0 else _with_attempts(self.base_md, previous)
+
+    def next_details(self) -> Any:
+        """Call details for the next attempt (time left, previous-attempts header)."""
+        md = self.next_attempt()
+        return aio.ClientCallDetails(
+            self.method, self.time_left(), md, self.credentials, self.wait_for_ready
+        )
+
+    def buffer_unary(self, message: Any) -> None:
+        """Account a unary request in the replay buffer; commit if it does not fit."""
+        core = self.core
+        size = core.message_size(message)
+        if size > core.per_call_buffer_limit or not core._reserve(size):
+            self.state.committed = True
+        else:
+            self.buffered = size
+
+    def release(self) -> None:
+        if self.buffered:
+            self.core._release(self.buffered)
+            self.buffered = 0
+
+    def succeeded(self) -> None:
+        request = self._request
+        if request is not None:
+            self.core.orchestrator.succeed(request)
+        throttler = self.core.throttler
+        if throttler is not None:
+            throttler.record_success()
+
+    async def failed(self, err: Any) -> None:
+        """Decide on a failed attempt: return to retry after the delay, or raise the final error."""
+        st = self.state
+        core = self.core
+        code = err.code()
+        st.code = code.value[0]
+        if err.initial_metadata():
+            st.committed = True
+        elif not st.committed and answered(err):
+            st.committed = True
+            st.commit_why = ANSWERED
+        trailing = err.trailing_metadata()
+        st.pushback = parse_pushback(trailing.get_all(PUSHBACK_KEY)) if trailing else None
+        kind = None
+        if (
+            not self.ready_at_start
+            and not st.committed
+            and code is _UNAVAILABLE
+            and not trailing
+            and core._connectivity() is _TRANSIENT_FAILURE
+        ):
+            # A6 case 1, from facts the server cannot set: the channel had no connection
+            # when the attempt started and is failing to connect now, and nothing at all
+            # came back (no headers, no trailers). grpc C-core fails such an RPC at once
+            # without wait_for_ready; it never reached a transport.
+            kind = TransparentKind.NEVER_SENT
+        request = self.request
+        # A failed retry attempt is counted once, when it is over: a transparent
+        # re-send continues the same A6 attempt.
+        if kind is None:
+            self._attempt_failed()
+            policy = self.strategy.policy
+            if policy is None or st.code not in policy.retryable_status_codes:
+                # An ordinary answer, not a retry decision: the call fails with it and
+                # the orchestrator (and its retry log) never sees it.
+                if st.pushback == PUSHBACK_DONT_RETRY and policy is not None:
+                    throttler = core.throttler
+                    if throttler is not None:  # A6: counts for throttling whatever the status
+                        throttler.record_failure()
+                final = self._final(err)
+                core.orchestrator.fail(request, final)
+                if self._retried():
+                    # The channel's own attempts, for an outer request's context (rfc/0003).
+                    if final is err:
+                        final = self._final(err, copy=True)
+                    raise final from self._answer_context(request, err)
+                raise final
+        st.transparent = kind
+        committed = st.committed
+        if kind is None:
+            # The server answered: whatever the status, it may have applied the call.
+            reason, effect = status_reason(st.code), AttemptEffect.MAYBE_APPLIED
+        else:
+            reason, effect = REASON_TRANSPARENT, AttemptEffect.NOT_SENT
+        self.in_backoff = True
+        try:
+            # The attempt's AioRpcError is the cause: logged as caused_by, the context's
+            # last_error, and the __cause__ of the orchestrator's refusal.
+            await core.orchestrator.maybe_retry(request, reason, cause=err, effect=effect)
+        except TimeoutException as exc:
+            if kind is not None:
+                self._attempt_failed()
+            raise self._deadline(err) from exc
+        except CouchbaseException as exc:
+            if kind is not None:
+                self._attempt_failed()
+            if st.committed and not committed:
+                raise self._final(err, copy=True) from self._committed_while_waiting(exc, reason)
+            raise self._final(err, copy=True) from exc
+        finally:
+            self.in_backoff = False
+        if st.committed:
+            # Committed while waiting (replay buffer overflow): A6 allows no more attempts.
+            if kind is not None:
+                self._attempt_failed()
+            raise self._final(err, copy=True) from self._committed_while_waiting(err, reason)
+        if st.transparent is None:  # the strategy may hand a transparent case to the policy
+            core.stats.record_retry(self.name, st.attempts)
+        else:
+            core.stats.record_transparent_retry(self.name)
+
+    def _retried(self) -> bool:
+        st = self.state
+        return st.attempts > 1 or st.transparent_retries > 0 or st.refused_retries > 0
+
+    def _answer_context(self, request: Request, err: Any) -> BaseException:
+        """An answer that ends a retried call: sdkcore's context of every attempt."""
+        st = self.state
+        context = request.error_context(
+            status_reason(st.code),
+            extra={"grpc_status": err.code().name, "grpc_attempts": st.attempts},
+        )
+        exc = CouchbaseException(
+            f"gRPC call ended with {err.code().name} after {st.attempts} attempt(s)",
+            context=context,
+        )
+        exc.__cause__ = err
+        return exc
+
+    def _attempt_failed(self) -> None:
+        if self.state.attempts > 1:
+            self.core.stats.record_failed_retry(self.name)
+
+    def _committed_while_waiting(
+        self, cause: BaseException | None, reason: RetryReason
+    ) -> BaseException:
+        why = "the call committed while waiting to retry (replay buffer limit reached)"
+        self.state.refusal = why
+        context = self.request.error_context(
+            reason, extra={"not_retried_because": why, "grpc_attempts": self.state.attempts}
+        )
+        exc = RequestCanceledException(f"not retried: {why}", context=context)
+        exc.__cause__ = cause
+        return exc
+
+    def _final(self, err: Any, *, copy: bool = False) -> Any:
+        """The error the application gets for the last attempt's ``err``.
+
+        ``copy``: always a new AioRpcError (when it is raised from an exception whose
+        cause chain holds ``err``, so the chain has no cycle). After retries, the copy's
+        debug string starts with the channel's attempt count (rfc/0003).
+        """
+        previous = max(self.state.attempts - 1, 0)
+        trailing = err.trailing_metadata()
+        md = _client_trailing(trailing, previous)
+        note = self._note()
+        if md is trailing and not copy and not note:
+            return err
+        return aio.AioRpcError(
+            err.code(),
+            err.initial_metadata(),
+            md,
+            err.details(),
+            note + (err.debug_error_string() or ""),
+        )
+
+    def _note(self) -> str:
+        """``"sdkcore: N attempts; "`` when the channel retried the call, else ``""``."""
+        st = self.state
+        if not self._retried():
+            return ""
+        resent = st.transparent_retries + st.refused_retries
+        extra = f", {resent} transparent re-send(s)" if resent else ""
+        return f"sdkcore: {st.attempts} attempts{extra}; "
+
+    def _deadline(self, err: Any) -> Any:
+        previous = max(self.state.attempts - 1, 0)
+        return aio.AioRpcError(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            err.initial_metadata(),
+            _client_trailing(err.trailing_metadata(), previous),
+            "Deadline Exceeded",
+            f"{self._note()}deadline reached while waiting to retry after {err.code().name}: "
+            f"{err.details()}",
+        )

@@ -1,0 +1,267 @@
+"""The retry machinery of one channel: options, per-method plans, the replay buffer budget.
+
+:class:`RetryController` (in ``_interceptors``) adds the interceptors on top of
+this class; the call modules (``_unary``, ``_streaming``, ``_hedging``) only read
+what it holds.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .._orchestrator import RetryOrchestrator
+from .._untrusted import show as _show
+from ._metadata import (
+    DEFAULT_CHANNEL_BUFFER_LIMIT,
+    DEFAULT_PER_CALL_BUFFER_LIMIT,
+    _truthy,
+    default_message_size,
+)
+from ._plans import HedgePlan, _method_name, _Plan
+from ._policy import A6RetryStrategy, BackoffJitter
+from ._service_config import DEFAULT_MAX_ATTEMPTS_CAP, ServiceConfig
+from ._stats import RetryStats
+from ._throttle import RetryThrottler, _nothing
+from ._throttle import _acquire as _acquire_throttler
+
+_OPT_SERVICE_CONFIG = "grpc.service_config"
+_OPT_ENABLE_RETRIES = "grpc.enable_retries"
+_OPT_NO_RESOLVED_CONFIG = "grpc.service_config_disable_resolution"
+
+
+class _Controller:
+    """The retry machinery shared by one channel's calls (see :class:`RetryController`).
+
+    * ``service_config``: a :class:`ServiceConfig` (or its JSON / a Mapping); None
+      means no retry policies (transparent retries only). It is never handed to
+      grpcio: grpc C-core runs no retry policy of its own on these channels.
+    * ``target``: the server name; picks the process-wide throttler.
+    * ``orchestrator``: the :class:`RetryOrchestrator` every retry goes through.
+    * ``enabled``: False turns every kind of retry off (A6 "Disabling Retries").
+    * ``max_attempts_cap``: the client cap on maxAttempts (A6 default 5).
+    * ``backoff_jitter``: :class:`BackoffJitter` (the 2017 text or the 2024 amendment).
+    * ``per_call_buffer_limit`` / ``channel_buffer_limit``: replay buffer limits in bytes.
+    * ``transparent_retries``: A6 transparent retries when no connection could be
+      made (needs :meth:`bind_channel`; see rfc/0003).
+    * ``stats``: a :class:`RetryStats` to record into (a new one by default).
+    * ``message_size``: bytes of a request message (default :func:`default_message_size`).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        service_config: ServiceConfig | str | bytes | Any | None = None,
+        *,
+        orchestrator: RetryOrchestrator | None = None,
+        enabled: bool = True,
+        max_attempts_cap: int = DEFAULT_MAX_ATTEMPTS_CAP,
+        backoff_jitter: BackoffJitter = BackoffJitter.FULL,
+        per_call_buffer_limit: int = DEFAULT_PER_CALL_BUFFER_LIMIT,
+        channel_buffer_limit: int = DEFAULT_CHANNEL_BUFFER_LIMIT,
+        transparent_retries: bool = True,
+        transparent_retry_limit: int = 10,
+        stats: RetryStats | None = None,
+        message_size: Callable[[Any], int] | None = None,
+    ) -> None:
+        # Every argument is checked before any shared state (the process-wide
+        # throttler of the target) is touched: a rejected controller changes nothing.
+        if not isinstance(target, str):
+            raise TypeError(
+                f"RetryController(target) must be a str (the server name), got {target!r}"
+            )
+        if service_config is not None and not isinstance(service_config, ServiceConfig):
+            service_config = ServiceConfig.from_json(service_config)
+        for name, value in (
+            ("per_call_buffer_limit", per_call_buffer_limit),
+            ("channel_buffer_limit", channel_buffer_limit),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(
+                    f"RetryController({name}=...) must be an integer >= 0 bytes, got {_show(value)}"
+                )
+        for name, value in (("enabled", enabled), ("transparent_retries", transparent_retries)):
+            if not isinstance(value, bool):
+                raise TypeError(f"RetryController({name}=...) must be a bool, got {_show(value)}")
+        if not isinstance(backoff_jitter, BackoffJitter):
+            raise TypeError(
+                "RetryController(backoff_jitter=...) must be a BackoffJitter (FULL or "
+                f"PROPORTIONAL), got {backoff_jitter!r}"
+            )
+        if stats is not None and not isinstance(stats, RetryStats):
+            raise TypeError(f"RetryController(stats=...) must be a RetryStats, got {stats!r}")
+        if message_size is not None and not callable(message_size):
+            raise TypeError(
+                "RetryController(message_size=...) must be a callable returning bytes, "
+                f"got {message_size!r}"
+            )
+        # max_attempts_cap and transparent_retry_limit, with the strategy's own messages.
+        A6RetryStrategy(
+            None,
+            max_attempts_cap=max_attempts_cap,
+            jitter=backoff_jitter,
+            transparent_retry_limit=transparent_retry_limit,
+        )
+        self.target = target
+        self.service_config: ServiceConfig | None = service_config
+        self.orchestrator = orchestrator if orchestrator is not None else RetryOrchestrator()
+        self.enabled = enabled
+        self.stats = stats if stats is not None else RetryStats()
+        self.per_call_buffer_limit = per_call_buffer_limit
+        self.channel_buffer_limit = channel_buffer_limit
+        self.transparent_retries = transparent_retries and enabled
+        self.message_size = message_size or default_message_size
+        self._buffered = 0
+        self._buffer_lock = threading.Lock()
+        throttling = None if service_config is None else service_config.retry_throttling
+        self.throttler: RetryThrottler | None = None
+        self._abandon: Callable[[], None] = _nothing
+        if throttling is not None and enabled:  # last: the one shared state a controller changes
+            self.throttler, self._abandon = _acquire_throttler(
+                target, throttling.max_tokens, throttling.token_ratio
+            )
+        self._strategy_args: dict[str, Any] = {
+            "throttler": self.throttler,
+            "max_attempts_cap": max_attempts_cap,
+            "jitter": backoff_jitter,
+            "transparent_retry_limit": transparent_retry_limit,
+        }
+        self._plans: dict[Any, _Plan | None] = {}
+        self._hedge_plans: dict[Any, HedgePlan | None] = {}
+        self._channel: weakref.ref[Any] | None = None
+
+    # -- the channel ----------------------------------------------------------------
+    def channel_options(
+        self, options: Sequence[tuple[str, Any]] | None = None
+    ) -> list[tuple[str, Any]]:
+        """``options`` plus what grpc C-core needs on a channel that uses these interceptors.
+
+        grpc C-core never gets a retry policy: a ``grpc.service_config`` option is
+        refused (pass ``service_config=`` instead) and resolver-provided configs are
+        ignored (``grpc.service_config_disable_resolution`` 1). Its retry filter is
+        off (``grpc.enable_retries`` 0) unless ``options`` asks for it with
+        ``("grpc.enable_retries", 1)``: then C-core also does A6 transparent retries
+        of streams the server never saw, but it replaces the
+        ``grpc-previous-rpc-attempts`` header of every attempt, so servers no
+        longer see sdkcore's retry count (rfc/0003). That opt-in needs retries and
+        transparent retries on. Raises ValueError for a conflicting option.
+        """
+        native = 0
+        out: list[tuple[str, Any]] = []
+        for item in options or ():
+            try:
+                key, value = item
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"channel options must be (key, value) pairs, got {item!r}"
+                ) from None
+            if key == _OPT_SERVICE_CONFIG:
+                raise ValueError(
+                    f"the {_OPT_SERVICE_CONFIG!r} channel option is not allowed on an sdkcore "
+                    "channel: grpc C-core would run its own retries with it. Pass the config "
+                    "as service_config=... instead."
+                )
+            if key == _OPT_ENABLE_RETRIES:
+                if _truthy(value) and not self.transparent_retries:
+                    raise ValueError(
+                        f"channel option ({key!r}, {value!r}) conflicts with "
+                        "retries_enabled=False / transparent_retries=False: it would turn "
+                        "grpc C-core's transparent retries on"
+                    )
+                native = 1 if _truthy(value) else 0
+                continue
+            if key == _OPT_NO_RESOLVED_CONFIG:
+                if not _truthy(value):
+                    raise ValueError(
+                        f"channel option ({key!r}, {value!r}) is not allowed on an sdkcore "
+                        "channel: a service config from the name resolver could give grpc "
+                        "C-core a retry policy of its own (sdkcore sets it to 1)"
+                    )
+                continue
+            out.append((key, value))
+        out.append((_OPT_ENABLE_RETRIES, native))
+        out.append((_OPT_NO_RESOLVED_CONFIG, 1))
+        return out
+
+    def bind_channel(self, channel: Any) -> None:
+        """Tell the controller which channel its interceptors run on.
+
+        The channel helpers do this. It lets the interceptor see the channel's
+        connectivity state, which is what recognises "no connection could be
+        made" (A6 transparent retry case 1); without it that case goes to the
+        retry policy like any other UNAVAILABLE.
+        """
+        self._channel = weakref.ref(channel)
+
+    def _connectivity(self) -> Any:
+        ref = self._channel
+        channel = None if ref is None else ref()
+        if channel is None:
+            return None
+        try:
+            return channel.get_state(try_to_connect=False)
+        except Exception:  # a closed channel, or an object without get_state
+            return None
+
+    # -- per-method plans ------------------------------------------------------
+    def plan(self, method: Any) -> _Plan | None:
+        """The plan for a method (bytes or str), or None when nothing is retried."""
+        try:
+            return self._plans[method]
+        except KeyError:
+            pass
+        name = _method_name(method)
+        mc = None if self.service_config is None else self.service_config.method_config(name)
+        policy = mc.retry_policy if mc is not None and self.enabled else None
+        plan: _Plan | None = None
+        # With retries off, a method config's timeout / waitForReady still apply; with
+        # throttling, every successful call feeds the throttler (A6), policy or not.
+        if (
+            policy is not None
+            or self.transparent_retries
+            or self.throttler is not None
+            or (mc is not None and (mc.timeout is not None or mc.wait_for_ready is not None))
+        ):
+            plan = _Plan(A6RetryStrategy(policy, **self._strategy_args), mc, name)
+        self._plans[method] = plan
+        return plan
+
+    def hedge_plan(self, method: Any) -> HedgePlan | None:
+        """The hedging plan of ``method`` (bytes or str), or None when it is not hedged."""
+        try:
+            return self._hedge_plans[method]
+        except KeyError:
+            pass
+        name = _method_name(method)
+        config = self.service_config
+        mc = None if config is None or not self.enabled else config.method_config(name)
+        plan = None
+        if mc is not None and mc.hedging_policy is not None:
+            plan = HedgePlan(
+                mc,
+                max_attempts_cap=self._strategy_args["max_attempts_cap"],
+                throttler=self.throttler,
+                name=name,
+            )
+        self._hedge_plans[method] = plan
+        return plan
+
+    # -- channel-wide replay buffer ------------------------------------------------
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes currently held for replay by all calls of the channel."""
+        return self._buffered
+
+    def _reserve(self, size: int) -> bool:
+        with self._buffer_lock:
+            if self._buffered + size > self.channel_buffer_limit:
+                return False
+            self._buffered += size
+            return True
+
+    def _release(self, size: int) -> None:
+        if size:
+            with self._buffer_lock:
+                self._buffered -= size

@@ -1,0 +1,279 @@
+"""A hedged unary-unary call on the direct path of the channel helpers.
+
+Hedge 0 is grpc.aio's own call, made at once; a loop timer (the hedging delay) and
+the call's done callback decide what happens next, with no task: the call ends OK
+before the delay (the common case, nothing more is done), or the runner
+(:func:`hedged_unary_unary`, a task) takes over with hedge 0 adopted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Generator
+from typing import Any
+
+import grpc
+from grpc import aio
+from grpc.aio import _base_call
+
+from .._hooks import INSTANT_DELAYS
+from ._controller import _Controller
+from ._finished import _ended_ok, _Readers
+from ._hedging import direct_opener, hedged_unary_unary
+from ._metadata import _client_trailing, _strip_attempts
+from ._plans import HedgePlan
+
+__all__: list[str] = []
+
+_CANCELLED = grpc.StatusCode.CANCELLED
+
+
+class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
+    """One hedged unary-unary call (see the module docstring)."""
+
+    def __init__(
+        self,
+        core: _Controller,
+        plan: HedgePlan,
+        inner: Any,
+        method: Any,
+        message: Any,
+        timeout: float | None,
+        metadata: Any,
+        credentials: Any,
+        wait_for_ready: bool | None,
+        compression: Any,
+    ) -> None:
+        if plan.timeout is not None and (timeout is None or plan.timeout < timeout):
+            timeout = plan.timeout
+        if wait_for_ready is None:
+            wait_for_ready = plan.wait_for_ready
+        metadata = _strip_attempts(metadata)
+        self._core = core
+        self._plan = plan
+        self._inner = inner
+        self._message = message
+        self._compression = compression
+        self._details = aio.ClientCallDetails(
+            method, timeout, metadata, credentials, wait_for_ready
+        )
+        self._started = time.monotonic()
+        self._timeout = timeout
+        loop = self._loop = asyncio.get_running_loop()
+        self._sent_at = loop.time()
+        self._driver: asyncio.Task[Any] | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._ended = False
+        self._cancelled = False
+        self._first = first = inner(
+            message,
+            timeout=timeout,
+            metadata=metadata,
+            credentials=credentials,
+            wait_for_ready=wait_for_ready,
+            compression=compression,
+        )
+        self._timer: asyncio.TimerHandle | None = None
+        if plan.policy.effective_max_attempts > 1:
+            delay = 0.0 if INSTANT_DELAYS.get() else plan.policy.delay.total_seconds()
+            self._timer = loop.call_later(delay, self._hedge)
+        first.add_done_callback(self._first_done)
+
+    # -- hedge 0, the timer, the runner ------------------------------------------------
+    def _first_done(self, call: Any) -> None:
+        if self._driver is not None:
+            return
+        if call.cancelled():
+            self._stop_timer()
+            self._wake()
+            return
+        if _ended_ok(call):
+            self._stop_timer()
+            if not self._ended:
+                self._ended = True
+                throttler = self._core.throttler
+                if throttler is not None:
+                    throttler.record_success()
+            self._wake()
+        else:  # a status (or a call the runner has to await to tell): the runner decides
+            self._hedge()
+
+    def _hedge(self) -> None:
+        """The hedging delay passed, or hedge 0 failed: the runner takes over."""
+        self._stop_timer()
+        if self._driver is not None or self._ended or self._cancelled:
+            return
+        self._driver = driver = self._loop.create_task(
+            hedged_unary_unary(
+                self._core,
+                self._plan,
+                self._continuation,
+                self._details,
+                self._message,
+                first=self._first,
+                started=self._started,
+                sent_at=self._sent_at,
+                open_streamed=direct_opener(self._inner, self._message, self._compression),
+            )
+        )
+        driver.add_done_callback(self._driver_done)
+
+    async def _continuation(self, details: Any, message: Any) -> Any:
+        return self._inner(
+            message,
+            timeout=details.timeout,
+            metadata=details.metadata,
+            credentials=details.credentials,
+            wait_for_ready=details.wait_for_ready,
+            compression=self._compression,
+        )
+
+    def _driver_done(self, task: asyncio.Task[Any]) -> None:
+        self._ended = True
+        self._wake()
+
+    def _stop_timer(self) -> None:
+        timer = self._timer
+        if timer is not None:
+            self._timer = None
+            timer.cancel()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _settling(self) -> bool:
+        """True while neither hedge 0 ended OK nor the runner (if any) finished."""
+        if self._driver is not None:
+            return not self._driver.done()
+        return not self._ended and not self._first.cancelled()
+
+    def _wait(self) -> asyncio.Future[None]:
+        waiter = self._waiter
+        if waiter is None:
+            waiter = self._waiter = self._loop.create_future()
+            if not self._settling():
+                waiter.set_result(None)
+        return waiter
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        if self._settling():
+            try:
+                yield from self._wait().__await__()
+            except asyncio.CancelledError:
+                self.cancel()
+                raise
+        driver = self._driver
+        if driver is None:
+            response = yield from self._first.__await__()
+            return response
+        call = yield from driver.__await__()
+        response = yield from call.__await__()
+        return response
+
+    # -- readers -------------------------------------------------------------------
+    async def _settled(self) -> tuple[Any, Any] | None:
+        """(the final call, None), (None, its AioRpcError), or None when cancelled."""
+        try:
+            if self._settling():
+                await asyncio.shield(self._wait())
+            driver = self._driver
+            if driver is None:
+                if self._first.cancelled():
+                    return None
+                return self._first, None
+            try:
+                return await asyncio.shield(driver), None
+            except aio.AioRpcError as err:
+                return None, err
+        except asyncio.CancelledError:
+            if not self.cancelled():
+                raise  # the awaiting task itself was cancelled
+            return None
+
+    def _trailing(self, call: Any, md: Any) -> Any:
+        return md if call is not self._first else _client_trailing(md, 0)
+
+    async def wait_for_connection(self) -> None:
+        try:
+            await self._first.wait_for_connection()
+        except aio.AioRpcError:
+            return None  # the attempt failed: its status is read from the call
+
+    def time_remaining(self) -> float | None:
+        if self._timeout is None:
+            return None
+        return max(0.0, self._started + self._timeout - time.monotonic())
+
+    # -- state -----------------------------------------------------------------------
+    def cancel(self) -> bool:
+        if self.done():
+            return False
+        self._cancelled = True
+        self._stop_timer()
+        driver = self._driver
+        if driver is not None:
+            driver.cancel()
+        self._first.cancel()
+        self._wake()
+        return True
+
+    def cancelled(self) -> bool:
+        if self._cancelled:
+            return True
+        driver = self._driver
+        if driver is not None:
+            return driver.cancelled()
+        return bool(self._first.cancelled())
+
+    def done(self) -> bool:
+        driver = self._driver
+        if driver is None:
+            first = self._first
+            return bool(first.done()) and (self._ended or bool(first.cancelled()))
+        if not driver.done():
+            return False
+        if driver.cancelled() or driver.exception() is not None:
+            return True
+        return bool(driver.result().done())
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        if self.done():
+            callback(self)
+        else:
+            self._wait().add_done_callback(lambda _: callback(self))
+
+
+class _HedgedMultiCallable(aio.UnaryUnaryMultiCallable):  # type: ignore[misc]
+    """A hedged method's multi-callable on an sdkcore channel (see :class:`_HedgedCall`)."""
+
+    def __init__(self, core: _Controller, plan: HedgePlan, inner: Any, method: Any) -> None:
+        self._core = core
+        self._plan = plan
+        self._inner = inner
+        self._method = method
+
+    def __call__(
+        self,
+        request: Any,
+        *,
+        timeout: float | None = None,
+        metadata: Any = None,
+        credentials: Any = None,
+        wait_for_ready: bool | None = None,
+        compression: Any = None,
+    ) -> Any:
+        return _HedgedCall(
+            self._core,
+            self._plan,
+            self._inner,
+            self._method,
+            request,
+            timeout,
+            metadata,
+            credentials,
+            wait_for_ready,
+            compression,
+        )

@@ -1,0 +1,127 @@
+"""The replay buffer of a client-streaming call: request messages kept until the call commits."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ._call import _Call
+
+__all__: list[str] = []
+
+
+class _ReplayBuffer:
+    """Request messages of a client-streaming call, kept for replay until commit."""
+
+    def __init__(self, c: _Call, source: Any) -> None:
+        self.c = c
+        self.items: list[Any] = []
+        self.base = 0  # absolute index of items[0]
+        self.consumed = 0  # absolute index of the next item for the live attempt
+        self.generation = 0
+        self.done = False
+        #: What the application's request iterator (or message_size) raised, if anything.
+        self.error: Exception | None = None
+        self.committed = False
+        self.event = asyncio.Event()
+        self.drained = asyncio.Event()
+        self.source = source
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._pump())
+
+    def commit(self) -> None:
+        if self.committed:
+            return
+        self.committed = True
+        c = self.c
+        c.state.committed = True
+        c.release()
+        if c.in_backoff:
+            # No attempt is live: end the wait now; the call fails with the last error.
+            c.request.cancel()
+        drop = self.consumed - self.base
+        if drop > 0:
+            del self.items[:drop]
+            self.base = self.consumed
+        if not self.items:
+            self.drained.set()
+
+    def _append(self, message: Any) -> None:
+        if not self.committed:
+            core = self.c.core
+            size = core.message_size(message)
+            if self.c.buffered + size > core.per_call_buffer_limit or not core._reserve(size):
+                self.commit()
+            else:
+                self.c.buffered += size
+        self.items.append(message)
+        self.drained.clear()
+        self.event.set()
+
+    def detach(self) -> None:
+        """The live attempt failed: it takes no more messages, and none count as sent."""
+        self.generation += 1
+        self.consumed = self.base
+        self.event.set()
+
+    async def _pump(self) -> None:
+        source = self.source
+        try:
+            if hasattr(source, "__aiter__"):
+                async for message in source:
+                    self._append(message)
+                    if self.committed and self.items:
+                        await self.drained.wait()
+            else:
+                for message in source:
+                    self._append(message)
+                    if self.committed and self.items:
+                        await self.drained.wait()
+        except Exception as exc:
+            # Like grpc.aio: the RPC is cancelled (not half-closed). The live attempt's
+            # request stream re-raises it; grpc cancels that attempt and logs it.
+            self.error = exc
+            if self.c.in_backoff:
+                self.c.request.cancel()
+        finally:
+            self.done = True
+            self.event.set()
+
+    async def attempt_messages(self) -> AsyncIterator[Any]:
+        """The request stream of one attempt: a replay of the buffer, then new messages."""
+        self.generation += 1
+        generation = self.generation
+        i = self.base
+        self.consumed = i
+        while generation == self.generation:
+            k = i - self.base
+            if k < len(self.items):
+                message = self.items[k]
+                i += 1
+                self.consumed = i
+                if self.committed:
+                    del self.items[: i - self.base]
+                    self.base = i
+                    if not self.items:
+                        self.drained.set()
+                yield message
+            elif self.done:
+                if self.error is not None:
+                    raise self.error
+                return
+            else:
+                self.event.clear()
+                await self.event.wait()
+
+    @property
+    def source_done(self) -> bool:
+        return self.done
+
+    def close(self) -> None:
+        self.generation += 1
+        task = self.task
+        if task is not None and not task.done():
+            task.cancel()

@@ -1,0 +1,392 @@
+"""The three streaming call shapes (A6 retries until the call commits).
+
+A response-streaming call commits on its first response headers or message; a
+request-streaming call replays its buffered messages (``_replay``) on each attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Generator
+from typing import Any
+
+import grpc
+from grpc import aio
+from grpc.aio import _base_call
+
+from ._call import _Call
+from ._controller import _Controller
+from ._metadata import _client_trailing
+from ._policy import PUSHBACK_DONT_RETRY, PUSHBACK_KEY, parse_pushback
+from ._replay import _ReplayBuffer
+
+__all__: list[str] = []
+
+_EOF = aio.EOF
+_OK = grpc.StatusCode.OK
+
+
+class _Outcome:
+    """How the driver ended: committed to ``call`` (maybe with a first message), or finished."""
+
+    __slots__ = ("call", "error", "first", "has_first")
+
+    def __init__(self, call: Any = None, error: Any = None) -> None:
+        self.call = call
+        self.error = error
+        self.first: Any = None
+        self.has_first = False
+
+
+class _RetryingCall:
+    """The call object handed to grpc.aio for the three streaming call types."""
+
+    def __init__(
+        self,
+        c: _Call,
+        continuation: Callable[..., Any],
+        request: Any,
+        *,
+        request_streaming: bool,
+        response_streaming: bool,
+    ) -> None:
+        self._c = c
+        self._continuation = continuation
+        self._request = request
+        self._response_streaming = response_streaming
+        self._replay: _ReplayBuffer | None = None
+        if request_streaming:
+            self._replay = _ReplayBuffer(c, request)
+            self._replay.start()
+        elif c.strategy.policy is not None:
+            c.buffer_unary(request)
+        self._current: Any = None
+        self._started = asyncio.Event()
+        self._reader: AsyncIterator[Any] | None = None
+        self._accounting: asyncio.Task[None] | None = None
+        self._accounted = False
+        self._cancelled = False
+        self._callbacks: list[Callable[[Any], None]] = []
+        self._driver: asyncio.Task[_Outcome] = asyncio.get_running_loop().create_task(self._drive())
+        self._driver.add_done_callback(self._driver_done)
+
+    # -- the attempt loop ------------------------------------------------------------
+    async def _drive(self) -> _Outcome:
+        c = self._c
+        replay = self._replay
+        try:
+            while True:
+                if replay is not None and replay.error is not None:
+                    raise self._source_failed()
+                source = self._request if replay is None else replay.attempt_messages()
+                call = await self._continuation(c.next_details(), source)
+                self._current = call
+                self._started.set()
+                try:
+                    if self._response_streaming:
+                        md = await call.initial_metadata()
+                        if md:
+                            return self._commit(call)
+                        message = await call.read()
+                        if message is not _EOF:
+                            out = self._commit(call)
+                            out.first = message
+                            out.has_first = True
+                            return out
+                        await call.code()
+                    else:
+                        await call
+                except aio.AioRpcError as err:
+                    if replay is not None:
+                        replay.detach()
+                        if replay.error is not None:
+                            raise self._source_failed() from None
+                        if replay.committed:
+                            c.state.committed = True
+                    await c.failed(err)
+                    continue
+                if replay is not None and replay.error is not None:
+                    raise self._source_failed()
+                c.succeeded()
+                return _Outcome(call)
+        except aio.AioRpcError as err:
+            if replay is not None and replay.error is not None:
+                raise self._source_failed() from None
+            return _Outcome(error=err)
+        except BaseException:
+            if self._current is not None:
+                self._current.cancel()
+            raise
+        finally:
+            if replay is not None and (self._current is None or self._current.done()):
+                replay.close()
+
+    def _source_failed(self) -> asyncio.CancelledError:
+        """The application's request iterator raised: the call ends cancelled, as in grpc.aio."""
+        self._cancelled = True
+        return asyncio.CancelledError()
+
+    def _commit(self, call: Any) -> _Outcome:
+        c = self._c
+        c.state.committed = True
+        if self._replay is not None:
+            self._replay.commit()
+        c.release()
+        # Throttling and stats still see how a committed call ends.
+        call.add_done_callback(self._committed_done)
+        return _Outcome(call)
+
+    def _committed_done(self, call: Any) -> None:
+        if self._replay is not None:
+            self._replay.close()
+        self._accounting = asyncio.get_running_loop().create_task(self._account_committed(call))
+
+    async def _account_committed(self, call: Any) -> None:
+        if self._accounted:
+            return
+        code = await call.code()
+        if code is _OK:
+            self._account_end(code, None, None)
+            return
+        trailing = await call.trailing_metadata()
+        error = aio.AioRpcError(code, await call.initial_metadata(), trailing, await call.details())
+        self._account_end(code, trailing, error)
+
+    def _account_end(self, code: Any, trailing: Any, error: BaseException | None) -> None:
+        """How a committed call ended, for the request, throttler and stats (once per call)."""
+        if not self._accounted:
+            self._accounted = True
+            _account_end(self._c, code, trailing, error, self._cancelled)
+
+    def _driver_done(self, task: asyncio.Task[_Outcome]) -> None:
+        self._c.release()
+        callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            self._add_done(cb)
+
+    def _add_done(self, callback: Callable[[Any], None]) -> None:
+        task = self._driver
+        if task.cancelled() or task.exception() is not None or task.result().error is not None:
+            callback(self)
+            return
+        call = task.result().call
+        call.add_done_callback(lambda _: callback(self))
+
+    async def _outcome(self) -> _Outcome:
+        return await asyncio.shield(self._driver)
+
+    # -- grpc.aio Call interface -------------------------------------------------------
+    def cancel(self) -> bool:
+        if self.done():
+            return False
+        self._cancelled = True
+        if not self._driver.done():
+            self._driver.cancel()
+        else:
+            out = self._driver.result()
+            if out.call is not None:
+                out.call.cancel()
+        if self._replay is not None:
+            self._replay.close()
+        return True
+
+    def cancelled(self) -> bool:
+        if self._cancelled or self._driver.cancelled():
+            return True
+        if not self._driver.done():
+            return False
+        out = self._driver.result()
+        return bool(out.call is not None and out.call.cancelled())
+
+    def done(self) -> bool:
+        task = self._driver
+        if not task.done():
+            return False
+        if task.cancelled() or task.exception() is not None:
+            return True
+        out = task.result()
+        return out.error is not None or bool(out.call.done())
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        if not self._driver.done():
+            self._callbacks.append(callback)
+        else:
+            self._add_done(callback)
+
+    def time_remaining(self) -> float | None:
+        return self._c.time_left()
+
+    async def _settled(self) -> _Outcome | None:
+        """How the call ended, or None when the call itself was cancelled.
+
+        A cancellation of the awaiting task (a timeout around ``code()``, say)
+        propagates: only the call's own cancellation is reported as CANCELLED.
+        """
+        try:
+            return await self._outcome()
+        except asyncio.CancelledError:
+            if not self._driver.cancelled():
+                raise  # the awaiting task itself was cancelled
+            return None
+
+    async def initial_metadata(self) -> Any:
+        out = await self._settled()
+        if out is None:  # the call was cancelled
+            return None
+        if out.error is not None:
+            return out.error.initial_metadata()
+        return await out.call.initial_metadata()
+
+    async def trailing_metadata(self) -> Any:
+        out = await self._settled()
+        if out is None:  # the call was cancelled
+            return None
+        if out.error is not None:
+            return out.error.trailing_metadata()
+        return _client_trailing(await out.call.trailing_metadata(), self._c.state.attempts - 1)
+
+    async def code(self) -> Any:
+        out = await self._settled()
+        if out is None:  # the call was cancelled
+            return grpc.StatusCode.CANCELLED
+        if out.error is not None:
+            return out.error.code()
+        return await out.call.code()
+
+    async def details(self) -> str:
+        out = await self._settled()
+        if out is None:  # the call was cancelled
+            return "Locally cancelled by application!"
+        if out.error is not None:
+            return str(out.error.details())
+        return str(await out.call.details())
+
+    async def debug_error_string(self) -> str | None:
+        out = await self._settled()
+        if out is None:  # the call was cancelled
+            return ""
+        if out.error is not None:
+            return out.error.debug_error_string()  # type: ignore[no-any-return]
+        return await out.call.debug_error_string()  # type: ignore[no-any-return]
+
+    async def wait_for_connection(self) -> None:
+        if self._current is None and not self._driver.done():
+            started = asyncio.ensure_future(self._started.wait())
+            try:
+                await asyncio.wait((started, self._driver), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                started.cancel()
+        if self._current is not None:
+            await self._current.wait_for_connection()
+
+    # -- responses -----------------------------------------------------------------
+    async def _responses(self) -> AsyncIterator[Any]:
+        out = await self._outcome()
+        if out.error is not None:
+            raise out.error
+        if out.has_first:
+            message, out.first, out.has_first = out.first, None, False
+            yield message
+        call = out.call
+        while True:
+            try:
+                message = await call.read()
+            except aio.AioRpcError as err:
+                self._account_end(err.code(), err.trailing_metadata(), err)
+                raise self._c._final(err) from None
+            if message is _EOF:
+                await self._account_committed(call)
+                return
+            yield message
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._responses()
+
+    async def read(self) -> Any:
+        it = self._reader
+        if it is None:
+            it = self._reader = self._responses()
+        try:
+            return await it.__anext__()
+        except StopAsyncIteration:
+            return _EOF
+
+    def _final_response(self) -> Generator[Any, None, Any]:
+        out = yield from asyncio.shield(self._driver).__await__()
+        if out.error is not None:
+            raise out.error
+        response = yield from out.call.__await__()
+        return response
+
+    # -- requests (writes go through grpc.aio's own request iterator) --------------------
+    async def write(self, request: Any) -> None:
+        raise RuntimeError(
+            "write() on the intercepted call object; use the call the channel returned"
+        )
+
+    async def done_writing(self) -> None:
+        raise RuntimeError(
+            "done_writing() on the intercepted call object; use the call the channel returned"
+        )
+
+    @property
+    def _done_writing_flag(self) -> bool:
+        return self._replay is not None and self._replay.source_done
+
+
+class _RetryingUnaryStreamCall(_RetryingCall, _base_call.UnaryStreamCall):  # type: ignore[misc]
+    pass
+
+
+class _RetryingStreamUnaryCall(_RetryingCall, _base_call.StreamUnaryCall):  # type: ignore[misc]
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._final_response()
+
+
+class _RetryingStreamStreamCall(_RetryingCall, _base_call.StreamStreamCall):  # type: ignore[misc]
+    pass
+
+
+def _account_end(
+    c: _Call, code: Any, trailing: Any, error: BaseException | None, cancelled: bool
+) -> None:
+    """How a committed call ended, for the request, throttler and stats."""
+    if code is _OK:
+        c.succeeded()  # completes the request and feeds the throttler
+        return
+    if cancelled:  # the application cancelled the call
+        c.request.cancel()
+    elif error is not None:
+        c.core.orchestrator.fail(c.request, error)
+    if c.state.attempts > 1:
+        c.core.stats.record_failed_retry(c.name)
+    policy = c.strategy.policy
+    throttler = c.core.throttler
+    if throttler is not None and policy is not None:
+        # The same rule as for an attempt that can still be retried (_policy._status).
+        pushback = parse_pushback(trailing.get_all(PUSHBACK_KEY)) if trailing else None
+        if code.value[0] in policy.retryable_status_codes or pushback == PUSHBACK_DONT_RETRY:
+            throttler.record_failure()
+
+
+async def streaming_call(
+    core: _Controller,
+    call_class: type[_RetryingCall],
+    continuation: Callable[..., Any],
+    details: Any,
+    request: Any,
+    *,
+    request_streaming: bool,
+    response_streaming: bool,
+) -> Any:
+    """A retrying call for a streaming method with a plan, else the plain call."""
+    plan = core.plan(details.method)
+    if plan is None:
+        return await continuation(details, request)
+    return call_class(
+        _Call.from_details(core, plan, details),
+        continuation,
+        request,
+        request_streaming=request_streaming,
+        response_streaming=response_streaming,
+    )

@@ -1,0 +1,364 @@
+"""Unary-unary calls: the interceptor path and the direct path of the channel helpers.
+
+The channel helpers drive grpc.aio's unary-unary multi-callable directly
+(:class:`_UnaryCall`): the first attempt is grpc.aio's own call, with no task and no
+interceptor of sdkcore around it, and the retry loop (a task) starts only when an
+attempt fails. A channel built by hand with :meth:`RetryController.interceptors`
+uses :func:`unary_unary_call`, the same loop inside grpc.aio's interceptor chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Generator
+from typing import Any
+
+import grpc
+from grpc import aio
+from grpc.aio import _base_call
+
+from ._call import _Call
+from ._controller import _Controller
+from ._finished import _ended_ok, _FinishedUnaryCall, _Readers
+from ._hedging import hedged_unary_unary
+from ._metadata import _client_trailing
+from ._plans import _Plan
+
+__all__: list[str] = []
+
+_OK = grpc.StatusCode.OK
+_CANCELLED = grpc.StatusCode.CANCELLED
+
+
+async def unary_unary_call(
+    core: _Controller, continuation: Callable[..., Any], details: Any, request: Any
+) -> Any:
+    """The interceptor path: one unary-unary call with A6 retries or hedging."""
+    if core.service_config is not None:  # A6 hedgingPolicy (rfc/0004)
+        hedging = core.hedge_plan(details.method)
+        if hedging is not None:
+            return await hedged_unary_unary(core, hedging, continuation, details, request)
+    plan = core.plan(details.method)
+    if plan is None:
+        return await continuation(details, request)
+    c = _Call.from_details(core, plan, details)
+    if plan.strategy.policy is not None:
+        c.buffer_unary(request)
+    try:
+        while True:
+            call = await continuation(c.next_details(), request)
+            try:
+                await call
+            except aio.AioRpcError as err:
+                await c.failed(err)
+                continue
+            c.succeeded()
+            previous = c.state.attempts - 1
+            if previous == 0:
+                md = await call.trailing_metadata()
+                if _client_trailing(md, 0) is md:
+                    return call  # nothing to correct: the call as grpc.aio made it
+            return _FinishedUnaryCall(call, previous)
+    finally:
+        c.release()
+
+
+class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
+    """A unary-unary call of the direct path: grpc.aio's call until an attempt fails.
+
+    ``await call`` (the usual use) awaits grpc.aio's call itself, and when it fails,
+    runs the retry loop (:meth:`_drive`) in the awaiting task. A call nobody awaits
+    runs the loop in a task started by the first attempt's done callback. Every
+    other reader waits for whichever runs it.
+    """
+
+    def __init__(
+        self,
+        core: _Controller,
+        plan: _Plan,
+        inner: Any,
+        method: Any,
+        message: Any,
+        timeout: float | None,
+        metadata: Any,
+        credentials: Any,
+        wait_for_ready: bool | None,
+        compression: Any,
+    ) -> None:
+        c = self._c = _Call(core, plan, method, timeout, metadata, credentials, wait_for_ready)
+        if plan.strategy.policy is not None:
+            c.buffer_unary(message)
+        self._inner = inner
+        self._message = message
+        self._compression = compression
+        self._driver: asyncio.Task[Any] | None = None
+        #: Set while an awaiting task runs the retry loop; done (with None) when it ends.
+        self._inline: asyncio.Future[None] | None = None
+        #: The outcome of an inline retry loop: (call, None) or (None, error or None).
+        self._result: tuple[Any, Any] | None = None
+        self._awaited = False
+        self._watcher: asyncio.Task[Any] | None = None
+        self._ended = False
+        self._cancelled = False
+        self._call = self._attempt()
+        # The retry loop must run even if nobody awaits the call: the first attempt's
+        # end starts it (a failure) or does the success's bookkeeping.
+        self._call.add_done_callback(self._first_done)
+
+    def _attempt(self) -> Any:
+        c = self._c
+        md = c.next_attempt()
+        return self._inner(
+            self._message,
+            timeout=c.time_left(),
+            metadata=md,
+            credentials=c.credentials,
+            wait_for_ready=c.wait_for_ready,
+            compression=self._compression,
+        )
+
+    def _ok(self) -> None:
+        """The first attempt ended OK (once per call)."""
+        if not self._ended:
+            self._ended = True
+            c = self._c
+            c.succeeded()
+            c.release()
+
+    def _driving(self) -> bool:
+        """True once the retry loop started (in a task or in an awaiting task)."""
+        return self._driver is not None or self._inline is not None
+
+    def _first_done(self, call: Any) -> None:
+        if self._driving() or self._ended or call.cancelled():
+            return
+        ok = _ended_ok(call)
+        if ok:
+            self._ok()
+        elif ok is None:  # an application interceptor's call: settle it in a task
+            self._watch()
+        elif not self._awaited:  # nobody awaits the call: the loop runs in a task
+            self._first_failed(None)
+
+    def _first_failed(self, err: Any) -> None:
+        """Start the retry loop in a task (once): ``err`` is the first attempt's, or None."""
+        if not self._driving():
+            self._driver = asyncio.get_running_loop().create_task(self._drive(err))
+
+    async def _drive(self, err: Any) -> Any:
+        """The retry loop after the first failure: the successful call, or raise the error."""
+        c = self._c
+        try:
+            if err is None:
+                try:
+                    await self._call  # over: raises its error at once
+                except aio.AioRpcError as failure:
+                    err = failure
+                else:  # pragma: no cover - the first attempt failed
+                    c.succeeded()
+                    return self._call
+            while True:
+                await c.failed(err)
+                call = self._call = self._attempt()
+                try:
+                    await call
+                except aio.AioRpcError as failure:
+                    err = failure
+                    continue
+                c.succeeded()
+                return call
+        finally:
+            self._ended = True
+            c.release()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        if not self._driving() and self._result is None:
+            self._awaited = True
+            failure: Any = None
+            try:
+                response = yield from self._call.__await__()
+            except aio.AioRpcError as err:
+                failure = err
+            except BaseException:
+                self._ended = True
+                self._c.release()
+                raise
+            if failure is None:
+                if not self._driving():
+                    self._ok()
+                    return response
+            elif not self._driving():
+                call = yield from self._drive_here(failure).__await__()
+                response = yield from call.__await__()
+                return response
+        final_call, final_error = yield from self._outcome().__await__()
+        if final_error is not None:
+            raise final_error
+        response = yield from final_call.__await__()
+        return response
+
+    async def _drive_here(self, err: Any) -> Any:
+        """The retry loop in the awaiting task; readers wait on ``_inline``."""
+        inline = self._inline = asyncio.get_running_loop().create_future()
+        outcome: tuple[Any, Any] = (None, None)
+        try:
+            call = await self._drive(err)
+            outcome = (call, None)
+            return call
+        except aio.AioRpcError as final:
+            if self._cancelled:  # call.cancel() during the backoff: as grpc.aio does
+                raise asyncio.CancelledError() from None
+            outcome = (None, final)
+            raise
+        finally:
+            self._result = outcome
+            inline.set_result(None)
+
+    # -- readers -------------------------------------------------------------------
+    async def _outcome(self) -> tuple[Any, Any]:
+        """(the final call, None) or (None, the final AioRpcError); raises if cancelled."""
+        while True:
+            result = self._result
+            if result is not None:
+                if result == (None, None):
+                    raise asyncio.CancelledError()
+                return result
+            if self._inline is not None:
+                await asyncio.shield(self._inline)
+                continue
+            if self._driver is not None:
+                try:
+                    return await asyncio.shield(self._driver), None
+                except aio.AioRpcError as err:
+                    return None, err
+            call = self._call
+            code = await call.code()
+            if self._driving():
+                continue
+            if code is _OK:
+                self._ok()
+                return call, None
+            try:
+                await call  # over: raises its error (or CancelledError) at once
+            except aio.AioRpcError as err:
+                self._first_failed(err)
+            else:  # pragma: no cover - a status other than OK always raises
+                return call, None
+
+    async def _settled(self) -> tuple[Any, Any] | None:
+        """Like :meth:`_outcome`; None when the call itself was cancelled."""
+        try:
+            return await self._outcome()
+        except asyncio.CancelledError:
+            if not self.cancelled():
+                raise  # the awaiting task itself was cancelled
+            return None
+
+    def _watch(self) -> asyncio.Task[Any]:
+        """A task that settles the call, for the readers that cannot await."""
+        watcher = self._watcher
+        if watcher is None:
+            watcher = self._watcher = asyncio.get_running_loop().create_task(self._settled())
+        return watcher
+
+    def _trailing(self, call: Any, md: Any) -> Any:
+        return _client_trailing(md, self._c.state.attempts - 1)
+
+    async def wait_for_connection(self) -> None:
+        try:
+            await self._call.wait_for_connection()
+        except aio.AioRpcError:
+            return None  # the attempt failed: its status is read from the call
+
+    def time_remaining(self) -> float | None:
+        return self._c.time_left()
+
+    # -- state -----------------------------------------------------------------------
+    def cancel(self) -> bool:
+        if self.done():
+            return False
+        self._cancelled = True
+        driver = self._driver
+        if driver is not None:
+            driver.cancel()
+        elif self._inline is not None and self._c.in_backoff:
+            self._c.request.cancel()  # ends the wait; the awaiting task gets CancelledError
+        self._call.cancel()
+        return True
+
+    def cancelled(self) -> bool:
+        if self._cancelled:
+            return True
+        driver = self._driver
+        if driver is not None and driver.cancelled():
+            return True
+        return bool(self._call.cancelled())
+
+    def done(self) -> bool:
+        if self._result is not None:
+            return True
+        if self._inline is not None:
+            return False
+        driver = self._driver
+        if driver is None:
+            call = self._call
+            if not call.done():
+                return False
+            if call.cancelled() or _ended_ok(call):
+                return True
+            if not self._awaited:
+                self._watch()  # a failed attempt: retried, or final once the policy says so
+            return False
+        if not driver.done():
+            return False
+        if driver.cancelled() or driver.exception() is not None:
+            return True
+        return bool(driver.result().done())
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        if self.done():
+            callback(self)
+            return
+
+        def settled(_: Any) -> None:
+            callback(self)
+
+        if self._inline is not None:
+            self._inline.add_done_callback(settled)
+        elif self._driver is None:
+            self._watch().add_done_callback(settled)
+        else:
+            self._driver.add_done_callback(settled)
+
+
+class _UnaryUnaryMultiCallable(aio.UnaryUnaryMultiCallable):  # type: ignore[misc]
+    """A retried method's multi-callable on an sdkcore channel (see :class:`_UnaryCall`)."""
+
+    def __init__(self, core: _Controller, plan: _Plan, inner: Any, method: Any) -> None:
+        self._core = core
+        self._plan = plan
+        self._inner = inner
+        self._method = method
+
+    def __call__(
+        self,
+        request: Any,
+        *,
+        timeout: float | None = None,
+        metadata: Any = None,
+        credentials: Any = None,
+        wait_for_ready: bool | None = None,
+        compression: Any = None,
+    ) -> Any:
+        return _UnaryCall(
+            self._core,
+            self._plan,
+            self._inner,
+            self._method,
+            request,
+            timeout,
+            metadata,
+            credentials,
+            wait_for_ready,
+            compression,
+        )
