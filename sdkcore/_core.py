@@ -219,7 +219,7 @@ class OrchestratorCore:
         if (
             verdict is _RETRY
             and budget is not None
-            and spends_budget(reason)
+            and spends_budget(request.last_effect)
             and not budget.try_withdraw()  # it will send again: the budget pays first
         ):
             self._leave_backoff(threads)

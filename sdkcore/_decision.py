@@ -28,6 +28,7 @@ import enum
 
 from ._action import RetryAction
 from ._backoff import controlled_backoff
+from ._context import AttemptEffect
 from ._reason import RetryReason
 
 __all__ = ["CONTROLLED_SECONDS", "Decision", "Verdict", "decide", "spends_budget"]
@@ -106,11 +107,13 @@ def decide(
     return _RETRY, delay
 
 
-def spends_budget(reason: RetryReason) -> bool:
-    """Whether retrying for ``reason`` withdraws from a retry budget.
+def spends_budget(effect: AttemptEffect | None) -> bool:
+    """Whether a retry after an attempt with ``effect`` withdraws from a retry budget.
 
     Only a retry after an attempt that reached the server spends: a breaker that
     refused the dispatch, a socket or node not available, never sent anything, so
-    retrying it adds no load to the server (rfc/0007).
+    retrying it adds no load to the server (rfc/0007). The effect, not the reason,
+    decides: gRPC UNAVAILABLE answered by a server maps to SERVICE_NOT_AVAILABLE but
+    reached the server (``AttemptEffect.MAYBE_APPLIED``).
     """
-    return reason.after_dispatch
+    return effect is not AttemptEffect.NOT_SENT

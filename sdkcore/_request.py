@@ -312,6 +312,12 @@ class Request:
         return self._last_reason
 
     @property
+    def last_effect(self) -> AttemptEffect | None:
+        """What is known about the server side of the last failed attempt (None before any)."""
+        history = self._history
+        return history[-1][1] if history else None
+
+    @property
     def in_flight(self) -> bool:
         """True while an attempt is being sent (between its start and its outcome)."""
         return self._in_flight

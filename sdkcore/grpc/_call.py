@@ -145,6 +145,9 @@ class _Call:
         self.timeout = None if timeout is None else max(timeout, 1e-6)
         self.started = _monotonic()
         self.state = CallState()
+        budget = core.orchestrator.retry_budget
+        if budget is not None:  # every call's first attempt pays into the shared retry budget
+            budget.deposit()
         self.strategy = plan.strategy
         self.wait_for_ready = wait_for_ready if wait_for_ready is not None else plan.wait_for_ready
         self.base_md = _strip_attempts(metadata)
@@ -189,6 +192,7 @@ class _Call:
                 client_context={CALL_STATE_KEY: self.state},
                 clock=_Since(self.started),
             )
+            request._first_dispatch()  # its first attempt already paid the budget, above
         return request
 
     def time_left(self) -> float | None:
@@ -297,7 +301,14 @@ class _Call:
         try:
             # The attempt's AioRpcError is the cause: logged as caused_by, the context's
             # last_error, and the __cause__ of the orchestrator's refusal.
-            await core.orchestrator.maybe_retry(request, reason, cause=err, effect=effect)
+            pushback = st.pushback  # A6 server pushback, the same hint as any server's
+            await core.orchestrator.maybe_retry(
+                request,
+                reason,
+                cause=err,
+                effect=effect,
+                retry_after=None if pushback is None or pushback < 0 else pushback / 1000.0,
+            )
         except TimeoutException as exc:
             if kind is not None:
                 self._attempt_failed()

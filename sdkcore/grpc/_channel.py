@@ -10,6 +10,7 @@ import grpc
 from grpc import aio
 from grpc.aio import _channel as _aio_channel
 
+from .._budget import RetryBudget
 from .._orchestrator import RetryOrchestrator
 from ._hedged_call import _HedgedMultiCallable
 from ._interceptors import (
@@ -88,7 +89,18 @@ def _build(
     compression: grpc.Compression | None,
     interceptors: Sequence[aio.ClientInterceptor] | None,
     retry_options: dict[str, Any],
+    retry_budget: RetryBudget | None = None,
 ) -> aio.Channel:
+    if retry_budget is not None:
+        if not isinstance(retry_budget, RetryBudget):
+            raise TypeError(f"retry_budget must be an sdkcore.RetryBudget, got {retry_budget!r}")
+        if orchestrator is None:
+            orchestrator = RetryOrchestrator(retry_budget=retry_budget)
+        elif orchestrator.retry_budget is not retry_budget:
+            raise ValueError(
+                "give the retry budget to the orchestrator (RetryOrchestrator(retry_budget=...)) "
+                "or to the channel, not a different one to each"
+            )
     controller = RetryController(target, service_config, orchestrator=orchestrator, **retry_options)
     try:
         channel_options = controller.channel_options(options)
@@ -127,6 +139,7 @@ def insecure_channel(
     transparent_retry_limit: int = 10,
     stats: RetryStats | None = None,
     message_size: Callable[[Any], int] | None = None,
+    retry_budget: RetryBudget | None = None,
 ) -> aio.Channel:
     """A ``grpc.aio`` insecure channel whose calls are retried by sdkcore (A6).
 
@@ -135,8 +148,10 @@ def insecure_channel(
     rejected); grpcio's own retries are off (see
     :meth:`RetryController.channel_options` for the one opt-in).
     ``retries_enabled=False`` turns every retry off. ``interceptors`` run inside
-    the retry loop, once per attempt. See :class:`RetryController` for the other
-    options.
+    the retry loop, once per attempt. ``retry_budget``: an :class:`sdkcore.RetryBudget`
+    shared with other channels and orchestrators (each call's first attempt deposits,
+    each retry withdraws; A6 ``retryThrottling`` still applies when the config sets it).
+    See :class:`RetryController` for the other options.
     """
     return _build(
         target,
@@ -157,6 +172,7 @@ def insecure_channel(
             "stats": stats,
             "message_size": message_size,
         },
+        retry_budget,
     )
 
 
@@ -178,6 +194,7 @@ def secure_channel(
     transparent_retry_limit: int = 10,
     stats: RetryStats | None = None,
     message_size: Callable[[Any], int] | None = None,
+    retry_budget: RetryBudget | None = None,
 ) -> aio.Channel:
     """Like :func:`insecure_channel`, with channel ``credentials`` (TLS)."""
     return _build(
@@ -199,6 +216,7 @@ def secure_channel(
             "stats": stats,
             "message_size": message_size,
         },
+        retry_budget,
     )
 
 

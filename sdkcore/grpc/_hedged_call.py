@@ -51,6 +51,9 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             wait_for_ready = plan.wait_for_ready
         metadata = _strip_attempts(metadata)
         self._core = core
+        budget = core.orchestrator.retry_budget
+        if budget is not None:  # the call's first attempt pays into the shared retry budget
+            budget.deposit()
         self._plan = plan
         self._inner = inner
         self._message = message

@@ -234,6 +234,7 @@ async def hedged_unary_unary(
 
     # The runner's Request, dated back to the call's start: one deadline for every hedge.
     request = Request(name=name, idempotent=True, timeout=timeout, clock=_Since(started))
+    request._first_dispatch()  # the call's first attempt already paid the retry budget
     winner: Any = None
     try:
         index, winner, response = await run_hedged(
