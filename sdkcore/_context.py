@@ -89,7 +89,12 @@ def describe_error(error: BaseException | None) -> str | None:
     text = _describe_one(error)
     cause = error.__cause__
     if cause is not None and cause is not error:
-        text = f"{text} (from {_describe_one(cause)})"
+        inner = _describe_one(cause)
+        context = getattr(cause, "context", None)
+        if isinstance(context, ErrorContext) and context.attempts:
+            # e.g. a gRPC channel's own A6 retries inside one attempt of an outer request
+            inner = f"{inner} after {len(context.attempts)} attempts"
+        text = f"{text} (from {inner})"
         if len(text) > _LIMIT:
             text = text[: _LIMIT - 4] + "...)"
     return text

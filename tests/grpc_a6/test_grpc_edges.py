@@ -320,9 +320,15 @@ async def test_inner_retries_reach_an_outer_requests_failure(server: Server) -> 
             async def send(request: Request) -> bytes:
                 return await stub(b"x")  # type: ignore[no-any-return]
 
+            outer_request = Request(name="outer", timeout=5.0)
             with pytest.raises(aio.AioRpcError) as info:
-                await orchestrator.execute(Request(name="outer", timeout=5.0), send)
+                await orchestrator.execute(outer_request, send)
     outer = info.value
+    # the outer request's own context shows the channel's attempts inside its one attempt
+    (only,) = outer_request.attempts
+    assert only.error is not None
+    assert only.error.startswith("AioRpcError: NOT_FOUND")
+    assert only.error.endswith("after 2 attempts)")
     context = call_context(outer)
     assert context is not None
     assert context.request_name == method
