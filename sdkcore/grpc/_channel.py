@@ -12,7 +12,7 @@ from grpc.aio import _channel as _aio_channel
 
 from .._budget import RetryBudget
 from .._orchestrator import RetryOrchestrator
-from ._hedged_call import _HedgedMultiCallable
+from ._hedged_call import _HedgedCall
 from ._interceptors import (
     DEFAULT_CHANNEL_BUFFER_LIMIT,
     DEFAULT_PER_CALL_BUFFER_LIMIT,
@@ -24,7 +24,7 @@ from ._interceptors import (
 from ._policy import BackoffJitter
 from ._service_config import DEFAULT_MAX_ATTEMPTS_CAP, ServiceConfig
 from ._stats import RetryStats
-from ._unary import _UnaryUnaryMultiCallable
+from ._unary import DirectMultiCallable
 
 __all__ = ["insecure_channel", "retry_controller", "retry_stats", "secure_channel"]
 
@@ -73,11 +73,11 @@ class _Channel(_aio_channel.Channel):  # type: ignore[misc]
         if core.service_config is not None:
             hedging = core.hedge_plan(method)
             if hedging is not None:
-                return _HedgedMultiCallable(core, hedging, inner, method)
+                return DirectMultiCallable(core, hedging, inner, method, _HedgedCall)
         plan = core.plan(method)
         if plan is None:
             return inner
-        return _UnaryUnaryMultiCallable(core, plan, inner, method)
+        return DirectMultiCallable(core, plan, inner, method)
 
 
 def _build(

@@ -247,36 +247,3 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             callback(self)
         else:
             self._wait().add_done_callback(lambda _: callback(self))
-
-
-class _HedgedMultiCallable(aio.UnaryUnaryMultiCallable):  # type: ignore[misc]
-    """A hedged method's multi-callable on an sdkcore channel (see :class:`_HedgedCall`)."""
-
-    def __init__(self, core: _Controller, plan: HedgePlan, inner: Any, method: Any) -> None:
-        self._core = core
-        self._plan = plan
-        self._inner = inner
-        self._method = method
-
-    def __call__(
-        self,
-        request: Any,
-        *,
-        timeout: float | None = None,
-        metadata: Any = None,
-        credentials: Any = None,
-        wait_for_ready: bool | None = None,
-        compression: Any = None,
-    ) -> Any:
-        return _HedgedCall(
-            self._core,
-            self._plan,
-            self._inner,
-            self._method,
-            request,
-            timeout,
-            metadata,
-            credentials,
-            wait_for_ready,
-            compression,
-        )

@@ -334,14 +334,22 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             self._driver.add_done_callback(settled)
 
 
-class _UnaryUnaryMultiCallable(aio.UnaryUnaryMultiCallable):  # type: ignore[misc]
-    """A retried method's multi-callable on an sdkcore channel (see :class:`_UnaryCall`)."""
+class DirectMultiCallable(aio.UnaryUnaryMultiCallable):  # type: ignore[misc]
+    """A retried or hedged method's multi-callable on an sdkcore channel.
 
-    def __init__(self, core: _Controller, plan: _Plan, inner: Any, method: Any) -> None:
+    Each call is a ``call_type`` (:class:`_UnaryCall` for a retry plan,
+    ``_hedged_call._HedgedCall`` for a hedging plan) around grpc.aio's own
+    multi-callable ``inner``.
+    """
+
+    def __init__(
+        self, core: _Controller, plan: Any, inner: Any, method: Any, call_type: Any = None
+    ) -> None:
         self._core = core
         self._plan = plan
         self._inner = inner
         self._method = method
+        self._call_type = _UnaryCall if call_type is None else call_type
 
     def __call__(
         self,
@@ -353,7 +361,7 @@ class _UnaryUnaryMultiCallable(aio.UnaryUnaryMultiCallable):  # type: ignore[mis
         wait_for_ready: bool | None = None,
         compression: Any = None,
     ) -> Any:
-        return _UnaryCall(
+        return self._call_type(
             self._core,
             self._plan,
             self._inner,
