@@ -3,7 +3,8 @@
 Run:  uv run python bench/bench_protect.py [--calls N] [--rounds R]
 
 A successful call with protection is: ``breaker.try_acquire()``, ``budget.deposit()``
-(the first attempt's deposit), the call, ``breaker.record_success()``. The bare call
+(the first attempt's deposit), the call, ``breaker.record_success()``; and the same
+through ``with breaker.guard():``, the one line the docs give SDK maintainers. The bare call
 is the same function without them. Both run in the same process, interleaved
 round by round; the figure is the median over rounds of (protected - bare) per
 call. Each piece is also measured alone against the bare call. Target (issue
@@ -55,7 +56,20 @@ def make_variants() -> dict[str, Callable[[], str]]:
         deposit()
         return bare_call()
 
-    return {"bare": bare, "breaker+budget": both, "breaker": breaker_only, "budget": budget_only}
+    guard = breaker.guard
+
+    def guarded() -> str:  # the documented one line, as a send writes it
+        deposit()
+        with guard():
+            return bare_call()
+
+    return {
+        "bare": bare,
+        "breaker+budget": both,
+        "breaker": breaker_only,
+        "budget": budget_only,
+        "guard()+budget": guarded,
+    }
 
 
 def per_call_us(fn: Callable[[], str], calls: int) -> float:
