@@ -284,3 +284,25 @@ def test_help_of_the_orchestrator_lists_no_private_members() -> None:
     assert private == []
     assert "execute_sync(" in page
     assert "maybe_retry(" in page
+
+
+# -- the asyncio deadline heap stays bounded with long timeouts ------------------------------
+
+
+def test_closed_deadlines_do_not_pile_up_until_their_time() -> None:
+    import asyncio
+
+    from sdkcore._runtime import _asyncio as backend
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        for _ in range(50_000):  # each request answered long before its 75 s deadline
+            backend.Scope(loop.time() + 75.0).exit(None)
+        live = [backend.Scope(loop.time() + 75.0) for _ in range(10)]
+        size = len(backend._deadlines(loop).heap)
+        for scope in live:
+            scope.exit(None)
+        return size
+
+    size = asyncio.run(main())
+    assert size <= 2 * backend._COMPACT_MIN  # not 50,010
