@@ -110,7 +110,9 @@ def _name_public_classes() -> None:
     """
     for name in __all__:
         obj = globals()[name]
-        if isinstance(obj, type):
+        # issubclass of type(obj): a generic alias (e.g. ``Backoff``) passes isinstance(obj,
+        # type) on Python 3.10 but is not a class, and its __module__ is read-only
+        if issubclass(type(obj), type):
             obj.__module__ = __name__
 
 
