@@ -136,15 +136,17 @@ async def execute(
     clock = request.clock
     scope = None
     previous = None
-    if request.deadline != _INF:
-        left = request.deadline - clock()
+    deadline = request.deadline
+    if deadline != _INF:
+        left = deadline - clock()
         if left <= 0.0:  # expired before the first attempt: nothing is sent
             raise _failing.timed_out(
                 request, request.last_reason, _strategy_of(self, request), clock()
             )
         scope = rt.Scope(rt.now() + left)
         previous = request._set_cancel_hook(scope)  # Request.cancel() cuts the attempt
-    self._deposit(request)
+    if self._budget is not None:
+        self._deposit(request)
     token = request._dispatching()  # requests made inside send keep within this deadline
     debug = _UNSET  # the debug logger (or None), asked at the call's first retry
     try:
