@@ -4,11 +4,12 @@ One small module per event loop, as anyio's ``_backends`` has, each with the sam
 three waiting operations:
 
 * ``sleep(seconds)``: a backoff wait (an injected sleep replaces it in tests);
+  ``sleep(0)`` is the checkpoint, one turn of the loop (a zero backoff): asyncio and
+  trio both take it as exactly that, so it needs no function of its own;
 * ``Scope(deadline)``: a deadline scope around an attempt, a backoff or a whole
   ``execute``: armed at ``deadline`` (the loop's clock, ``math.inf`` for none),
   cancelled early by ``Scope.cancel()`` (``Request.cancel()``), and ``exit(error)``
   tells whether the scope itself cut what ran inside it;
-* ``checkpoint()``: one turn of the loop (a zero backoff);
 
 plus ``now()``, the loop's clock that deadlines are armed on, and ``Hedges(chain,
 deadline)``, which runs the copies of one hedged request as the loop's own tasks

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from . import HedgeChain
 
-__all__ = ["Hedges", "Scope", "checkpoint", "now", "sleep"]
+__all__ = ["Hedges", "Scope", "now", "sleep"]
 
 sleep = asyncio.sleep
 _current_task = asyncio.current_task
@@ -33,10 +33,6 @@ _heappush = heapq.heappush
 
 def now() -> float:
     return _get_running_loop().time()
-
-
-async def checkpoint() -> None:
-    await asyncio.sleep(0)
 
 
 class _Deadlines:

@@ -10,10 +10,9 @@ import trio
 if TYPE_CHECKING:
     from . import HedgeChain
 
-__all__ = ["Hedges", "Scope", "checkpoint", "now", "sleep"]
+__all__ = ["Hedges", "Scope", "now", "sleep"]
 
 sleep = trio.sleep
-checkpoint = trio.lowlevel.checkpoint
 now = trio.current_time
 
 
