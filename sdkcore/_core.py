@@ -106,7 +106,7 @@ class OrchestratorCore:
         self._default: RetryStrategy = default_strategy
         self._max_in_retry = max_requests_in_retry
         # Requests waiting in backoff. The async doors count on the event loop's thread
-        # (no lock: 0.3 us a retry, bench/README "Core"); execute_sync's threads count
+        # (no lock: 0.3 us a retry, bench/README "bench_doors.py"); execute_sync's threads count
         # under the lock, which is never held while user code runs.
         self._in_retry = 0
         self._in_retry_sync = 0

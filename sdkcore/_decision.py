@@ -82,7 +82,7 @@ def decide(
     seconds the server asked to wait at least (``RetryableError.retry_after``).
 
     A plain tuple, not an object: this runs once per retry, and building a frozen
-    attrs instance cost 0.3 us of the 2 us a retry costs (bench/README, "Core").
+    attrs instance cost 0.3 us of the 2 us a retry costs (bench/README, "bench_doors.py").
     """
     if reason.always_retry:
         delay = CONTROLLED_SECONDS[retry_attempts if retry_attempts < 5 else 5]
