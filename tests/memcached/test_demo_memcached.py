@@ -24,6 +24,7 @@ from typing import Any
 
 import anyio
 import pytest
+from memcached_server import INSTALL, memcached_binary
 
 from sdkcore._demo import SCENARIO_NAMES, main
 from sdkcore._demo._mcserver import CountingProxy, MemcachedProcess
@@ -36,27 +37,15 @@ from sdkcore._demo._memcached_report import (
 )
 from sdkcore.mapping import KvOpcode
 
-ROOT = Path(__file__).resolve().parent.parent
-INSTALL = "apt-get install memcached"
+ROOT = Path(__file__).resolve().parent.parent.parent
 PERCENT = 0.2
-
-
-def memcached_or_skip() -> str:
-    """memcached's path; skip locally, fail under CI=true, when it is not installed."""
-    path = shutil.which("memcached")
-    if path is None:
-        message = f"memcached is not installed; install it with: {INSTALL}"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"{message} (CI=true: the memcached demo scenario must run)")
-        pytest.skip(message)
-    return path
 
 
 @pytest.fixture(scope="module")
 def outage() -> dict[str, Any]:
     """One run of the scenario through the demo's runner: JSON, text, streamed lines."""
     pytest.importorskip("grpc")
-    memcached_or_skip()
+    memcached_binary()
     from sdkcore._demo._report import render_tail, render_text, to_json
     from sdkcore._demo._run import run
 
@@ -191,7 +180,7 @@ def test_without_memcached_json_marks_it_skipped_and_the_rest_runs(
 
 @pytest.mark.anyio
 async def test_memcached_is_killed_when_its_block_fails_or_is_cancelled() -> None:
-    binary = memcached_or_skip()
+    binary = memcached_binary()
     server = MemcachedProcess(binary)
     pids: list[int | None] = []
 
@@ -221,7 +210,7 @@ async def test_memcached_is_killed_when_its_block_fails_or_is_cancelled() -> Non
 async def test_the_proxy_counts_frames_alive_and_dead() -> None:
     from sdkcore.examples.memcached import MemcachedClient
 
-    binary = memcached_or_skip()
+    binary = memcached_binary()
     async with MemcachedProcess(binary) as server, anyio.create_task_group() as tg:
         proxy = CountingProxy(server.port)
         port = await tg.start(proxy.serve)
@@ -247,7 +236,7 @@ async def test_the_proxy_counts_frames_alive_and_dead() -> None:
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads child processes from /proc")
 def test_ctrl_c_during_the_scenario_leaves_no_memcached_behind(tmp_path: Path) -> None:
     pytest.importorskip("grpc")
-    binary = memcached_or_skip()
+    binary = memcached_binary()
     # A PATH with memcached and nothing else: no setpriv, so no parent-death signal
     # either; only the demo's own cleanup can kill the processes it started.
     (tmp_path / "memcached").symlink_to(binary)
@@ -319,10 +308,10 @@ def test_missing_memcached_skips_locally_and_fails_under_ci(
     monkeypatch.setattr(shutil, "which", lambda name: None)
     monkeypatch.delenv("CI", raising=False)
     with pytest.raises(pytest.skip.Exception, match="apt-get install memcached"):
-        memcached_or_skip()
+        memcached_binary()
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="CI=true"):
-        memcached_or_skip()
+        memcached_binary()
 
 
 @pytest.mark.parametrize("verbose", [False, True])
