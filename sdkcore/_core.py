@@ -143,19 +143,32 @@ class OrchestratorCore:
         )
 
     # -- the step after a failed attempt -----------------------------------------------
-    def _ask(self, request: Request, reason: RetryReason) -> tuple[Any, Any]:
-        """The strategy's answer and the strategy (both None for an always-retry reason).
+    def _resolve(self, request: Request) -> tuple[Any, Any, Any]:
+        """What the doors ask once per request (:meth:`Request._resolved_by`).
 
-        The answer is a RetryAction, or an awaitable of one for an async strategy.
+        The request's strategy; its synchronous ``decide`` when its ``retry_after``
+        is a built-in's (no coroutine per retry), else None (asked through
+        ``retry_after``); and the log gate (:func:`sdkcore._log.gate`): ``at(level)``
+        gives the logger or None, per retry.
         """
-        if reason.always_retry:  # the strategy is not consulted
-            return None, None
         strategy: Any = request.retry_strategy or self._default
+        decides = None
+        if getattr(strategy.retry_after, "__func__", None) in BUILTIN_RETRY_AFTER:
+            decides = strategy.decide
+        return strategy, decides, _log.gate()
+
+    def _ask(self, request: Request, reason: RetryReason, strategy: Any, decides: Any) -> Any:
+        """The strategy's answer: a RetryAction, or an awaitable of one for an async strategy.
+
+        None for an always-retry reason (the strategy is not consulted). ``strategy``
+        and ``decides`` come from :meth:`_resolve`.
+        """
+        if reason.always_retry:
+            return None
         try:
-            method = strategy.retry_after
-            if getattr(method, "__func__", None) in BUILTIN_RETRY_AFTER:
-                return strategy.decide(request, reason), strategy  # no coroutine per retry
-            return method(request, reason), strategy
+            if decides is not None:
+                return decides(request, reason)
+            return strategy.retry_after(request, reason)
         except Exception as exc:
             _failing.strategy_failed(request, reason, _failing.strategy_name(strategy), exc)
             raise
@@ -168,30 +181,45 @@ class OrchestratorCore:
         strategy: Any,
         log: Any,
         failure: BaseException | None,
-        hint: float | None = None,
+        hint: float | None,
+        now: float,
         threads: bool = False,
     ) -> Decision:
         """Decide, then book the retry (returned) or complete the request and raise.
 
-        ``strategy``: the one that answered ``action`` (None for an always-retry
-        reason); ``log``: the debug logger or None (asked once per door call);
-        ``failure``: the attempt's failure, the ``__cause__`` of the final exception;
-        ``hint``: the seconds the server asked to wait. A retry (RETRY or TIME_OUT) is
-        counted as waiting in retry: the door gives it back with :meth:`_leave_backoff`
-        once the wait is over (``threads``: execute_sync's count, under the lock).
+        ``action``: the strategy's answer (:meth:`_ask`, awaited); ``log``: the debug
+        logger or None (asked once per request, :meth:`_resolve`); ``failure``: the
+        attempt's failure, the ``__cause__`` of the final exception; ``hint``: the
+        seconds the server asked to wait; ``now``: the request's clock when the attempt
+        failed. A retry (RETRY or TIME_OUT) is counted as waiting in retry: the door
+        gives it back with :meth:`_leave_backoff` once the wait is over (``threads``:
+        execute_sync's count, under the lock).
         """
-        if strategy is not None and not isinstance(action, RetryAction):
+        always = reason.always_retry
+        if not always and type(action) is not RetryAction and not isinstance(action, RetryAction):
             name = _failing.strategy_name(strategy)
             error = _failing.bad_action(name, reason, action)
             _failing.strategy_failed(request, reason, name, error)
             raise error
-        # execute_sync's threads: the capacity check and the count move together under the
-        # lock. The async doors' count has one writer, the loop's thread: no lock (0.3 us).
-        lock = self._lock if threads else None
-        if lock is not None:
-            lock.acquire()
-        try:
-            left = request.deadline - request.clock()
+        left = request.deadline - now
+        if threads:
+            # execute_sync's threads: the capacity check and the count move together under
+            # the lock, which is never held while user code runs.
+            with self._lock:
+                verdict, delay = decide(
+                    reason,
+                    action,
+                    request.retry_attempts,
+                    request.idempotent,
+                    left,
+                    self._in_retry + self._in_retry_sync,
+                    self._max_in_retry,
+                    hint,
+                )
+                if verdict is _RETRY or verdict is _TIME_OUT:
+                    self._in_retry_sync += 1
+        else:
+            # The async doors' count has one writer, the loop's thread: no lock (0.3 us).
             verdict, delay = decide(
                 reason,
                 action,
@@ -203,13 +231,7 @@ class OrchestratorCore:
                 hint,
             )
             if verdict is _RETRY or verdict is _TIME_OUT:
-                if threads:
-                    self._in_retry_sync += 1
-                else:
-                    self._in_retry += 1
-        finally:
-            if lock is not None:
-                lock.release()
+                self._in_retry += 1
         budget = self._budget
         if (
             verdict is _RETRY
@@ -220,24 +242,15 @@ class OrchestratorCore:
             self._leave_backoff(threads)
             verdict = Verdict.BUDGET_EXHAUSTED
         if verdict is not _RETRY and verdict is not _TIME_OUT:
-            name = _failing.strategy_name(strategy)
-            exc: BaseException
-            if verdict is Verdict.HINT_PAST_DEADLINE:
-                assert hint is not None
-                exc = _failing.timed_out(request, reason, name, request.clock(), hint=(hint, left))
-            else:
-                exc = _failing.refused(
-                    request, reason, verdict, action, name, self._max_in_retry, budget
-                )
-            if isinstance(exc, CouchbaseException):
-                _failing.keep_cause(exc, failure)
-            raise exc
+            raise self._refusal(request, reason, verdict, action, strategy, failure, hint, left)
         request._retry_booked(reason, delay)
         if log is not None:
             try:
                 log.debug(
                     _log.EVENT_SCHEDULED,
-                    **_failing.event_fields(request, reason, _failing.strategy_name(strategy)),
+                    **_failing.event_fields(
+                        request, reason, _failing.strategy_name(None if always else strategy)
+                    ),
                     delay_ms=round(delay * 1000.0, 3),
                     capped=verdict is _TIME_OUT,
                 )
@@ -245,6 +258,31 @@ class OrchestratorCore:
                 self._leave_backoff(threads)
                 raise
         return verdict, delay
+
+    def _refusal(
+        self,
+        request: Request,
+        reason: RetryReason,
+        verdict: Verdict,
+        action: Any,
+        strategy: Any,
+        failure: BaseException | None,
+        hint: float | None,
+        left: float,
+    ) -> BaseException:
+        """The final exception for a verdict that ends the request (the request completes)."""
+        name = _failing.strategy_name(None if reason.always_retry else strategy)
+        exc: BaseException
+        if verdict is Verdict.HINT_PAST_DEADLINE:
+            assert hint is not None
+            exc = _failing.timed_out(request, reason, name, request.clock(), hint=(hint, left))
+        else:
+            exc = _failing.refused(
+                request, reason, verdict, action, name, self._max_in_retry, self._budget
+            )
+        if isinstance(exc, CouchbaseException):
+            _failing.keep_cause(exc, failure)
+        return exc
 
     def _deposit(self, request: Request) -> None:
         """A request's first attempt pays into the retry budget (once per request)."""

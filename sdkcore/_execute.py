@@ -8,12 +8,13 @@ methods of :class:`sdkcore.RetryOrchestrator` (bound there by name).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Awaitable, Callable, Generator
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from . import _failing, _log, _runtime
+from . import _failing, _runtime
 from ._action import RetryAction
 from ._context import AttemptEffect, CancellationReason
 from ._core import OrchestratorCore
@@ -33,6 +34,7 @@ _RETRY = Verdict.RETRY
 _MAYBE = AttemptEffect.MAYBE_APPLIED
 _EFFECT_OF = {r: AttemptEffect.for_reason(r) for r in RetryReason}
 _INF = math.inf
+_DEBUG = logging.DEBUG
 _UNSET: Any = object()
 _instant = INSTANT_DELAYS.get
 
@@ -132,23 +134,24 @@ async def execute(
         )
     if request.state is not _PENDING:
         raise _failing.already_completed(request, None)
-    rt = _runtime.current()
     clock = request.clock
-    scope = None
-    previous = None
     deadline = request.deadline
+    rt: Any = None  # the runtime layer, looked up when the call first waits
+    scope = previous = token = None
     if deadline != _INF:
         left = deadline - clock()
         if left <= 0.0:  # expired before the first attempt: nothing is sent
             raise _failing.timed_out(
                 request, request.last_reason, _strategy_of(self, request), clock()
             )
+        rt = _runtime.current()
         scope = rt.Scope(rt.now() + left)
         previous = request._set_cancel_hook(scope)  # Request.cancel() cuts the attempt
+        token = request._dispatching()  # requests made inside send keep within this deadline
     if self._budget is not None:
         self._deposit(request)
-    token = request._dispatching()  # requests made inside send keep within this deadline
-    debug = _UNSET  # the debug logger (or None), asked at the call's first retry
+    strategy = decides = debug = None  # resolved at the call's first failure
+    resolved = False
     try:
         while True:
             request._begin_attempt(clock())
@@ -164,16 +167,19 @@ async def execute(
             except RetryableError as failure:
                 reason = failure.reason
                 failed = failure.__cause__ or failure
-                request._attempt_failed(
-                    reason, failure.effect or _EFFECT_OF[reason], failed, clock()
-                )
-                if debug is _UNSET:
-                    debug = _log.enabled(_log.DEBUG)
-                action, strategy = self._ask(request, reason)
+                now = clock()
+                request._attempt_failed(reason, failure.effect or _EFFECT_OF[reason], failed, now)
+                if not resolved:  # once per call
+                    strategy, decides, gate = self._resolve(request)
+                    debug = gate(_DEBUG)
+                    rt = rt or _runtime.current()
+                    resolved = True
+                action = self._ask(request, reason, strategy, decides)
                 if type(action) is not RetryAction and hasattr(action, "__await__"):
                     action = await _awaited(request, reason, action, strategy)
+                    now = clock()
                 verdict, delay = self._settle(
-                    request, reason, action, strategy, debug, failed, failure.retry_after
+                    request, reason, action, strategy, debug, failed, failure.retry_after, now
                 )
                 try:  # the wait, written out here: a shared coroutine is one more frame
                     if self._sleep is None and not _instant():
@@ -183,7 +189,7 @@ async def execute(
                 finally:
                     self._in_retry -= 1  # counted by _settle (the loop's thread only)
                 if verdict is not _RETRY or request.state is not _PENDING:
-                    _resume(request, verdict, strategy)
+                    _resume(request, verdict, None if reason.always_retry else strategy)
                 continue
             break
     except BaseException as exc:
@@ -217,7 +223,8 @@ async def execute(
         request._succeeded()
         return result
     finally:
-        Request._dispatched_done(token)
+        if token is not None:
+            Request._dispatched_done(token)
 
 
 async def maybe_retry(
@@ -253,19 +260,21 @@ async def maybe_retry(
         raise TypeError(f"maybe_retry(effect=...) must be an AttemptEffect, got {effect!r}")
     if request.state is not _PENDING:
         raise _failing.already_completed(request, reason)
-    request._attempt_failed(reason, effect or _EFFECT_OF[reason], cause, request.clock())
-    self._deposit(request)  # a loop without attempt(): its first failure counts the first attempt
+    now = request.clock()
+    request._attempt_failed(reason, effect or _EFFECT_OF[reason], cause, now)
+    if self._budget is not None:  # a loop without attempt(): its first failure counts the first
+        self._deposit(request)
     rt = _runtime.current()
-    action, strategy = self._ask(request, reason)
+    _, strategy, decides, gate = request._resolved_by(self, self._resolve)
+    action = self._ask(request, reason, strategy, decides)
     if type(action) is not RetryAction and hasattr(action, "__await__"):
         name = _failing.strategy_name(strategy)
         action = await _bounded(self, request, reason, rt, action, name)
+        now = request.clock()
     if retry_after is None and isinstance(cause, RetryableError):
         retry_after = cause.retry_after
     hint = None if retry_after is None else to_seconds(retry_after, "maybe_retry(retry_after=...)")
-    verdict, delay = self._settle(
-        request, reason, action, strategy, _log.enabled(_log.DEBUG), cause, hint
-    )
+    verdict, delay = self._settle(request, reason, action, strategy, gate(_DEBUG), cause, hint, now)
     if delay > 0.0 and (self._sleep is None or not _instant()):
         # Request.cancel() wakes a real backoff early.
         scope = rt.Scope(_INF)
@@ -281,13 +290,19 @@ async def maybe_retry(
             request._set_cancel_hook(previous)
             scope.exit(None)
     else:
-        try:
-            await _wait(self, request, rt, delay)
+        try:  # the wait, written out here: a shared coroutine is one more frame
+            if self._sleep is None and not _instant():
+                await rt.sleep(delay)  # zero: one checkpoint
+            else:
+                await _injected_wait(self, request, rt, delay)
         except BaseException as exc:
             request._finish_by(exc)
             raise
-    _resume(request, verdict, strategy)
-    if isinstance(action, RetryAction) and action.seconds == delay and action.duration is not None:
+        finally:
+            self._in_retry -= 1  # counted by _settle (the loop's thread only)
+    if verdict is not _RETRY or request.state is not _PENDING:
+        _resume(request, verdict, None if reason.always_retry else strategy)
+    if type(action) is RetryAction and action.seconds == delay and action.duration is not None:
         return action.duration  # the strategy's own timedelta: nothing to build
     return timedelta(seconds=delay)
 

@@ -8,11 +8,12 @@ orchestrator's lock, one increment at a time.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from . import _failing, _log
+from . import _failing
 from ._action import RetryAction
 from ._context import AttemptEffect
 from ._core import OrchestratorCore
@@ -77,8 +78,6 @@ def _loop(
 ) -> T:
     clock = request.clock
     deadline = request.deadline
-    debug: Any = None
-    asked = False
     while True:
         if clock() >= deadline:
             raise _failing.timed_out(
@@ -96,9 +95,7 @@ def _loop(
                     request, reason, _name(self, request), now, in_flight=True, error=failed
                 ) from failed
             request._attempt_failed(reason, failure.effect or _EFFECT_OF[reason], failed, now)
-            if not asked:
-                debug, asked = _log.enabled(_log.DEBUG), True
-            _retry(self, request, reason, failed, sleep, debug, failure.retry_after)
+            _retry(self, request, reason, failed, sleep, failure.retry_after, now)
             continue
         except Exception as exc:
             now = clock()
@@ -143,11 +140,12 @@ def _retry(
     reason: RetryReason,
     failure: BaseException,
     sleep: Callable[[float], Any],
-    debug: Any,
     hint: float | None,
+    now: float,
 ) -> None:
     """Decide and wait one retry on the calling thread (raises when not retried)."""
-    action, strategy = self._ask(request, reason)
+    _, strategy, decides, gate = request._resolved_by(self, self._resolve)
+    action = self._ask(request, reason, strategy, decides)
     if type(action) is not RetryAction and hasattr(action, "__await__"):
         close = getattr(action, "close", None)
         if close is not None:
@@ -160,7 +158,7 @@ def _retry(
             "instead, or 'await orchestrator.execute(...)'"
         )
     verdict, delay = self._settle(
-        request, reason, action, strategy, debug, failure, hint, threads=True
+        request, reason, action, strategy, gate(logging.DEBUG), failure, hint, now, threads=True
     )
     try:
         if delay > 0.0 and not INSTANT_DELAYS.get():
@@ -173,6 +171,5 @@ def _retry(
     if request.state is not _PENDING:  # Request.cancel() from another thread
         raise _failing.already_completed(request, reason)
     if verdict is Verdict.TIME_OUT:
-        raise _failing.timed_out(
-            request, reason, _failing.strategy_name(strategy), request.clock()
-        ) from failure
+        name = _failing.strategy_name(None if reason.always_retry else strategy)
+        raise _failing.timed_out(request, reason, name, request.clock()) from failure
