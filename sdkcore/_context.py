@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import json
 from collections.abc import Mapping
 from datetime import timedelta
 from types import MappingProxyType
@@ -221,6 +220,11 @@ class ErrorContext:
         return out
 
     def __str__(self) -> str:
+        # json is imported here, not with sdkcore: only rendering a context for a person
+        # (``str(exc)``, a bug report) needs it, never a request on its way (errors are
+        # described without their context while a request runs, see describe_error).
+        import json
+
         return json.dumps(self.to_dict(), default=str, sort_keys=False)
 
     def __reduce__(self) -> tuple[object, ...]:
