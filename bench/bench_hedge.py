@@ -10,7 +10,15 @@ them to the same server with the tail removed (the best any hedging could reach)
 Then the generic runner alone (``RetryOrchestrator.hedge``) on an in-process
 ``send`` with the same long tail.
 
-    uv run --group bench python bench/bench_hedge.py [--only grpc|generic] [--requests N]
+Those rows run in this process, one after another. A further panel runs every client
+in a fresh process of its own, against the same server: grpc.aio without hedging,
+the hedged sdkcore channel, grpc-js (the Node gRPC client, which implements A6
+hedging) without and with the same service config, and the no-tail reference. It
+needs node and ``npm ci --prefix bench/grpcjs``; without them it prints why it was
+skipped.
+
+    npm ci --prefix bench/grpcjs
+    uv run --group bench python bench/bench_hedge.py [--only grpc|grpcjs|generic] [--requests N]
 
 Prints p50 / p99 / p99.9 / max and the extra attempts the server saw, side by side,
 and, for a run of every panel, writes bench/hedge_latency_cdf.png (when matplotlib is
@@ -30,6 +38,8 @@ import json
 import logging
 import multiprocessing
 import random
+import shutil
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -63,7 +73,11 @@ CONFIG = json.dumps(
         ]
     }
 )
-PLOT = Path(__file__).resolve().parent / "hedge_latency_cdf.png"
+SCRIPT = Path(__file__).resolve()
+PLOT = SCRIPT.parent / "hedge_latency_cdf.png"
+#: The grpc-js client (``npm ci --prefix bench/grpcjs`` installs its one dependency).
+GRPCJS = SCRIPT.parent / "grpcjs"
+GRPCJS_PACKAGE = GRPCJS / "node_modules" / "@grpc" / "grpc-js" / "package.json"
 
 
 class LongTail:
@@ -290,6 +304,139 @@ async def runner_runs(
     return await measure(variants, count, requests, concurrency, rounds, rate)
 
 
+async def client_run(args: argparse.Namespace) -> None:
+    """``--client``: one closed-loop run in this (fresh) process, as JSON on stdout.
+
+    The same protocol as bench/grpcjs/client.js: connect, ``--warmup`` calls, read
+    the server's attempt counter, the measured calls, read it again.
+    """
+    channel = (
+        insecure_channel(args.target, service_config=CONFIG)
+        if args.client == "sdkcore"
+        else aio.insecure_channel(args.target)
+    )
+    async with channel:
+        await channel.channel_ready()
+        stub = channel.unary_unary(args.method)
+        if args.warmup > 0:
+            await drive(lambda: stub(b"k"), args.warmup, args.concurrency)
+        before = await server_attempts(args.target)
+        latencies = await drive(lambda: stub(b"k"), args.requests, args.concurrency)
+        attempts = await server_attempts(args.target) - before
+    print(
+        json.dumps(
+            {
+                "client": args.client,
+                "latencies": latencies,
+                "attempts": attempts,
+                "cpu_us": CPU_US[-1],
+                "rps": RATE[-1],
+            }
+        )
+    )
+
+
+def grpcjs_missing() -> str | None:
+    """Why the grpc-js panel cannot run, or None."""
+    if shutil.which("node") is None:
+        return "node is not on PATH"
+    if not GRPCJS_PACKAGE.is_file():
+        return "run `npm ci --prefix bench/grpcjs` first"
+    return None
+
+
+def grpcjs_version() -> str:
+    version: str = json.loads(GRPCJS_PACKAGE.read_text())["version"]
+    return version
+
+
+async def run_client(argv: list[str]) -> dict[str, Any]:
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[:4])} ... exited {proc.returncode}: {err.decode()}")
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+#: Row labels of the fresh-process panel (grpc-js rows get its version appended).
+FRESH_PLAIN = "grpc.aio channel, no hedging"
+FRESH_SDKCORE = f"sdkcore channel, hedged (2 attempts, {HEDGE_DELAY})"
+FRESH_JS_PLAIN = "grpc-js {}, no hedging"
+FRESH_JS_HEDGED = f"grpc-js {{}}, hedged (2 attempts, {HEDGE_DELAY})"
+
+
+async def fresh_runs(
+    target: str, requests: int, concurrency: int, rounds: int, warmup: int
+) -> dict[str, Any]:
+    """Every client in a fresh process per round, against the same server.
+
+    ``rounds`` rounds; in each, every client runs ``requests / rounds`` calls in a
+    process of its own (``warmup`` calls first, not counted), in an order that
+    rotates from one round to the next. Pooled as in :func:`measure`.
+    """
+    version = grpcjs_version()
+    per_round = max(1, requests // rounds)
+    common = ["--target", target, "--requests", str(per_round)]
+    common += ["--concurrency", str(concurrency), "--warmup", str(warmup)]
+    py = [sys.executable, str(SCRIPT)]
+    js = ["node", str(GRPCJS / "client.js")]
+    variants = {
+        FRESH_PLAIN: [*py, "--client", "grpc.aio", "--method", METHOD],
+        FRESH_SDKCORE: [*py, "--client", "sdkcore", "--method", METHOD],
+        FRESH_JS_PLAIN.format(version): [*js, "--method", METHOD],
+        FRESH_JS_HEDGED.format(version): [*js, "--method", METHOD, "--service-config", CONFIG],
+        NO_TAIL_GRPC: [*py, "--client", "grpc.aio", "--method", NO_TAIL],
+    }
+    labels = list(variants)
+    lat: dict[str, list[float]] = {k: [] for k in labels}
+    attempts: dict[str, int] = dict.fromkeys(labels, 0)
+    cpu: dict[str, float] = dict.fromkeys(labels, 0.0)
+    rps: dict[str, float] = dict.fromkeys(labels, 0.0)
+    for i in range(rounds):
+        k = i % len(labels)
+        for label in labels[k:] + labels[:k]:
+            run = await run_client(variants[label] + common)
+            lat[label] += run["latencies"]
+            attempts[label] += run["attempts"]
+            cpu[label] += run["cpu_us"] / rounds
+            rps[label] += run["rps"] / rounds
+    out: dict[str, Any] = {}
+    for label in labels:
+        s = summary(lat[label], attempts[label])
+        s["cpu"] = cpu[label]
+        s["rps"] = rps[label]
+        out[label] = (lat[label], s)
+    return out
+
+
+def head_to_head(results: dict[str, Any]) -> str:
+    """The fresh-process panel: each hedged client against its own unhedged run,
+    and sdkcore against grpc-js on p50, p99.9 and extra attempts at once."""
+    (_, plain), (_, sd), (_, js_plain), (_, js) = list(results.values())[:4]
+
+    def cut(base: dict[str, float], hedged: dict[str, float]) -> str:
+        ratio = base["p99.9"] / hedged["p99.9"]
+        ok = ratio >= 25 and hedged["extra"] <= 2.0
+        return (
+            f"p99.9 cut {ratio:.1f}x at {hedged['extra']:.2f}% extra attempts "
+            f"(>= 25x at <= 2%: {'met' if ok else 'NOT met'})"
+        )
+
+    better = sd["p50"] <= js["p50"] and sd["p99.9"] <= js["p99.9"] and sd["extra"] <= js["extra"]
+    return (
+        f"sdkcore: {cut(plain, sd)}, p50 ratio to grpc.aio {sd['p50'] / plain['p50']:.3f}; "
+        f"grpc-js: {cut(js_plain, js)} against its own unhedged run "
+        f"({plain['p99.9'] / js['p99.9']:.1f}x against grpc.aio unhedged), "
+        f"p50 ratio {js['p50'] / js_plain['p50']:.3f}; sdkcore / grpc-js: "
+        f"p50 {sd['p50'] / js['p50']:.3f}, p99.9 {sd['p99.9'] / js['p99.9']:.3f}, "
+        f"extra attempts {sd['extra']:.2f}% vs {js['extra']:.2f}% "
+        f"(no worse on all three: {'yes' if better else 'NO'})"
+    )
+
+
 def table(results: dict[str, Any]) -> str:
     lines = [
         "| run | p50 ms | p99 ms | p99.9 ms | max ms | extra attempts | completed req/s "
@@ -377,21 +524,27 @@ async def main_async(args: argparse.Namespace, target: str) -> None:
     closed = f"closed loop, concurrency {args.concurrency}"
     opened = f"open loop, {args.rate:.0f} requests/s"
     n, m, c, r = args.requests, args.open_requests, args.concurrency, args.rounds
+    fresh = f"gRPC against grpc-js, {closed}, a fresh client process per run"
     panels: list[tuple[str, dict[str, Any]]] = []
-    panel_runs: list[tuple[str, Callable[[], Awaitable[dict[str, Any]]]]] = [
-        (f"gRPC, {closed}", lambda: grpc_runs(target, n, c, r, None)),
-        (f"gRPC, {opened}", lambda: grpc_runs(target, m, c, r, args.rate)),
-        (f"generic runner, {closed}", lambda: runner_runs(n, c, r, None)),
-        (f"generic runner, {opened}", lambda: runner_runs(m, c, r, args.rate)),
+    panel_runs: list[tuple[str, str, Callable[[], Awaitable[dict[str, Any]]]]] = [
+        ("grpc", f"gRPC, {closed}", lambda: grpc_runs(target, n, c, r, None)),
+        ("grpc", f"gRPC, {opened}", lambda: grpc_runs(target, m, c, r, args.rate)),
+        ("grpcjs", fresh, lambda: fresh_runs(target, n, c, r, args.fresh_warmup)),
+        ("generic", f"generic runner, {closed}", lambda: runner_runs(n, c, r, None)),
+        ("generic", f"generic runner, {opened}", lambda: runner_runs(m, c, r, args.rate)),
     ]
-    for title, runs in panel_runs:
-        if args.only and not title.lower().startswith(args.only):
+    for key, title, runs in panel_runs:
+        if args.only and key != args.only:
+            continue
+        if key == "grpcjs" and (why := grpcjs_missing()):
+            print(f"### {title}\n\nskipped: {why}\n", flush=True)
             continue
         results = await runs()
         panels.append((title, results))
         print(f"### {title}\n")
         print(table(results))
-        print("\n" + verdict(results) + "\n", flush=True)
+        judge = head_to_head if key == "grpcjs" else verdict
+        print("\n" + judge(results) + "\n", flush=True)
     if args.only:  # the committed plot shows every panel of one run
         print("--only: no plot written")
     else:
@@ -408,10 +561,33 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
-        "--only", choices=("grpc", "generic"), help="run the gRPC or the generic-runner panels only"
+        "--only",
+        choices=("grpc", "grpcjs", "generic"),
+        help="run only the in-process gRPC panels, the fresh-process panel against grpc-js, "
+        "or the generic-runner panels",
     )
+    parser.add_argument(
+        "--fresh-warmup",
+        type=int,
+        default=200,
+        help="uncounted calls each fresh client process sends before its measured calls "
+        "(the in-process panels warm up with 200 too); 0 puts connection reuse and first "
+        "calls on the clock",
+    )
+    parser.add_argument(
+        "--client",
+        choices=("grpc.aio", "sdkcore"),
+        help="internal, for the fresh-process panel: run one client against --target "
+        "(--method, --requests, --concurrency, --warmup) and print JSON",
+    )
+    parser.add_argument("--target", help="with --client: host:port of a running server")
+    parser.add_argument("--method", default=METHOD, help="with --client")
+    parser.add_argument("--warmup", type=int, default=200, help="with --client")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+    if args.client:
+        asyncio.run(client_run(args))
+        return
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=serve, args=(child, args.seed), daemon=True)
