@@ -5,7 +5,7 @@ sdkcore never configures structlog: the application does. Where the events go:
 * structlog configured by the application (``structlog.is_configured()``): through
   ``structlog.get_logger("sdkcore")``, i.e. the application's own pipeline;
 * structlog left unconfigured: to the stdlib logger ``logging.getLogger("sdkcore")``
-  (through structlog's stdlib wrapper, without configuring structlog), so an
+  (plain ``logging`` calls; structlog is not imported), so an
   application that only uses ``logging`` sees them in its handlers and nothing is
   printed (structlog's unconfigured default would print every debug line to stdout);
   the logger carries a ``logging.NullHandler``, so an application that configured no
@@ -16,9 +16,9 @@ To keep the per-attempt path cheap, callers ask :func:`enabled` before building 
 event, and the retry doors ask :func:`gate` once per request, then one comparison
 per retry.
 
-structlog is imported on first use, not with sdkcore: an application that never
-imported structlog cannot have configured it, and ``import structlog`` costs tens of
-milliseconds (it loads rich when installed).
+sdkcore never imports structlog itself: an application that never imported it cannot
+have configured it, and ``import structlog`` costs tens of milliseconds (it loads
+rich when installed); sdkcore uses the structlog module the application loaded.
 """
 
 from __future__ import annotations
@@ -82,33 +82,40 @@ _stdlib_logger = logging.getLogger(LOGGER_NAME)
 _stdlib_logger.addHandler(logging.NullHandler())
 
 
-def _to_stdlib(_: Any, method: str, event_dict: MutableMapping[str, Any]) -> dict[str, Any]:
+def _stdlib_event(event: str, fields: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """Render an event for a stdlib logger: ``retry.scheduled key=value ...``.
 
     The fields are also on the LogRecord, as ``record.sdkcore`` (a dict), for
     handlers that want them structured.
     """
-    fields = dict(event_dict)
-    event = fields.pop("event", "")
     text = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in fields.items())
-    return {"msg": f"{event} {text}" if text else str(event), "extra": {"sdkcore": fields}}
+    return (f"{event} {text}" if text else event), {"sdkcore": fields}
 
 
-_stdlib_bound: Any = None  # structlog's stdlib wrapper around the "sdkcore" logger
+class _Stdlib:
+    """sdkcore's events on the stdlib logger ``sdkcore`` (structlog left unconfigured).
+
+    Plain ``logging`` calls: an application that never configured structlog never
+    imports it through sdkcore (the first warning of a process would otherwise load
+    structlog, tens of milliseconds, inside that request's deadline).
+    """
+
+    __slots__ = ()
+
+    def debug(self, event: str, **fields: Any) -> None:
+        msg, extra = _stdlib_event(event, fields)
+        _stdlib_logger.debug(msg, extra=extra, stacklevel=2)
+
+    def info(self, event: str, **fields: Any) -> None:
+        msg, extra = _stdlib_event(event, fields)
+        _stdlib_logger.info(msg, extra=extra, stacklevel=2)
+
+    def warning(self, event: str, **fields: Any) -> None:
+        msg, extra = _stdlib_event(event, fields)
+        _stdlib_logger.warning(msg, extra=extra, stacklevel=2)
 
 
-def _stdlib_logger_bound() -> Any:
-    global _stdlib_bound
-    if _stdlib_bound is None:
-        import structlog
-
-        _stdlib_bound = structlog.wrap_logger(
-            _stdlib_logger,
-            processors=[_to_stdlib],
-            wrapper_class=structlog.stdlib.BoundLogger,
-            context_class=dict,
-        )
-    return _stdlib_bound
+_STDLIB = _Stdlib()
 
 
 class _Capture:
@@ -197,7 +204,7 @@ def gate() -> Callable[[int], Any]:
 
 
 def _stdlib_at(level: int) -> Any:
-    return _stdlib_logger_bound() if _stdlib_enabled(level) else None
+    return _STDLIB if _stdlib_enabled(level) else None
 
 
 class _Floor:

@@ -125,3 +125,48 @@ def test_no_structlog_private_modules_in_the_library() -> None:
         if private.search(path.read_text(encoding="utf-8"))
     ]
     assert offenders == []
+
+
+def test_an_app_without_structlog_never_loads_it_through_sdkcore() -> None:
+    """A warning (a strategy that raised) goes to the stdlib logger, structlog never loaded.
+
+    Loading structlog lazily would put tens of milliseconds inside the request whose
+    event it is.
+    """
+    code = textwrap.dedent(
+        """
+        import asyncio, logging, sys
+        records = []
+        class Keep(logging.Handler):
+            def emit(self, record):
+                records.append(record)
+        logging.getLogger("sdkcore").addHandler(Keep())
+        from sdkcore import RetryOrchestrator, Request, RetryReason
+        from sdkcore.testing import ScriptedSend
+
+        class Broken:
+            def retry_after(self, request, reason):
+                raise RuntimeError("strategy bug")
+
+        async def main():
+            try:
+                await RetryOrchestrator(Broken()).execute(
+                    Request(idempotent=True), ScriptedSend([RetryReason.KV_LOCKED])
+                )
+            except RuntimeError:
+                pass
+
+        asyncio.run(main())
+        assert "structlog" not in sys.modules, "structlog was imported"
+        [record] = records
+        assert record.levelno == logging.WARNING, record.levelno
+        assert record.getMessage().startswith("retry.strategy_failed request_id="), record.msg
+        assert record.sdkcore["reason"] == "KV_LOCKED", record.sdkcore
+        print("ok")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
