@@ -165,6 +165,7 @@ async def execute(
             try:
                 result = await pending
             except RetryableError as failure:
+                del pending  # the finished attempt: not held through the backoff
                 reason = failure.reason
                 failed = failure.__cause__ or failure
                 now = clock()

@@ -457,17 +457,17 @@ class Request:
     def _succeeded(self) -> None:
         """The request got its answer.
 
-        The recorded failures let go of their tracebacks: a traceback holds the
-        frames it passed through, and those hold the request, whose history holds the
-        failure: a reference cycle per retried call (about 1 us per retry in
-        bench/bench_core.py). Types and messages stay for :attr:`attempts`.
+        The last failure lets go of its traceback (:meth:`_attempt_failed` freed the
+        older ones): a traceback holds the frames it passed through, and those hold
+        the request, whose history holds the failure: a reference cycle per retried
+        call (about 1 us per retry in bench/bench_core.py). Types and messages stay
+        for :attr:`attempts`.
         """
         if self._state is RequestState.PENDING:
             self._state = RequestState.SUCCEEDED
-        for entry in self._history:
-            error = entry[2]
-            if error is not None:
-                error.__traceback__ = None
+        error = self._last_error
+        if error is not None:
+            error.__traceback__ = None
 
     def _finish(self, state: RequestState, why: CancellationReason | None = None) -> None:
         """Complete the request (once: a completed request keeps its first ending)."""
