@@ -202,24 +202,12 @@ class OrchestratorCore:
             _failing.strategy_failed(request, reason, name, error)
             raise error
         left = request.deadline - now
+        # execute_sync's threads: the capacity check and the count move together under the
+        # lock, which is never held while user code runs. The async doors' count has one
+        # writer, the loop's thread: no lock (0.3 us a retry).
         if threads:
-            # execute_sync's threads: the capacity check and the count move together under
-            # the lock, which is never held while user code runs.
-            with self._lock:
-                verdict, delay = decide(
-                    reason,
-                    action,
-                    request.retry_attempts,
-                    request.idempotent,
-                    left,
-                    self._in_retry + self._in_retry_sync,
-                    self._max_in_retry,
-                    hint,
-                )
-                if verdict is _RETRY or verdict is _TIME_OUT:
-                    self._in_retry_sync += 1
-        else:
-            # The async doors' count has one writer, the loop's thread: no lock (0.3 us).
+            self._lock.acquire()
+        try:
             verdict, delay = decide(
                 reason,
                 action,
@@ -231,7 +219,13 @@ class OrchestratorCore:
                 hint,
             )
             if verdict is _RETRY or verdict is _TIME_OUT:
-                self._in_retry += 1
+                if threads:
+                    self._in_retry_sync += 1
+                else:
+                    self._in_retry += 1
+        finally:
+            if threads:
+                self._lock.release()
         budget = self._budget
         if (
             verdict is _RETRY
