@@ -12,7 +12,14 @@ import attrs
 
 from ._reason import RetryReason
 
-__all__ = ["AttemptEffect", "AttemptRecord", "CancellationReason", "ErrorContext", "describe_error"]
+__all__ = [
+    "DEFAULT_EFFECT",
+    "AttemptEffect",
+    "AttemptRecord",
+    "CancellationReason",
+    "ErrorContext",
+    "describe_error",
+]
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
@@ -58,10 +65,12 @@ class AttemptEffect(enum.Enum):
         non-idempotent request: the RFC allows that only because the server provably
         did not apply it. Otherwise (UNKNOWN, SOCKET_CLOSED_WHILE_IN_FLIGHT): maybe applied.
         """
-        return _EFFECT_OF[reason]
+        return DEFAULT_EFFECT[reason]
 
 
-_EFFECT_OF = {
+#: :meth:`AttemptEffect.for_reason` for every reason, as a table (the doors read it once
+#: per failed attempt: a dict lookup, not a method call).
+DEFAULT_EFFECT: dict[RetryReason, AttemptEffect] = {
     r: (
         AttemptEffect.NOT_SENT
         if not r.after_dispatch

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from . import _failing, _runtime
 from ._action import RetryAction
-from ._context import AttemptEffect, CancellationReason
+from ._context import DEFAULT_EFFECT, AttemptEffect, CancellationReason
 from ._core import OrchestratorCore
 from ._decision import Verdict
 from ._duration import to_seconds
@@ -32,11 +32,9 @@ T = TypeVar("T")
 _PENDING = RequestState.PENDING
 _RETRY = Verdict.RETRY
 _MAYBE = AttemptEffect.MAYBE_APPLIED
-_EFFECT_OF = {r: AttemptEffect.for_reason(r) for r in RetryReason}
 _INF = math.inf
 _DEBUG = logging.DEBUG
 _UNSET: Any = object()
-_instant = INSTANT_DELAYS.get
 
 
 def _check_request(request: object, door: str) -> None:
@@ -85,7 +83,7 @@ async def _wait(self: OrchestratorCore, request: Request, rt: Any, delay: float)
     back here, however the wait ends.
     """
     try:
-        if self._sleep is None and not _instant():
+        if self._sleep is None and not INSTANT_DELAYS.get():
             await rt.sleep(delay)
         else:
             await _injected_wait(self, request, rt, delay)
@@ -95,7 +93,7 @@ async def _wait(self: OrchestratorCore, request: Request, rt: Any, delay: float)
 
 async def _injected_wait(self: OrchestratorCore, request: Request, rt: Any, delay: float) -> None:
     """``sdkcore.testing.instant_retries()`` (one checkpoint) or an injected ``sleep``."""
-    if _instant():
+    if INSTANT_DELAYS.get():
         await rt.sleep(0)
     else:
         self._check_clock(request)
@@ -169,7 +167,9 @@ async def execute(
                 reason = failure.reason
                 failed = failure.__cause__ or failure
                 now = clock()
-                request._attempt_failed(reason, failure.effect or _EFFECT_OF[reason], failed, now)
+                request._attempt_failed(
+                    reason, failure.effect or DEFAULT_EFFECT[reason], failed, now
+                )
                 if not resolved:  # once per call
                     strategy, decides, gate = self._resolve(request)
                     debug = gate(_DEBUG)
@@ -183,7 +183,7 @@ async def execute(
                     request, reason, action, strategy, debug, failed, failure.retry_after, now
                 )
                 try:  # the wait, written out here: a shared coroutine is one more frame
-                    if self._sleep is None and not _instant():
+                    if self._sleep is None and not INSTANT_DELAYS.get():
                         await rt.sleep(delay)  # zero: one checkpoint
                     else:
                         await _injected_wait(self, request, rt, delay)
@@ -262,7 +262,7 @@ async def maybe_retry(
     if request.state is not _PENDING:
         raise _failing.already_completed(request, reason)
     now = request.clock()
-    request._attempt_failed(reason, effect or _EFFECT_OF[reason], cause, now)
+    request._attempt_failed(reason, effect or DEFAULT_EFFECT[reason], cause, now)
     if self._budget is not None:  # a loop without attempt(): its first failure counts the first
         self._deposit(request)
     rt = _runtime.current()
@@ -276,7 +276,7 @@ async def maybe_retry(
         retry_after = cause.retry_after
     hint = None if retry_after is None else to_seconds(retry_after, "maybe_retry(retry_after=...)")
     verdict, delay = self._settle(request, reason, action, strategy, gate(_DEBUG), cause, hint, now)
-    if delay > 0.0 and (self._sleep is None or not _instant()):
+    if delay > 0.0 and (self._sleep is None or not INSTANT_DELAYS.get()):
         # Request.cancel() wakes a real backoff early.
         scope = rt.Scope(_INF)
         previous = request._set_cancel_hook(scope)
@@ -292,7 +292,7 @@ async def maybe_retry(
             scope.exit(None)
     else:
         try:  # the wait, written out here: a shared coroutine is one more frame
-            if self._sleep is None and not _instant():
+            if self._sleep is None and not INSTANT_DELAYS.get():
                 await rt.sleep(delay)  # zero: one checkpoint
             else:
                 await _injected_wait(self, request, rt, delay)

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from . import _failing
 from ._action import RetryAction
-from ._context import AttemptEffect
+from ._context import DEFAULT_EFFECT, AttemptEffect
 from ._core import OrchestratorCore
 from ._decision import Verdict
 from ._errors import RetryableError
@@ -29,7 +29,6 @@ T = TypeVar("T")
 
 _PENDING = RequestState.PENDING
 _MAYBE = AttemptEffect.MAYBE_APPLIED
-_EFFECT_OF = {r: AttemptEffect.for_reason(r) for r in RetryReason}
 
 
 def execute_sync(
@@ -94,7 +93,7 @@ def _loop(
                 raise _failing.timed_out(
                     request, reason, _name(self, request), now, in_flight=True, error=failed
                 ) from failed
-            request._attempt_failed(reason, failure.effect or _EFFECT_OF[reason], failed, now)
+            request._attempt_failed(reason, failure.effect or DEFAULT_EFFECT[reason], failed, now)
             _retry(self, request, reason, failed, sleep, failure.retry_after, now)
             continue
         except Exception as exc:

@@ -26,14 +26,10 @@ if TYPE_CHECKING:
 __all__ = ["Hedges", "Scope", "now", "sleep"]
 
 sleep = asyncio.sleep
-_current_task = asyncio.current_task
-_get_running_loop = asyncio.get_running_loop
-_CancelledError = asyncio.CancelledError
-_heappush = heapq.heappush
 
 
 def now() -> float:
-    return _get_running_loop().time()
+    return asyncio.get_running_loop().time()
 
 
 class _Deadlines:
@@ -53,7 +49,7 @@ class _Deadlines:
         heap = self.heap
         if len(heap) >= self.compact_at:
             self._compact()
-        _heappush(heap, (when, next(self.seq), scope))
+        heapq.heappush(heap, (when, next(self.seq), scope))
         if when < self.armed_at:
             self._arm(when)
 
@@ -115,7 +111,7 @@ class Scope:
     __slots__ = ("_sent", "_task", "fired", "open")
 
     def __init__(self, deadline: float) -> None:
-        task: Any = _current_task()
+        task: Any = asyncio.current_task()
         if task is None:
             raise RuntimeError("sdkcore needs to run inside an asyncio task")
         self._task = task
@@ -129,7 +125,7 @@ class Scope:
         """Cut what runs in the scope now (the deadline, or ``Request.cancel()``)."""
         if self.open and not self.fired:
             self.fired = True
-            if _current_task() is not self._task:
+            if asyncio.current_task() is not self._task:
                 # From inside the scope's own code (a send calling Request.cancel()), the
                 # door sees ``fired`` when that code returns: no cancellation to deliver.
                 self._sent = True
@@ -153,7 +149,7 @@ class Scope:
         # (3.10 cannot tell a concurrent outer cancellation: the scope is trusted.)
         if self._sent and uncancel is not None and uncancel() > 0:
             return False  # the task is being cancelled from outside as well
-        return error is None or isinstance(error, (Exception, _CancelledError))
+        return error is None or isinstance(error, (Exception, asyncio.CancelledError))
 
 
 class Hedges:
@@ -177,7 +173,7 @@ class Hedges:
     def __init__(self, chain: HedgeChain, deadline: float) -> None:
         self.chain = chain
         self.deadline = deadline  # on the loop's clock (math.inf: none)
-        self.loop = _get_running_loop()
+        self.loop = asyncio.get_running_loop()
         self.scope: Scope | None = None  # hedge 0's, while the caller runs it
         self.tasks: dict[asyncio.Task[None], Any] = {}  # hedges 1.. (and their attempts)
         self.timer: asyncio.TimerHandle | None = None  # the next hedge, or the deadline
@@ -282,5 +278,5 @@ class Hedges:
         self._stop()
         while self.tasks:
             waiter = self.waiter = self.loop.create_future()
-            with contextlib.suppress(_CancelledError):
+            with contextlib.suppress(asyncio.CancelledError):
                 await waiter

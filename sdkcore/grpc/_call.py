@@ -38,7 +38,6 @@ _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 _INTERNAL = grpc.StatusCode.INTERNAL
 _READY = grpc.ChannelConnectivity.READY
 _TRANSIENT_FAILURE = grpc.ChannelConnectivity.TRANSIENT_FAILURE
-_monotonic = time.monotonic
 
 #: Why a call whose last status the client made after the answer arrived is not retried.
 ANSWERED = (
@@ -102,7 +101,7 @@ class _Since:
     def __call__(self) -> float:
         start = self.start
         if start < 0.0:
-            return _monotonic()
+            return time.monotonic()
         self.start = -1.0
         return start
 
@@ -143,7 +142,7 @@ class _Call:
         if plan.timeout is not None and (timeout is None or plan.timeout < timeout):
             timeout = plan.timeout
         self.timeout = None if timeout is None else max(timeout, 1e-6)
-        self.started = _monotonic()
+        self.started = time.monotonic()
         self.state = CallState()
         budget = core.orchestrator.retry_budget
         if budget is not None:  # every call's first attempt pays into the shared retry budget
@@ -199,7 +198,7 @@ class _Call:
         timeout = self.timeout
         if timeout is None:
             return None
-        left = self.started + timeout - _monotonic()
+        left = self.started + timeout - time.monotonic()
         return left if left > 0.0 else 0.0
 
     def next_attempt(self) -> Any:
