@@ -51,17 +51,20 @@ _OPEN = CircuitState.OPEN
 _HALF_OPEN = CircuitState.HALF_OPEN
 
 # builtin TimeoutError; on Python 3.10 asyncio.TimeoutError is a separate class (from
-# 3.11 on it is the builtin one, and importing asyncio here would cost every program)
+# 3.11 on it is the builtin one). It is looked up in the loaded modules: an error of
+# that class exists only once the program imported asyncio, and importing it here
+# would cost every program (and load asyncio into a trio or threaded one).
 _TIMEOUTS: tuple[type[BaseException], ...] = (TimeoutException, TimeoutError)
-if sys.version_info < (3, 11):  # pragma: no cover - exercised on 3.10 only
-    import asyncio
-
-    _TIMEOUTS = (*_TIMEOUTS, asyncio.TimeoutError)
 
 
 def default_is_failure(error: BaseException) -> bool:
     """Couchbase's rule: only a timeout counts (a server that answers with an error is alive)."""
-    return isinstance(error, _TIMEOUTS)
+    if isinstance(error, _TIMEOUTS):
+        return True
+    if sys.version_info < (3, 11):  # pragma: no cover - exercised on 3.10 only
+        asyncio = sys.modules.get("asyncio")
+        return asyncio is not None and isinstance(error, asyncio.TimeoutError)
+    return False
 
 
 def _positive_int(value: object, what: str) -> int:
