@@ -291,7 +291,10 @@ async def maybe_retry(
             request._set_cancel_hook(previous)
             scope.exit(None)
     else:
-        try:  # the wait, written out here: a shared coroutine is one more frame
+        # The wait written out, as in execute: through _wait it is one more coroutine frame,
+        # 3% more instructions per maybe_retry (181.6k against 176.6k for the retried call of
+        # bench/bench_instructions.py).
+        try:
             if self._sleep is None and not INSTANT_DELAYS.get():
                 await rt.sleep(delay)  # zero: one checkpoint
             else:
