@@ -37,32 +37,18 @@ from typing import Any
 
 import anyio
 import structlog
+from bench_doors import REASON, failing  # the same call as bench_doors.py (run from bench/)
 
 from sdkcore import (
     BestEffortRetryStrategy,
     Request,
     RetryableError,
     RetryOrchestrator,
-    RetryReason,
     _runtime,
 )
 from sdkcore._context import AttemptEffect
 
-REASON = RetryReason.KV_TEMPORARY_FAILURE
 EFFECT = AttemptEffect.for_reason(REASON)
-
-
-def failing(failures: int) -> Callable[[object], Awaitable[str]]:
-    state = {"n": 0}
-
-    async def send(_: object) -> str:
-        if state["n"] < failures:
-            state["n"] += 1
-            raise RetryableError(REASON)
-        state["n"] = 0
-        return "ok"
-
-    return send
 
 
 def steps(orch: RetryOrchestrator) -> dict[str, Callable[[Any], Awaitable[object]]]:

@@ -148,23 +148,17 @@ async def client(port: int, calls: int, rounds: int, concurrency: int) -> dict[s
     ours = insecure_channel(target, service_config=CONFIG)
     plain_fail = plain.unary_unary(FAIL_ONCE)
 
-    async def hand_loop(request: bytes) -> Any:
-        try:
+    def hand_loop(backoff: Callable[[], float]) -> Callable[[bytes], Any]:
+        async def call(request: bytes) -> Any:
+            try:
+                return await plain_fail(request)
+            except aio.AioRpcError as err:
+                if err.code() is not grpc.StatusCode.UNAVAILABLE:
+                    raise
+            await asyncio.sleep(backoff())
             return await plain_fail(request)
-        except aio.AioRpcError as err:
-            if err.code() is not grpc.StatusCode.UNAVAILABLE:
-                raise
-        await asyncio.sleep(0.01)
-        return await plain_fail(request)
 
-    async def hand_loop_jittered(request: bytes) -> Any:
-        try:
-            return await plain_fail(request)
-        except aio.AioRpcError as err:
-            if err.code() is not grpc.StatusCode.UNAVAILABLE:
-                raise
-        await asyncio.sleep(0.01 * random.random())  # A6's backoff: full jitter below 10 ms
-        return await plain_fail(request)
+        return call
 
     variants: dict[str, Callable[[bytes], Any]] = {
         "plain": plain.unary_unary(ECHO),
@@ -173,8 +167,8 @@ async def client(port: int, calls: int, rounds: int, concurrency: int) -> dict[s
         "hedgingPolicy": ours.unary_unary(HEDGED),
         "retried (grpcio)": native.unary_unary(FAIL_ONCE),
         "retried (sdkcore)": ours.unary_unary(FAIL_ONCE),
-        "retried (hand loop)": hand_loop,
-        "retried (hand, jitter)": hand_loop_jittered,
+        "retried (hand loop)": hand_loop(lambda: 0.01),
+        "retried (hand, jitter)": hand_loop(lambda: 0.01 * random.random()),  # A6: full jitter
     }
     reference = {
         "no policy": "plain",
