@@ -356,7 +356,6 @@ class _Call:
         self, cause: BaseException | None, reason: RetryReason
     ) -> BaseException:
         why = "the call committed while waiting to retry (replay buffer limit reached)"
-        self.state.refusal = why
         context = self.request.error_context(
             reason, extra={"not_retried_because": why, "grpc_attempts": self.state.attempts}
         )

@@ -136,7 +136,6 @@ class CallState:
         "committed",
         "details",
         "pushback",
-        "refusal",
         "refused_retries",
         "transparent",
         "transparent_retries",
@@ -161,8 +160,6 @@ class CallState:
         self.transparent: TransparentKind | None = None
         self.transparent_retries = 0
         self.refused_retries = 0
-        #: Why the last decision refused to retry (for error messages).
-        self.refusal = ""
 
 
 def _refusal(why: str, state: CallState) -> RetryAction:
@@ -178,7 +175,6 @@ def _refusal(why: str, state: CallState) -> RetryAction:
         )
         return RequestCanceledException(f"not retried: {why}", context=context.evolve(extra=extra))
 
-    state.refusal = why
     return RetryAction.no_retry(build)
 
 

@@ -331,6 +331,8 @@ class _RetryingCall:
 
     @property
     def _done_writing_flag(self) -> bool:
+        # Read by grpc.aio's interceptor wrapper (write() and done_writing() on the call
+        # the channel returned check it on the intercepted call).
         return self._replay is not None and self._replay.source_done
 
 
