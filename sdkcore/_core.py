@@ -195,8 +195,11 @@ class OrchestratorCore:
         gives it back with :meth:`_leave_backoff` once the wait is over (``threads``:
         execute_sync's count, under the lock).
         """
-        always = reason.always_retry
-        if not always and type(action) is not RetryAction and not isinstance(action, RetryAction):
+        if (
+            not reason.always_retry
+            and type(action) is not RetryAction
+            and not isinstance(action, RetryAction)
+        ):
             name = _failing.strategy_name(strategy)
             error = _failing.bad_action(name, reason, action)
             _failing.strategy_failed(request, reason, name, error)
@@ -243,7 +246,7 @@ class OrchestratorCore:
                 log.debug(
                     _log.EVENT_SCHEDULED,
                     **_failing.event_fields(
-                        request, reason, _failing.strategy_name(None if always else strategy)
+                        request, reason, _failing.answered_by(reason, strategy)
                     ),
                     delay_ms=round(delay * 1000.0, 3),
                     capped=verdict is _TIME_OUT,
@@ -265,7 +268,7 @@ class OrchestratorCore:
         left: float,
     ) -> BaseException:
         """The final exception for a verdict that ends the request (the request completes)."""
-        name = _failing.strategy_name(None if reason.always_retry else strategy)
+        name = _failing.answered_by(reason, strategy)
         exc: BaseException
         if verdict is Verdict.HINT_PAST_DEADLINE:
             assert hint is not None

@@ -101,13 +101,13 @@ async def _injected_wait(self: OrchestratorCore, request: Request, rt: Any, dela
         await self._sleep(delay)
 
 
-def _resume(request: Request, verdict: Verdict, strategy: Any) -> None:
+def _resume(request: Request, verdict: Verdict, reason: RetryReason, strategy: Any) -> None:
     """After the backoff: raise what ends the request instead of a re-dispatch."""
     if request.state is not _PENDING:  # Request.cancel() during the backoff
         raise _failing.already_completed(request, request.last_reason)
     if verdict is Verdict.TIME_OUT:
         raise _failing.timed_out(
-            request, request.last_reason, _failing.strategy_name(strategy), request.clock()
+            request, request.last_reason, _failing.answered_by(reason, strategy), request.clock()
         ) from _failing.cause(request)
 
 
@@ -190,7 +190,7 @@ async def execute(
                 finally:
                     self._in_retry -= 1  # counted by _settle (the loop's thread only)
                 if verdict is not _RETRY or request.state is not _PENDING:
-                    _resume(request, verdict, None if reason.always_retry else strategy)
+                    _resume(request, verdict, reason, strategy)
                 continue
             break
     except BaseException as exc:
@@ -305,7 +305,7 @@ async def maybe_retry(
         finally:
             self._in_retry -= 1  # counted by _settle (the loop's thread only)
     if verdict is not _RETRY or request.state is not _PENDING:
-        _resume(request, verdict, None if reason.always_retry else strategy)
+        _resume(request, verdict, reason, strategy)
     if type(action) is RetryAction and action.seconds == delay and action.duration is not None:
         return action.duration  # the strategy's own timedelta: nothing to build
     return timedelta(seconds=delay)

@@ -170,5 +170,5 @@ def _retry(
     if request.state is not _PENDING:  # Request.cancel() from another thread
         raise _failing.already_completed(request, reason)
     if verdict is Verdict.TIME_OUT:
-        name = _failing.strategy_name(None if reason.always_retry else strategy)
+        name = _failing.answered_by(reason, strategy)
         raise _failing.timed_out(request, reason, name, request.clock()) from failure

@@ -47,6 +47,12 @@ def strategy_name(strategy: object) -> str:
     return "controlled_backoff" if strategy is None else type(strategy).__name__
 
 
+def answered_by(reason: RetryReason, strategy: object) -> str:
+    """What decided a retry for ``reason``: the controlled backoff for an always-retry
+    reason (its strategy is not consulted), else ``strategy``, by :func:`strategy_name`."""
+    return strategy_name(None if reason.always_retry else strategy)
+
+
 def event_fields(request: Request, reason: RetryReason | None, strategy: str) -> dict[str, Any]:
     """The fields every retry.* event carries (built only when the level is enabled).
 
