@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from bad_numbers import judge
 
 from sdkcore import (
     BestEffortRetryStrategy,
@@ -71,17 +72,4 @@ def _backoff_returning(value: Any) -> object:
 def test_bad_number_is_rejected_naming_the_field_or_accepted_with_a_safe_repr(
     field: str, build: Callable[[Any], object], value: Any
 ) -> None:
-    error: Exception | None = None
-    try:
-        built = build(value)
-    except (TypeError, ValueError) as exc:  # judged below; anything else fails the test
-        error = exc
-    if error is None:
-        repr(built)
-        str(built)
-        return
-    assert not isinstance(error, OverflowError)
-    message = str(error)
-    assert field.split("(")[0].split(".")[0] in message, message
-    assert "Exceeds the limit" not in message
-    assert len(message) < 1000
+    judge(build, value, named=field.split("(")[0].split(".")[0])
