@@ -195,11 +195,7 @@ class OrchestratorCore:
         gives it back with :meth:`_leave_backoff` once the wait is over (``threads``:
         execute_sync's count, under the lock).
         """
-        if (
-            not reason.always_retry
-            and type(action) is not RetryAction
-            and not isinstance(action, RetryAction)
-        ):
+        if not reason.always_retry and not isinstance(action, RetryAction):
             name = _failing.strategy_name(strategy)
             error = _failing.bad_action(name, reason, action)
             _failing.strategy_failed(request, reason, name, error)
