@@ -68,7 +68,7 @@ class RetryAction:
             if chosen is not None:
                 object.__setattr__(self, "exception", _factory_for(chosen))
         else:
-            if type(duration) is not timedelta and not isinstance(duration, timedelta):
+            if not isinstance(duration, timedelta):
                 raise TypeError(
                     "RetryAction(duration) must be a datetime.timedelta or None, got "
                     f"{duration!r}; use RetryAction.with_duration() for seconds"

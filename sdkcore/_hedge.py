@@ -442,7 +442,7 @@ async def run_hedged(
     caller that sent it itself and hands it over once the hedging delay passed,
     as the gRPC channels do); the second hedge is then due that much sooner.
     """
-    if type(request) is not Request and not isinstance(request, Request):
+    if not isinstance(request, Request):
         raise TypeError(
             f"hedge(request, send, policy): request must be an sdkcore.Request, got {request!r}"
         )

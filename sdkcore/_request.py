@@ -129,7 +129,7 @@ class Request:
     ) -> None:
         if idempotent is not True and idempotent is not False:
             raise TypeError(f"Request.idempotent must be a bool, got {idempotent!r}")
-        if type(name) is not str and not isinstance(name, str):
+        if not isinstance(name, str):
             raise TypeError(f"Request.name must be a str, got {name!r}")
         if client_context is None:
             context = _EMPTY
