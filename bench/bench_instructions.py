@@ -36,20 +36,10 @@ structlog.configure(
     wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
     cache_logger_on_first_use=True,
 )
-from sdkcore import BestEffortRetryStrategy, Request, RetryableError, RetryOrchestrator, RetryReason
+from bench_doors import failing  # the call of bench_doors.py
+from sdkcore import BestEffortRetryStrategy, Request, RetryableError, RetryOrchestrator
 
-REASON = RetryReason.KV_TEMPORARY_FAILURE
 orch = RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda attempt: 0.0))
-
-def failing(failures):
-    state = {"n": 0}
-    async def send(_):
-        if state["n"] < failures:
-            state["n"] += 1
-            raise RetryableError(REASON)
-        state["n"] = 0
-        return "ok"
-    return send
 
 async def main(case, calls):
     send = failing(3)
@@ -97,7 +87,9 @@ CASES = ["hand", "hand-native", "execute", "execute+deadline", "maybe_retry", "h
 
 
 def instructions(tree: Path, case: str, calls: int) -> int:
-    env = dict(os.environ, PYTHONPATH=str(tree))
+    # sdkcore from ``tree`` (the working directory comes first on sys.path for
+    # ``python -c``), bench_doors from this directory
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent))
     done = subprocess.run(
         [
             "valgrind",
@@ -112,7 +104,7 @@ def instructions(tree: Path, case: str, calls: int) -> int:
         capture_output=True,
         text=True,
         env=env,
-        cwd=tree,  # `python -c` puts the working directory first on sys.path
+        cwd=tree,
         check=True,
     )
     found = re.search(r"Collected : (\d+)", done.stderr)
