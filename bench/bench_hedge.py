@@ -236,8 +236,19 @@ async def measure(
             extra[label] += await attempts() - before
             cpu[label] += CPU_US[-1] / rounds
             rps[label] += RATE[-1] / rounds
+    return rows(variants, lat, extra, cpu, rps)
+
+
+def rows(
+    labels: Any,
+    lat: dict[str, list[float]],
+    extra: dict[str, int],
+    cpu: dict[str, float],
+    rps: dict[str, float],
+) -> dict[str, Any]:
+    """Each client's latencies and its summary row (percentiles, extra attempts, CPU, rate)."""
     out: dict[str, Any] = {}
-    for label in variants:
+    for label in labels:
         s = summary(lat[label], extra[label])
         s["cpu"] = cpu[label]
         s["rps"] = rps[label]
@@ -403,13 +414,7 @@ async def fresh_runs(
             attempts[label] += run["attempts"]
             cpu[label] += run["cpu_us"] / rounds
             rps[label] += run["rps"] / rounds
-    out: dict[str, Any] = {}
-    for label in labels:
-        s = summary(lat[label], attempts[label])
-        s["cpu"] = cpu[label]
-        s["rps"] = rps[label]
-        out[label] = (lat[label], s)
-    return out
+    return rows(labels, lat, attempts, cpu, rps)
 
 
 def head_to_head(results: dict[str, Any]) -> str:
