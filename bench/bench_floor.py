@@ -56,9 +56,9 @@ from typing import Any
 
 import anyio
 import structlog
-from bench_doors import REASON, failing  # the same call as bench_doors.py (run from bench/)
+from bench_doors import failing  # the same call as bench_doors.py (run from bench/)
 
-from sdkcore import BestEffortRetryStrategy, RetryableError, RetryOrchestrator, Request, _runtime
+from sdkcore import BestEffortRetryStrategy, Request, RetryableError, RetryOrchestrator, _runtime
 from sdkcore._context import DEFAULT_EFFECT
 from sdkcore._decision import decide
 
@@ -117,11 +117,11 @@ def rows(orch: RetryOrchestrator) -> dict[str, Callable[[Any], Awaitable[object]
             except RetryableError:
                 await sleep(0)
 
-    async def floor_execute(send: Any, timeout: float | None = None) -> object:
+    async def floor_execute(send: Any, seconds: float | None = None) -> object:
         rt = _runtime.current()
-        request = FloorRequest(True, timeout)
+        request = FloorRequest(True, seconds)
         clock = request.clock
-        scope = None if timeout is None else rt.Scope(rt.now() + timeout)
+        scope = None if seconds is None else rt.Scope(rt.now() + seconds)
         try:
             while True:
                 request.sent_at = clock()

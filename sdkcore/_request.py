@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import itertools
 import math
 import time
@@ -16,9 +15,10 @@ import attrs
 
 from . import _runtime
 from ._action import RetryAction
-from ._context import AttemptEffect, AttemptRecord, CancellationReason, ErrorContext, describe_error
+from ._context import CancellationReason, ErrorContext, describe_error
 from ._duration import MAX_SECONDS, to_seconds
 from ._reason import RetryReason
+from ._retry_state import RequestState, RetryState
 
 __all__ = ["DEFAULT_TIMEOUT", "DispatchInfo", "Request", "RequestState", "RetryStrategy"]
 
@@ -27,8 +27,6 @@ DEFAULT_TIMEOUT = timedelta(milliseconds=2500)
 
 _DEFAULT_SECONDS = DEFAULT_TIMEOUT.total_seconds()
 _ids = itertools.count(1)
-_NOT_SENT = AttemptEffect.NOT_SENT
-_MAYBE = AttemptEffect.MAYBE_APPLIED
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 #: The request whose attempt is being sent in this task or thread (set by the doors
@@ -68,14 +66,7 @@ class RetryStrategy(Protocol):
     ) -> RetryAction | Awaitable[RetryAction]: ...
 
 
-class RequestState(enum.Enum):
-    PENDING = "pending"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-class Request:
+class Request(RetryState):
     """One logical operation, retried attempt by attempt.
 
     The application sets ``idempotent``, ``timeout``, ``retry_strategy`` and
@@ -92,27 +83,15 @@ class Request:
 
     __slots__ = (
         "__weakref__",
-        "_attempts",
         "_cancel_scope",
-        "_cancellation",
         "_clock",
         "_context",
         "_deadline",
-        "_dispatched",
-        "_history",
         "_id",
         "_idempotent",
-        "_in_flight",
-        "_last_error",
-        "_last_reason",
-        "_maybe_applied",
         "_memo",
         "_name",
-        "_reasons",
-        "_sent",
-        "_sent_at",
         "_start",
-        "_state",
         "_strategy",
         "_timeout_s",
     )
@@ -170,21 +149,9 @@ class Request:
             # Dispatched from inside another request's send: never outlive it.
             left = outer._deadline - outer._clock()
             self._deadline = min(self._deadline, start + (left if left > 0.0 else 0.0))
-        self._attempts = 0
-        self._reasons: list[RetryReason] = []  # distinct, first-seen order (a list: 100 B less)
-        self._state = RequestState.PENDING
-        self._cancellation: CancellationReason | None = None
-        self._sent = False
-        self._in_flight = False
-        self._last_reason: RetryReason | None = None
         self._cancel_scope: Any = None
-        # One entry per failed attempt: [reason, effect, error, duration s, delay s].
-        self._history: list[list[Any]] = []
-        self._last_error: BaseException | None = None
-        self._maybe_applied = False
-        self._sent_at = -1.0  # clock time the attempt in flight was sent (-1: none)
-        self._dispatched = False  # a door has counted its first attempt
         self._memo: tuple[Any, ...] | None = None  # see _resolved_by
+        RetryState.__init__(self)
 
     # -- what the application set (read-only once built) ----------------------
     @property
@@ -210,17 +177,7 @@ class Request:
         """Read-only view of the caller's context (e.g. ``{"robot": True}``); empty if None."""
         return self._context
 
-    # -- read-only retry state -------------------------------------------------
-    @property
-    def retry_attempts(self) -> int:
-        """How many retries have happened (0 before the first retry)."""
-        return self._attempts
-
-    @property
-    def retry_reasons(self) -> tuple[RetryReason, ...]:
-        """Every distinct reason this request was retried for, in first-seen order."""
-        return tuple(self._reasons)
-
+    # -- the deadline ------------------------------------------------------------
     @property
     def timeout(self) -> timedelta | None:
         """The timeout the request was built with (None: no deadline)."""
@@ -269,75 +226,9 @@ class Request:
         ``timeout=f"{int(info.time_left * 1000)}ms"`` with a query.
         """
         if self._deadline == math.inf:
-            return DispatchInfo(self._attempts + 1, None)
+            return DispatchInfo(self.retry_attempts + 1, None)
         left = self._deadline - self._clock()
-        return DispatchInfo(self._attempts + 1, left if left > 0.0 else 0.0)
-
-    @property
-    def state(self) -> RequestState:
-        return self._state
-
-    @property
-    def completed(self) -> bool:
-        """True once the request succeeded, failed or was cancelled."""
-        return self._state is not RequestState.PENDING
-
-    @property
-    def cancelled(self) -> bool:
-        return self._state is RequestState.CANCELLED
-
-    @property
-    def cancellation_reason(self) -> CancellationReason | None:
-        return self._cancellation
-
-    @property
-    def reached_network(self) -> bool:
-        """True if some attempt may have been written to the network.
-
-        Set when an attempt is cut off in flight, or when a failed attempt was
-        recorded whose effect is not ``AttemptEffect.NOT_SENT``.
-        """
-        return self._sent
-
-    @property
-    def maybe_applied(self) -> bool:
-        """True if some attempt may have been applied on the server.
-
-        A timeout of a non-idempotent request is ambiguous exactly when this is true
-        (see rfc/0001, "Ambiguity").
-        """
-        return self._maybe_applied
-
-    @property
-    def last_reason(self) -> RetryReason | None:
-        """The reason of the last attempt that failed with one (None before any)."""
-        return self._last_reason
-
-    @property
-    def last_effect(self) -> AttemptEffect | None:
-        """What is known about the server side of the last failed attempt (None before any)."""
-        history = self._history
-        return history[-1][1] if history else None
-
-    @property
-    def in_flight(self) -> bool:
-        """True while an attempt is being sent (between its start and its outcome)."""
-        return self._in_flight
-
-    @property
-    def failed_attempts(self) -> int:
-        """How many attempts failed (or were cut in flight) so far: ``len(attempts)``."""
-        return len(self._history)
-
-    @property
-    def attempts(self) -> tuple[AttemptRecord, ...]:
-        """Every failed attempt so far, oldest first (see :class:`AttemptRecord`)."""
-        return self._records()
-
-    @property
-    def last_error(self) -> BaseException | None:
-        """The last attempt's failure (its cause when it was a ``RetryableError``)."""
-        return self._last_error
+        return DispatchInfo(self.retry_attempts + 1, left if left > 0.0 else 0.0)
 
     # -- application control ----------------------------------------------------
     def cancel(self) -> None:
@@ -349,22 +240,13 @@ class Request:
         (CANCELLED_VIA_CONTEXT). Without a timeout, an attempt in flight runs to its
         end and its result is discarded. Cancelling a completed request does nothing.
         """
-        if self._state is not RequestState.PENDING:
-            return
-        self._state = RequestState.CANCELLED
-        self._cancellation = CancellationReason.CANCELLED_VIA_CONTEXT
+        if not self._finish(RequestState.CANCELLED, CancellationReason.CANCELLED_VIA_CONTEXT):
+            return  # completed already
         scope = self._cancel_scope
         if scope is not None:
             scope.cancel()
 
-    # -- transitions (called by the doors and the hedging runner only) ------------
-    # A request's retry state changes only through these methods: every other module
-    # reads it through the properties above (rfc/0001, "Who changes a request").
-    def _begin_attempt(self, now: float) -> None:
-        """An attempt is being sent at ``now`` (the request's clock)."""
-        self._in_flight = True
-        self._sent_at = now
-
+    # -- what the doors call besides the transitions of RetryState ---------------
     def _dispatching(self) -> Any:
         """Mark this request as the one being sent in this task or thread (a reset token)."""
         return _DISPATCHING.set(self)
@@ -372,68 +254,6 @@ class Request:
     @staticmethod
     def _dispatched_done(token: Any) -> None:
         _DISPATCHING.reset(token)
-
-    def _first_dispatch(self) -> bool:
-        """True the first time a door asks: the request's first attempt goes out."""
-        if self._dispatched:
-            return False
-        self._dispatched = True
-        return True
-
-    def _attempt_failed(
-        self,
-        reason: RetryReason | None,
-        effect: AttemptEffect,
-        error: BaseException | None,
-        now: float,
-        started: float | None = None,
-    ) -> None:
-        """Book the attempt in flight (or the last one sent) as failed at ``now``.
-
-        ``reason`` None: it failed otherwise (a final answer) or was cut in flight.
-        Its backoff is booked by :meth:`_retry_booked` when it is retried.
-        ``started``: when it was sent, on the same clock as ``now`` (a hedge's own
-        start; default: the one :meth:`_begin_attempt` booked).
-        """
-        if started is None:
-            started = self._sent_at
-        self._history.append(
-            [reason, effect, error, None if started < 0.0 else now - started, None]
-        )
-        self._in_flight = False
-        self._sent_at = -1.0
-        if error is not None:
-            previous = self._last_error
-            if previous is not None and previous is not error:
-                # Only the last failure keeps its traceback (the final exception's
-                # __cause__): the frames of older ones are freed at once, so a request
-                # waiting in backoff holds one failed attempt's frames, not every one.
-                previous.__traceback__ = None
-            self._last_error = error
-        if reason is not None:
-            self._last_reason = reason
-        if effect is not _NOT_SENT:
-            self._sent = True
-            if effect is _MAYBE:
-                self._maybe_applied = True
-
-    def _retry_booked(self, reason: RetryReason, delay: float | None) -> None:
-        """The failed attempt is retried for ``reason`` after ``delay`` seconds."""
-        self._attempts += 1
-        if reason not in self._reasons:
-            self._reasons.append(reason)
-        history = self._history
-        if history:
-            history[-1][4] = delay
-
-    def _hedge_sent(self) -> None:
-        """One more copy of a hedged request went out (a retry, by the RFC's count)."""
-        self._attempts += 1
-
-    def _reason_seen(self, reason: RetryReason) -> None:
-        """A hedge failed for ``reason``: listed in ``retry_reasons``."""
-        if reason not in self._reasons:
-            self._reasons.append(reason)
 
     def _resolved_by(self, door: object, resolve: Callable[[Request], tuple[Any, ...]]) -> Any:
         """What ``door`` (an orchestrator) works out once per request: ``(door, *resolve(self))``.
@@ -454,53 +274,6 @@ class Request:
         self._cancel_scope = hook
         return previous
 
-    def _succeeded(self) -> None:
-        """The request got its answer.
-
-        The last failure lets go of its traceback (:meth:`_attempt_failed` freed the
-        older ones): a traceback holds the frames it passed through, and those hold
-        the request, whose history holds the failure: a reference cycle per retried
-        call (about 1 us per retry in bench/bench_core.py). Types and messages stay
-        for :attr:`attempts`.
-        """
-        if self._state is RequestState.PENDING:
-            self._state = RequestState.SUCCEEDED
-        error = self._last_error
-        if error is not None:
-            error.__traceback__ = None
-
-    def _finish(self, state: RequestState, why: CancellationReason | None = None) -> None:
-        """Complete the request (once: a completed request keeps its first ending)."""
-        if self._state is RequestState.PENDING:
-            self._state = state
-            self._cancellation = why
-
-    def _finish_by(self, exc: BaseException) -> None:
-        """The call ended with ``exc``: FAILED for an error, CANCELLED (TASK_CANCELLED) else."""
-        if isinstance(exc, Exception):
-            self._finish(RequestState.FAILED)
-        else:
-            self._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
-
-    def _reopen_for_timeout(self) -> None:
-        """Whatever a cut left behind (e.g. marked cancelled by the task), it timed out."""
-        if self._cancellation is not CancellationReason.CANCELLED_VIA_CONTEXT:
-            self._state = RequestState.PENDING
-            self._cancellation = None
-
-    def _records(self) -> tuple[AttemptRecord, ...]:
-        return tuple(
-            AttemptRecord(
-                number=n,
-                reason=reason,
-                effect=effect,
-                error=describe_error(error),
-                duration=None if duration is None else timedelta(seconds=duration),
-                delay=None if delay is None else timedelta(seconds=delay),
-            )
-            for n, (reason, effect, error, duration, delay) in enumerate(self._history, 1)
-        )
-
     def error_context(
         self,
         reason: RetryReason | None = None,
@@ -514,21 +287,21 @@ class Request:
             request_id=self.id,
             request_name=self.name,
             idempotent=self.idempotent,
-            retry_attempts=self._attempts,
-            retry_reasons=tuple(self._reasons),
+            retry_attempts=self.retry_attempts,
+            retry_reasons=self.retry_reasons,
             timeout=self.timeout,
             elapsed=timedelta(seconds=self._clock() - self._start),
             reason=reason,
-            cancellation_reason=self._cancellation,
+            cancellation_reason=self.cancellation_reason,
             strategy=strategy,
             extra=_EMPTY if extra is None else MappingProxyType(dict(extra)),
-            last_error=describe_error(self._last_error),
+            last_error=describe_error(self.last_error),
             in_flight=in_flight,
-            attempts=self._records(),
+            attempts=self.attempts,
         )
 
     def __repr__(self) -> str:
         return (
             f"<Request id={self.id} name={self.name!r} idempotent={self.idempotent} "
-            f"retry_attempts={self._attempts} state={self._state.value}>"
+            f"retry_attempts={self.retry_attempts} state={self.state.value}>"
         )

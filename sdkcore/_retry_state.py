@@ -1,0 +1,264 @@
+"""A request's retry state and its transitions (RFC 0049 "Request Annotation", the retry half).
+
+:class:`RetryState` is the base class of :class:`sdkcore.Request`: what happened to
+the request's attempts (retries, reasons, failures, completion), read through
+properties and changed only through the transition methods below, which the doors
+and the hedging runner call (rfc/0001, "Who changes a request"). ``_request.py``
+keeps what the application sets (timeout, idempotency, strategy, context) and the
+deadline; the two halves share one object, so a transition is one method call on
+the request, as before the split.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import timedelta
+from typing import Any
+
+from ._context import AttemptEffect, AttemptRecord, CancellationReason, describe_error
+from ._reason import RetryReason
+
+__all__ = ["RequestState", "RetryState"]
+
+_NOT_SENT = AttemptEffect.NOT_SENT
+_MAYBE = AttemptEffect.MAYBE_APPLIED
+
+
+class RequestState(enum.Enum):
+    PENDING = "pending"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+_PENDING = RequestState.PENDING
+
+
+class RetryState:
+    """The retry half of a :class:`sdkcore.Request` (see the module's docstring)."""
+
+    __slots__ = (
+        "_attempts",
+        "_cancellation",
+        "_dispatched",
+        "_history",
+        "_in_flight",
+        "_last_error",
+        "_last_reason",
+        "_maybe_applied",
+        "_reasons",
+        "_sent",
+        "_sent_at",
+        "_state",
+    )
+
+    def __init__(self) -> None:
+        self._attempts = 0
+        self._reasons: list[RetryReason] = []  # distinct, first-seen order (a list: 100 B less)
+        self._state = _PENDING
+        self._cancellation: CancellationReason | None = None
+        self._sent = False
+        self._in_flight = False
+        self._last_reason: RetryReason | None = None
+        # One entry per failed attempt: [reason, effect, error, duration s, delay s].
+        self._history: list[list[Any]] = []
+        self._last_error: BaseException | None = None
+        self._maybe_applied = False
+        self._sent_at = -1.0  # clock time the attempt in flight was sent (-1: none)
+        self._dispatched = False  # a door has counted its first attempt
+
+    # -- read-only retry state -------------------------------------------------
+    @property
+    def retry_attempts(self) -> int:
+        """How many retries have happened (0 before the first retry)."""
+        return self._attempts
+
+    @property
+    def retry_reasons(self) -> tuple[RetryReason, ...]:
+        """Every distinct reason this request was retried for, in first-seen order."""
+        return tuple(self._reasons)
+
+    @property
+    def state(self) -> RequestState:
+        return self._state
+
+    @property
+    def completed(self) -> bool:
+        """True once the request succeeded, failed or was cancelled."""
+        return self._state is not _PENDING
+
+    @property
+    def cancelled(self) -> bool:
+        return self._state is RequestState.CANCELLED
+
+    @property
+    def cancellation_reason(self) -> CancellationReason | None:
+        return self._cancellation
+
+    @property
+    def reached_network(self) -> bool:
+        """True if some attempt may have been written to the network.
+
+        Set when an attempt is cut off in flight, or when a failed attempt was
+        recorded whose effect is not ``AttemptEffect.NOT_SENT``.
+        """
+        return self._sent
+
+    @property
+    def maybe_applied(self) -> bool:
+        """True if some attempt may have been applied on the server.
+
+        A timeout of a non-idempotent request is ambiguous exactly when this is true
+        (see rfc/0001, "Ambiguity").
+        """
+        return self._maybe_applied
+
+    @property
+    def last_reason(self) -> RetryReason | None:
+        """The reason of the last attempt that failed with one (None before any)."""
+        return self._last_reason
+
+    @property
+    def last_effect(self) -> AttemptEffect | None:
+        """What is known about the server side of the last failed attempt (None before any)."""
+        history = self._history
+        return history[-1][1] if history else None
+
+    @property
+    def in_flight(self) -> bool:
+        """True while an attempt is being sent (between its start and its outcome)."""
+        return self._in_flight
+
+    @property
+    def failed_attempts(self) -> int:
+        """How many attempts failed (or were cut in flight) so far: ``len(attempts)``."""
+        return len(self._history)
+
+    @property
+    def attempts(self) -> tuple[AttemptRecord, ...]:
+        """Every failed attempt so far, oldest first (see :class:`AttemptRecord`)."""
+        return tuple(
+            AttemptRecord(
+                number=n,
+                reason=reason,
+                effect=effect,
+                error=describe_error(error),
+                duration=None if duration is None else timedelta(seconds=duration),
+                delay=None if delay is None else timedelta(seconds=delay),
+            )
+            for n, (reason, effect, error, duration, delay) in enumerate(self._history, 1)
+        )
+
+    @property
+    def last_error(self) -> BaseException | None:
+        """The last attempt's failure (its cause when it was a ``RetryableError``)."""
+        return self._last_error
+
+    # -- transitions (called by the doors and the hedging runner only) ------------
+    # A request's retry state changes only through these methods: every other module
+    # reads it through the properties above (rfc/0001, "Who changes a request").
+    def _begin_attempt(self, now: float) -> None:
+        """An attempt is being sent at ``now`` (the request's clock)."""
+        self._in_flight = True
+        self._sent_at = now
+
+    def _first_dispatch(self) -> bool:
+        """True the first time a door asks: the request's first attempt goes out."""
+        if self._dispatched:
+            return False
+        self._dispatched = True
+        return True
+
+    def _attempt_failed(
+        self,
+        reason: RetryReason | None,
+        effect: AttemptEffect,
+        error: BaseException | None,
+        now: float,
+        started: float | None = None,
+    ) -> None:
+        """Book the attempt in flight (or the last one sent) as failed at ``now``.
+
+        ``reason`` None: it failed otherwise (a final answer) or was cut in flight.
+        Its backoff is booked by :meth:`_retry_booked` when it is retried.
+        ``started``: when it was sent, on the same clock as ``now`` (a hedge's own
+        start; default: the one :meth:`_begin_attempt` booked).
+        """
+        if started is None:
+            started = self._sent_at
+        self._history.append(
+            [reason, effect, error, None if started < 0.0 else now - started, None]
+        )
+        self._in_flight = False
+        self._sent_at = -1.0
+        if error is not None:
+            previous = self._last_error
+            if previous is not None and previous is not error:
+                # Only the last failure keeps its traceback (the final exception's
+                # __cause__): the frames of older ones are freed at once, so a request
+                # waiting in backoff holds one failed attempt's frames, not every one.
+                previous.__traceback__ = None
+            self._last_error = error
+        if reason is not None:
+            self._last_reason = reason
+        if effect is not _NOT_SENT:
+            self._sent = True
+            if effect is _MAYBE:
+                self._maybe_applied = True
+
+    def _retry_booked(self, reason: RetryReason, delay: float | None) -> None:
+        """The failed attempt is retried for ``reason`` after ``delay`` seconds."""
+        self._attempts += 1
+        if reason not in self._reasons:
+            self._reasons.append(reason)
+        history = self._history
+        if history:
+            history[-1][4] = delay
+
+    def _hedge_sent(self) -> None:
+        """One more copy of a hedged request went out (a retry, by the RFC's count)."""
+        self._attempts += 1
+
+    def _reason_seen(self, reason: RetryReason) -> None:
+        """A hedge failed for ``reason``: listed in ``retry_reasons``."""
+        if reason not in self._reasons:
+            self._reasons.append(reason)
+
+    def _succeeded(self) -> None:
+        """The request got its answer.
+
+        The last failure lets go of its traceback (:meth:`_attempt_failed` freed the
+        older ones): a traceback holds the frames it passed through, and those hold
+        the request, whose history holds the failure: a reference cycle per retried
+        call (about 1 us per retry in bench/bench_core.py). Types and messages stay
+        for :attr:`attempts`.
+        """
+        if self._state is _PENDING:
+            self._state = RequestState.SUCCEEDED
+        error = self._last_error
+        if error is not None:
+            error.__traceback__ = None
+
+    def _finish(self, state: RequestState, why: CancellationReason | None = None) -> bool:
+        """Complete the request (once: a completed request keeps its first ending).
+
+        True when this call completed it, False when it had completed already.
+        """
+        if self._state is not _PENDING:
+            return False
+        self._state = state
+        self._cancellation = why
+        return True
+
+    def _finish_by(self, exc: BaseException) -> None:
+        """The call ended with ``exc``: FAILED for an error, CANCELLED (TASK_CANCELLED) else."""
+        if isinstance(exc, Exception):
+            self._finish(RequestState.FAILED)
+        else:
+            self._finish(RequestState.CANCELLED, CancellationReason.TASK_CANCELLED)
+
+    def _reopen_for_timeout(self) -> None:
+        """Whatever a cut left behind (e.g. marked cancelled by the task), it timed out."""
+        if self._cancellation is not CancellationReason.CANCELLED_VIA_CONTEXT:
+            self._state = _PENDING
+            self._cancellation = None
