@@ -78,6 +78,37 @@ async def test_non_retryable_exception_propagates_unchanged() -> None:
     assert send.calls == 2
 
 
+@pytest.mark.parametrize("seconds", [None, 10.0])
+async def test_a_send_that_returns_no_awaitable_gets_a_clear_error(seconds: float | None) -> None:
+    orch = RetryOrchestrator(BestEffortRetryStrategy())
+    req = Request(idempotent=True, timeout=seconds)
+
+    def send(request: Request) -> str:  # forgot async
+        return "answer"
+
+    expected = r"send returned str, not an awaitable.*execute_sync"
+    with pytest.raises(TypeError, match=expected) as info:
+        await orch.execute(req, send)  # type: ignore[arg-type]
+    assert info.value.__cause__ is None
+    assert req.state is RequestState.FAILED
+    assert req.failed_attempts == 1  # the call was made: it counts as an attempt that failed
+
+
+async def test_a_type_error_raised_by_send_itself_passes_unchanged() -> None:
+    original = TypeError("bad argument inside send")
+    orch = RetryOrchestrator(BestEffortRetryStrategy())
+    req = Request(idempotent=True, timeout=10.0)
+
+    async def send(request: Request) -> str:
+        raise original
+
+    with pytest.raises(TypeError) as info:
+        await orch.execute(req, send)
+    assert info.value is original  # not mistaken for a send that returned no awaitable
+    assert req.state is RequestState.FAILED
+    assert req.last_error is original
+
+
 async def test_refusal_cause_is_the_original_failure() -> None:
     original = ConnectionResetError("peer reset")
 
