@@ -37,7 +37,13 @@ from typing import Any
 
 import anyio
 import structlog
-from bench_doors import REASON, failing  # the same call as bench_doors.py (run from bench/)
+from bench_doors import (  # the same call and loops as bench_doors.py (run from bench/)
+    REASON,
+    doors,
+    failing,
+    hand,
+    hand_native,
+)
 
 from sdkcore import (
     BestEffortRetryStrategy,
@@ -52,21 +58,6 @@ EFFECT = AttemptEffect.for_reason(REASON)
 
 
 def steps(orch: RetryOrchestrator) -> dict[str, Callable[[Any], Awaitable[object]]]:
-    async def hand_anyio(send: Any) -> object:
-        while True:
-            try:
-                return await send(None)
-            except RetryableError:
-                await anyio.sleep(0)  # noqa: ASYNC115 - the baseline of bench_doors
-
-    async def hand_native(send: Any) -> object:
-        sleep = _runtime.current().sleep
-        while True:
-            try:
-                return await send(None)
-            except RetryableError:
-                await sleep(0)
-
     async def with_request(send: Any) -> object:
         sleep = _runtime.current().sleep
         request = Request(idempotent=True, timeout=None)
@@ -136,17 +127,14 @@ def steps(orch: RetryOrchestrator) -> dict[str, Callable[[Any], Awaitable[object
             request._succeeded()
             return result
 
-    async def executed(send: Any) -> object:
-        return await orch.execute(Request(idempotent=True, timeout=None), send)
-
     return {
-        "hand (anyio)": hand_anyio,
+        "hand (anyio)": hand,
         "hand (native)": hand_native,
         "+ Request": with_request,
         "+ transitions": with_transitions,
         "+ strategy": with_strategy,
         "+ decide, book": with_decide,
-        "execute": executed,
+        "execute": doors(orch)["execute"],
     }
 
 

@@ -22,17 +22,26 @@ as a production application runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import logging
 import statistics
 import time
 import tracemalloc
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 import structlog
 
-from sdkcore import BestEffortRetryStrategy, Request, RetryableError, RetryOrchestrator, RetryReason
+from sdkcore import (
+    BestEffortRetryStrategy,
+    Request,
+    RetryableError,
+    RetryOrchestrator,
+    RetryReason,
+    _runtime,
+)
 
 REASON = RetryReason.KV_TEMPORARY_FAILURE
 
@@ -58,35 +67,52 @@ async def per_call(fn: Callable[[], Awaitable[object]], calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-async def timings(calls: int, rounds: int) -> dict[str, tuple[float, float]]:
-    orch = RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda attempt: 0.0))
-    hand_send, wired_send, exec_send, dl_send = (failing(3) for _ in range(4))
-    ok = failing(0)
+async def hand(send: Callable[[object], Awaitable[str]]) -> str:
+    """The baseline the issue names: ``for`` + ``try/except`` + ``anyio.sleep(0)``."""
+    while True:
+        try:
+            return await send(None)
+        except RetryableError:
+            await anyio.sleep(0)  # noqa: ASYNC115 - the baseline the issue names
 
-    async def hand() -> str:
-        for _ in range(1000):
-            try:
-                return await hand_send(None)
-            except RetryableError:
-                await anyio.sleep(0)  # noqa: ASYNC115 - the baseline the issue names
-        raise RuntimeError("unreachable")
 
-    async def wired() -> str:
+async def hand_native(send: Callable[[object], Awaitable[str]]) -> str:
+    """The same loop with the event loop's own checkpoint, the one the core uses."""
+    sleep = _runtime.current().sleep
+    while True:
+        try:
+            return await send(None)
+        except RetryableError:
+            await sleep(0)
+
+
+def doors(orch: RetryOrchestrator) -> dict[str, Callable[[Any], Awaitable[str]]]:
+    """The retried call through each async door, for a given ``send``."""
+
+    async def wired(send: Any) -> str:
         request = Request(idempotent=True, timeout=None)
         while True:
             try:
-                result = await wired_send(request)
+                result: str = await send(request)
             except RetryableError as failure:
                 await orch.maybe_retry(request, failure.reason, cause=failure)
                 continue
             orch.succeed(request)
             return result
 
-    async def executed() -> str:
-        return await orch.execute(Request(idempotent=True, timeout=None), exec_send)
+    async def executed(send: Any) -> str:
+        return await orch.execute(Request(idempotent=True, timeout=None), send)
 
-    async def with_deadline() -> str:
-        return await orch.execute(Request(idempotent=True, timeout=2.5), dl_send)
+    async def with_deadline(send: Any) -> str:
+        return await orch.execute(Request(idempotent=True, timeout=2.5), send)
+
+    return {"maybe_retry": wired, "execute": executed, "execute+deadline": with_deadline}
+
+
+async def timings(calls: int, rounds: int) -> dict[str, tuple[float, float]]:
+    orch = RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda attempt: 0.0))
+    hand_send = failing(3)
+    ok = failing(0)
 
     async def happy() -> str:
         return await orch.execute(Request(idempotent=True, timeout=2.5), ok)
@@ -95,11 +121,10 @@ async def timings(calls: int, rounds: int) -> dict[str, tuple[float, float]]:
         return await ok(None)
 
     cases: dict[str, tuple[Callable[[], Awaitable[object]], Callable[[], Awaitable[object]]]] = {
-        "maybe_retry": (wired, hand),
-        "execute": (executed, hand),
-        "execute+deadline": (with_deadline, hand),
-        "happy+deadline": (happy, bare),
+        name: (functools.partial(door, failing(3)), functools.partial(hand, hand_send))
+        for name, door in doors(orch).items()
     }
+    cases["happy+deadline"] = (happy, bare)
     samples: dict[str, list[tuple[float, float]]] = {k: [] for k in cases}
     for fn, base in cases.values():  # warm up
         await per_call(fn, calls // 10)
@@ -125,7 +150,7 @@ async def memory(count: int) -> tuple[float, float]:
     async def sdk() -> None:
         await orch.execute(Request(idempotent=True, timeout=60.0), send)
 
-    async def hand() -> None:
+    async def hand_waiting() -> None:
         for _ in range(1000):
             try:
                 await send(None)
@@ -133,7 +158,7 @@ async def memory(count: int) -> tuple[float, float]:
                 await anyio.sleep(30.0)
 
     out: list[float] = []
-    for body in (sdk, hand):
+    for body in (sdk, hand_waiting):
         async with anyio.create_task_group() as tg:
             for _ in range(10):  # warm the allocator and caches
                 tg.start_soon(body)

@@ -56,7 +56,12 @@ from typing import Any
 
 import anyio
 import structlog
-from bench_doors import failing  # the same call as bench_doors.py (run from bench/)
+from bench_doors import (  # the same call and loops (run from bench/)
+    doors,
+    failing,
+    hand,
+    hand_native,
+)
 
 from sdkcore import BestEffortRetryStrategy, Request, RetryableError, RetryOrchestrator, _runtime
 from sdkcore._context import DEFAULT_EFFECT
@@ -78,7 +83,7 @@ class FloorRequest:
         self.history: list[list[Any]] | None = None
         self.sent_at = 0.0
 
-    # The strategy reads these two, as it reads a Request's.
+    # The strategy reads it, as it reads a Request's.
     @property
     def retry_attempts(self) -> int:
         return self.attempts
@@ -102,21 +107,6 @@ def floor_step(request: FloorRequest, failure: RetryableError, now: float) -> fl
 
 
 def rows(orch: RetryOrchestrator) -> dict[str, Callable[[Any], Awaitable[object]]]:
-    async def hand(send: Any) -> object:
-        while True:
-            try:
-                return await send(None)
-            except RetryableError:
-                await anyio.sleep(0)  # noqa: ASYNC115 - the baseline of bench_doors
-
-    async def hand_native(send: Any) -> object:
-        sleep = _runtime.current().sleep
-        while True:
-            try:
-                return await send(None)
-            except RetryableError:
-                await sleep(0)
-
     async def floor_execute(send: Any, seconds: float | None = None) -> object:
         rt = _runtime.current()
         request = FloorRequest(True, seconds)
@@ -150,32 +140,16 @@ def rows(orch: RetryOrchestrator) -> dict[str, Callable[[Any], Awaitable[object]
             except RetryableError as failure:
                 await floor_retry(request, failure)
 
-    async def sdk_execute(send: Any) -> object:
-        return await orch.execute(Request(idempotent=True, timeout=None), send)
-
-    async def sdk_deadline(send: Any) -> object:
-        return await orch.execute(Request(idempotent=True, timeout=2.5), send)
-
-    async def sdk_wired(send: Any) -> object:
-        request = Request(idempotent=True, timeout=None)
-        while True:
-            try:
-                result = await send(request)
-            except RetryableError as failure:
-                await orch.maybe_retry(request, failure.reason, cause=failure)
-                continue
-            orch.succeed(request)
-            return result
-
+    sdk = doors(orch)
     return {
         "hand": hand,
         "hand, native checkpoint": hand_native,
         "floor maybe_retry": floor_wired,
-        "sdkcore maybe_retry": sdk_wired,
+        "sdkcore maybe_retry": sdk["maybe_retry"],
         "floor execute": floor_execute,
-        "sdkcore execute": sdk_execute,
+        "sdkcore execute": sdk["execute"],
         "floor execute + deadline": floor_deadline,
-        "sdkcore execute + deadline": sdk_deadline,
+        "sdkcore execute + deadline": sdk["execute+deadline"],
     }
 
 
