@@ -157,7 +157,8 @@ async def execute(
             try:
                 result = await pending
             except TypeError:
-                # Checked only when it fails: one hasattr per attempt was 1.5% of a retried call.
+                # Checked only when it fails: one hasattr per attempt was about 1.3% of a
+                # retried call's instructions (bench/README, "bench_instructions.py", third pass).
                 if hasattr(pending, "__await__"):
                     raise  # send's own TypeError
                 raise TypeError(
