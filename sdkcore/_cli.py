@@ -14,7 +14,7 @@ import sys
 import textwrap
 from collections.abc import Sequence
 
-from ._console import WIDTH, Output, UsageError
+from ._console import WIDTH, Output, UsageError, install_hint
 from ._version import __version__
 
 __all__ = ["WIDTH", "Output", "UsageError", "main"]  # the frame is _console's, re-exported
@@ -43,11 +43,9 @@ def _run_demo(argv: Sequence[str]) -> int:
                 "is missing)\n"
             )
             return 2
-        if exc.name is not None and exc.name.split(".")[0] in ("grpc", "rich"):
-            extra = "grpc" if exc.name.startswith("grpc") else "cli"
-            sys.stderr.write(
-                f"sdkcore demo needs {exc.name.split('.')[0]}: pip install 'sdkcore[{extra}]'\n"
-            )
+        missing = None if exc.name is None else exc.name.split(".")[0]
+        if missing in ("grpc", "rich"):
+            sys.stderr.write(f"sdkcore demo needs {missing}: {install_hint(missing)}\n")
             return 2
         raise
     return int(demo.main(list(argv)))

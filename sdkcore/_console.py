@@ -17,10 +17,26 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-__all__ = ["WIDTH", "Output", "UsageError", "color_wanted"]
+__all__ = ["WIDTH", "Output", "UsageError", "color_wanted", "install_hint"]
 
 #: The widest line any command prints.
 WIDTH = 100
+
+#: The PyPI package each optional import comes from, and the sdkcore extra that brings it.
+_PACKAGES = {"rich": ("rich", "cli"), "grpc": ("grpcio", "grpc")}
+
+
+def install_hint(module: str) -> str:
+    """How to install what ``module`` (``rich``, ``grpc``) needs, true today.
+
+    sdkcore is not published on PyPI, so installing the extra by sdkcore's name fails:
+    the hint names the dependency itself (on PyPI), then the extra from a checkout.
+    """
+    package, extra = _PACKAGES[module]
+    return (
+        f"pip install {package} (or sdkcore's '{extra}' extra from a checkout: "
+        f"pip install -e '/path/to/sdkcore[{extra}]'; sdkcore is not on PyPI)"
+    )
 
 
 class UsageError(Exception):
@@ -67,7 +83,7 @@ class Output:
         self.unicode = encoding in ("utf8", "utf16", "utf32", "utf8sig")
         self.rich = _rich() if use_rich is None or use_rich else None
         if use_rich and self.rich is None:
-            raise UsageError("rich is not installed: pip install 'sdkcore[cli]'")
+            raise UsageError(f"rich is not installed: {install_hint('rich')}")
 
     # -- plain pieces ------------------------------------------------------------------
     def write(self, text: str) -> None:
@@ -109,7 +125,17 @@ class Output:
         title: str | None = None,
         indent: int = 2,
     ) -> None:
-        """A table; the last column wraps to keep every line within the width."""
+        """A table; the last column wraps to keep every line within the width.
+
+        Every column has a header: a blank one is a ValueError (a table the reader
+        cannot label), whether rich or plain text draws it.
+        """
+        for i, column in enumerate(columns):
+            if not column.strip():
+                raise ValueError(
+                    f"Output.table(columns): column {i} has a blank header; every column needs "
+                    f"a label, got {list(columns)!r}"
+                )
         if self.rich is not None:
             self._rich_table(columns, rows, title=title, indent=indent)
         else:

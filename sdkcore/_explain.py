@@ -3,29 +3,33 @@
 The answer is mapped with :mod:`sdkcore.mapping` (the same functions an SDK's I/O
 code calls), then, for a retry reason, the real orchestrator and built-in
 strategies are driven on throwaway requests with a virtual clock: the table shows
-what they decide, never a re-statement of the rules.
+what they decide, never a re-statement of the rules. Whether a non-idempotent
+request is sent again after an attempt that may have been applied is the core's
+decision too (``sdkcore._decision.decide``, reached through ``maybe_retry`` with the
+attempt effect the mapper recorded): ``explain`` has no rule of its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 
 from ._console import Output, UsageError
 from ._context import AttemptEffect
+from ._decision import CONTROLLED_SECONDS
 from ._errors import CouchbaseException, RetryableError
 from ._orchestrator import RetryOrchestrator
 from ._reason import RetryReason
 from ._request import Request
 from ._strategy import (
     BestEffortRetryStrategy,
-    FailFastRetryStrategy,
     FastFailOnTerminalErrorRetryStrategy,
     RetryStrategy,
 )
@@ -46,24 +50,29 @@ from .mapping import (
 )
 from .testing import VirtualClock, capture_retry_events
 
-__all__ = ["KINDS", "add_parser", "explain_reason", "run"]
+__all__ = ["KINDS", "Outcome", "add_parser", "explain_outcomes", "explain_reason", "run"]
 
 #: How many retries the strategy table plays.
 RETRIES_SHOWN = 5
 
-STRATEGIES: tuple[tuple[str, Callable[[], RetryStrategy]], ...] = (
-    ("BestEffort", BestEffortRetryStrategy),
-    ("FastFailOnTerminalError", FastFailOnTerminalErrorRetryStrategy),
-    ("FailFast", FailFastRetryStrategy),
+#: The strategies the table plays: the exported ones (``sdkcore.__all__``), shown by
+#: their class names. FailFastRetryStrategy is internal (RFC 0049: SDK-internal requests).
+STRATEGIES: tuple[type[RetryStrategy], ...] = (
+    BestEffortRetryStrategy,
+    FastFailOnTerminalErrorRetryStrategy,
 )
+
+_CONTROLLED_MS = ", ".join(f"{s * 1000:g}" for s in CONTROLLED_SECONDS)
 
 _FLAG_HELP = {
     "allows_non_idempotent_retry": (
-        "RFC 0049 allows retrying a non-idempotent request for this reason",
+        "RFC 0049 allows retrying a non-idempotent request for this reason, unless an "
+        "attempt may have been applied (attempt effect MAYBE_APPLIED)",
         "a non-idempotent request is never retried for this reason",
     ),
     "always_retry": (
-        "retried with controlled backoff (1, 10, 50, 100, 500, 1000 ms) whatever the strategy",
+        f"retried with controlled backoff ({_CONTROLLED_MS} ms) whatever the strategy, "
+        "unless the request is non-idempotent and an attempt may have been applied",
         "the request's retry strategy decides",
     ),
     "after_dispatch": (
@@ -105,13 +114,18 @@ def add_parser(sub: Any) -> None:
         help="explain what a server answer or retry reason leads to under each strategy",
         description=(
             "Map a server answer to its retry reason (or exception) with sdkcore.mapping, and "
-            "show what BestEffort, FastFailOnTerminalError and FailFast do with it."
+            "show what " + " and ".join(s.__name__ for s in STRATEGIES) + " do with it."
         ),
     )
     kinds = parser.add_subparsers(dest="kind", required=True, metavar="KIND")
     for kind, (metavar, what, accepted) in KINDS.items():
         p = kinds.add_parser(kind, help=f"explain {what}", description=f"{what}: {accepted}")
         p.add_argument("value", metavar=metavar, help=accepted)
+        p.add_argument(
+            "--json",
+            action="store_true",
+            help="print the answer as JSON (keys are snake_case identifiers) instead of tables",
+        )
         if kind == "kv":
             p.add_argument(
                 "--opcode",
@@ -301,56 +315,106 @@ def _map(args: argparse.Namespace) -> tuple[str, Mapped, str]:
 # -- driving the orchestrator ------------------------------------------------------------------
 
 
-def _ms(delay: timedelta) -> str:
-    return f"{delay.total_seconds() * 1000:g}"
+def _ms(delay: timedelta) -> float:
+    return round(delay.total_seconds() * 1000, 3)
+
+
+class Outcome(NamedTuple):
+    """What the orchestrator did with one strategy and one kind of request."""
+
+    #: The strategy's class name (an exported one, see :data:`STRATEGIES`).
+    strategy: str
+    idempotent: bool
+    #: The delays it waited before each retry, in ms (at most :data:`RETRIES_SHOWN`).
+    delays_ms: tuple[float, ...]
+    #: The exception the request failed with, by class name; None: still retrying.
+    exception: str | None
+    #: The failure's ``context.cancellation_reason`` name, if any.
+    cancellation_reason: str | None
+
+    @property
+    def request(self) -> str:
+        return "idempotent" if self.idempotent else "non-idempotent"
+
+    def text(self) -> str:
+        delays = ", ".join(f"{d:g}" for d in self.delays_ms)
+        if self.exception is None:
+            return f"retry after {delays} ms, ..."
+        why = f" ({self.cancellation_reason})" if self.cancellation_reason else ""
+        failed = f"fails: {self.exception}{why}"
+        return f"retry after {delays} ms, then {failed}" if delays else failed
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "idempotent": self.idempotent,
+            "delays_ms": list(self.delays_ms),
+            "retries_go_on": self.exception is None,
+            "exception": self.exception,
+            "cancellation_reason": self.cancellation_reason,
+        }
 
 
 async def _play(
-    make: Callable[[], RetryStrategy],
+    strategy: type[RetryStrategy],
     reason: RetryReason,
     idempotent: bool,
     effect: AttemptEffect | None = None,
-) -> str:
-    """What the orchestrator does with ``reason`` on a fresh request, retry after retry."""
+) -> Outcome:
+    """What the orchestrator does with ``reason`` on a fresh request, retry after retry.
+
+    The real ``maybe_retry`` decides (the core's rule, with ``effect`` recorded for
+    every attempt): nothing here restates when a request is retried.
+    """
     clock = VirtualClock()
-    orchestrator = RetryOrchestrator(default_strategy=make(), sleep=clock.sleep)
+    orchestrator = RetryOrchestrator(default_strategy=strategy(), sleep=clock.sleep)
     request = Request(name="explain", idempotent=idempotent, timeout=None, clock=clock.clock)
-    delays: list[str] = []
+    delays: list[float] = []
     for _ in range(RETRIES_SHOWN):
         try:
             delays.append(_ms(await orchestrator.maybe_retry(request, reason, effect=effect)))
         except CouchbaseException as exc:
-            why = ""
             context = exc.context
+            why = None
             if context is not None and context.cancellation_reason is not None:
-                why = f" ({context.cancellation_reason.name})"
-            failed = f"fails: {type(exc).__name__}{why}"
-            return f"retry after {', '.join(delays)} ms, then {failed}" if delays else failed
-    return f"retry after {', '.join(delays)} ms, ..."
+                why = context.cancellation_reason.name
+            return Outcome(strategy.__name__, idempotent, tuple(delays), type(exc).__name__, why)
+    return Outcome(strategy.__name__, idempotent, tuple(delays), None, None)
 
 
-def explain_reason(
-    reason: RetryReason, effect: AttemptEffect | None = None
-) -> list[tuple[str, str, str]]:
-    """(strategy, request kind, what happens) for each built-in strategy.
+def explain_outcomes(reason: RetryReason, effect: AttemptEffect | None = None) -> list[Outcome]:
+    """What the orchestrator does for each exported strategy, idempotent or not.
 
     ``effect`` is what the failed attempts are recorded with (default: the reason's).
     """
 
-    async def table() -> list[tuple[str, str, str]]:
-        rows = []
-        for label, make in STRATEGIES:
-            for idempotent in (True, False):
-                kind = "idempotent" if idempotent else "non-idempotent"
-                rows.append((label, kind, await _play(make, reason, idempotent, effect)))
-        return rows
+    async def table() -> list[Outcome]:
+        return [
+            await _play(strategy, reason, idempotent, effect)
+            for strategy in STRATEGIES
+            for idempotent in (True, False)
+        ]
 
     with capture_retry_events():  # the decisions are shown, not logged
         return anyio.run(table)
 
 
+def explain_reason(
+    reason: RetryReason, effect: AttemptEffect | None = None
+) -> list[tuple[str, str, str]]:
+    """(strategy, request kind, what happens) for each exported strategy: the table's rows."""
+    return [(o.strategy, o.request, o.text()) for o in explain_outcomes(reason, effect)]
+
+
+def _effect(reason: RetryReason, effect: AttemptEffect | None) -> tuple[AttemptEffect, bool]:
+    """(the effect the attempts are recorded with, whether a mapper recorded it)."""
+    if effect is None:
+        return AttemptEffect.for_reason(reason), False
+    return effect, True
+
+
 def _flags(out: Output, reason: RetryReason, effect: AttemptEffect | None, mapper: str) -> None:
-    """The reason's RFC 0049 flags, then the one row that says what a timeout means."""
+    """The reason's RFC 0049 flags, then the one row that says what the attempt effect means."""
     rows = []
     overridden = effect is not None and effect is not AttemptEffect.for_reason(reason)
     for flag, (yes, no) in _FLAG_HELP.items():
@@ -359,14 +423,15 @@ def _flags(out: Output, reason: RetryReason, effect: AttemptEffect | None, mappe
         if flag == "after_dispatch" and overridden:
             meaning += "; this answer came from the server: the attempt effect below applies"
         rows.append((flag, "yes" if on else "no", meaning))
-    if effect is None:
-        effect = AttemptEffect.for_reason(reason)
-        source = "the reason's default"
-    else:
-        source = f"recorded by {mapper}"
-    rows.append(("attempt effect", effect.name, f"{source}: {_EFFECT_HELP[effect]}"))
-    out.table(("flag", "", "meaning"), rows)
+    recorded, by_mapper = _effect(reason, effect)
+    source = f"recorded by {mapper}" if by_mapper else "the reason's default"
+    rows.append(("attempt effect", recorded.name, f"{source}: {_EFFECT_HELP[recorded]}"))
+    out.table(_FLAG_COLUMNS, rows)
 
+
+#: The headers of the two tables: every column has one (plain text and rich alike).
+_FLAG_COLUMNS = ("property", "value", "meaning")
+_STRATEGY_COLUMNS = ("strategy", "request", "outcome")
 
 _EFFECT_HELP = {
     AttemptEffect.NOT_SENT: "never left the client: a later timeout is unambiguous",
@@ -374,21 +439,59 @@ _EFFECT_HELP = {
         "the server's answer proves nothing was applied: on its own, a later timeout is unambiguous"
     ),
     AttemptEffect.MAYBE_APPLIED: (
-        "may have been applied: a later timeout of a non-idempotent request is ambiguous"
+        "may have been applied: a non-idempotent request is never sent again, whatever the "
+        "reason's flags, and its timeout is ambiguous"
     ),
 }
+
+
+def _to_json(
+    args: argparse.Namespace,
+    what: str,
+    mapped: Mapped,
+    mapper: str,
+    effect: AttemptEffect | None,
+    opcode_idempotent: bool | None,
+) -> dict[str, Any]:
+    """The answer as JSON: snake_case keys, stable across releases (values may be null)."""
+    out: dict[str, Any] = {
+        "kind": args.kind,
+        "value": args.value,
+        "answer": what,
+        "mapped_by": mapper or None,
+        "retry_reason": None,
+        "exception": None,
+    }
+    if opcode_idempotent is not None:
+        out["opcode_idempotent"] = opcode_idempotent
+    if isinstance(mapped, RetryReason):
+        recorded, by_mapper = _effect(mapped, effect)
+        out["retry_reason"] = mapped.name
+        out["flags"] = {flag: bool(getattr(mapped, flag)) for flag in _FLAG_HELP}
+        out["attempt_effect"] = recorded.name
+        out["attempt_effect_source"] = "mapper" if by_mapper else "reason_default"
+        out["retries_shown"] = RETRIES_SHOWN
+        out["outcomes"] = [o.to_json() for o in explain_outcomes(mapped, effect)]
+    elif isinstance(mapped, CouchbaseException):
+        out["exception"] = {"type": type(mapped).__name__, "message": mapped.message}
+    return out
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
     what, mapped, mapper = _map(args)
     note = ""
+    opcode_idempotent: bool | None = None
     if args.kind == "kv":
-        idempotent = is_idempotent_kv(_kv_opcode(args.opcode))
-        note = f"  (the opcode is {'' if idempotent else 'not '}idempotent: RFC 0049 list)"
+        opcode_idempotent = is_idempotent_kv(_kv_opcode(args.opcode))
+        note = f"  (the opcode is {'' if opcode_idempotent else 'not '}idempotent: RFC 0049 list)"
     effect: AttemptEffect | None = None
     if isinstance(mapped, RetryableError):
         effect = mapped.effect
         mapped = mapped.reason
+    if getattr(args, "json", False):
+        data = _to_json(args, what, mapped, mapper, effect, opcode_idempotent)
+        out.write(json.dumps(data, indent=2) + "\n")
+        return 0
     if args.kind == "grpc" and effect is AttemptEffect.MAYBE_APPLIED:
         note = (
             "  (a status received from a server: gRPC does not promise that it means nothing "
@@ -406,14 +509,13 @@ def run(args: argparse.Namespace, out: Output) -> int:
         _flags(out, mapped, effect, mapper)
         out.line()
         out.heading(f"What each strategy does (first {RETRIES_SHOWN} retries, no timeout)")
-        out.table(("strategy", "request", "outcome"), explain_reason(mapped, effect))
+        out.table(_STRATEGY_COLUMNS, explain_reason(mapped, effect))
         out.line()
         out.line(
             "'...': the retries go on until the request's timeout. "
             "With a timeout, a delay that reaches the deadline is cut short and the request "
             "times out (ambiguous if it is non-idempotent and some attempt may have been "
-            'applied, rfc/0001 "Ambiguity"). FailFast '
-            "is meant for SDK-internal requests."
+            'applied, rfc/0001 "Ambiguity").'
         )
         return 0
     out.heading(what)

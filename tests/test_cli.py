@@ -210,3 +210,65 @@ def test_the_console_script_runs() -> None:
     done = _run("--version")
     assert done.returncode == 0
     assert done.stdout.strip() == f"sdkcore {sdkcore.__version__}"
+
+
+# -- issue 21: every column labelled; install hints that work today ----------------------
+
+
+@pytest.mark.parametrize("use_rich", [False, True])
+def test_a_table_column_without_a_header_is_refused(
+    use_rich: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if use_rich:
+        pytest.importorskip("rich")
+    else:
+        monkeypatch.setitem(sys.modules, "rich", None)
+    out = Output(io.StringIO())
+    with pytest.raises(ValueError, match=r"column 1 has a blank header; every column needs"):
+        out.table(("flag", "", "meaning"), [("always_retry", "yes", "...")])
+    with pytest.raises(ValueError, match="column 0 has a blank header"):
+        out.table((" ", "b"), [("1", "2")])
+
+
+def test_the_rich_hint_installs_what_exists(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sdkcore is not on PyPI: `pip install 'sdkcore[cli]'` fails; the hint must not say it."""
+    from sdkcore._console import UsageError, install_hint
+
+    monkeypatch.setitem(sys.modules, "rich", None)
+    with pytest.raises(UsageError) as exc:
+        Output(io.StringIO(), use_rich=True)
+    message = str(exc.value)
+    assert message.startswith("rich is not installed: pip install rich ")
+    assert "pip install -e '/path/to/sdkcore[cli]'" in message
+    assert "pip install 'sdkcore" not in message
+    assert "pip install sdkcore" not in message
+    assert install_hint("grpc").startswith("pip install grpcio ")
+
+
+@pytest.mark.parametrize("module", ["grpc", "rich"])
+def test_the_demo_hint_when_its_import_fails(
+    module: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib
+
+    real = importlib.import_module
+
+    def fake(name: str, package: str | None = None) -> types.ModuleType:
+        if name == "sdkcore._demo":
+            raise ModuleNotFoundError(f"No module named {module!r}", name=f"{module}.aio")
+        return real(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", fake)
+    assert main(["demo"]) == 2
+    err = capsys.readouterr().err
+    package = {"grpc": "grpcio", "rich": "rich"}[module]
+    assert err.startswith(f"sdkcore demo needs {module}: pip install {package} ")
+    assert "pip install 'sdkcore" not in err
+
+
+def test_no_cli_message_suggests_installing_sdkcore_from_pypi() -> None:
+    """The messages the command frame and explain print (the demo's are its own)."""
+    for name in ("_cli.py", "_console.py", "_explain.py", "_check_config.py"):
+        text = (ROOT / "sdkcore" / name).read_text(encoding="utf-8")
+        assert "pip install 'sdkcore" not in text, name
+        assert "pip install sdkcore" not in text, name

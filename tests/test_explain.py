@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
+from typing import Any
 
 import pytest
 import structlog
 
-from sdkcore import RetryReason
+import sdkcore
+from sdkcore import AttemptEffect, RetryReason
 from sdkcore._cli import WIDTH, main
-from sdkcore._explain import explain_reason
+from sdkcore._explain import explain_outcomes, explain_reason
+
+BEST_EFFORT = "BestEffortRetryStrategy"
+FAST_FAIL = "FastFailOnTerminalErrorRetryStrategy"
 
 
 @pytest.fixture(params=["plain", "rich"])
@@ -36,13 +42,13 @@ def _rows(out: str) -> dict[tuple[str, str], str]:
     """(strategy, request kind) -> outcome, from the strategy table (wrapped cells joined)."""
     rows: dict[tuple[str, str], str] = {}
     last: tuple[str, str] | None = None
-    pattern = r"\s+(BestEffort|FastFailOnTerminalError|FailFast)\s+(idempotent|non-idempotent)\s+"
+    pattern = r"\s+([A-Za-z_]+RetryStrategy)\s+(idempotent|non-idempotent)\s+"
     for line in out.split("What each strategy does", 1)[1].splitlines()[2:]:
         m = re.match(pattern + r"(.*)", line)
         if m:
             last = (m.group(1), m.group(2))
             rows[last] = m.group(3).strip()
-        elif last is not None and line.startswith(" " * 20) and line.strip():
+        elif last is not None and line.startswith(" " * 40) and line.strip():
             rows[last] += " " + line.strip()
         else:
             last = None
@@ -58,8 +64,8 @@ def test_kv_not_my_vbucket_is_always_retried_with_controlled_backoff(
     assert "kv_failure" in out
     assert re.search(r"always_retry\s+yes", out)
     rows = _rows(out)
-    assert len(rows) == 6
-    # the strategy is not consulted: even FailFast retries, non-idempotent requests too
+    assert len(rows) == 4
+    # the strategy is not consulted: non-idempotent requests retried too (NOT_APPLIED)
     assert set(rows.values()) == {"retry after 1, 10, 50, 100, 500 ms, ..."}
 
 
@@ -80,9 +86,9 @@ def test_query_prepared_statement_failure(output: str, capsys: pytest.CaptureFix
     out = _explain(capsys, "query", "4050")
     assert "query error 4050 -> retry reason QUERY_PREPARED_STATEMENT_FAILURE" in out
     rows = _rows(out)
-    assert rows[("BestEffort", "idempotent")] == "retry after 1, 2, 4, 8, 16 ms, ..."
-    assert rows[("BestEffort", "non-idempotent")] == "retry after 1, 2, 4, 8, 16 ms, ..."
-    assert rows[("FailFast", "idempotent")] == "fails: RequestCanceledException (NO_MORE_RETRIES)"
+    assert rows[(BEST_EFFORT, "idempotent")] == "retry after 1, 2, 4, 8, 16 ms, ..."
+    assert rows[(BEST_EFFORT, "non-idempotent")] == "retry after 1, 2, 4, 8, 16 ms, ..."
+    assert rows[(FAST_FAIL, "idempotent")] == "retry after 1, 2, 4, 8, 16 ms, ..."
 
 
 def test_query_code_that_is_no_retry_reason(capsys: pytest.CaptureFixture[str]) -> None:
@@ -123,20 +129,18 @@ def test_reason_kv_locked(output: str, capsys: pytest.CaptureFixture[str]) -> No
     assert re.search(r"allows_non_idempotent_retry\s+yes", out)
     assert re.search(r"always_retry\s+no", out)
     rows = _rows(out)
-    assert rows[("FastFailOnTerminalError", "non-idempotent")] == (
-        "retry after 1, 2, 4, 8, 16 ms, ..."
-    )
+    assert rows[(FAST_FAIL, "non-idempotent")] == ("retry after 1, 2, 4, 8, 16 ms, ...")
 
 
 def test_reason_terminal_and_in_flight(capsys: pytest.CaptureFixture[str]) -> None:
     rows = _rows(_explain(capsys, "reason", "authentication_error"))
-    assert rows[("FastFailOnTerminalError", "idempotent")] == (
+    assert rows[(FAST_FAIL, "idempotent")] == (
         "fails: AuthenticationFailureException (NO_MORE_RETRIES)"
     )
-    assert rows[("BestEffort", "idempotent")] == "retry after 1, 2, 4, 8, 16 ms, ..."
+    assert rows[(BEST_EFFORT, "idempotent")] == "retry after 1, 2, 4, 8, 16 ms, ..."
     rows = _rows(_explain(capsys, "reason", "SOCKET_CLOSED_WHILE_IN_FLIGHT"))
-    assert rows[("BestEffort", "idempotent")] == "retry after 1, 2, 4, 8, 16 ms, ..."
-    assert rows[("BestEffort", "non-idempotent")].startswith("fails: RequestCanceledException")
+    assert rows[(BEST_EFFORT, "idempotent")] == "retry after 1, 2, 4, 8, 16 ms, ..."
+    assert rows[(BEST_EFFORT, "non-idempotent")].startswith("fails: RequestCanceledException")
 
 
 def test_analytics_and_search(capsys: pytest.CaptureFixture[str]) -> None:
@@ -149,10 +153,8 @@ def test_analytics_and_search(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_explain_reason_drives_the_strategies() -> None:
     rows = {(s, k): o for s, k, o in explain_reason(RetryReason.TLS_ERROR)}
-    assert rows[("FastFailOnTerminalError", "idempotent")] == (
-        "fails: CouchbaseException (NO_MORE_RETRIES)"
-    )
-    assert rows[("BestEffort", "non-idempotent")] == "retry after 1, 2, 4, 8, 16 ms, ..."
+    assert rows[(FAST_FAIL, "idempotent")] == "fails: CouchbaseException (NO_MORE_RETRIES)"
+    assert rows[(BEST_EFFORT, "non-idempotent")] == "retry after 1, 2, 4, 8, 16 ms, ..."
 
 
 def test_no_log_lines_leak_into_the_output(capsys: pytest.CaptureFixture[str]) -> None:
@@ -263,3 +265,149 @@ def test_every_numeric_input_gets_an_answer_or_a_clear_error(
             else:
                 assert captured.out, (kind, value)
                 assert captured.err == "", (kind, value)
+
+
+# -- issue 21, item 7: every column labelled, only exported strategies, JSON keys ----------
+
+
+def _header(out: str, first: str) -> list[str]:
+    """The header cells of the table whose first column is ``first`` (rich or plain)."""
+    for line in out.splitlines():
+        cells = line.split()
+        if cells[:1] == [first]:
+            return cells
+    raise AssertionError(f"no table headed {first!r} in:\n{out}")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("reason", "KV_LOCKED"), ("grpc", "UNAVAILABLE"), ("kv", "7", "--opcode", "upsert")],
+)
+def test_every_column_has_a_header(
+    output: str, capsys: pytest.CaptureFixture[str], args: tuple[str, ...]
+) -> None:
+    """The flags table's middle column used to have no header ("flag", "", "meaning")."""
+    out = _explain(capsys, *args)
+    assert _header(out, "property") == ["property", "value", "meaning"]
+    assert _header(out, "strategy") == ["strategy", "request", "outcome"]
+    # each header sits above its column: the value cells start where "value" starts
+    lines = out.splitlines()
+    head = next(line for line in lines if line.split()[:1] == ["property"])
+    row = next(line for line in lines if line.split()[:1] == ["always_retry"])
+    value = re.match(r"\s*always_retry\s+", row)
+    assert value is not None
+    assert value.end() == head.index("value")
+
+
+def test_only_exported_strategies_are_named(
+    output: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    exported = {name for name in sdkcore.__all__ if name.endswith("RetryStrategy")}
+    assert exported == {BEST_EFFORT, FAST_FAIL, "RetryStrategy"}
+    for args in (("reason", "KV_LOCKED"), ("grpc", "UNAVAILABLE"), ("query", "4050")):
+        out = _explain(capsys, *args)
+        named = {s for s, _ in _rows(out)}
+        assert named == {BEST_EFFORT, FAST_FAIL}, args
+        assert "FailFast" not in out  # FailFastRetryStrategy is internal
+    with pytest.raises(SystemExit):
+        main(["explain", "--help"])
+    help_text = capsys.readouterr().out
+    assert "FailFast" not in help_text
+    assert BEST_EFFORT in " ".join(help_text.split())
+    assert {o.strategy for o in explain_outcomes(RetryReason.KV_LOCKED)} <= set(sdkcore.__all__)
+
+
+def _keys(data: Any) -> set[str]:
+    if isinstance(data, dict):
+        return set(data) | {k for v in data.values() for k in _keys(v)}
+    if isinstance(data, list):
+        return {k for v in data for k in _keys(v)}
+    return set()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("reason", "KV_LOCKED"),
+        ("grpc", "UNAVAILABLE"),
+        ("grpc", "5"),
+        ("kv", "1"),
+        ("kv", "7", "--opcode", "upsert"),
+        ("query", "1234"),
+        ("search", "429", "--body", "num_queries_per_min"),
+    ],
+)
+def test_json_keys_are_snake_case_identifiers(
+    capsys: pytest.CaptureFixture[str], args: tuple[str, ...]
+) -> None:
+    assert main(["explain", *args, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    data = json.loads(captured.out)
+    keys = _keys(data)
+    assert keys, data
+    assert all(re.fullmatch(r"[a-z][a-z0-9]*(_[a-z0-9]+)*", k) for k in keys), sorted(keys)
+    assert {"kind", "value", "answer", "mapped_by", "retry_reason", "exception"} <= set(data)
+    if data["retry_reason"] is not None:
+        assert {o["strategy"] for o in data["outcomes"]} == {BEST_EFFORT, FAST_FAIL}
+        assert set(data["flags"]) == {
+            "allows_non_idempotent_retry",
+            "always_retry",
+            "after_dispatch",
+        }
+
+
+def test_json_outcomes_match_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["explain", "reason", "AUTHENTICATION_ERROR", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    by = {(o["strategy"], o["idempotent"]): o for o in data["outcomes"]}
+    assert by[(BEST_EFFORT, True)]["delays_ms"] == [1.0, 2.0, 4.0, 8.0, 16.0]
+    assert by[(BEST_EFFORT, True)]["retries_go_on"] is True
+    fast = by[(FAST_FAIL, True)]
+    assert fast["exception"] == "AuthenticationFailureException"
+    assert fast["cancellation_reason"] == "NO_MORE_RETRIES"
+    assert fast["delays_ms"] == []
+    assert data["attempt_effect"] == "NOT_SENT"
+    assert data["attempt_effect_source"] == "reason_default"
+
+
+# -- the effect decides: explain agrees with the core --------------------------------------
+
+
+def test_grpc_unavailable_is_not_retried_for_a_non_idempotent_request(
+    output: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """UNAVAILABLE from a server maps to SERVICE_NOT_AVAILABLE + MAYBE_APPLIED: the effect wins."""
+    rows = _rows(_explain(capsys, "grpc", "UNAVAILABLE"))
+    for strategy in (BEST_EFFORT, FAST_FAIL):
+        assert rows[(strategy, "idempotent")] == "retry after 1, 2, 4, 8, 16 ms, ...", strategy
+        assert rows[(strategy, "non-idempotent")].startswith("fails: "), rows
+        assert "retry after" not in rows[(strategy, "non-idempotent")]
+    assert main(["explain", "grpc", "UNAVAILABLE", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["attempt_effect"] == "MAYBE_APPLIED"
+    for outcome in data["outcomes"]:
+        if not outcome["idempotent"]:
+            assert outcome["delays_ms"] == [], outcome
+            assert outcome["exception"] is not None, outcome
+
+
+@pytest.mark.parametrize("reason", list(RetryReason), ids=lambda r: r.name)
+def test_a_maybe_applied_attempt_is_never_retried_when_not_idempotent(
+    reason: RetryReason,
+) -> None:
+    """Whatever the reason's flags (always-retry included), as the core decides."""
+    for outcome in explain_outcomes(reason, AttemptEffect.MAYBE_APPLIED):
+        if outcome.idempotent:
+            continue
+        assert outcome.delays_ms == (), outcome
+        assert outcome.exception is not None, outcome
+
+
+def test_a_not_applied_attempt_keeps_the_reason_s_rule() -> None:
+    """NOT_APPLIED and NOT_SENT attempts retry as the reason's flags say (unchanged)."""
+    for effect in (AttemptEffect.NOT_APPLIED, AttemptEffect.NOT_SENT):
+        for outcome in explain_outcomes(RetryReason.SERVICE_NOT_AVAILABLE, effect):
+            assert outcome.delays_ms == (1.0, 2.0, 4.0, 8.0, 16.0), (effect, outcome)
+        for outcome in explain_outcomes(RetryReason.KV_NOT_MY_VBUCKET, effect):
+            assert outcome.delays_ms == (1.0, 10.0, 50.0, 100.0, 500.0), (effect, outcome)
