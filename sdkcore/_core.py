@@ -216,6 +216,7 @@ class OrchestratorCore:
                 self._in_retry + self._in_retry_sync,
                 self._max_in_retry,
                 hint,
+                request.maybe_applied,
             )
             if verdict is _RETRY or verdict is _TIME_OUT:
                 if threads:

@@ -8,9 +8,11 @@ channels) carry it out. Every rule of the RFC's orchestration lives here, in ord
 1. Always-retry reasons (RFC "RetryReason", ``always_retry``) retry with the
    controlled backoff; the strategy is not consulted.
 2. A strategy's refusal ends the request (its exception, or NO_MORE_RETRIES).
-3. A request that is not idempotent, failed for a reason that does not allow
-   retrying it (it may have reached the server), is never retried, whatever the
-   strategy said (RFC "Network Time").
+3. A request that is not idempotent is never sent again once an attempt may have
+   been applied (``maybe_applied``: the attempt's effect, what actually happened),
+   whatever the reason's flags, always-retry included; nor after a reason that does
+   not allow retrying it (RFC "Network Time"), whatever the strategy said. The
+   cautious one of the two wins (rfc/0001, "Which wins: the effect or the flag").
 4. Backpressure: at ``max_requests_in_retry`` requests waiting, no more retries.
 5. Server hints: the wait is at least what the server asked for
    (``RetryableError(retry_after=...)``, HTTP Retry-After, gRPC pushback); a hint
@@ -49,7 +51,8 @@ class Verdict(enum.Enum):
     HINT_PAST_DEADLINE = "hint_past_deadline"
     #: The strategy declined: fail with its exception, or NO_MORE_RETRIES.
     REFUSED = "strategy_declined"
-    #: Not idempotent and may have reached the server: never retried.
+    #: Not idempotent, and an attempt may have been applied (its effect) or the reason
+    #: does not allow a retry (its RFC flag): never sent again.
     NOT_IDEMPOTENT = "not_idempotent"
     #: ``max_requests_in_retry`` requests are already waiting in retry.
     TOO_MANY = "too_many_requests_in_retry"
@@ -72,6 +75,7 @@ def decide(
     requests_in_retry: int,
     max_requests_in_retry: int,
     hint: float | None = None,
+    maybe_applied: bool = False,
 ) -> Decision:
     """Decide what follows an attempt that failed for ``reason``.
 
@@ -79,11 +83,17 @@ def decide(
     strategy is not consulted). ``retry_attempts``: the retries before this one;
     ``time_left``: seconds until the request's deadline (``math.inf`` for none);
     ``requests_in_retry``: how many requests wait in retry now; ``hint``: the
-    seconds the server asked to wait at least (``RetryableError.retry_after``).
+    seconds the server asked to wait at least (``RetryableError.retry_after``);
+    ``maybe_applied``: some attempt of the request may have been applied on the
+    server (:attr:`AttemptEffect.MAYBE_APPLIED`, the request's ``maybe_applied``).
 
     A plain tuple, not an object: this runs once per retry, and building a frozen
     attrs instance cost 0.3 us of the 2 us a retry costs (bench/README, "bench_doors.py").
     """
+    if maybe_applied and not idempotent:
+        # What happened wins over what the reason usually means: sending it again
+        # could apply it twice (an UNAVAILABLE answered by a server, a cut write).
+        return Verdict.NOT_IDEMPOTENT, 0.0
     if reason.always_retry:
         delay = CONTROLLED_SECONDS[retry_attempts if retry_attempts < 5 else 5]
     else:

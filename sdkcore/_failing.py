@@ -185,19 +185,29 @@ def refused(
     if action is not None and action.exception is not None:
         return action.exception(context)
     if verdict is Verdict.NOT_IDEMPOTENT:
-        if action is not None and action.seconds is not None:
-            return RequestCanceledException(
-                f"not retried: the request is not idempotent and may have reached the server "
-                f"({reason.name}); the strategy asked for a retry, which could apply it twice",
-                context=context,
-            )
-        return RequestCanceledException(
-            f"not retried: the request is not idempotent and may have reached the "
-            f"server ({reason.name}); retrying could apply it twice",
-            context=context,
-        )
+        return RequestCanceledException(_not_idempotent(request, reason, action), context=context)
     return RequestCanceledException(
         f"not retried: {strategy} declined to retry after {reason.name}", context=context
+    )
+
+
+def _not_idempotent(request: Request, reason: RetryReason, action: RetryAction | None) -> str:
+    """Why a non-idempotent request is not sent again: its effect, or its reason's flag."""
+    effect = request.last_effect
+    asked = (
+        "; the strategy asked for a retry, which could apply it twice"
+        if action is not None and action.seconds is not None
+        else "; sending it again could apply it twice"
+    )
+    if request.maybe_applied:
+        return (
+            f"not retried: the request is not idempotent and may have been applied on the "
+            f"server (reason {reason.name}, effect "
+            f"{'MAYBE_APPLIED' if effect is None else effect.name}){asked}"
+        )
+    return (
+        f"not retried: the request is not idempotent and may have reached the server "
+        f"(reason {reason.name} does not allow retrying a non-idempotent request){asked}"
     )
 
 

@@ -158,10 +158,12 @@ def test_retryable_error_rejects_a_bad_effect() -> None:
     [
         ([AttemptEffect.NOT_SENT], False, UnambiguousTimeoutException),
         ([AttemptEffect.NOT_APPLIED, AttemptEffect.NOT_SENT], False, UnambiguousTimeoutException),
+        # A maybe-applied attempt ends a non-idempotent request at once (never sent again):
+        # no timeout at all (tests/test_effect_decides.py).
         (
             [AttemptEffect.NOT_APPLIED, AttemptEffect.MAYBE_APPLIED],
             False,
-            AmbiguousTimeoutException,
+            RequestCanceledException,
         ),
         ([AttemptEffect.MAYBE_APPLIED], True, UnambiguousTimeoutException),
     ],

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 
 from sdkcore import (
     DEFAULT_MAX_REQUESTS_IN_RETRY,
-    AmbiguousTimeoutException,
     AttemptEffect,
     BestEffortRetryStrategy,
     CancellationReason,
@@ -309,27 +308,28 @@ async def test_non_idempotent_answers_that_prove_nothing_applied_time_out_unambi
     }
 
 
-async def test_one_maybe_applied_attempt_makes_a_non_idempotent_timeout_ambiguous() -> None:
-    """gRPC UNAVAILABLE from the server maps to SERVICE_NOT_AVAILABLE, which alone would say
-    "never sent": the adapter's effect overrides it, and one such attempt is enough."""
+async def test_a_maybe_applied_attempt_ends_a_non_idempotent_request_at_once() -> None:
+    """gRPC UNAVAILABLE from the server maps to SERVICE_NOT_AVAILABLE, whose flag allows a
+    non-idempotent retry (it is usually raised before sending): the adapter's effect says
+    the attempt may have been applied, and the effect wins. Nothing is sent again."""
     vc = VirtualClock()
     req = Request(idempotent=False, timeout=0.35, clock=vc.clock)
     orch = RetryOrchestrator(Fixed(0.1), sleep=vc.sleep)
     await orch.maybe_retry(req, RetryReason.KV_LOCKED)
-    await orch.maybe_retry(
-        req, RetryReason.SERVICE_NOT_AVAILABLE, effect=AttemptEffect.MAYBE_APPLIED
-    )
-
-    async def until_timeout() -> None:
-        for _ in range(10):
-            await orch.maybe_retry(req, RetryReason.KV_LOCKED)
-
-    with pytest.raises(AmbiguousTimeoutException) as info:
-        await until_timeout()
-    assert req.maybe_applied is True
+    with pytest.raises(RequestCanceledException) as info:
+        await orch.maybe_retry(
+            req, RetryReason.SERVICE_NOT_AVAILABLE, effect=AttemptEffect.MAYBE_APPLIED
+        )
+    assert vc.now == pytest.approx(1000.1)  # no wait after the maybe-applied attempt
+    assert req.retry_attempts == 1
+    assert req.cancellation_reason is CancellationReason.NO_MORE_RETRIES
+    message = str(info.value)
+    assert "may have been applied" in message
+    assert "SERVICE_NOT_AVAILABLE" in message
+    assert "MAYBE_APPLIED" in message
     ctx = info.value.context
     assert ctx is not None
-    assert [a.effect for a in ctx.attempts][:2] == [
+    assert [a.effect for a in ctx.attempts] == [
         AttemptEffect.NOT_APPLIED,
         AttemptEffect.MAYBE_APPLIED,
     ]

@@ -186,6 +186,11 @@ class _Call:
         if request is None:
             request = self._request = Request(
                 name=self.name,
+                # A6: a method's retryPolicy is the service owner's word that its
+                # retryableStatusCodes are safe to send again, answered or not (the
+                # core never re-sends a non-idempotent request that may have been
+                # applied). Without one, only transparent retries (never sent) remain.
+                idempotent=self.strategy.policy is not None,
                 timeout=self.timeout,
                 retry_strategy=self.strategy,
                 client_context={CALL_STATE_KEY: self.state},

@@ -20,7 +20,6 @@ from grpc import aio  # noqa: E402
 from grpc_server import TEST_TIMEOUT, ReservedPort, Server, abort, retry_config  # noqa: E402
 
 from sdkcore import (  # noqa: E402
-    AmbiguousTimeoutException,
     AttemptEffect,
     Request,
     RequestState,
@@ -504,9 +503,12 @@ async def test_refused_retry_is_caused_by_the_attempts_grpc_error(
 
 
 @pytest.mark.asyncio
-async def test_server_unavailable_makes_a_timeout_ambiguous(server: Server) -> None:
+async def test_server_unavailable_timeout_says_the_call_may_have_reached_it(
+    server: Server,
+) -> None:
     """UNAVAILABLE is retried for SERVICE_NOT_AVAILABLE, yet the server answered: it may
-    have applied the call, so the timeout in the backoff is ambiguous."""
+    have applied the call. The retryPolicy declares the method safe to send again (its
+    request is idempotent), so the timeout says so rather than "ambiguous"."""
     method = server.unary_unary("M", fail_then_ok(99, UNAVAILABLE))
     cfg = retry_config(initial="5s", maximum="5s")
     with anyio.fail_after(TEST_TIMEOUT):
@@ -514,7 +516,9 @@ async def test_server_unavailable_makes_a_timeout_ambiguous(server: Server) -> N
             with pytest.raises(aio.AioRpcError) as info:
                 await ch.unary_unary(method)(b"x", timeout=0.2)
     assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-    assert isinstance(info.value.__cause__, AmbiguousTimeoutException)
+    cause = info.value.__cause__
+    assert isinstance(cause, UnambiguousTimeoutException)
+    assert "may have reached the server, but it is idempotent" in str(cause)
 
 
 @pytest.mark.asyncio
