@@ -220,6 +220,7 @@ class _Chain:
 
     async def run(self, attempt: _Attempt) -> None:
         """Send one copy and book its outcome. Raises only the copy's cancellation."""
+        mark = self.request._dispatching()  # requests made inside send keep within its deadline
         try:
             result = await self.send(self.request, attempt.index)
         except RetryableError as failure:
@@ -243,6 +244,7 @@ class _Chain:
             self.outstanding -= 1
             self._won(attempt, result)
         finally:
+            self.request._dispatched_done(mark)
             wake = self.wake
             if wake is not None:
                 wake()

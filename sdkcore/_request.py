@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar
@@ -29,9 +30,25 @@ _DEFAULT_SECONDS = DEFAULT_TIMEOUT.total_seconds()
 _ids = itertools.count(1)
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
+
+class _Dispatch:
+    """The mark a door sets in ``_DISPATCHING`` while it sends ``request`` (see below).
+
+    The door clears ``request`` when its dispatch ends: a task spawned by ``send``
+    keeps a copy of the context, hence this mark, for as long as it lives, and must
+    neither inherit a finished request's deadline nor keep the request alive.
+    """
+
+    __slots__ = ("request", "token")
+
+    def __init__(self, request: Request) -> None:
+        self.request: Request | None = request
+        self.token = _DISPATCHING.set(self)
+
+
 #: The request whose attempt is being sent in this task or thread (set by the doors
 #: around ``send``): a Request built meanwhile takes the earlier of the two deadlines.
-_DISPATCHING: ContextVar[Request | None] = ContextVar("sdkcore_dispatching", default=None)
+_DISPATCHING: ContextVar[_Dispatch | None] = ContextVar("sdkcore_dispatching", default=None)
 
 
 @attrs.frozen(slots=True)
@@ -40,9 +57,10 @@ class DispatchInfo:
 
     ``attempt``: the 1-based number of the attempt being sent (gRPC's
     ``grpc-previous-rpc-attempts`` is ``attempt - 1``). ``time_left``: seconds until
-    the request's deadline (0 once passed), None without one: a server-side timeout
-    (Couchbase query's ``timeout``, gRPC's ``grpc-timeout``) should be this, not
-    the request's full timeout.
+    the request's deadline (0 once passed), inherited or bounded by an enclosing
+    trio/anyio cancel scope as :attr:`Request.time_left` is; None when nothing bounds
+    it: a server-side timeout (Couchbase query's ``timeout``, gRPC's
+    ``grpc-timeout``) should be this, not the request's full timeout.
     """
 
     attempt: int
@@ -73,10 +91,14 @@ class Request(RetryState):
     ``client_context``; the retry state (``retry_attempts``, ``retry_reasons``,
     completion) is read-only and changed only by the :class:`RetryOrchestrator`.
 
-    ``timeout`` is a ``timedelta`` or seconds (> 0), or ``None`` for no deadline;
-    the deadline starts when the request is created. A request created while another
-    request's attempt is being sent (in its ``send``, same task or thread) never
-    outlives that one: its deadline is the earlier of the two (deadline in).
+    ``timeout`` is a ``timedelta`` or seconds (> 0), or ``None`` for no deadline of
+    its own; the deadline starts when the request is created. A request created while
+    another request is being sent (inside ``send`` of ``execute``, ``execute_sync``,
+    ``hedge``, or an ``attempt()`` block: same task or thread, or a task or thread
+    that copied its context) never outlives that one: its :attr:`deadline` is the
+    earlier of the two (deadline in), ``timeout`` stays what it was built with, and
+    :attr:`time_left` and :meth:`dispatch_info` give the inherited time. Once that
+    dispatch has ended, a request created in a task it spawned inherits nothing.
     ``clock`` (seconds, monotonic) is injectable for tests; it must be the clock
     the orchestrator waits on.
     """
@@ -87,6 +109,7 @@ class Request(RetryState):
         "_clock",
         "_context",
         "_deadline",
+        "_deadline_from",
         "_id",
         "_idempotent",
         "_memo",
@@ -144,11 +167,22 @@ class Request(RetryState):
         self._clock = clock
         self._start = start = clock()
         self._deadline = start + seconds
-        outer = _DISPATCHING.get()
-        if outer is not None and outer._deadline != math.inf:
-            # Dispatched from inside another request's send: never outlive it.
-            left = outer._deadline - outer._clock()
-            self._deadline = min(self._deadline, start + (left if left > 0.0 else 0.0))
+        self._deadline_from: tuple[int, str, float] | None = None  # (id, name, timeout)
+        mark = _DISPATCHING.get()
+        if mark is not None:
+            outer = mark.request  # None once that dispatch has ended
+            if outer is not None and outer._deadline != math.inf:
+                # Made inside another request's send: never outlive it (deadline in).
+                left = outer._deadline - outer._clock()
+                inherited = start + (left if left > 0.0 else 0.0)
+                if inherited < self._deadline:
+                    self._deadline = inherited
+                    # the request whose timeout set it (a snapshot: the outer is not kept)
+                    self._deadline_from = outer._deadline_from or (
+                        outer._id,
+                        outer._name,
+                        outer._timeout_s,
+                    )
         self._cancel_scope: Any = None
         self._memo: tuple[Any, ...] | None = None  # see _resolved_by
         RetryState.__init__(self)
@@ -180,12 +214,21 @@ class Request(RetryState):
     # -- the deadline ------------------------------------------------------------
     @property
     def timeout(self) -> timedelta | None:
-        """The timeout the request was built with (None: no deadline)."""
+        """The timeout the request was built with (None: none of its own).
+
+        Not the time it has: a request built inside another request's ``send``
+        inherits that one's deadline (see :attr:`deadline`, :attr:`time_left`).
+        """
         return None if self._timeout_s == math.inf else timedelta(seconds=self._timeout_s)
 
     @property
     def deadline(self) -> float:
-        """The deadline on the request's ``clock`` (``math.inf`` without a timeout).
+        """The deadline the doors enforce, on the request's ``clock`` (``math.inf``: none).
+
+        The earlier of the request's timeout and the deadline it inherited from an
+        outer request. An enclosing trio/anyio cancel scope is not part of it: the
+        scope cuts by itself, as a cancellation the scope catches (it bounds
+        :attr:`time_left` and :meth:`dispatch_info` instead).
 
         ``clock`` defaults to ``time.monotonic``, which is not the event loop's clock on
         every backend (trio's differs): to arm a cancel scope use :meth:`loop_deadline`.
@@ -214,21 +257,45 @@ class Request(RetryState):
 
     @property
     def time_left(self) -> timedelta | None:
-        """Time until the deadline (zero once passed), or None without a timeout."""
-        if self._timeout_s == math.inf:
+        """Time until the deadline (zero once passed), or None when nothing bounds the request.
+
+        Counts the request's own :attr:`deadline` (its timeout, or an outer request's
+        inherited: see the class) and, read on trio or on anyio, the deadline of the
+        cancel scopes enclosing the caller (``current_effective_deadline()``). So a
+        request built with ``timeout=None`` still has a time left inside another
+        request's ``send`` or inside ``trio.move_on_after(...)``.
+        """
+        left = self._left()
+        if left == math.inf:
             return None
-        return timedelta(seconds=max(0.0, self._deadline - self._clock()))
+        return timedelta(seconds=left if left > 0.0 else 0.0)
 
     def dispatch_info(self) -> DispatchInfo:
         """The attempt number and the time left, to put on the wire (deadline out).
 
         Call it inside ``send``: ``info = request.dispatch_info()``, then e.g. send
-        ``timeout=f"{int(info.time_left * 1000)}ms"`` with a query.
+        ``timeout=f"{int(info.time_left * 1000)}ms"`` with a query. ``time_left`` is
+        :attr:`time_left` in seconds (None: nothing bounds the request).
         """
-        if self._deadline == math.inf:
+        left = self._left()
+        if left == math.inf:
             return DispatchInfo(self.retry_attempts + 1, None)
-        left = self._deadline - self._clock()
         return DispatchInfo(self.retry_attempts + 1, left if left > 0.0 else 0.0)
+
+    def _left(self) -> float:
+        """Seconds to the earlier of the deadline and the enclosing cancel scopes' (inf: none).
+
+        The scopes are on the loop's clock, so only a request on the default clock
+        (``time.monotonic``) compares with them; an injected clock (tests) is its own
+        timeline.
+        """
+        deadline = self._deadline
+        left = math.inf if deadline == math.inf else deadline - self._clock()
+        if self._clock is time.monotonic:
+            scope = _scope_left()
+            if scope < left:
+                return scope
+        return left
 
     # -- application control ----------------------------------------------------
     def cancel(self) -> None:
@@ -248,12 +315,19 @@ class Request(RetryState):
 
     # -- what the doors call besides the transitions of RetryState ---------------
     def _dispatching(self) -> Any:
-        """Mark this request as the one being sent in this task or thread (a reset token)."""
-        return _DISPATCHING.set(self)
+        """Mark this request as the one being sent in this task or thread.
+
+        Returns the mark, for :meth:`_dispatched_done` (same task or thread) when the
+        dispatch ends: requests built in between inherit this request's deadline.
+        """
+        return _Dispatch(self)
 
     @staticmethod
-    def _dispatched_done(token: Any) -> None:
-        _DISPATCHING.reset(token)
+    def _dispatched_done(mark: Any) -> None:
+        """End a :meth:`_dispatching`: a task spawned meanwhile, which still holds the
+        mark in its context, no longer inherits the deadline nor keeps the request."""
+        mark.request = None
+        _DISPATCHING.reset(mark.token)
 
     def _resolved_by(self, door: object, resolve: Callable[[Request], tuple[Any, ...]]) -> Any:
         """What ``door`` (an orchestrator) works out once per request: ``(door, *resolve(self))``.
@@ -282,7 +356,15 @@ class Request(RetryState):
         extra: Mapping[str, Any] | None = None,
         in_flight: bool = False,
     ) -> ErrorContext:
-        """A snapshot of this request for an exception's ``context``."""
+        """A snapshot of this request for an exception's ``context``.
+
+        A request whose deadline came from an outer request (built inside its
+        ``send``) names it in ``extra["deadline_from"]``: ``{"request_id",
+        "request_name", "timeout_ms"}`` of the request whose timeout set the deadline.
+        """
+        outer = self._deadline_from
+        if outer is not None and (extra is None or "deadline_from" not in extra):
+            extra = {**(extra or _EMPTY), "deadline_from": _deadline_from(outer)}
         return ErrorContext(
             request_id=self.id,
             request_name=self.name,
@@ -305,3 +387,42 @@ class Request(RetryState):
             f"<Request id={self.id} name={self.name!r} idempotent={self.idempotent} "
             f"retry_attempts={self.retry_attempts} state={self.state.value}>"
         )
+
+
+def _deadline_from(outer: tuple[int, str, float]) -> dict[str, Any]:
+    request_id, name, seconds = outer
+    return {
+        "request_id": request_id,
+        "request_name": name,
+        "timeout_ms": None if seconds == math.inf else round(seconds * 1000.0, 3),
+    }
+
+
+def _scope_left() -> float:
+    """Seconds left before the deadline of the cancel scopes enclosing the caller.
+
+    trio (and anyio on trio, whose scopes are trio's): ``trio.current_effective_deadline()``.
+    anyio on asyncio: anyio's own scopes, read only once anyio's asyncio backend is
+    loaded (an application that uses anyio loaded it; sdkcore never imports it).
+    ``math.inf`` otherwise: asyncio's own ``asyncio.timeout()`` is not visible.
+    ``-inf`` when the caller is already cancelled.
+    """
+    sniffio = sys.modules.get("sniffio")
+    if sniffio is not None and sniffio.thread_local.name == "trio":
+        left: float = _runtime.current().scope_left()
+        return left
+    backend = sys.modules.get("anyio._backends._asyncio")
+    if backend is None:
+        return math.inf
+    asyncio = sys.modules["asyncio"]  # imported by anyio's asyncio backend
+    loop = asyncio._get_running_loop()
+    if loop is None:  # a thread without a loop (execute_sync)
+        return math.inf
+    try:
+        deadline: float = backend.AsyncIOBackend.current_effective_deadline()
+    except Exception:  # outside a task, or an anyio without it: no scope seen
+        return math.inf
+    if deadline == math.inf or deadline == -math.inf:
+        return deadline
+    now: float = loop.time()
+    return deadline - now
