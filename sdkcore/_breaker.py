@@ -8,18 +8,28 @@ and a probe that does not report within ``canary_timeout`` counts as failed.
 Intervals are half-open: a sleep window opened at ``t`` is over at
 ``t + sleep_window``; a counting window started at ``t`` is over at
 ``t + rolling_window``; a probe granted at ``t`` has run out at ``t + canary_timeout``.
+A clock that steps back never stretches a window: one that started after the clock's
+new reading restarts at it (as the budget stays in its newest slice).
+
+While HALF_OPEN only the probe decides. The probe is known by the task (asyncio, trio)
+or thread it was granted to: the grant puts a token in a context variable, and an
+outcome reported from a context without the current token (a dispatch let through
+before the trip, an expired probe) is ignored, as outcomes are while OPEN.
 """
 
 from __future__ import annotations
 
 import enum
+import errno
 import itertools
 import math
 import sys
 import threading
 import time
 from collections.abc import Callable
+from contextvars import ContextVar
 from datetime import timedelta
+from fractions import Fraction
 from types import TracebackType
 from typing import Any
 
@@ -27,6 +37,8 @@ from . import _log
 from ._duration import to_seconds
 from ._errors import RetryableError, TimeoutException
 from ._reason import RetryReason
+from ._request import _DISPATCHING, Request
+from ._retry_state import RequestState
 from ._untrusted import show
 
 __all__ = ["BreakerGuard", "CircuitBreaker", "CircuitState", "default_is_failure"]
@@ -50,21 +62,138 @@ _CLOSED = CircuitState.CLOSED
 _OPEN = CircuitState.OPEN
 _HALF_OPEN = CircuitState.HALF_OPEN
 
-# builtin TimeoutError; on Python 3.10 asyncio.TimeoutError is a separate class (from
-# 3.11 on it is the builtin one). It is looked up in the loaded modules: an error of
-# that class exists only once the program imported asyncio, and importing it here
-# would cost every program (and load asyncio into a trio or threaded one).
-_TIMEOUTS: tuple[type[BaseException], ...] = (TimeoutException, TimeoutError)
+# What the default rule counts: timeouts (builtin TimeoutError; sdkcore's timeouts) and
+# an endpoint that cannot be reached or went away before the reply: ConnectionError is
+# refused, reset, aborted and BrokenPipeError; EOFError a stream that ended early
+# (asyncio.IncompleteReadError is one). On Python 3.10 asyncio.TimeoutError is a separate
+# class (from 3.11 on it is the builtin one). Classes of asyncio, anyio and trio are
+# looked up in the loaded modules: an error of theirs exists only once the program
+# imported them, and importing them here would cost every program its import time (and
+# load asyncio into a trio or threaded one).
+_FAILURES: tuple[type[BaseException], ...] = (
+    TimeoutException,
+    TimeoutError,
+    ConnectionError,
+    EOFError,
+)
+# OSErrors that are not ConnectionErrors but say the endpoint cannot be reached
+_UNREACHABLE = frozenset(
+    getattr(errno, name)
+    for name in ("EHOSTUNREACH", "ENETUNREACH", "EHOSTDOWN", "ENETDOWN")
+    if hasattr(errno, name)
+)
+# anyio's and trio's "the stream broke / was closed / ended" (EndOfStream: anyio only)
+_STREAM_ERRORS = ("BrokenResourceError", "ClosedResourceError", "EndOfStream")
+_stream_errors: dict[str, tuple[Any, tuple[type[BaseException], ...]]] = {}
+_CAUSES = 4  # how far down ``raise ... from`` chains the default rule looks
 
 
-def default_is_failure(error: BaseException) -> bool:
-    """Couchbase's rule: only a timeout counts (a server that answers with an error is alive)."""
-    if isinstance(error, _TIMEOUTS):
+def _lost_stream(error: BaseException, name: str) -> bool:
+    module = sys.modules.get(name)
+    if module is None:
+        return False
+    known = _stream_errors.get(name)
+    if known is None or known[0] is not module:
+        classes = tuple(
+            cls
+            for cls in (getattr(module, attr, None) for attr in _STREAM_ERRORS)
+            if isinstance(cls, type) and issubclass(cls, BaseException)
+        )
+        if len(classes) < 2:  # a module still being imported: ask again next time
+            return isinstance(error, classes)
+        known = _stream_errors[name] = (module, classes)
+    return isinstance(error, known[1])
+
+
+def _says_down(error: BaseException) -> bool:
+    if isinstance(error, _FAILURES):
+        return True
+    if isinstance(error, OSError):
+        return error.errno in _UNREACHABLE
+    if _lost_stream(error, "anyio") or _lost_stream(error, "trio"):
         return True
     if sys.version_info < (3, 11):  # pragma: no cover - exercised on 3.10 only
         asyncio = sys.modules.get("asyncio")
         return asyncio is not None and isinstance(error, asyncio.TimeoutError)
     return False
+
+
+def default_is_failure(error: BaseException) -> bool:
+    """The default rule: a timeout, or an endpoint that cannot be reached or went away.
+
+    Counts as a failure:
+
+    * a timeout: the builtin ``TimeoutError`` (also ``asyncio.TimeoutError`` and socket
+      timeouts), sdkcore's ``TimeoutException`` family;
+    * an endpoint that refused, reset or aborted the connection, or closed it before
+      the reply: ``ConnectionError`` (``ConnectionRefusedError``,
+      ``ConnectionResetError``, ``ConnectionAbortedError``, ``BrokenPipeError``),
+      ``EOFError`` (``asyncio.IncompleteReadError``), an ``OSError`` whose errno says
+      the host or network is unreachable or down, and anyio's and trio's
+      ``BrokenResourceError``, ``ClosedResourceError`` and ``EndOfStream``;
+    * an error raised from one of these (``raise RetryableError(...) from exc``: the
+      ``__cause__`` chain, a few links deep).
+
+    Anything else (a server that answers with an error) is alive: Couchbase's rule.
+    """
+    for _ in range(_CAUSES):
+        if _says_down(error):
+            return True
+        cause = error.__cause__
+        if cause is None:
+            return False
+        error = cause
+    return False
+
+
+# The request's deadline cut a dispatch when the cancellation leaving it arrives at the
+# deadline. The door arms its scope on the event loop's clock (trio's is not
+# time.monotonic) from the time left read on the request's clock, a moment earlier:
+# when the scope fires, the request's clock can read a hair before the deadline
+# (rounding, and time.monotonic's resolution: 15.6 ms on some Windows). A cancellation
+# from elsewhere that lands within this slack of the deadline counts as the cut: both
+# are the request running out of time.
+_CUT_SLACK = max(0.001, time.get_clock_info("monotonic").resolution)
+_NOT_A_CUT = (KeyboardInterrupt, SystemExit, GeneratorExit)
+_PENDING = RequestState.PENDING
+
+
+def _door_request() -> Request | None:
+    """The request a door (``execute``, ``attempt()``, ...) is sending in this task or thread."""
+    mark: Any = _DISPATCHING.get()
+    if mark is None or isinstance(mark, Request):
+        return mark
+    request: Request | None = getattr(mark, "request", None)  # a mark that holds it
+    return request
+
+
+def _cut_at_deadline(request: Request | None, error: BaseException) -> TimeoutError | None:
+    """The timeout ``error`` (a cancellation) stands for, if ``request``'s deadline cut it."""
+    if request is None or isinstance(error, _NOT_A_CUT) or request.state is not _PENDING:
+        return None  # Request.cancel() completes the request before it cuts
+    if request.clock() < request.deadline - _CUT_SLACK:  # math.inf: never
+        return None
+    cut = TimeoutError(
+        f"{request.name} (request {request.id}) was cut at its deadline "
+        f"({type(error).__name__} in the dispatch)"
+    )
+    cut.__cause__ = error
+    return cut
+
+
+# The probes this task or thread holds: one token per grant (see CircuitBreaker._token).
+_PROBES: ContextVar[tuple[object, ...]] = ContextVar("sdkcore_breaker_probes", default=())
+_HELD = 16  # tokens kept per context: probes granted and never reported fall off
+
+
+def _hold(token: object) -> None:
+    _PROBES.set((*_PROBES.get()[-(_HELD - 1) :], token))
+
+
+def _release(token: object) -> None:
+    held = _PROBES.get()
+    if token in held:
+        _PROBES.set(tuple(t for t in held if t is not token))
 
 
 def _positive_int(value: object, what: str) -> int:
@@ -76,6 +205,7 @@ def _positive_int(value: object, what: str) -> int:
 
 
 def _percentage(value: object, what: str) -> float:
+    """The percentage as a float (for display); :func:`_exact` gives the rule its ratio."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(
             f"{what} must be a number in (0, 100], got {show(value)} ({type(value).__name__})"
@@ -87,6 +217,11 @@ def _percentage(value: object, what: str) -> float:
     if not 0.0 < number <= 100.0:  # also rejects NaN
         raise ValueError(f"{what} must be a number in (0, 100], got {show(value)}")
     return number
+
+
+def _exact(value: float | int) -> Fraction:
+    """The percentage as written: ``16.1`` is 161/10, not the binary float near it."""
+    return Fraction(value) if isinstance(value, int) else Fraction(repr(float(value)))
 
 
 class CircuitBreaker:
@@ -101,12 +236,20 @@ class CircuitBreaker:
     * HALF_OPEN: every caller gets False. The probe's success closes the breaker
       (counters zero); its failure, or no outcome within ``canary_timeout``, opens it
       again with a new sleep window (from the failure, or from the moment
-      ``canary_timeout`` ran out).
+      ``canary_timeout`` ran out). Only the probe decides: it is known by the task or
+      thread it was granted to, and any other outcome (a dispatch let through before
+      the trip, a probe that ran out) is ignored. To report the probe's outcome from
+      another task or thread, run the report in the granted context:
+      ``ctx = contextvars.copy_context()`` right after the grant, later
+      ``ctx.run(breaker.record_success)``.
 
-    ``is_failure(error)`` decides which errors count as failures (default: timeouts
-    only, :func:`default_is_failure`); an error it does not count is a success. An
-    error that is not an :class:`Exception` (a cancellation) is no outcome at all.
-    Outcomes reported while OPEN are ignored: they never extend the sleep window.
+    ``is_failure(error)`` decides which errors count as failures (default:
+    :func:`default_is_failure`: timeouts, and an endpoint refused, reset or closed
+    before the reply); an error it does not count is a success. An error that is not
+    an :class:`Exception` (a cancellation) is no outcome, unless it is the request's
+    own deadline cutting the dispatch (see :meth:`record_failure`): then it is a
+    timeout. Outcomes reported while OPEN are ignored: they never extend the sleep
+    window.
 
     Thread-safe and loop-agnostic: one breaker per endpoint, shared by every door.
     ``name`` (e.g. ``"10.0.0.1:11210"``) is the ``endpoint`` field of the events
@@ -117,6 +260,7 @@ class CircuitBreaker:
         "_canary_timeout",
         "_clock",
         "_error_pct",
+        "_error_ratio",
         "_failures",
         "_guard",
         "_is_failure",
@@ -129,6 +273,7 @@ class CircuitBreaker:
         "_sleep_window",
         "_state",
         "_ticks",
+        "_token",
         "_total",
         "_volume",
         "_window_end",
@@ -151,6 +296,9 @@ class CircuitBreaker:
         self._error_pct = _percentage(
             error_threshold_percentage, f"{what}(error_threshold_percentage)"
         )
+        # exact arithmetic (rfc/0007): trip when failures * 100 * d >= n * outcomes
+        ratio = _exact(error_threshold_percentage)
+        self._error_ratio = (ratio.numerator, 100 * ratio.denominator)
         self._sleep_window = to_seconds(sleep_window, f"{what}(sleep_window)", allow_zero=False)
         self._rolling_window = to_seconds(
             rolling_window, f"{what}(rolling_window)", allow_zero=False
@@ -179,6 +327,9 @@ class CircuitBreaker:
         self._window_end = -float("inf")  # the first outcome starts a window
         self._opened_at = 0.0  # start of the current sleep window (OPEN)
         self._probe_at = 0.0  # when the probe was granted (HALF_OPEN)
+        # The current probe's token (HALF_OPEN), also held in the _PROBES context variable
+        # of the task or thread it was granted to: only an outcome from there decides.
+        self._token: object | None = None
         # Successes while CLOSED with no failure in the window are counted by an
         # itertools.count (atomic in CPython: no lock on the hot path); the lock holder
         # adds them to _total (see _flush).
@@ -204,7 +355,7 @@ class CircuitBreaker:
         state = self._state
         if state is _HALF_OPEN:
             with self._lock:
-                event = self._expire_probe(self._clock())
+                event = self._expire_probe(self._now())
                 state = self._state
             if event is not None:
                 _emit(*event)
@@ -224,7 +375,7 @@ class CircuitBreaker:
         window, the earliest a new probe can go if this one never reports.
         """
         with self._lock:
-            now = self._clock()
+            now = self._now()
             event = self._expire_probe(now)
             state = self._state
             if state is _CLOSED:
@@ -266,22 +417,25 @@ class CircuitBreaker:
             state = self._state
             if state is _CLOSED:  # closed meanwhile
                 return _CLOSED
-            now = self._clock()
+            now = self._now()
             expired = self._expire_probe(now)
             if expired is not None:
                 events.append(expired)
             if self._state is _HALF_OPEN or now < self._opened_at + self._sleep_window:
-                granted = None
+                granted = token = None
             else:
                 self._state = _HALF_OPEN
                 self._probe_at = now
+                self._token = token = object()
                 granted = _HALF_OPEN
                 events.append(self._event(_log.EVENT_BREAKER_HALF_OPEN, _log.INFO, {}))
+        if token is not None:
+            _hold(token)  # this task or thread holds the probe
         for event in events:
             _emit(*event)
         return granted
 
-    def guard(self) -> BreakerGuard:
+    def guard(self, request: Request | None = None) -> BreakerGuard:
         """The one line that guards a dispatch: ``with breaker.guard(): reply = await io()``.
 
         Refused (OPEN, or a probe already out): raises ``RetryableError(
@@ -291,8 +445,21 @@ class CircuitBreaker:
         outcome is reported (an exception through :meth:`record_failure`, else
         :meth:`record_success`); ``as`` gives the admitted state
         (``CircuitState.HALF_OPEN``: this dispatch is the probe).
+
+        A block cut by its request's deadline is a timeout (a failure by the default
+        rule); a cancellation from elsewhere is no outcome. Inside ``execute``,
+        ``execute_sync`` and ``attempt(request)`` the breaker knows the request; a loop
+        that bounds its dispatch by other means (``anyio.fail_after(...)``) passes it:
+        ``breaker.guard(request)``.
         """
-        return self._guard
+        if request is None:
+            return self._guard  # one object shared by every dispatch: no allocation
+        if not isinstance(request, Request):
+            raise TypeError(
+                "CircuitBreaker.guard(request) must be a sdkcore.Request or None, "
+                f"got {show(request)} ({type(request).__name__})"
+            )
+        return BreakerGuard(self, request)
 
     # -- outcomes -----------------------------------------------------------------
     def record_success(self) -> None:
@@ -307,19 +474,26 @@ class CircuitBreaker:
 
         ``is_failure(error)`` decides whether it counts as a failure; if not, it is a
         success. An error that is not an :class:`Exception` (a cancellation, e.g.
-        ``asyncio.CancelledError``) is no outcome: nothing changes.
+        ``asyncio.CancelledError``) is no outcome, except when the request a door is
+        sending in this task or thread (``execute``, ``execute_sync``, ``attempt``)
+        has reached its deadline: the deadline cut the dispatch, and that is a timeout
+        (``is_failure`` is asked about a ``TimeoutError`` whose ``__cause__`` is the
+        cancellation). While HALF_OPEN only the probe's task or thread reports.
         """
         if not isinstance(error, BaseException):
             raise TypeError(
                 f"CircuitBreaker.record_failure(error) must be an exception, got {error!r}"
             )
         if not isinstance(error, Exception):
-            return
+            cut = _cut_at_deadline(_door_request(), error)
+            if cut is None:
+                return
+            error = cut
         self._record(bool(self._is_failure(error)))
 
     def _record(self, failed: bool) -> None:
         with self._lock:
-            now = self._clock()
+            now = self._now()
             if self._state is _CLOSED:
                 self._flush()
                 if now >= self._window_end:  # tumbling: this event starts a new window
@@ -338,6 +512,22 @@ class CircuitBreaker:
         if event is not None:
             _emit(*event)
 
+    def _now(self) -> float:
+        """The clock, under the lock; a window it reads as not begun yet restarts now.
+
+        A clock that stepped back (a fake one, a wall clock) must not stretch a sleep
+        window, a probe's ``canary_timeout`` or a counting window by the step: each
+        lasts its own length from the clock's new reading (the counts stay).
+        """
+        now = self._clock()
+        if now < self._opened_at:
+            self._opened_at = now
+        if now < self._probe_at:
+            self._probe_at = now
+        if now < self._window_end - self._rolling_window:
+            self._window_end = now + self._rolling_window
+        return now
+
     def _flush(self) -> None:
         """Add the lock-free successes to ``_total`` (under the lock)."""
         tick = next(self._ticks)
@@ -352,6 +542,7 @@ class CircuitBreaker:
             self._flush()
             self._total = self._failures = 0
             self._window_end = -float("inf")
+            self._token = None  # a probe still out reports into CLOSED: counted
             event = (
                 None
                 if was is _CLOSED
@@ -362,7 +553,8 @@ class CircuitBreaker:
 
     # -- transitions (called under the lock) ---------------------------------------
     def _maybe_trip(self, now: float) -> tuple[Any, ...] | None:
-        if self._failures * 100.0 < self._error_pct * self._total:
+        numerator, denominator = self._error_ratio
+        if self._failures * denominator < numerator * self._total:
             return None
         self._state = _OPEN
         self._opened_at = now
@@ -376,6 +568,11 @@ class CircuitBreaker:
         event = self._expire_probe(now)
         if self._state is not _HALF_OPEN:
             return event  # OPEN: a late outcome changes nothing
+        token = self._token
+        if token not in _PROBES.get():
+            return None  # not the probe: a dispatch let through before the trip, or an old probe
+        self._token = None
+        _release(token)
         if failed:
             self._state = _OPEN
             self._opened_at = now
@@ -400,6 +597,7 @@ class CircuitBreaker:
             return None
         self._state = _OPEN
         self._opened_at = ran_out
+        self._token = None  # its late outcome no longer decides
         return self._event(
             _log.EVENT_BREAKER_OPENED,
             _log.WARNING,
@@ -429,12 +627,18 @@ class BreakerGuard:
     A plain class rather than ``contextlib.contextmanager``: it runs on every
     dispatch: bench/bench_protect.py measures 0.48 us for the guard and the budget's
     deposit, against 1.31 us with a ``contextlib.contextmanager`` guard.
+
+    It keeps no state of a dispatch (``guard()`` hands every dispatch the same one;
+    the probe is known by its context, see :class:`CircuitBreaker`), only the
+    ``request`` given to ``guard(request)``, whose deadline tells a cut from a
+    cancellation.
     """
 
-    __slots__ = ("_breaker",)
+    __slots__ = ("_breaker", "_request")
 
-    def __init__(self, breaker: CircuitBreaker) -> None:
+    def __init__(self, breaker: CircuitBreaker, request: Request | None = None) -> None:
         self._breaker = breaker
+        self._request = request
 
     def __enter__(self) -> CircuitState:
         breaker = self._breaker
@@ -460,8 +664,11 @@ class BreakerGuard:
     ) -> None:
         if exc is None:
             self._breaker.record_success()
+        elif self._request is None or isinstance(exc, Exception):
+            self._breaker.record_failure(exc)  # a door's request is found there
         else:
-            self._breaker.record_failure(exc)
+            cut = _cut_at_deadline(self._request, exc)
+            self._breaker.record_failure(exc if cut is None else cut)
 
 
 def _emit(name: str, level: int, fields: dict[str, Any]) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import errno
 import threading
 from datetime import timedelta
 from typing import Any
@@ -142,13 +144,13 @@ def test_a_success_at_the_volume_can_trip() -> None:
     assert breaker.state is CircuitState.OPEN
 
 
-def test_only_timeouts_count_by_default() -> None:
+def test_timeouts_and_unreachable_endpoints_count_by_default() -> None:
     breaker = make(Clock(), volume_threshold=4)
-    for error in (
+    for error in (  # the server answered: alive
         DocumentNotFoundException(),
         TemporaryFailureException(),
-        ConnectionResetError(),
         ValueError("bad frame"),
+        OSError(errno.EACCES, "permission denied"),
     ):
         breaker.record_failure(error)
     assert breaker.counts == (4, 0)
@@ -444,8 +446,15 @@ def test_events_name_the_endpoint_and_counts() -> None:
 # -- concurrency --------------------------------------------------------------------------
 
 
-def ask_at_once(breaker: CircuitBreaker, n: int) -> list[bool]:
-    """``n`` threads call try_acquire at the same instant (a barrier releases them)."""
+def ask_at_once(
+    breaker: CircuitBreaker, n: int, probes: list[contextvars.Context] | None = None
+) -> list[bool]:
+    """``n`` threads call try_acquire at the same instant (a barrier releases them).
+
+    The thread granted the probe leaves its context in ``probes``: the probe's outcome
+    is reported through it (``ctx.run(...)``), as rfc/0007 says a report from another
+    thread must be.
+    """
     barrier = threading.Barrier(n)
     granted: list[bool] = []
     lock = threading.Lock()
@@ -455,6 +464,8 @@ def ask_at_once(breaker: CircuitBreaker, n: int) -> list[bool]:
         got = breaker.try_acquire()
         with lock:
             granted.append(got)
+            if got and probes is not None:
+                probes.append(contextvars.copy_context())
 
     threads = [threading.Thread(target=ask) for _ in range(n)]
     for thread in threads:
@@ -470,11 +481,15 @@ def test_exactly_one_probe_when_100_threads_ask_at_once() -> None:
     trip(breaker)
     for _ in range(5):  # several rounds: each sleep window gives exactly one probe
         clock.now += 5.0
-        granted = ask_at_once(breaker, 100)
+        probes: list[contextvars.Context] = []
+        granted = ask_at_once(breaker, 100, probes)
         assert len(granted) == 100
         assert granted.count(True) == 1
         assert breaker.state is CircuitState.HALF_OPEN
-        breaker.record_failure(TimeoutError())  # the probe failed: OPEN again
+        breaker.record_failure(TimeoutError())  # not the probe's thread: ignored
+        assert breaker.state is CircuitState.HALF_OPEN
+        probes[0].run(breaker.record_failure, TimeoutError())  # the probe failed: OPEN again
+        assert breaker.state is CircuitState.OPEN
         assert ask_at_once(breaker, 20).count(True) == 0
 
 
