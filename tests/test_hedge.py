@@ -848,3 +848,31 @@ async def test_many_concurrent_chains_with_mixed_outcomes_leave_nothing_behind()
     for send, request in zip(scripts, requests, strict=True):
         send.assert_nothing_left()  # every send that started saw its end
         assert request.state is not RequestState.PENDING
+
+
+@pytest.mark.parametrize("delay", [0.005, 10.0])  # several copies in flight, or hedge 0 alone
+async def test_caller_cancellation_is_plain_cancellation_not_a_group(delay: float) -> None:
+    """Issue 21: on trio the nursery's group of Cancelled leaked to the caller, so
+    ``except trio.Cancelled`` missed it. The caller sees its plain cancellation, as on
+    asyncio, and its own scope catches it."""
+    sends = 0
+
+    async def send(request: Request, index: int) -> bytes:
+        nonlocal sends
+        sends += 1
+        await anyio.sleep(10)
+        return b"late"
+
+    seen: list[BaseException] = []
+    request = Request(idempotent=True, timeout=5)
+    with anyio.fail_after(SAFETY):
+        with anyio.move_on_after(0.05) as scope:
+            try:
+                await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=delay))
+            except BaseException as exc:
+                seen.append(exc)
+                raise
+        assert scope.cancelled_caught
+    assert [type(e) for e in seen] == [anyio.get_cancelled_exc_class()]
+    assert sends == (3 if delay < 1 else 1)
+    assert request.state is RequestState.CANCELLED

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+import sys
+from typing import TYPE_CHECKING, NoReturn
 
 import trio
+
+if sys.version_info < (3, 11):  # pragma: no cover - trio brings the backport there
+    from exceptiongroup import BaseExceptionGroup
 
 if TYPE_CHECKING:
     from . import HedgeChain
@@ -95,6 +99,12 @@ class Hedges:
             event.set()
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        except BaseExceptionGroup as group:
+            _unwrap(group)
+
+    async def _run(self) -> None:
         chain = self.chain
         chain.wake = self._woken
         async with trio.open_nursery() as nursery:
@@ -120,3 +130,28 @@ class Hedges:
         self.scope = None
         if scope.cancel_called and not chain.over:  # the deadline or Request.cancel()
             chain.cut = True
+
+
+def _unwrap(group: BaseExceptionGroup[BaseException]) -> NoReturn:
+    """Raise what the caller would have seen without the nursery: one exception, not a group.
+
+    The copies' own errors never reach the nursery (the chain books them), so a group
+    holds only what cut them: the caller's cancellation (one ``trio.Cancelled`` per
+    copy and one for the caller's wait), or a KeyboardInterrupt/SystemExit. The caller
+    gets the first that is not a cancellation, else one ``Cancelled``, so its cancel
+    scope catches it and ``except trio.Cancelled`` sees it, as on asyncio.
+    """
+    leaves: list[BaseException] = []
+
+    def walk(error: BaseException) -> None:
+        if isinstance(error, BaseExceptionGroup):
+            for inner in error.exceptions:
+                walk(inner)
+        else:
+            leaves.append(error)
+
+    walk(group)
+    for leaf in leaves:
+        if not isinstance(leaf, trio.Cancelled):
+            raise leaf from None
+    raise leaves[0] from None
