@@ -306,3 +306,36 @@ def test_closed_deadlines_do_not_pile_up_until_their_time() -> None:
 
     size = asyncio.run(main())
     assert size <= 2 * backend._COMPACT_MIN  # not 50,010
+
+
+def test_a_finished_burst_leaves_its_deadlines_behind_at_once() -> None:
+    """Issue 21: 10,000 concurrent requests with 30 s timeouts all answered; before, their
+    closed entries (about 2 MB) stayed in the heap for 30 s. Now the heap drops them as
+    soon as closed entries outnumber open ones, with no deadline having passed."""
+    import asyncio
+
+    from sdkcore import Request, RetryOrchestrator
+    from sdkcore._runtime import _asyncio as backend
+
+    async def main() -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        release = asyncio.Event()
+        orchestrator = RetryOrchestrator()
+
+        async def send(request: Request) -> bytes:
+            await release.wait()
+            return b"ok"
+
+        calls = [
+            asyncio.ensure_future(orchestrator.execute(Request(timeout=30.0), send))
+            for _ in range(10_000)
+        ]
+        await asyncio.sleep(0)
+        during = len(backend._deadlines(loop).heap)
+        release.set()
+        await asyncio.gather(*calls)
+        return during, len(backend._deadlines(loop).heap)
+
+    during, after = asyncio.run(main())
+    assert during >= 10_000  # every request held a deadline while in flight
+    assert after < backend._COMPACT_MIN  # not 10,000 until 30 s have passed
