@@ -190,3 +190,288 @@ def test_the_readme_shows_installing_from_a_checkout() -> None:
     text = README.read_text(encoding="utf-8")
     assert "uv add /path/to/sdkcore" in text
     assert "pip install -e /path/to/sdkcore" in text
+
+
+# -- issue 21, item 8: README truth and recipes ------------------------------------------
+
+
+def _run_block(block: Block, tmp_path: Path, extra: str = "") -> subprocess.CompletedProcess[str]:
+    """Run a script block, with ``extra`` appended (checks of what the block claims)."""
+    path = tmp_path / f"readme_{block.line}_checked.py"
+    path.write_text(block.code + textwrap.dedent(extra), encoding="utf-8")
+    return subprocess.run(
+        [sys.executable, path.name],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
+
+
+def _sh_commands(text: str) -> list[str]:
+    commands = []
+    for block in re.findall(r"```sh\n(.*?)```", text, re.DOTALL):
+        commands += [line.split("#", 1)[0].strip() for line in block.splitlines()]
+    return [c for c in commands if c]
+
+
+def test_the_readme_installs_from_a_checkout_or_a_wheel_never_from_pypi() -> None:
+    """sdkcore is not on PyPI: no command may say `pip install sdkcore` / `'sdkcore[...]'`."""
+    text = README.read_text(encoding="utf-8")
+    commands = _sh_commands(text)
+    assert not [c for c in commands if re.search(r"pip install ['\"]?sdkcore\b", c)], commands
+    assert "pip install 'sdkcore[" not in text
+    assert "not published on PyPI" in text
+    assert "uv build --wheel" in commands
+    assert "pip install dist/sdkcore-*.whl" in commands
+
+
+def _recipes() -> list[Block]:
+    return [b for b in BLOCKS if b.heading.startswith("Recipes")]
+
+
+def test_two_recipes_of_at_most_15_lines() -> None:
+    flaky, http = _recipes()
+    for block in (flaky, http):
+        lines = [line for line in block.code.splitlines() if line.strip()]
+        assert len(lines) <= 15, (block.heading, len(lines))
+    assert "RetryOrchestrator().execute(" in flaky.code
+    assert "parse_retry_after(" in http.code
+    assert "Retry-After" in http.code
+
+
+def test_the_http_recipe_waits_what_retry_after_asks(tmp_path: Path) -> None:
+    done = _run_block(
+        _recipes()[1],
+        tmp_path,
+        """
+        from datetime import timedelta
+        assert [a.delay for a in request.attempts] == [timedelta(seconds=1)], request.attempts
+        assert request.retry_reasons == (RetryReason.SERVICE_RESPONSE_CODE_INDICATED,)
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_flaky_recipe_retries_only_idempotent_requests(tmp_path: Path) -> None:
+    done = _run_block(
+        _recipes()[0],
+        tmp_path,
+        """
+        from sdkcore import RequestCanceledException
+        assert request.retry_attempts == 2
+        failures.append(ConnectionResetError("again"))
+        write = Request(name="write", idempotent=False, timeout=2.5)
+        try:
+            asyncio.run(RetryOrchestrator().execute(write, send))
+        except RequestCanceledException:
+            pass
+        else:
+            raise AssertionError("a write that may have been applied was sent again")
+        assert write.retry_attempts == 0
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_hand_wired_loop_handles_a_breaker_refusal(tmp_path: Path) -> None:
+    """`breaker.guard()` raises RetryableError(CIRCUIT_BREAKER_OPEN): maybe_retry takes it."""
+    [block] = [b for b in BLOCKS if "orchestrator.maybe_retry(request, exc.reason" in b.code]
+    assert block.heading.startswith("…or wire `maybe_retry`")
+    assert "breaker.guard():" in block.code
+    done = _run_block(
+        block,
+        tmp_path,
+        """
+        from datetime import timedelta
+
+        from sdkcore import CircuitState
+
+        breaker = CircuitBreaker(volume_threshold=1, sleep_window=timedelta(milliseconds=50))
+        breaker.record_failure(TimeoutError("no reply"))
+        assert breaker.state is CircuitState.OPEN
+        connection.answers = [b"after the window"]
+        request = Request(name="get", idempotent=False, timeout=2.5)  # nothing sent: any may retry
+        assert anyio.run(dispatch, request) == b"after the window"
+        assert request.retry_reasons == (RetryReason.CIRCUIT_BREAKER_OPEN,)
+        assert request.attempts[0].delay >= timedelta(milliseconds=40)  # the breaker's hint
+        assert breaker.state is CircuitState.CLOSED  # the probe succeeded
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_the_default_backoff_schedule_is_stated_as_the_code_has_it() -> None:
+    from sdkcore import best_effort_backoff, controlled_backoff
+
+    flat = _flat(README.read_text(encoding="utf-8"))
+    best = [best_effort_backoff(n).total_seconds() * 1000 for n in range(11)]
+    assert best == [1, 2, 4, 8, 16, 32, 64, 128, 256, 500, 500]
+    assert "1, 2, 4, 8, 16, 32, 64, 128, 256 ms, then 500 ms before every later retry" in flat
+    controlled = [controlled_backoff(n).total_seconds() * 1000 for n in range(7)]
+    assert controlled == [1, 10, 50, 100, 500, 1000, 1000]
+    assert "1, 10, 50, 100, 500 ms, then 1000 ms" in flat
+    assert "Neither has jitter" in flat
+    # no jitter: the same attempt always gets the same delay
+    assert {best_effort_backoff(3) for _ in range(20)} == {best_effort_backoff(3)}
+
+
+def test_which_exceptions_carry_context_is_true(tmp_path: Path) -> None:
+    flat = _flat(README.read_text(encoding="utf-8"))
+    assert "Every `CouchbaseException` sdkcore raises carries `.context`" in flat
+    assert "fail the request unchanged, without `.context`" in flat
+    script = """
+import asyncio
+
+from sdkcore import (
+    DocumentNotFoundException, Request, RetryableError, RetryOrchestrator, RetryReason,
+    UnambiguousTimeoutException,
+)
+
+async def main():
+    orchestrator = RetryOrchestrator()
+    for error, has_context in ((TypeError("bug"), False), (RuntimeError("x"), False),
+                               (DocumentNotFoundException(), True)):
+        async def send(request, error=error):
+            raise error
+        try:
+            await orchestrator.execute(Request(idempotent=True, timeout=1), send)
+        except Exception as exc:
+            assert exc is error
+            assert (getattr(exc, "context", None) is not None) is has_context, exc
+    async def busy(request):
+        raise RetryableError(RetryReason.KV_LOCKED)
+    try:
+        await orchestrator.execute(Request(idempotent=True, timeout=0.05), busy)
+    except UnambiguousTimeoutException as exc:
+        assert exc.context is not None
+    assert not hasattr(RetryableError(RetryReason.KV_LOCKED), "context")
+
+asyncio.run(main())
+"""
+    path = tmp_path / "context_claims.py"
+    path.write_text(script, encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, path.name], cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_asyncio_timeout_is_not_seen_as_the_readme_says(tmp_path: Path) -> None:
+    flat = _flat(README.read_text(encoding="utf-8"))
+    assert "an enclosing `asyncio.timeout(...)` (or `asyncio.wait_for`) is not seen" in flat
+    assert "On trio and anyio, an enclosing cancel scope's deadline" in flat
+    script = """
+import asyncio
+
+from sdkcore import Request, RetryOrchestrator
+
+seen = []
+
+async def send(request):
+    seen.append(request.dispatch_info().time_left)
+    return 1
+
+async def main():
+    await asyncio.wait_for(RetryOrchestrator().execute(Request(timeout=None), send), 5)
+
+asyncio.run(main())
+assert seen == [None], seen
+"""
+    path = tmp_path / "asyncio_timeout.py"
+    path.write_text(script, encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, path.name], cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT
+    )
+    assert done.returncode == 0, done.stderr
+
+
+#: The generic-failure table's "retried" column, as the core must decide it.
+_RETRIED = {"every request": True, "every request, after the hint": True, "idempotent only": False}
+
+
+def test_the_generic_failure_table_agrees_with_the_core() -> None:
+    """Each row's reason and effect, played through the real orchestrator (explain's engine)."""
+    from sdkcore import AttemptEffect, RetryReason
+    from sdkcore._explain import explain_outcomes
+
+    text = README.read_text(encoding="utf-8")
+    table = text.split("| failure in `send` |", 1)[1].split("\n\n", 1)[0]
+    rows = [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in table.splitlines()[2:]
+        if line.startswith("|")
+    ]
+    checked = 0
+    for _failure, raised, effect_cell, retried in rows:
+        found = re.match(r"`([A-Z_]+)", raised)
+        if found is None:
+            assert retried == "never"
+            continue
+        reason = RetryReason[found.group(1)]
+        effect = AttemptEffect[effect_cell.strip("`")]
+        explicit = "effect=AttemptEffect." in raised
+        assert explicit or effect is AttemptEffect.for_reason(reason), raised
+        for outcome in explain_outcomes(reason, effect):
+            assert outcome.exception is None or not outcome.idempotent, (raised, outcome)
+            if not outcome.idempotent:
+                assert (outcome.exception is None) is _RETRIED[retried], (raised, outcome)
+        checked += 1
+    assert checked == 5
+
+
+def test_the_when_things_fail_example_is_what_sdkcore_prints() -> None:
+    """The README's error context, timings aside, from the same story: locked twice, then cut."""
+    import json
+
+    import anyio
+
+    from sdkcore import (
+        AmbiguousTimeoutException,
+        Request,
+        RetryableError,
+        RetryOrchestrator,
+        RetryReason,
+    )
+
+    text = README.read_text(encoding="utf-8")
+    shown = text.split("```\nrequest timed out; it may have been applied", 1)[1].split("```", 1)[0]
+    shown = " ".join(shown.split())
+    readme_context = json.loads(shown[shown.index("{") :])
+
+    class Locked(Exception):
+        pass
+
+    calls = 0
+
+    async def send(request: Request) -> bytes:
+        nonlocal calls
+        calls += 1
+        if calls <= 2:
+            raise RetryableError(RetryReason.KV_LOCKED) from Locked("k1 locked")
+        await anyio.sleep(10)
+        return b""
+
+    async def main() -> AmbiguousTimeoutException:
+        request = Request(name="kv.replace", idempotent=False, timeout=0.05)
+        with pytest.raises(AmbiguousTimeoutException) as caught:
+            await RetryOrchestrator().execute(request, send)
+        return caught.value
+
+    exc = anyio.run(main)
+    assert str(exc).startswith("request timed out; it may have been applied on the server")
+    real = json.loads(str(exc)[str(exc).index("{") :])
+
+    def timeless(context: dict[str, object]) -> dict[str, object]:
+        out = {k: v for k, v in context.items() if k not in ("request_id", "elapsed_ms")}
+        attempts = out.pop("attempts")
+        assert isinstance(attempts, list)
+        out["attempts"] = [{k: v for k, v in a.items() if k != "duration_ms"} for a in attempts]
+        return out
+
+    assert timeless(real) == timeless(readme_context)
