@@ -6,7 +6,7 @@ from datetime import timedelta
 
 from ._context import AttemptEffect, ErrorContext
 from ._duration import to_seconds
-from ._reason import RetryReason
+from ._reason import RetryReason, suggest_member
 
 __all__ = [
     "AmbiguousTimeoutException",
@@ -65,8 +65,13 @@ class CouchbaseException(Exception):
         return f"{type(self).__name__}({self.message!r}, context={self.context!r})"
 
 
-class TimeoutException(CouchbaseException):
-    """The request did not complete before its timeout."""
+class TimeoutException(CouchbaseException, TimeoutError):
+    """The request did not complete before its timeout.
+
+    Also a builtin :class:`TimeoutError` (so ``except TimeoutError`` and
+    ``asyncio.wait_for`` callers catch it, as they catch other libraries' timeouts);
+    ``errno`` and ``strerror`` are None.
+    """
 
     default_message = "request timed out"
 
@@ -142,10 +147,14 @@ class RetryableError(Exception):
         retry_after: timedelta | float | None = None,
     ):
         if type(reason) is not RetryReason:
-            raise TypeError(f"RetryableError reason must be a RetryReason, got {reason!r}")
+            raise TypeError(
+                f"RetryableError reason must be a RetryReason, got {reason!r}"
+                + suggest_member(reason, RetryReason)
+            )
         if effect is not None and type(effect) is not AttemptEffect:
             raise TypeError(
                 f"RetryableError effect must be an AttemptEffect or None, got {effect!r}"
+                + suggest_member(effect, AttemptEffect)
             )
         super().__init__(message)
         self.reason = reason

@@ -22,7 +22,7 @@ from ._decision import Verdict
 from ._duration import to_seconds
 from ._errors import CouchbaseException, RetryableError
 from ._hooks import INSTANT_DELAYS
-from ._reason import RetryReason
+from ._reason import RetryReason, suggest_member
 from ._request import Request, RequestState
 
 __all__ = ["attempt", "execute", "maybe_retry"]
@@ -260,9 +260,13 @@ async def maybe_retry(
     if type(reason) is not RetryReason:
         raise TypeError(
             f"maybe_retry(request, reason): reason must be a RetryReason, got {reason!r}"
+            + suggest_member(reason, RetryReason)
         )
     if effect is not None and type(effect) is not AttemptEffect:
-        raise TypeError(f"maybe_retry(effect=...) must be an AttemptEffect, got {effect!r}")
+        raise TypeError(
+            f"maybe_retry(effect=...) must be an AttemptEffect, got {effect!r}"
+            + suggest_member(effect, AttemptEffect)
+        )
     if request.state is not _PENDING:
         raise _failing.already_completed(request, reason)
     now = request.clock()

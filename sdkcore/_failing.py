@@ -84,7 +84,7 @@ def already_completed(request: Request, reason: RetryReason | None) -> BaseExcep
     if request.state is RequestState.CANCELLED:
         return RequestCanceledException("request was cancelled", context=context)
     return RuntimeError(
-        f"request {request.id} ({request.name!r}) is already {request.state.value}; "
+        f"request {request.id} ({request.name!r}) has already {request.state.value}; "
         f"it cannot be retried. Context: {context}"
     )
 
@@ -132,14 +132,24 @@ def timed_out(
     if hint is not None:
         wait, left = hint
         return cls(
-            f"request timed out: the next attempt may go only in {wait:.3f} s (retry_after: "
-            f"the server's or the circuit breaker's hint), past the deadline "
+            f"request timed out: the next attempt may go only in {wait:.3f} s (retry_after "
+            f"from {_hint_source(request, reason)}), past the deadline "
             f"({max(left, 0.0):.3f} s left), so it was not retried; {what}",
             context=context,
         )
     if ambiguous or not request.maybe_applied:
         return cls(context=context)  # the class's own message says it
     return cls(f"request timed out; {what}", context=context)
+
+
+def _hint_source(request: Request, reason: RetryReason | None) -> str:
+    """Who asked for the wait: a circuit breaker (quoting its refusal, which names it) or
+    the server."""
+    if reason is RetryReason.CIRCUIT_BREAKER_OPEN:
+        error = request.last_error
+        said = error.args[0] if error is not None and error.args else ""
+        return f"the circuit breaker: {said!r}" if said else "a circuit breaker"
+    return "the server"
 
 
 def refused(

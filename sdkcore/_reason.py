@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["RetryReason"]
+__all__ = ["RetryReason", "suggest_member"]
 
 
 class RetryReason(enum.Enum):
@@ -76,3 +76,19 @@ class RetryReason(enum.Enum):
 
     def __repr__(self) -> str:
         return f"<RetryReason.{self.name}>"
+
+
+def suggest_member(value: object, enum_type: type[enum.Enum]) -> str:
+    """How a TypeError for a value that is not a member of ``enum_type`` ends.
+
+    A member's name given as a string (``"SERVICE_NOT_AVAILABLE"``, any case) gets
+    the spelling to use instead (``RetryReason.SERVICE_NOT_AVAILABLE``); anything
+    else gets an example member.
+    """
+    cls = enum_type.__name__
+    if isinstance(value, str):
+        name = value.strip().upper().removeprefix(f"{cls.upper()}.")
+        if name in enum_type.__members__:
+            return f"; use {cls}.{name}, not the string {value!r}"
+    example = next(iter(enum_type.__members__))
+    return f"; pass a member such as {cls}.{example}"

@@ -13,6 +13,7 @@ from sdkcore import (
     AuthenticationFailureException,
     BestEffortRetryStrategy,
     CancellationReason,
+    CircuitBreaker,
     CollectionNotFoundException,
     CouchbaseException,
     ErrorContext,
@@ -186,3 +187,47 @@ async def test_exception_from_orchestrator_has_real_context() -> None:
         '"elapsed_ms": 503.0',
     ):
         assert fragment in text, (fragment, text)
+
+
+# -- issue 21: messages and units ------------------------------------------------------------
+
+
+def test_a_reason_given_as_its_name_suggests_the_member() -> None:
+    with pytest.raises(TypeError, match=r"use RetryReason\.SERVICE_NOT_AVAILABLE, not the string"):
+        RetryableError("SERVICE_NOT_AVAILABLE")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"use AttemptEffect\.MAYBE_APPLIED"):
+        RetryableError(RetryReason.UNKNOWN, effect="maybe_applied")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"pass a member such as RetryReason\.UNKNOWN"):
+        RetryableError(3)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_maybe_retry_suggests_the_member_too() -> None:
+    with pytest.raises(TypeError, match=r"use RetryReason\.KV_LOCKED"):
+        await RetryOrchestrator().maybe_retry(Request(), "kv_locked")  # type: ignore[arg-type]
+
+
+def test_timeout_exception_is_a_builtin_timeout_error() -> None:
+    for cls in (TimeoutException, AmbiguousTimeoutException, UnambiguousTimeoutException):
+        error = cls("late")
+        assert isinstance(error, TimeoutError)
+        assert isinstance(error, CouchbaseException)
+        assert str(error) == "late"
+    with pytest.raises(TimeoutError):
+        raise UnambiguousTimeoutException()
+
+
+@pytest.mark.anyio
+async def test_a_breaker_s_retry_after_timeout_names_the_breaker() -> None:
+    breaker = CircuitBreaker(volume_threshold=1, sleep_window=5, name="10.0.0.1:11210")
+    breaker.record_failure(TimeoutError())
+
+    async def send(request: Request) -> None:
+        with breaker.guard():
+            pass
+
+    with pytest.raises(UnambiguousTimeoutException) as info:
+        await RetryOrchestrator().execute(Request(timeout=0.5), send)
+    message = info.value.message
+    assert "circuit breaker 10.0.0.1:11210 is OPEN" in message
+    assert "from the server" not in message

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, NoReturn
 import trio
 
 if sys.version_info < (3, 11):  # pragma: no cover - trio brings the backport there
-    from exceptiongroup import BaseExceptionGroup
+    from exceptiongroup import BaseExceptionGroup  # type: ignore[import-not-found,unused-ignore]
 
 if TYPE_CHECKING:
     from . import HedgeChain
