@@ -97,7 +97,10 @@ class RetryBudget:
         self._name = name
         # Finagle: with no percentage, deposits earn nothing and a retry costs one token.
         self._deposit = 0 if percent == 0.0 else _SCALE
-        self._withdraw = 1 if percent == 0.0 else int(_SCALE / percent)
+        # A percentage so small that a withdrawal costs more than any deposit could ever
+        # add (5e-324 would overflow int()): only the reserve pays for retries.
+        cost = _SCALE / percent if percent else 1.0
+        self._withdraw = _NEVER if cost >= _NEVER else int(cost)
         empty = minimum == 0 and percent == 0.0
         self._reserve = 0 if empty else int(minimum * seconds * self._withdraw)
         if empty:  # Finagle's RetryBudget.Empty: no token is ever enough
@@ -184,6 +187,22 @@ class RetryBudget:
                     ttl_s=self._ttl,
                 )
         return False
+
+    def refund(self) -> None:
+        """Give back one granted withdrawal whose retry was not sent after all.
+
+        The hedging runner calls it for a copy that an OPEN circuit breaker refused
+        (nothing reached the server), moments after the withdrawal. The tokens go into
+        the current slice, so they may outlive the withdrawal's slice by that moment.
+        """
+        cost = self._withdraw
+        if cost >= _NEVER:
+            return
+        index = int(self._clock() * self._per_slice)
+        with self._lock:
+            self._catch_up(index)
+            self._slices[self._index % _SLICES] += cost
+            self._sum += cost
 
     def _catch_up(self, index: int) -> None:
         """Count the lock-free deposits, then move the window to slice ``index`` (under the lock).

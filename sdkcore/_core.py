@@ -227,14 +227,16 @@ class OrchestratorCore:
             if threads:
                 self._lock.release()
         budget = self._budget
-        if (
-            verdict is _RETRY
-            and budget is not None
-            and spends_budget(request.last_effect)
-            and not budget.try_withdraw()  # it will send again: the budget pays first
-        ):
-            self._leave_backoff(threads)
-            verdict = Verdict.BUDGET_EXHAUSTED
+        if verdict is _RETRY and budget is not None and spends_budget(request.last_effect):
+            try:
+                granted = budget.try_withdraw()  # it will send again: the budget pays first
+            except BaseException:  # a broken budget fails the request, uncounted
+                self._leave_backoff(threads)
+                request._finish(RequestState.FAILED)
+                raise
+            if not granted:
+                self._leave_backoff(threads)
+                verdict = Verdict.BUDGET_EXHAUSTED
         if verdict is not _RETRY and verdict is not _TIME_OUT:
             raise self._refusal(request, reason, verdict, action, strategy, failure, hint, left)
         request._retry_booked(reason, delay)
@@ -279,9 +281,17 @@ class OrchestratorCore:
         return exc
 
     def _deposit(self, request: Request) -> None:
-        """A request's first attempt pays into the retry budget (once per request)."""
+        """A request's first attempt pays into the retry budget (once per request).
+
+        A budget whose ``deposit`` raises fails the request (FAILED) with its error,
+        before anything was sent or armed.
+        """
         if self._budget is not None and request._first_dispatch():
-            self._budget.deposit()
+            try:
+                self._budget.deposit()
+            except BaseException:
+                request._finish(RequestState.FAILED)
+                raise
 
     def _leave_backoff(self, threads: bool = False) -> None:
         """A request counted by :meth:`_settle` stopped waiting in retry."""

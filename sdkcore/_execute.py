@@ -142,12 +142,13 @@ async def execute(
             raise _failing.timed_out(
                 request, request.last_reason, _strategy_of(self, request), clock()
             )
+    if self._budget is not None:  # before the scope: a budget that raises leaves nothing armed
+        self._deposit(request)
+    if deadline != _INF:
         rt = _runtime.current()
-        scope = rt.Scope(rt.now() + left)
+        scope = rt.Scope(rt.now() + (deadline - clock()))
         previous = request._set_cancel_hook(scope)  # Request.cancel() cuts the attempt
         token = request._dispatching()  # requests made inside send keep within this deadline
-    if self._budget is not None:
-        self._deposit(request)
     strategy = decides = debug = None  # resolved at the call's first failure
     resolved = False
     try:

@@ -267,6 +267,13 @@ class _Chain:
         error: BaseException | None,
     ) -> None:
         self.request._attempt_failed(reason, effect, error, self.clock(), started=attempt.started)
+        if effect is AttemptEffect.NOT_SENT and attempt.index > 0 and self.budget is not None:
+            # Nothing reached the server (an OPEN breaker refused the copy, or it was cut
+            # before it began): the withdrawal it paid is given back, as a retry after a
+            # NOT_SENT attempt never spends (``_decision.spends_budget``).
+            refund = getattr(self.budget, "refund", None)
+            if refund is not None:
+                refund()
 
     def _won(self, attempt: _Attempt, result: Any) -> None:
         if self.over:  # finished in the same step as the winner: dropped

@@ -240,3 +240,131 @@ def test_lock_free_deposits_from_threads_are_all_counted() -> None:
     for thread in threads:
         thread.join(timeout=60)
     assert budget.balance == 40000
+
+
+# -- issue 21: the budget on edge paths ---------------------------------------------------
+
+
+def test_a_vanishing_percentage_is_a_budget_not_an_overflow() -> None:
+    budget = RetryBudget(percent_can_retry=5e-324, min_retries_per_sec=1, ttl=10)
+    assert budget.balance == 10  # the reserve only: no deposit ever earns a retry
+    for _ in range(1000):
+        budget.deposit()
+    assert budget.balance == 10
+    assert RetryBudget(percent_can_retry=5e-324, min_retries_per_sec=0).try_withdraw() is False
+
+
+def test_refund_gives_back_a_withdrawal() -> None:
+    budget = RetryBudget(min_retries_per_sec=1, ttl=10)
+    assert budget.try_withdraw()
+    assert budget.balance == 9
+    budget.refund()
+    assert budget.balance == 10
+
+
+@pytest.mark.anyio
+async def test_hedge_copies_an_open_breaker_refused_cost_nothing() -> None:
+    """Before: 5 copies refused by an OPEN breaker (nothing sent) cost 4 withdrawals."""
+    import anyio
+
+    from sdkcore import (
+        CircuitBreaker,
+        HedgePolicy,
+        Request,
+        RequestCanceledException,
+        RetryOrchestrator,
+        RetryReason,
+    )
+
+    budget = RetryBudget(min_retries_per_sec=1, ttl=10, percent_can_retry=0.0)
+    breaker = CircuitBreaker(volume_threshold=1, sleep_window=60)
+    breaker.record_failure(TimeoutError())
+    sent = 0
+
+    async def send(request: Request, index: int) -> bytes:
+        nonlocal sent
+        with breaker.guard():
+            sent += 1
+            await anyio.lowlevel.checkpoint()
+        return b"never"
+
+    policy = HedgePolicy(5, delay=0.001, non_fatal={RetryReason.CIRCUIT_BREAKER_OPEN})
+    request = Request(idempotent=True, timeout=1.0)
+    with pytest.raises(RequestCanceledException, match="all 5 hedges failed"):
+        await RetryOrchestrator(retry_budget=budget).hedge(request, send, policy)
+    assert sent == 0
+    assert len(request.attempts) == 5
+    assert budget.balance == 10  # every withdrawal given back
+
+
+class _Broken(Exception):
+    pass
+
+
+class _BrokenBudget:
+    def __init__(self, *, deposit: bool = False, withdraw: bool = False) -> None:
+        self.raise_on_deposit = deposit
+        self.raise_on_withdraw = withdraw
+
+    def deposit(self) -> None:
+        if self.raise_on_deposit:
+            raise _Broken("deposit")
+
+    def try_withdraw(self) -> bool:
+        if self.raise_on_withdraw:
+            raise _Broken("try_withdraw")
+        return True
+
+
+@pytest.mark.anyio
+async def test_a_deposit_that_raises_leaves_nothing_armed_in_the_caller() -> None:
+    """Before: execute's deadline scope and dispatch mark stayed in the caller's task, so
+    its next await was cancelled at the dead request's deadline."""
+    import anyio
+
+    from sdkcore import Request, RequestState, RetryOrchestrator
+
+    orchestrator = RetryOrchestrator(retry_budget=_BrokenBudget(deposit=True))
+    sends = 0
+
+    async def send(request: Request) -> bytes:
+        nonlocal sends
+        sends += 1
+        return b"ok"
+
+    request = Request(timeout=0.02)
+    with pytest.raises(_Broken):
+        await orchestrator.execute(request, send)
+    assert sends == 0
+    assert request.state is RequestState.FAILED
+    with anyio.fail_after(5):
+        await anyio.sleep(0.06)  # past the dead request's deadline: not cancelled
+    inner = Request(timeout=5)
+    assert inner.time_left is not None
+    assert inner.time_left.total_seconds() > 4  # no dead deadline inherited
+
+
+@pytest.mark.anyio
+async def test_a_try_withdraw_that_raises_leaves_no_request_counted_in_retry() -> None:
+    from sdkcore import Request, RequestState, RetryableError, RetryOrchestrator, RetryReason
+
+    orchestrator = RetryOrchestrator(retry_budget=_BrokenBudget(withdraw=True))
+
+    async def send(request: Request) -> bytes:
+        raise RetryableError(RetryReason.KV_LOCKED)
+
+    request = Request(timeout=1.0)
+    with pytest.raises(_Broken):
+        await orchestrator.execute(request, send)
+    assert orchestrator.requests_in_retry == 0
+    assert request.state is RequestState.FAILED
+
+    sync = Request(timeout=1.0)
+
+    def send_sync(request: Request) -> bytes:
+        raise RetryableError(RetryReason.KV_LOCKED)
+
+    with pytest.raises(_Broken):
+        orchestrator.execute_sync(sync, send_sync)
+    assert orchestrator.requests_in_retry == 0
+    assert sync.state is RequestState.FAILED
