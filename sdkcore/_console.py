@@ -17,27 +17,12 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from ._install import install_hint
+
 __all__ = ["WIDTH", "Output", "UsageError", "color_wanted", "install_hint"]
 
 #: The widest line any command prints.
 WIDTH = 100
-
-#: The PyPI package each optional import comes from, and the sdkcore extra that brings it.
-_PACKAGES = {"rich": ("rich", "cli"), "grpc": ("grpcio", "grpc")}
-
-
-def install_hint(module: str) -> str:
-    """How to install what ``module`` (``rich``, ``grpc``) needs, true today.
-
-    sdkcore is not published on PyPI, so installing the extra by sdkcore's name fails:
-    the hint names the dependency itself (on PyPI), then the extra from a checkout.
-    """
-    package, extra = _PACKAGES[module]
-    return (
-        f"pip install {package} (or sdkcore's '{extra}' extra from a checkout: "
-        f"pip install -e '/path/to/sdkcore[{extra}]'; sdkcore is not on PyPI)"
-    )
-
 
 class UsageError(Exception):
     """Bad input on the command line: printed on stderr, exit code 2."""

@@ -31,6 +31,7 @@ import attrs
 
 from .. import _hooks, _log
 from .._errors import RetryableError
+from .._install import install_hint
 from .._reason import RetryReason
 from .._request import Request
 from .._untrusted import show as _show
@@ -303,7 +304,7 @@ def __getattr__(name: str) -> Any:
     except ImportError as exc:
         if exc.name is not None and exc.name.split(".")[0] == "grpc":
             raise ImportError(
-                f"sdkcore.testing.{name} needs grpcio: pip install 'sdkcore[grpc]'"
+                f"sdkcore.testing.{name} needs grpcio: {install_hint('grpc')}"
             ) from exc
         raise
     value = getattr(_grpc, name)
