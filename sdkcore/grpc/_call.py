@@ -8,6 +8,7 @@ so its deadline and elapsed time are those of the whole call.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -117,6 +118,7 @@ class _Call:
         "credentials",
         "in_backoff",
         "method",
+        "owner",
         "plan",
         "ready_at_start",
         "started",
@@ -156,6 +158,9 @@ class _Call:
         self.in_backoff = False
         #: Whether the channel was READY (or unknown) when the current attempt started.
         self.ready_at_start = True
+        #: The call object the application holds, when closing the channel helper's
+        #: channel must cancel it while it waits (see _Controller._close_calls).
+        self.owner: Any = None
         self._request: Request | None = None
 
     @classmethod
@@ -301,6 +306,17 @@ class _Call:
             reason, effect = status_reason(st.code), AttemptEffect.MAYBE_APPLIED
         else:
             reason, effect = REASON_TRANSPARENT, AttemptEffect.NOT_SENT
+        owner = self.owner
+        if owner is not None:
+            if core._closing:
+                # The channel is closing: it takes no new attempt. The call ends as
+                # grpc.aio ends the calls in flight, cancelled, without waiting.
+                if kind is not None:
+                    self._attempt_failed()
+                request.cancel()
+                owner.cancel()
+                raise asyncio.CancelledError()
+            core._waiting.add(owner)
         self.in_backoff = True
         try:
             # The attempt's AioRpcError is the cause: logged as caused_by, the context's
@@ -325,6 +341,8 @@ class _Call:
             raise self._final(err, copy=True) from exc
         finally:
             self.in_backoff = False
+            if owner is not None:
+                core._waiting.discard(owner)
         if st.committed:
             # Committed while waiting (replay buffer overflow): A6 allows no more attempts.
             if kind is not None:

@@ -79,6 +79,15 @@ class _Channel(_aio_channel.Channel):  # type: ignore[misc]
             return inner
         return DirectMultiCallable(core, plan, inner, method)
 
+    async def close(self, grace: float | None = None) -> None:
+        if grace is None or grace >= 0:  # grpc.aio refuses a negative grace
+            self._sdkcore._close_calls()
+        await super().close(grace)
+
+    async def __aexit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> Any:
+        self._sdkcore._close_calls()
+        return await super().__aexit__(exc_type, exc_val, exc_tb)
+
 
 def _build(
     target: str,

@@ -131,6 +131,12 @@ class _Controller:
         self._plans: dict[Any, _Plan | None] = {}
         self._hedge_plans: dict[Any, HedgePlan | None] = {}
         self._channel: weakref.ref[Any] | None = None
+        #: The calls waiting between attempts (sdkcore's backoff, a transparent retry's
+        #: delay, a hedged call's later copies): objects whose ``cancel()`` ends them
+        #: as the application's ``call.cancel()`` does. Closing the channel cancels them.
+        self._waiting: set[Any] = set()
+        #: True once the channel helper's channel started closing: no call waits then.
+        self._closing = False
 
     # -- the channel ----------------------------------------------------------------
     def channel_options(
@@ -204,6 +210,23 @@ class _Controller:
             return channel.get_state(try_to_connect=False)
         except Exception:  # a closed channel, or an object without get_state
             return None
+
+    def _close_calls(self) -> None:
+        """The channel is closing: cancel every call waiting between attempts.
+
+        grpc.aio refuses new calls once ``close()`` starts and cancels the calls it
+        tracks (each attempt in flight). A call waiting in sdkcore's backoff has no
+        attempt in flight, so grpc.aio does not see it: it is cancelled here, at once
+        and whatever the grace, the way grpc.aio ends a call in flight (``await``
+        raises ``asyncio.CancelledError``, ``code()`` is CANCELLED). A call whose
+        attempt fails later, while the channel closes, ends the same way instead of
+        waiting (``_Call.failed``).
+        """
+        self._closing = True
+        waiting = list(self._waiting)
+        self._waiting.clear()
+        for call in waiting:
+            call.cancel()
 
     # -- per-method plans ------------------------------------------------------
     def plan(self, method: Any) -> _Plan | None:

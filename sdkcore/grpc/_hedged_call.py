@@ -107,6 +107,9 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         self._stop_timer()
         if self._driver is not None or self._ended or self._cancelled:
             return
+        core = self._core
+        if core._closing and not self._first.done():
+            return  # no other copy: hedge 0 ends as grpc.aio's close (and its grace) decides
         self._driver = driver = self._loop.create_task(
             hedged_unary_unary(
                 self._core,
@@ -121,6 +124,7 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             )
         )
         driver.add_done_callback(self._driver_done)
+        core._waiting.add(self)  # the channel's close cancels the copies it does not track
 
     async def _continuation(self, details: Any, message: Any) -> Any:
         return self._inner(
@@ -133,6 +137,7 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         )
 
     def _driver_done(self, task: asyncio.Task[Any]) -> None:
+        self._core._waiting.discard(self)
         self._ended = True
         self._wake()
 

@@ -41,6 +41,10 @@ _OK = grpc.StatusCode.OK
 _PENDING: Any = object()  # committed on headers, the response is still to come
 
 
+class _ChannelClosed(Exception):
+    """The channel refused a later hedge (it was closed): ends the hedging (fatal)."""
+
+
 def _error(err: Any, previous: int) -> Any:
     """``err`` reporting which hedge's status it is (``grpc-previous-rpc-attempts``)."""
     trailing = err.trailing_metadata()
@@ -187,6 +191,10 @@ async def hedged_unary_unary(
         raise
 
     # -- the delay passed (or hedge 0 failed with a non-fatal status): hedge -------------
+    if core._closing:
+        # The channel is closing and takes no other copy: the call ends cancelled, as
+        # grpc.aio ends the calls in flight.
+        raise asyncio.CancelledError()
     if not direct:
         open_streamed = _streamed_opener(continuation, message)
 
@@ -209,10 +217,13 @@ async def hedged_unary_unary(
         else:
             stats.record_retry(name, index)  # A6: hedges after the first are retries
             streamed = open_streamed is not None
-            if open_streamed is not None:
-                call = open_streamed(attempt_details(index))
-            else:
-                call = await continuation(attempt_details(index), message)
+            try:
+                if open_streamed is not None:
+                    call = open_streamed(attempt_details(index))
+                else:
+                    call = await continuation(attempt_details(index), message)
+            except aio.UsageError:
+                raise _ChannelClosed() from None
         try:
             if streamed:
                 if await call.initial_metadata():
@@ -247,6 +258,9 @@ async def hedged_unary_unary(
         )
     except aio.AioRpcError as err:  # a fatal status
         raise _error(err, last[0]) from None
+    except _ChannelClosed:
+        # Closed while hedging: cancelled, as grpc.aio ends the calls in flight.
+        raise asyncio.CancelledError() from None
     except TimeoutException as exc:
         previous = request.retry_attempts
         in_flight = flight[0] - flight[1]

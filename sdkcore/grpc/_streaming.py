@@ -51,6 +51,7 @@ class _RetryingCall:
         response_streaming: bool,
     ) -> None:
         self._c = c
+        c.owner = self
         self._continuation = continuation
         self._request = request
         self._response_streaming = response_streaming
@@ -79,7 +80,15 @@ class _RetryingCall:
                 if replay is not None and replay.error is not None:
                     raise self._source_failed()
                 source = self._request if replay is None else replay.attempt_messages()
-                call = await self._continuation(c.next_details(), source)
+                try:
+                    call = await self._continuation(c.next_details(), source)
+                except aio.UsageError:
+                    if not c._retried():
+                        raise  # the first attempt: as grpc.aio, on a closed channel
+                    # Closed during the wait: cancelled, as grpc.aio ends calls in flight.
+                    c.request.cancel()
+                    self._cancelled = True
+                    raise asyncio.CancelledError() from None
                 self._current = call
                 self._started.set()
                 try:

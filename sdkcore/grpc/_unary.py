@@ -49,7 +49,16 @@ async def unary_unary_call(
         c.buffer_unary(request)
     try:
         while True:
-            call = await continuation(c.next_details(), request)
+            if c.state.attempts == 0:
+                call = await continuation(c.next_details(), request)
+            else:
+                try:
+                    call = await continuation(c.next_details(), request)
+                except aio.UsageError:
+                    # The channel was closed during the wait: the call ends cancelled,
+                    # as grpc.aio ends the calls in flight then.
+                    c.request.cancel()
+                    raise asyncio.CancelledError() from None
             try:
                 await call
             except aio.AioRpcError as err:
@@ -89,6 +98,7 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         compression: Any,
     ) -> None:
         c = self._c = _Call(core, plan, method, timeout, metadata, credentials, wait_for_ready)
+        c.owner = self
         if plan.strategy.policy is not None:
             c.buffer_unary(message)
         self._inner = inner
@@ -162,7 +172,10 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
                     return self._call
             while True:
                 await c.failed(err)
-                call = self._call = self._attempt()
+                try:
+                    call = self._call = self._attempt()
+                except aio.UsageError:
+                    raise self._refused() from None
                 try:
                     await call
                 except aio.AioRpcError as failure:
@@ -173,6 +186,13 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         finally:
             self._ended = True
             c.release()
+
+    def _refused(self) -> BaseException:
+        """The channel refused the next attempt (it was closed): the call ends cancelled,
+        as grpc.aio ends the calls in flight when its channel closes."""
+        self._cancelled = True
+        self._c.request.cancel()
+        return asyncio.CancelledError()
 
     def __await__(self) -> Generator[Any, None, Any]:
         if not self._driving() and self._result is None:
