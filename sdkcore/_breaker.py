@@ -159,12 +159,17 @@ _PENDING = RequestState.PENDING
 
 
 def _door_request() -> Request | None:
-    """The request a door (``execute``, ``attempt()``, ...) is sending in this task or thread."""
+    """The request a door (``execute``, ``attempt()``, ...) is sending in this task or thread.
+
+    ``_DISPATCHING`` holds the door's mark: ``[request, reset token]``, the request
+    None once that dispatch ended (sdkcore/_request.py). The other shapes it had (the
+    request itself, an object with ``request``) are read too.
+    """
     mark: Any = _DISPATCHING.get()
     if mark is None or isinstance(mark, Request):
         return mark
-    request: Request | None = getattr(mark, "request", None)  # a mark that holds it
-    return request
+    request = mark[0] if isinstance(mark, list) else getattr(mark, "request", None)
+    return request if isinstance(request, Request) else None
 
 
 def _cut_at_deadline(request: Request | None, error: BaseException) -> TimeoutError | None:
