@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from datetime import timedelta
 from decimal import Decimal, InvalidOperation
@@ -37,6 +38,8 @@ __all__ = [
 #: A6 "Limits on Retries and Hedges": the client-side cap on maxAttempts.
 DEFAULT_MAX_ATTEMPTS_CAP = 5
 _MAX_TOKENS_LIMIT = 1000
+#: maxAttempts is an int32 in grpc's service config (proto3 JSON).
+_INT32_MAX = 2**31 - 1
 
 
 @attrs.frozen(slots=True)
@@ -270,6 +273,58 @@ def _index_of(configs: tuple[MethodConfig, ...]) -> Mapping[MethodName, MethodCo
 
 
 _CODE_HELP = 'an integer 0..16 or a status name such as "UNAVAILABLE" (case-insensitive)'
+#: What grpc's JSON loader reads as an integer or a number written as a string (proto3
+#: JSON: an int32 or a double may be a JSON number or a string). Surrounding ASCII
+#: whitespace is allowed, as absl::SimpleAtoi / SimpleAtod allow it.
+_INT_TEXT = re.compile(r"[+-]?([0-9]+)")
+_NUMBER_TEXT = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_SPACE = " \t\n\v\f\r"
+
+
+def _json_int(value: object) -> int | None:
+    """``value`` as an integer, as proto3 JSON writes one: a JSON integer or a string of one.
+
+    None when it is neither (a fraction, ``"3e10"``, ``"abc"``, a boolean, a JSON
+    integer too long to hold). The caller checks the range.
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        text = value.strip(_SPACE)
+        match = _INT_TEXT.fullmatch(text)
+        if match is None:
+            return None
+        digits = match.group(1).lstrip("0")
+        if len(digits) > 20:  # past every int the fields hold; int() of it is never needed
+            return None
+        n = int(digits or "0")
+        return -n if text[0] == "-" else n
+    return None
+
+
+def _json_number(value: object) -> Decimal | None:
+    """``value`` as a finite decimal: a JSON number or a string of one (proto3 JSON double).
+
+    None otherwise (``"NaN"``, ``"Infinity"``, ``"2x"``, a boolean, an integer too long
+    to hold).
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        text = value.strip(_SPACE)
+        if len(text) > 400 or _NUMBER_TEXT.fullmatch(text) is None:
+            return None
+    elif _is_number(value):
+        text = repr(value)
+    else:
+        return None
+    try:
+        number = Decimal(text)
+    except InvalidOperation:  # pragma: no cover - the pattern admits only decimal text
+        return None
+    return number if number.is_finite() else None
 
 
 def _is_int(v: object) -> bool:
@@ -390,10 +445,15 @@ class _Parser:
             self.err(f"{path}.maxAttempts", "is required: an integer >= 2")
             return 0
         v = raw["maxAttempts"]
-        if not _is_int(v) or v < 2:
-            self.err(f"{path}.maxAttempts", f"must be an integer >= 2, got {_show(v)}")
+        n = _json_int(v)
+        if n is None or not 2 <= n <= _INT32_MAX:
+            self.err(
+                f"{path}.maxAttempts",
+                f"must be an integer >= 2 and <= {_INT32_MAX} (an int32), written as a JSON "
+                f'number or a string of one (3 or "3"), got {_show(v)}',
+            )
             return 0
-        return int(v)
+        return n
 
     def retry_policy(self, path: str, raw: Any) -> RetryPolicy | None:
         if not isinstance(raw, Mapping):
@@ -417,12 +477,16 @@ class _Parser:
             self.err(f"{path}.backoffMultiplier", "is required: a number > 0")
         else:
             v = raw["backoffMultiplier"]
-            if not _is_number(v) or v <= 0:
+            number = _json_number(v)
+            as_float = 0.0 if number is None else float(number)
+            if as_float <= 0.0 or not math.isfinite(as_float):
                 self.err(
-                    f"{path}.backoffMultiplier", f"must be a finite number > 0, got {_show(v)}"
+                    f"{path}.backoffMultiplier",
+                    "must be a finite number > 0, written as a JSON number or a string of "
+                    f'one (2 or "2"), got {_show(v)}',
                 )
             else:
-                multiplier = float(v)
+                multiplier = as_float
         codes: frozenset[int] = frozenset()
         p = f"{path}.retryableStatusCodes"
         if "retryableStatusCodes" not in raw:
@@ -496,24 +560,30 @@ class _Parser:
             self.err(f"{path}.maxTokens", f"is required: an integer in (0, {_MAX_TOKENS_LIMIT}]")
         else:
             v = raw["maxTokens"]
-            if not _is_int(v) or not 0 < v <= _MAX_TOKENS_LIMIT:
+            n = _json_int(v)
+            if n is None or not 0 < n <= _MAX_TOKENS_LIMIT:
                 self.err(
                     f"{path}.maxTokens",
-                    f"must be an integer in (0, {_MAX_TOKENS_LIMIT}], got {_show(v)}",
+                    f"must be an integer in (0, {_MAX_TOKENS_LIMIT}], written as a JSON "
+                    f'number or a string of one (10 or "10"), got {_show(v)}',
                 )
             else:
-                max_tokens = int(v)
+                max_tokens = n
         ratio = 0.0
         if "tokenRatio" not in raw:
             self.err(f"{path}.tokenRatio", "is required: a number > 0 (3 decimal places are used)")
         else:
             v = raw["tokenRatio"]
-            milli = _milli(v) if _is_number(v) else None
-            if milli is None or v <= 0:
-                self.err(f"{path}.tokenRatio", f"must be a finite number > 0, got {_show(v)}")
-            elif v > 1_000_000:  # RetryThrottler's bound: a success refills any bucket
+            number = _json_number(v)
+            if number is None or number <= 0:
+                self.err(
+                    f"{path}.tokenRatio",
+                    "must be a finite number > 0, written as a JSON number or a string of "
+                    f'one (0.1 or "0.1"), got {_show(v)}',
+                )
+            elif number > 1_000_000:  # RetryThrottler's bound: a success refills any bucket
                 self.err(f"{path}.tokenRatio", f"must be at most 1000000, got {_show(v)}")
-            elif milli == 0:
+            elif (milli := int(number * 1000)) == 0:
                 self.err(
                     f"{path}.tokenRatio",
                     "must be at least 0.001 (digits past the third decimal are dropped), "
@@ -524,14 +594,6 @@ class _Parser:
         if len(self.errors) != before:
             return None
         return RetryThrottlingPolicy(max_tokens, ratio)
-
-
-def _milli(value: float) -> int | None:
-    """``value`` in thousandths, truncated (0.5466 -> 546), decided on its decimal text."""
-    try:
-        return int(Decimal(repr(value)) * 1000)
-    except (InvalidOperation, ValueError, OverflowError):
-        return None
 
 
 def _kind(value: object) -> str:

@@ -49,6 +49,20 @@ def with_hedge(**changes: Any) -> dict[str, Any]:
 _DELETE = object()
 RP = "methodConfig[0].retryPolicy"
 HP = "methodConfig[0].hedgingPolicy"
+#: What maxAttempts must be (retryPolicy and hedgingPolicy alike).
+ATTEMPTS_RULE = (
+    "must be an integer >= 2 and <= 2147483647 (an int32), written as a JSON number or a "
+    'string of one (3 or "3")'
+)
+TOKENS_RULE = (
+    'must be an integer in (0, 1000], written as a JSON number or a string of one (10 or "10")'
+)
+MULTIPLIER_RULE = (
+    'must be a finite number > 0, written as a JSON number or a string of one (2 or "2")'
+)
+RATIO_RULE = (
+    'must be a finite number > 0, written as a JSON number or a string of one (0.1 or "0.1")'
+)
 
 
 def violations(config: Any) -> list[str]:
@@ -67,9 +81,7 @@ def test_valid_retry_policy_parses() -> None:
 
 
 def test_example_message_format() -> None:
-    assert violations(with_retry(maxAttempts=1)) == [
-        f"{RP}.maxAttempts: must be an integer >= 2, got 1"
-    ]
+    assert violations(with_retry(maxAttempts=1)) == [f"{RP}.maxAttempts: {ATTEMPTS_RULE}, got 1"]
 
 
 # -- maxAttempts ---------------------------------------------------------------------
@@ -81,11 +93,55 @@ def test_max_attempts_required() -> None:
     ]
 
 
-@pytest.mark.parametrize("value", [1, 0, -3, 2.5, 2.0, "3", True, None])
-def test_max_attempts_must_be_integer_at_least_2(value: Any) -> None:
+@pytest.mark.parametrize(
+    "value",
+    [
+        *(1, 0, -3, 2.5, 2.0, True, None, [3], {"n": 3}),
+        *("1", "2.0", "3e10", "abc", "", " ", "1_0", "0x10", "٣"),
+        *(2**31, "2147483648", "99999999999999999999999"),
+    ],
+)
+def test_max_attempts_must_be_an_int32_at_least_2(value: Any) -> None:
+    """What no int32 holds is refused here, naming the field; grpc's JSON loader refuses it
+    too (absl::SimpleAtoi into an int32). 2**31 used to be accepted."""
     assert violations(with_retry(maxAttempts=value)) == [
-        f"{RP}.maxAttempts: must be an integer >= 2, got {value!r}"
+        f"{RP}.maxAttempts: {ATTEMPTS_RULE}, got {value!r}"
     ]
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("3", 3),
+        (" 4\n", 4),
+        ("+5", 5),
+        ("007", 7),
+        ("2147483647", 2**31 - 1),
+        (2**31 - 1, 2**31 - 1),
+    ],
+)
+def test_max_attempts_may_be_written_as_a_string_as_proto3_json_allows(
+    value: Any, expected: int
+) -> None:
+    """proto3 JSON writes an int32 as a number or a string; grpcio takes both."""
+    for config in (with_retry(maxAttempts=value), with_hedge(maxAttempts=value)):
+        for given in (config, json.dumps(config)):
+            mc = ServiceConfig.from_json(given).method_config("/s/m")
+            assert mc is not None
+            policy = mc.retry_policy or mc.hedging_policy
+            assert policy is not None
+            assert policy.max_attempts == expected
+            assert type(policy.max_attempts) is int
+
+
+@pytest.mark.parametrize("build", [with_retry, with_hedge])
+def test_an_integer_too_large_for_any_policy_is_a_service_config_error(build: Any) -> None:
+    """A Mapping may hold any Python int: before, 10**20000 escaped as a bare ValueError
+    from the policy's constructor ("got one too large"), with no field path."""
+    path = RP if build is with_retry else HP
+    for value in (10**20000, -(10**20000), "1" * 5000):
+        (msg,) = violations(build(maxAttempts=value))
+        assert msg.startswith(f"{path}.maxAttempts: {ATTEMPTS_RULE}, got ")
 
 
 def test_max_attempts_above_cap_is_not_an_error_and_is_clamped() -> None:
@@ -177,11 +233,25 @@ def test_multiplier_required() -> None:
     ]
 
 
-@pytest.mark.parametrize("value", [0, -1, -0.5, "2", True, None])
+@pytest.mark.parametrize(
+    "value",
+    [0, -1, -0.5, True, None, "0", "-2", "NaN", "Infinity", "2x", "", "1e-400", "1e400", "1_0"],
+)
 def test_multiplier_must_be_positive_number(value: Any) -> None:
     assert violations(with_retry(backoffMultiplier=value)) == [
-        f"{RP}.backoffMultiplier: must be a finite number > 0, got {value!r}"
+        f"{RP}.backoffMultiplier: {MULTIPLIER_RULE}, got {value!r}"
     ]
+
+
+@pytest.mark.parametrize(("value", "expected"), [("2", 2.0), (" 1.5 ", 1.5), ("2e0", 2.0)])
+def test_multiplier_may_be_written_as_a_string(value: str, expected: float) -> None:
+    """proto3 JSON writes a double as a number or a string; grpcio takes both."""
+    mc = ServiceConfig.from_json(json.dumps(with_retry(backoffMultiplier=value))).method_config(
+        "/s/m"
+    )
+    assert mc is not None
+    assert mc.retry_policy is not None
+    assert mc.retry_policy.backoff_multiplier == expected
 
 
 def test_multiplier_may_be_fractional() -> None:
@@ -237,8 +307,9 @@ def test_valid_hedging_policy_parses_and_delay_is_optional() -> None:
 
 
 def test_hedging_max_attempts_rule() -> None:
-    assert violations(with_hedge(maxAttempts=1)) == [
-        f"{HP}.maxAttempts: must be an integer >= 2, got 1"
+    assert violations(with_hedge(maxAttempts=1)) == [f"{HP}.maxAttempts: {ATTEMPTS_RULE}, got 1"]
+    assert violations(with_hedge(maxAttempts="3e10")) == [
+        f"{HP}.maxAttempts: {ATTEMPTS_RULE}, got '3e10'"
     ]
 
 
@@ -266,11 +337,20 @@ def test_method_may_not_have_both_policies() -> None:
 # -- retryThrottling ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value", [0, -1, 1001, 1.5, "10", True])
+@pytest.mark.parametrize(
+    "value", [0, -1, 1001, 1.5, True, "0", "1001", "1.5", "abc", "3e10", 2**31, 10**200]
+)
 def test_max_tokens_range(value: Any) -> None:
-    assert violations({"retryThrottling": {"maxTokens": value, "tokenRatio": 0.1}}) == [
-        f"retryThrottling.maxTokens: must be an integer in (0, 1000], got {value!r}"
-    ]
+    (msg,) = violations({"retryThrottling": {"maxTokens": value, "tokenRatio": 0.1}})
+    assert msg.startswith(f"retryThrottling.maxTokens: {TOKENS_RULE}, got ")
+
+
+@pytest.mark.parametrize(("value", "expected"), [("10", 10), (" 1000 ", 1000), ("+1", 1)])
+def test_max_tokens_may_be_written_as_a_string(value: str, expected: int) -> None:
+    text = json.dumps({"retryThrottling": {"maxTokens": value, "tokenRatio": "0.5466"}})
+    throttling = ServiceConfig.from_json(text).retry_throttling
+    assert throttling is not None
+    assert (throttling.max_tokens, throttling.token_ratio) == (expected, 0.546)
 
 
 def test_max_tokens_required_and_1000_allowed() -> None:
@@ -282,11 +362,18 @@ def test_max_tokens_required_and_1000_allowed() -> None:
     assert cfg.retry_throttling.max_tokens == 1000
 
 
-@pytest.mark.parametrize("value", [0, -0.1, "0.1", None])
+@pytest.mark.parametrize("value", [0, -0.1, None, "-0.1", "NaN", "Infinity", "0.1x", ""])
 def test_token_ratio_must_be_positive(value: Any) -> None:
     assert violations({"retryThrottling": {"maxTokens": 10, "tokenRatio": value}}) == [
-        f"retryThrottling.tokenRatio: must be a finite number > 0, got {value!r}"
+        f"retryThrottling.tokenRatio: {RATIO_RULE}, got {value!r}"
     ]
+
+
+def test_token_ratio_written_as_a_string_keeps_its_bounds() -> None:
+    (msg,) = violations({"retryThrottling": {"maxTokens": 10, "tokenRatio": "1e999999999"}})
+    assert msg == "retryThrottling.tokenRatio: must be at most 1000000, got '1e999999999'"
+    (msg,) = violations({"retryThrottling": {"maxTokens": 10, "tokenRatio": "1e-999999999"}})
+    assert msg.startswith("retryThrottling.tokenRatio: must be at least 0.001")
 
 
 def test_token_ratio_required() -> None:
