@@ -6,6 +6,8 @@ counts what reaches the endpoint; knobs (set from the test's thread) make it:
 
 * ``delay``: hold every reply this many seconds;
 * ``drop_replies``: swallow every reply (a black hole: the client times out);
+* :meth:`black_hole_open`: swallow every reply on the connections open now, while
+  new connections work (a connection stuck somewhere on the way);
 * ``cut_opcodes`` / ``cut_every``: cut the connection in the middle of every
   ``cut_every``-th reply to one of these opcodes (the request did reach memcached).
 
@@ -47,6 +49,8 @@ class FaultProxy:
         self.cuts = 0
         self.requests: collections.Counter[int] = collections.Counter()
         self._replies: collections.Counter[int] = collections.Counter()
+        self._open: set[int] = set()
+        self._black_holed: set[int] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.AbstractServer | None = None
@@ -92,6 +96,11 @@ class FaultProxy:
 
         self._call(cut())
 
+    def black_hole_open(self) -> None:
+        """From now on, swallow every reply on the connections open now (new ones work)."""
+        with self._lock:
+            self._black_holed |= self._open
+
     def reset_counts(self) -> None:
         with self._lock:
             self.connections = self.refused = self.cuts = 0
@@ -107,6 +116,8 @@ class FaultProxy:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with self._lock:
             self.connections += 1
+            number = self.connections
+            self._open.add(number)
         self._writers.add(writer)
         try:
             try:
@@ -122,7 +133,7 @@ class FaultProxy:
             self._writers.add(up_writer)
             tasks = [
                 asyncio.ensure_future(self._requests(reader, up_writer)),
-                asyncio.ensure_future(self._replies_to(up_reader, writer)),
+                asyncio.ensure_future(self._replies_to(up_reader, writer, number)),
             ]
             try:
                 await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -135,6 +146,8 @@ class FaultProxy:
         finally:
             writer.transport.abort()
             self._writers.discard(writer)
+            with self._lock:
+                self._open.discard(number)
 
     async def _count_unanswered(self, reader: asyncio.StreamReader) -> None:
         """memcached is not there: count the frames the client sends, then hang up.
@@ -167,11 +180,13 @@ class FaultProxy:
         except (asyncio.IncompleteReadError, OSError):
             return
 
-    async def _replies_to(self, up: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _replies_to(
+        self, up: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
+    ) -> None:
         try:
             while True:
                 frame = await _frame(up)
-                if self.drop_replies:
+                if self.drop_replies or number in self._black_holed:
                     continue
                 if self.delay:
                     await asyncio.sleep(self.delay)

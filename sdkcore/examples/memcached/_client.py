@@ -10,7 +10,7 @@ responses are matched to them by ``opaque``. Each operation is a
 from __future__ import annotations
 
 import itertools
-import struct
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from types import TracebackType
@@ -22,7 +22,6 @@ import anyio.abc
 from sdkcore import (
     CircuitBreaker,
     Request,
-    RequestState,
     RetryableError,
     RetryOrchestrator,
     RetryReason,
@@ -45,7 +44,10 @@ from ._endpoint import (
 
 __all__ = ["MemcachedClient"]
 
-_DEADLINE_SLACK = 0.005  # the orchestrator's deadline and the request clock may differ by this
+#: The door's deadline scope fires on the event loop's clock, armed from the time left
+#: on the request's clock: when it fires, the request's clock may read a hair before the
+#: deadline. A wait cut this close to the deadline was cut by it.
+_AT_DEADLINE = max(0.001, time.get_clock_info("monotonic").resolution)
 _LOST = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
 
 
@@ -58,8 +60,20 @@ class _Waiter:
         self.error: BaseException | None = None
 
 
+def _past_deadline(request: Request) -> bool:
+    """True once the request's deadline has passed (what cut an attempt at it)."""
+    return request.clock() >= request.deadline - _AT_DEADLINE
+
+
 class _Connection:
-    """One TCP connection: a writer lock, and a reader task that hands responses out by opaque."""
+    """One TCP connection: a writer lock, and a reader task that hands responses out by opaque.
+
+    A connection is closed, never reused, when a frame written to it was cut (the
+    write was cancelled or failed part way: what follows on the stream would be read
+    as the rest of that frame), when its byte stream is not the protocol, and when a
+    wait for an answer ran into a deadline while nothing at all arrived on it since
+    the frame was written (black-holed: the next dispatch connects again).
+    """
 
     def __init__(self, stream: anyio.abc.ByteStream, name: str) -> None:
         self.stream = stream
@@ -67,12 +81,14 @@ class _Connection:
         self.waiting: dict[int, _Waiter] = {}
         self.write_lock = anyio.Lock()
         self.lost: BaseException | None = None
+        self.reads = 0  # chunks received so far: unchanged while the connection is silent
 
     async def read_loop(self) -> None:
         buffer = bytearray()
         try:
             while True:
                 buffer += await self.stream.receive()
+                self.reads += 1
                 while (response := proto.parse_response(buffer)) is not None:
                     waiter = self.waiting.pop(response.opaque, None)
                     if waiter is not None:  # else: its attempt was cut; drop the answer
@@ -93,21 +109,43 @@ class _Connection:
             waiter.error = self.lost
             waiter.done.set()
 
-    async def roundtrip(self, frame: bytes, opaque: int) -> proto.Response:
-        """Write ``frame`` and wait for its response (OSError when the connection is lost)."""
+    async def drop(self, why: str) -> None:
+        """Close the connection for good: waiters fail, the reader ends, nothing more is written."""
+        self.close(ConnectionResetError(why))
+        with anyio.CancelScope(shield=True):
+            await self.stream.aclose()
+
+    async def roundtrip(
+        self, frame: bytes, opaque: int, expired: Callable[[], bool]
+    ) -> proto.Response:
+        """Write ``frame`` and wait for its response (OSError when the connection is lost).
+
+        ``expired()`` says, when the wait is cut, whether a deadline cut it.
+        """
         if self.lost is not None:
             raise ConnectionResetError(f"connection to {self.name} is closed")
         waiter = _Waiter()
         self.waiting[opaque] = waiter
         try:
             async with self.write_lock:
-                try:
-                    await self.stream.send(frame)
-                except _LOST as exc:
-                    self.close(ConnectionResetError(f"write to {self.name} failed: {exc!r}"))
-                    with anyio.CancelScope(shield=True):
-                        await self.stream.aclose()  # the reader wakes up and ends
-            await waiter.done.wait()
+                if self.lost is None:  # else closed while this waited: the waiter has the error
+                    written = False
+                    try:
+                        await self.stream.send(frame)
+                        written = True
+                    except _LOST as exc:
+                        await self.drop(f"write to {self.name} failed: {exc!r}")
+                    finally:
+                        if not written and self.lost is None:
+                            # cancelled part way: the rest of the stream would complete this frame
+                            await self.drop(f"a write to {self.name} was cut mid-frame")
+            silent_since = self.reads
+            try:
+                await waiter.done.wait()
+            except BaseException:
+                if self.lost is None and self.reads == silent_since and expired():
+                    await self.drop(f"no byte from {self.name} before the deadline")
+                raise
         finally:
             self.waiting.pop(opaque, None)
         if waiter.error is not None:
@@ -140,29 +178,41 @@ class _Endpoint:
                 self._connection = connection
         return connection
 
-    async def dispatch(self, request: Request, build: Callable[[int], bytes]) -> proto.Response:
+    async def dispatch(
+        self, request: Request, opcode: KvOpcode, build: Callable[[int], bytes]
+    ) -> proto.Response:
         """One attempt: breaker guard, NOOP canary when probing, then the request itself."""
         if refuse_if_open(self.breaker):
             await self._canary(request)
-        return await self._attempt(request, build)
+        return await self._attempt(request, opcode, build)
 
     async def _canary(self, request: Request) -> None:
-        bound = canary_bound(self.breaker, request.time_left)
+        until = anyio.current_time() + canary_bound(
+            self.breaker, request.dispatch_info().time_left
+        )
+
+        def expired() -> bool:
+            return anyio.current_time() >= until or _past_deadline(request)
+
         try:
-            with anyio.fail_after(bound):
+            with anyio.CancelScope(deadline=until) as scope:
                 connection = await self._connect()
                 opaque = self._client._opaque()
-                await connection.roundtrip(proto.noop_frame(opaque), opaque)
+                await connection.roundtrip(proto.noop_frame(opaque), opaque, expired)
+            if scope.cancelled_caught:
+                raise TimeoutError(f"no NOOP answer from {self.name} within the canary's bound")
         except (TimeoutError, OSError) as exc:
             self.breaker.record_failure(exc)
             canary_failed(self.breaker, exc)
-        except anyio.get_cancelled_exc_class():
-            _cut(request, self.breaker, "NOOP canary answer")
+        except anyio.get_cancelled_exc_class() as exc:
+            self.breaker.record_failure(exc)  # a timeout if the request's deadline cut it
             raise
         # any answer, whatever its status, shows the server is alive
         self.breaker.record_success()
 
-    async def _attempt(self, request: Request, build: Callable[[int], bytes]) -> proto.Response:
+    async def _attempt(
+        self, request: Request, opcode: KvOpcode, build: Callable[[int], bytes]
+    ) -> proto.Response:
         breaker = self.breaker
         try:
             connection = await self._connect()
@@ -171,41 +221,51 @@ class _Endpoint:
             raise RetryableError(
                 RetryReason.SOCKET_NOT_AVAILABLE, f"cannot connect to {self.name}"
             ) from exc
-        except anyio.get_cancelled_exc_class():
-            _cut(request, breaker, "connect")
+        except anyio.get_cancelled_exc_class() as exc:
+            breaker.record_failure(exc)  # a timeout if the request's deadline cut it
             raise
         opaque = self._client._opaque()
         try:
-            response = await connection.roundtrip(build(opaque), opaque)
+            response = await connection.roundtrip(
+                build(opaque), opaque, lambda: _past_deadline(request)
+            )
         except OSError as exc:
             breaker.record_failure(exc)
             raise RetryableError(
                 RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT,
                 f"connection to {self.name} closed while the request was in flight",
             ) from exc
-        except anyio.get_cancelled_exc_class():
-            _cut(request, breaker, "response")
+        except anyio.get_cancelled_exc_class() as exc:
+            breaker.record_failure(exc)  # a timeout if the request's deadline cut it
             raise
         breaker.record_success()
+        try:
+            proto.check_response(response, opcode)
+        except proto.ProtocolError as exc:
+            await connection.drop(f"{self.name} broke the protocol: {exc}")
+            raise
         return response
 
     async def aclose(self) -> None:
         connection, self._connection = self._connection, None
         if connection is not None:
-            connection.close(ConnectionResetError(f"client closed the connection to {self.name}"))
-            with anyio.CancelScope(shield=True):
-                await connection.stream.aclose()
+            await connection.drop(f"client closed the connection to {self.name}")
 
 
-def _cut(request: Request, breaker: CircuitBreaker, what: str) -> None:
-    """An attempt was cancelled: at the request's deadline that is a timeout for the breaker."""
-    left = request.time_left
-    if (
-        request.state is RequestState.PENDING
-        and left is not None
-        and left.total_seconds() <= _DEADLINE_SLACK
-    ):
-        breaker.record_failure(TimeoutError(f"no {what} from {breaker.name} before the deadline"))
+def _only(group: BaseException, error: BaseException) -> bool:
+    """True when ``group`` is an exception group of ``error`` and, besides it, cancellations."""
+    if getattr(group, "exceptions", None) is None:
+        return False
+    leaves: list[BaseException] = []
+    stack = [group]
+    while stack:
+        inners = getattr(stack.pop(), "exceptions", None)
+        for inner in inners or ():
+            (stack if getattr(inner, "exceptions", None) is not None else leaves).append(inner)
+    cancelled = anyio.get_cancelled_exc_class()
+    return any(leaf is error for leaf in leaves) and all(
+        leaf is error or isinstance(leaf, cancelled) for leaf in leaves
+    )
 
 
 class MemcachedClient:
@@ -274,7 +334,13 @@ class MemcachedClient:
         for endpoint in self._endpoints:
             await endpoint.aclose()
         tg.cancel_scope.cancel()
-        return await tg.__aexit__(exc_type, exc, tb)
+        try:
+            return await tg.__aexit__(exc_type, exc, tb)
+        except BaseException as raised:
+            # trio's nursery wraps what the block raised in a group: let it out plain
+            if exc is None or raised is exc or not _only(raised, exc):
+                raise
+        return None
 
     def _start(self, connection: _Connection) -> None:
         if self._tg is None:
@@ -291,7 +357,7 @@ class MemcachedClient:
         request = kv_request(opcode, **self._request_kwargs)
 
         async def send(request: Request) -> proto.Response:
-            response = await endpoint.dispatch(request, build)
+            response = await endpoint.dispatch(request, opcode, build)
             raise_for_status(response, opcode)
             return response
 
@@ -322,7 +388,7 @@ class MemcachedClient:
         response = await self._run(
             KvOpcode.INCREMENT, key, lambda o: proto.incr_frame(o, key, delta, initial=initial)
         )
-        return int(struct.unpack(">Q", response.value)[0])
+        return proto.counter(response)
 
     async def delete(self, key: bytes | str) -> None:
         """Remove ``key`` (DocumentNotFoundException when missing)."""
@@ -334,6 +400,7 @@ class MemcachedClient:
         request = kv_request(KvOpcode.NOOP, **self._request_kwargs)
 
         async def send(request: Request) -> None:
-            raise_for_status(await target.dispatch(request, proto.noop_frame), KvOpcode.NOOP)
+            response = await target.dispatch(request, KvOpcode.NOOP, proto.noop_frame)
+            raise_for_status(response, KvOpcode.NOOP)
 
         await self._orchestrator.execute(request, send)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import NoReturn
 
 from sdkcore import CircuitBreaker, CircuitState, RetryableError, RetryReason, TimeoutException
@@ -32,12 +31,14 @@ Address = tuple[str, int]
 
 
 def endpoint_down(error: BaseException) -> bool:
-    """The memcached example's breaker rule: a timeout, or a connection that failed.
+    """The memcached example's breaker rule: a timeout, or any connection that failed.
 
-    Couchbase's default counts only timeouts, because its endpoints reconnect on
-    their own and refuse dispatch while disconnected. This client connects on
-    demand, inside the guarded dispatch, so a refused or reset connection is the
-    endpoint being down too. A server that answers, with any status, is alive.
+    The library's default rule already counts timeouts and an endpoint that refused,
+    reset or closed the connection before the reply. This client connects on demand,
+    inside the guarded dispatch, so any other ``OSError`` there (a name that does
+    not resolve, no route) is the endpoint being down too. A server that answers,
+    with any status, is alive. A dispatch cut by its request's deadline reaches the
+    breaker as that timeout (``CircuitBreaker.record_failure`` finds the request).
     """
     # TimeoutError is an OSError; asyncio.TimeoutError is a separate class on Python 3.10
     return isinstance(error, (OSError, TimeoutException, asyncio.TimeoutError))
@@ -110,11 +111,15 @@ def canary_failed(breaker: CircuitBreaker, error: BaseException) -> NoReturn:
     ) from error
 
 
-def canary_bound(breaker: CircuitBreaker, time_left: timedelta | None) -> float:
-    """How long the canary may take: ``canary_timeout``, and never past the request's deadline."""
+def canary_bound(breaker: CircuitBreaker, time_left: float | None) -> float:
+    """How long the canary may take: ``canary_timeout``, and never past the request's deadline.
+
+    ``time_left``: the request's ``dispatch_info().time_left`` (seconds; None without a
+    deadline), which also holds a deadline inherited from an enclosing request.
+    """
     bound = breaker.canary_timeout.total_seconds()
     if time_left is not None:
-        bound = min(bound, time_left.total_seconds())
+        bound = min(bound, time_left)
     return bound
 
 

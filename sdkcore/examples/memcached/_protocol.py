@@ -21,6 +21,8 @@ __all__ = [
     "ProtocolError",
     "Response",
     "add_frame",
+    "check_response",
+    "counter",
     "delete_frame",
     "get_frame",
     "incr_frame",
@@ -37,6 +39,7 @@ _HEADER = struct.Struct(">BBHBBHIIQ")  # magic, opcode, key len, extras len, typ
 #                                       body len, opaque, cas
 _STORE_EXTRAS = struct.Struct(">II")  # flags, expiry
 _INCR_EXTRAS = struct.Struct(">QQI")  # delta, initial, expiry
+_COUNTER = struct.Struct(">Q")  # the value of a successful INCREMENT/DECREMENT
 _MAX_KEY = 250  # memcached's limit
 _MAX_BODY = 64 * 1024 * 1024  # a response body larger than this is a broken stream
 
@@ -127,6 +130,41 @@ def delete_frame(opaque: int, key: bytes | str) -> bytes:
 
 def noop_frame(opaque: int) -> bytes:
     return request_frame(KvOpcode.NOOP, opaque)
+
+
+def _opcode_name(opcode: int) -> str:
+    try:
+        return f"{KvOpcode(opcode).name} (opcode 0x{opcode:02x})"
+    except ValueError:
+        return f"opcode 0x{opcode:02x}"
+
+
+def check_response(response: Response, opcode: int) -> None:
+    """ProtocolError unless ``response`` can answer a request of ``opcode``.
+
+    The opaque matched, so the opcode must too (a GET answered by a SET reply is a
+    broken server or stream, not an empty value), and a successful INCREMENT or
+    DECREMENT carries the counter: exactly 8 bytes.
+    """
+    if response.opcode != opcode:
+        raise ProtocolError(
+            f"expected a response to {_opcode_name(opcode)} for opaque {response.opaque}, "
+            f"got a response to {_opcode_name(response.opcode)}"
+        )
+    if (
+        opcode in (KvOpcode.INCREMENT, KvOpcode.DECREMENT)
+        and response.status == 0
+        and len(response.value) != _COUNTER.size
+    ):
+        raise ProtocolError(
+            f"expected an 8-byte counter in the value of the {_opcode_name(opcode)} response, "
+            f"got {len(response.value)} bytes"
+        )
+
+
+def counter(response: Response) -> int:
+    """The counter an INCREMENT or DECREMENT response carries (after :func:`check_response`)."""
+    return int(_COUNTER.unpack(response.value)[0])
 
 
 def parse_response(buffer: bytearray) -> Response | None:

@@ -2,15 +2,16 @@
 
 One socket per endpoint, shared by threads under a lock: a request holds the
 connection from its write to its response (no pipelining; the async client
-pipelines). Every socket operation is bounded by the request's time left.
+pipelines). Every socket operation is bounded by the time left until the
+request's deadline, and a socket whose exchange was cut is closed.
 """
 
 from __future__ import annotations
 
 import itertools
 import socket
-import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -41,8 +42,25 @@ from ._endpoint import (
 __all__ = ["SyncMemcachedClient"]
 
 
-def _seconds(left: timedelta | None) -> float | None:
-    return None if left is None else max(left.total_seconds(), 0.0)
+def _deadline(request: Request) -> float | None:
+    """The request's deadline on ``time.monotonic`` (None: none).
+
+    From ``dispatch_info().time_left``, which holds a deadline inherited from an
+    enclosing request (a client built with ``timeout=None`` inside another request's
+    ``send`` keeps within that request's deadline).
+    """
+    left = request.dispatch_info().time_left
+    return None if left is None else time.monotonic() + left
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` for one socket operation (TimeoutError once none is left)."""
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0.0:
+        raise TimeoutError("the deadline passed")
+    return left
 
 
 class _SyncEndpoint:
@@ -58,20 +76,26 @@ class _SyncEndpoint:
         if sock is not None:
             sock.close()
 
-    def _connect(self, timeout: float | None) -> socket.socket:
+    def _connect(self, deadline: float | None) -> socket.socket:
         """The endpoint's socket, connected if needed (OSError: nothing was sent)."""
         if self._sock is None:
-            sock = socket.create_connection(self.address, timeout=timeout)
+            sock = socket.create_connection(self.address, timeout=_left(deadline))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock
         return self._sock
 
-    def _roundtrip(self, frame: bytes, opaque: int, timeout: float | None) -> proto.Response:
-        """Write and read one frame on the connected, locked socket (OSError, TimeoutError)."""
-        sock = self._connect(timeout)
-        sock.settimeout(timeout)
+    def _roundtrip(self, frame: bytes, opaque: int, deadline: float | None) -> proto.Response:
+        """Write and read one frame on the connected, locked socket (OSError, TimeoutError).
+
+        Each socket operation gets only the time left until ``deadline``, so a server
+        that trickles its answer cannot hold the request past it. Whatever cuts the
+        exchange (a timeout, a lost connection, a broken stream, an interrupt) closes
+        the socket: a half-written or half-read stream is never reused.
+        """
         try:
-            sock.sendall(frame)
+            sock = self._connect(deadline)
+            sock.settimeout(_left(deadline))
+            sock.sendall(frame)  # the timeout bounds the whole sendall
             buffer = bytearray()
             while True:
                 response = proto.parse_response(buffer)
@@ -79,57 +103,70 @@ class _SyncEndpoint:
                     if response.opaque == opaque:
                         return response
                     continue  # an answer to an attempt that gave up: skip it
+                sock.settimeout(_left(deadline))
                 chunk = sock.recv(65536)
                 if not chunk:
                     raise ConnectionResetError(f"{self.name} closed the connection")
                 buffer += chunk
         except BaseException:
-            self._drop()  # a half-read stream cannot be reused
+            self._drop()
             raise
 
     def dispatch(
-        self, request: Request, build: Callable[[int], bytes], opaque: int
+        self, request: Request, opcode: KvOpcode, build: Callable[[int], bytes], opaque: int
     ) -> proto.Response:
         breaker = self.breaker
-        probe = refuse_if_open(breaker)
-        wait = _seconds(request.time_left)
+        deadline = _deadline(request)
+        wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        # The connection first, then the breaker: a probe is taken only by a dispatch
+        # that can send it now, never held while this thread waits for the lock.
         if not self._lock.acquire(timeout=-1 if wait is None else wait):
             raise RetryableError(
                 RetryReason.SOCKET_NOT_AVAILABLE, f"connection to {self.name} is busy"
             )
         try:
-            if _seconds(request.time_left) == 0.0:  # nothing sent: execute_sync times out
+            if deadline is not None and time.monotonic() >= deadline:
+                # nothing sent: execute_sync times out
                 raise RetryableError(RetryReason.SOCKET_NOT_AVAILABLE, "no time left to send")
-            if probe:
-                try:
-                    self._roundtrip(
-                        proto.noop_frame(opaque), opaque, canary_bound(breaker, request.time_left)
-                    )
-                except OSError as exc:  # socket timeouts are TimeoutError, an OSError
-                    breaker.record_failure(exc)
-                    canary_failed(breaker, exc)
-                breaker.record_success()
-            left = _seconds(request.time_left)
-            if left == 0.0:  # the canary took the rest: nothing sent
+            if refuse_if_open(breaker):
+                self._canary(deadline, opaque)
+            if deadline is not None and time.monotonic() >= deadline:
+                # the canary took the rest: nothing sent
                 raise RetryableError(RetryReason.SOCKET_NOT_AVAILABLE, "no time left to send")
             try:
-                self._connect(left)
+                self._connect(deadline)
             except OSError as exc:
                 breaker.record_failure(exc)
                 raise RetryableError(
                     RetryReason.SOCKET_NOT_AVAILABLE, f"cannot connect to {self.name}: {exc}"
                 ) from exc
             try:
-                response = self._roundtrip(build(opaque), opaque, left)
+                response = self._roundtrip(build(opaque), opaque, deadline)
             except OSError as exc:  # written (or maybe written): it may have been applied
                 breaker.record_failure(exc)
                 raise RetryableError(
                     RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT, f"{self.name}: {exc}"
                 ) from exc
             breaker.record_success()
+            try:
+                proto.check_response(response, opcode)
+            except proto.ProtocolError:
+                self._drop()  # a server that answers out of protocol: not reused
+                raise
             return response
         finally:
             self._lock.release()
+
+    def _canary(self, deadline: float | None, opaque: int) -> None:
+        """The probe: a NOOP bounded by ``canary_timeout`` and the deadline; any answer closes."""
+        breaker = self.breaker
+        bound = canary_bound(breaker, None if deadline is None else deadline - time.monotonic())
+        try:
+            self._roundtrip(proto.noop_frame(opaque), opaque, time.monotonic() + bound)
+        except OSError as exc:  # socket timeouts are TimeoutError, an OSError
+            breaker.record_failure(exc)
+            canary_failed(breaker, exc)
+        breaker.record_success()
 
     def close(self) -> None:
         with self._lock:
@@ -187,7 +224,7 @@ class SyncMemcachedClient:
         def send(request: Request) -> proto.Response:
             with self._opaque_lock:
                 opaque = next(self._opaques) & 0xFFFFFFFF
-            response = endpoint.dispatch(request, build, opaque)
+            response = endpoint.dispatch(request, opcode, build, opaque)
             raise_for_status(response, opcode)
             return response
 
@@ -208,7 +245,7 @@ class SyncMemcachedClient:
         response = self._run(
             KvOpcode.INCREMENT, key, lambda o: proto.incr_frame(o, key, delta, initial=initial)
         )
-        return int(struct.unpack(">Q", response.value)[0])
+        return proto.counter(response)
 
     def delete(self, key: bytes | str) -> None:
         self._run(KvOpcode.DELETE, key, lambda o: proto.delete_frame(o, key))
@@ -220,6 +257,7 @@ class SyncMemcachedClient:
         def send(request: Request) -> None:
             with self._opaque_lock:
                 opaque = next(self._opaques) & 0xFFFFFFFF
-            raise_for_status(target.dispatch(request, proto.noop_frame, opaque), KvOpcode.NOOP)
+            response = target.dispatch(request, KvOpcode.NOOP, proto.noop_frame, opaque)
+            raise_for_status(response, KvOpcode.NOOP)
 
         self._orchestrator.execute_sync(request, send)

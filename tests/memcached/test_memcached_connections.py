@@ -1,0 +1,317 @@
+"""When the memcached example clients close a connection, and what they refuse to read.
+
+* A frame whose write was cut (a deadline while memcached does not read) closes
+  its connection: later frames never become the rest of the cut value.
+* A connection that stays silent through a deadline is replaced, canaries included.
+* The sync client gives each socket operation only the time left.
+* A reply that does not fit the request is a ProtocolError, not a struct.error or b"".
+* An error leaves ``async with MemcachedClient`` as it was raised, on trio too.
+* The sync client takes the breaker's probe only once it holds the connection.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import anyio
+import pytest
+from fault_proxy import FaultProxy
+from memcached_server import Memcached
+from scripted_server import ScriptedServer, elapsed_since, response
+
+from sdkcore import (
+    CircuitBreaker,
+    CircuitState,
+    CouchbaseException,
+    DocumentNotFoundException,
+    Request,
+    RetryOrchestrator,
+    TimeoutException,
+)
+from sdkcore.examples.memcached import MemcachedClient, ProtocolError, SyncMemcachedClient
+from sdkcore.mapping import KvOpcode
+
+pytestmark = pytest.mark.anyio
+
+BIG = 8 * 1024 * 1024
+LATER = [bytes([ord("a") + i]) * (1024 * 1024) for i in range(12)]
+#: A safety net on a whole test, not a timing claim.
+LIMIT = 60
+
+
+@pytest.fixture
+def roomy(start_memcached: Callable[..., Memcached]) -> Memcached:
+    """memcached that stores 8 MiB values (-I) and all of this file's (-m)."""
+    return start_memcached("-I", "16m", "-m", "256")
+
+
+@pytest.fixture
+def stopped(roomy: Memcached) -> Iterator[Callable[[bool], None]]:
+    """``stop(True)``: SIGSTOP memcached (it reads nothing); ``stop(False)``: SIGCONT."""
+    assert roomy.process is not None
+    pid = roomy.process.pid
+
+    def stop(yes: bool) -> None:
+        os.kill(pid, signal.SIGSTOP if yes else signal.SIGCONT)
+
+    try:
+        yield stop
+    finally:
+        stop(False)
+
+
+def never_trips(name: str) -> CircuitBreaker:
+    return CircuitBreaker(name=name, volume_threshold=10**9)
+
+
+# -- a write cut mid-frame ------------------------------------------------------------------
+
+
+async def test_a_write_cut_mid_frame_closes_its_connection(
+    roomy: Memcached, stopped: Callable[[bool], None]
+) -> None:
+    old, new = b"o" * BIG, b"n" * BIG
+    with anyio.fail_after(LIMIT):
+        async with MemcachedClient(roomy.address, timeout=10.0) as setup:
+            await setup.set("big", old)
+        async with MemcachedClient(roomy.address, timeout=1.0, breaker=never_trips) as client:
+            await client.noop()  # the connection is open
+            stopped(True)
+            with pytest.raises(TimeoutException):
+                await client.set("big", new)  # memcached reads nothing: cut mid-frame
+            stopped(False)
+            failed: list[CouchbaseException] = []
+            for i, value in enumerate(LATER):
+                try:
+                    await client.set(f"later-{i}", value)
+                except CouchbaseException as exc:
+                    failed.append(exc)
+        async with MemcachedClient(roomy.address, timeout=10.0) as check:
+            try:
+                got: bytes | None = await check.get("big")
+            except DocumentNotFoundException:
+                got = None
+    # the cut SET was not applied, or (asyncio had buffered all of it) applied whole: never
+    # completed by the later frames
+    assert got is None or got == old or got == new, "the cut value holds later frames"
+    assert failed == []  # every later SET went out on a sound connection
+
+
+def test_a_write_cut_mid_frame_closes_the_sync_socket(
+    roomy: Memcached, stopped: Callable[[bool], None]
+) -> None:
+    old, new = b"o" * BIG, b"n" * BIG
+    with SyncMemcachedClient(roomy.address, timeout=10.0) as setup:
+        setup.set("big", old)
+    with SyncMemcachedClient(roomy.address, timeout=1.0, breaker=never_trips) as client:
+        client.noop()
+        stopped(True)
+        with pytest.raises(TimeoutException):
+            client.set("big", new)
+        stopped(False)
+        failed: list[CouchbaseException] = []
+        for i, value in enumerate(LATER):
+            try:
+                client.set(f"later-{i}", value)
+            except CouchbaseException as exc:
+                failed.append(exc)
+    with SyncMemcachedClient(roomy.address, timeout=10.0) as check:
+        try:
+            got: bytes | None = check.get("big")
+        except DocumentNotFoundException:
+            got = None
+    assert got is None or got == old or got == new, "the cut value holds later frames"
+    assert failed == []
+
+
+# -- a black-holed connection is replaced --------------------------------------------------
+
+
+async def test_a_connection_silent_through_a_timeout_is_replaced(
+    memcached: Memcached, proxy: FaultProxy
+) -> None:
+    with anyio.fail_after(LIMIT):
+        async with MemcachedClient(
+            f"127.0.0.1:{proxy.port}", timeout=0.3, breaker=never_trips
+        ) as client:
+            await client.set("k", b"v")
+            proxy.black_hole_open()  # this connection answers nothing from now on
+            with pytest.raises(TimeoutException):
+                await client.get("k")
+            assert await client.get("k") == b"v"  # on a new connection
+    connections, _, _ = proxy.counts()
+    assert connections == 2
+
+
+async def test_the_canary_does_not_go_down_a_black_holed_connection(
+    memcached: Memcached, proxy: FaultProxy
+) -> None:
+    def breaker(name: str) -> CircuitBreaker:
+        return CircuitBreaker(
+            name=name, volume_threshold=1, sleep_window=0.1, canary_timeout=0.1
+        )
+
+    with anyio.fail_after(LIMIT):
+        async with MemcachedClient(
+            f"127.0.0.1:{proxy.port}", timeout=1.0, breaker=breaker
+        ) as client:
+            await client.set("k", b"v")
+            proxy.black_hole_open()
+            client.breakers[0].record_failure(TimeoutError("tripped by the test"))
+            await anyio.sleep(0.1)  # the sleep window
+            # The probe's NOOP goes down the dead connection and gets nothing in 0.1 s:
+            # OPEN again, and that connection is closed; the next probe connects anew,
+            # is answered, and the GET goes out (before, every probe used the dead one).
+            assert await client.get("k") == b"v"
+            assert client.breakers[0].state is CircuitState.CLOSED
+    connections, _, requests = proxy.counts()
+    assert connections == 2
+    assert requests[KvOpcode.NOOP] == 2
+
+
+# -- the sync client's socket timeouts -------------------------------------------------------
+
+
+def test_each_sync_recv_gets_only_the_time_left() -> None:
+    def answer(opcode: int, opaque: int) -> bytes:
+        return response(opcode, opaque, extras=b"\0\0\0\0", value=b"v" * 12)  # 40 bytes
+
+    with ScriptedServer(answer, trickle=0.1) as server:  # a byte every 0.1 s: 4 s in all
+        with SyncMemcachedClient(server.address, timeout=0.5, breaker=never_trips) as client:
+            started = time.monotonic()
+            with pytest.raises(TimeoutException):
+                client.get("k")
+            took = elapsed_since(started)
+    assert took < 1.5, took  # about 0.5 s; before, 4 s and the GET succeeded
+
+
+def test_a_sync_client_without_timeout_keeps_within_the_enclosing_request(
+    memcached: Memcached, proxy: FaultProxy
+) -> None:
+    proxy.delay = 2.0  # every reply held 2 s
+    orchestrator = RetryOrchestrator()
+    with SyncMemcachedClient(
+        f"127.0.0.1:{proxy.port}", timeout=None, breaker=never_trips
+    ) as client:
+
+        def send(request: Request) -> bytes:
+            return client.get("k")
+
+        started = time.monotonic()
+        with pytest.raises(TimeoutException):
+            orchestrator.execute_sync(Request(timeout=0.5, idempotent=True), send)
+        took = elapsed_since(started)
+    assert took < 1.5, took  # about 0.5 s; before, it waited for the reply
+
+
+# -- replies that do not fit -----------------------------------------------------------------
+
+
+def short_counter(opcode: int, opaque: int) -> bytes:
+    return response(opcode, opaque, value=b"\0\1")  # a counter is 8 bytes
+
+
+def set_reply(opcode: int, opaque: int) -> bytes:
+    return response(KvOpcode.SET, opaque)  # whatever was asked
+
+
+INCR_ERROR = r"expected an 8-byte counter in the value of the INCREMENT .* got 2 bytes"
+GET_ERROR = r"expected a response to GET \(opcode 0x00\) .* got a response to SET \(opcode 0x01\)"
+
+
+@pytest.mark.parametrize(
+    ("answer", "call", "error"),
+    [
+        (short_counter, lambda c: c.incr("n"), INCR_ERROR),
+        (set_reply, lambda c: c.get("k"), GET_ERROR),
+    ],
+    ids=["incr-2-bytes", "get-answered-by-set"],
+)
+async def test_a_reply_that_does_not_fit_is_a_protocol_error(
+    answer: Callable[[int, int], bytes], call: Callable[..., object], error: str
+) -> None:
+    with ScriptedServer(answer) as server:
+        with anyio.fail_after(LIMIT):
+            async with MemcachedClient(server.address, timeout=2.0) as client:
+                with pytest.raises(ProtocolError, match=error):
+                    await call(client)  # type: ignore[misc]
+                with pytest.raises(ProtocolError):
+                    await call(client)  # type: ignore[misc]
+    assert server.connections == 2  # a connection that broke the protocol is not reused
+
+
+@pytest.mark.parametrize(
+    ("answer", "call", "error"),
+    [
+        (short_counter, lambda c: c.incr("n"), INCR_ERROR),
+        (set_reply, lambda c: c.get("k"), GET_ERROR),
+    ],
+    ids=["incr-2-bytes", "get-answered-by-set"],
+)
+def test_a_reply_that_does_not_fit_is_a_protocol_error_on_the_sync_client(
+    answer: Callable[[int, int], bytes], call: Callable[..., object], error: str
+) -> None:
+    with ScriptedServer(answer) as server:
+        with SyncMemcachedClient(server.address, timeout=2.0) as client:
+            with pytest.raises(ProtocolError, match=error):
+                call(client)
+            with pytest.raises(ProtocolError):
+                call(client)
+    assert server.connections == 2
+
+
+# -- the client's task group -----------------------------------------------------------------
+
+
+async def test_an_error_leaves_the_async_with_as_it_was_raised(memcached: Memcached) -> None:
+    boom = KeyError("boom")
+    with pytest.raises(KeyError) as caught:
+        async with MemcachedClient(memcached.address) as client:
+            await client.set("k", b"v")  # a reader task is running
+            raise boom
+    assert caught.value is boom  # not an ExceptionGroup around it (trio's nursery)
+    with anyio.move_on_after(0.05) as scope:  # an outer cancellation passes through too
+        async with MemcachedClient(memcached.address) as client:
+            await client.noop()
+            await anyio.sleep(30)
+    assert scope.cancelled_caught
+
+
+# -- the sync client's probe -------------------------------------------------------------------
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_sync_probe_is_taken_only_with_the_connection(memcached: Memcached) -> None:
+    clock = Clock()
+
+    def breaker(name: str) -> CircuitBreaker:
+        return CircuitBreaker(name=name, volume_threshold=1, sleep_window=1.0, clock=clock)
+
+    with SyncMemcachedClient(memcached.address, timeout=10.0, breaker=breaker) as client:
+        client.set("k", b"v")
+        endpoint = client._endpoints[0]
+        the_breaker = client.breakers[0]
+        the_breaker.record_failure(TimeoutError("tripped by the test"))
+        clock.now += 1.0  # the sleep window is over: the next admit is the probe
+        got: list[bytes] = []
+        endpoint._lock.acquire()  # another request holds the connection
+        try:
+            thread = threading.Thread(target=lambda: got.append(client.get("k")))
+            thread.start()
+            time.sleep(0.2)  # the GET waits for the connection ...
+            assert the_breaker.state is CircuitState.OPEN  # ... without holding the probe
+        finally:
+            endpoint._lock.release()
+        thread.join(timeout=LIMIT)
+        assert got == [b"v"]  # then it probes (a NOOP), closes the breaker, and reads
+        assert the_breaker.state is CircuitState.CLOSED
