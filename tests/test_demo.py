@@ -10,6 +10,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,9 +22,15 @@ import structlog
 from sdkcore._demo import SCENARIO_NAMES, main
 
 ROOT = Path(__file__).resolve().parent.parent
-BEST_EFFORT = "BestEffort"
-FAST_FAIL = "FastFailOnTerminalError (default)"
-USER = "GiveUpAfterSix (user strategy)"
+# the strategies' keys in --json (the text report shows their labels)
+BEST_EFFORT = "best_effort"
+FAST_FAIL = "fast_fail_on_terminal_error"
+USER = "give_up_after_six"
+LABELS = {
+    BEST_EFFORT: "BestEffort",
+    FAST_FAIL: "FastFailOnTerminalError (default)",
+    USER: "GiveUpAfterSix (user strategy)",
+}
 
 
 def _run_json(*args: str) -> dict[str, Any]:
@@ -34,6 +41,12 @@ def _run_json(*args: str) -> dict[str, Any]:
     data["_exit_code"] = code
     data["_stderr"] = err.getvalue()
     return data
+
+
+def example_of(data: dict[str, Any], exception: str) -> dict[str, Any]:
+    found = [e for e in data["examples"] if e["exception"] == exception]
+    assert len(found) == 1, data["examples"]
+    return found[0]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +70,7 @@ def test_fast_fail_ends_bad_credentials_at_once_while_best_effort_times_out(
     from sdkcore._demo._workload import OP_TIMEOUT
 
     timeout_ms = OP_TIMEOUT * 1000
-    fast = results["strategies"][FAST_FAIL]["bad-credentials"]
+    fast = results["strategies"][FAST_FAIL]["bad_credentials"]
     assert fast["fast_fails"] == {"AuthenticationFailureException": fast["ops"]}
     assert fast["successes"] == 0
     assert fast["timeouts"] == {"ambiguous": 0, "unambiguous": 0}
@@ -65,7 +78,7 @@ def test_fast_fail_ends_bad_credentials_at_once_while_best_effort_times_out(
     # well under the timeout (it takes a few ms; the bound is loose for busy machines)
     assert fast["p99_ms"] < timeout_ms / 2
 
-    best = results["strategies"][BEST_EFFORT]["bad-credentials"]
+    best = results["strategies"][BEST_EFFORT]["bad_credentials"]
     assert best["fast_fails"] == {}
     # reads and writes alike: the credentials were refused before anything was applied
     assert best["timeouts"] == {"ambiguous": 0, "unambiguous": best["ops"]}
@@ -73,12 +86,46 @@ def test_fast_fail_ends_bad_credentials_at_once_while_best_effort_times_out(
     assert best["p50_ms"] >= timeout_ms * 0.95  # each waited for its timeout
     assert best["retry_reasons"] == ["AUTHENTICATION_ERROR"]
 
-    user = results["strategies"][USER]["bad-credentials"]
+    user = results["strategies"][USER]["bad_credentials"]
     assert user["fast_fails"] == {"RequestCanceledException": user["ops"]}
     assert user["retries_per_op"] == 6
 
-    example = results["examples"]["AuthenticationFailureException"]["message"]
+    example = example_of(results, "AuthenticationFailureException")["message"]
     assert '"reason": "AUTHENTICATION_ERROR"' in example
+
+
+SNAKE = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")
+#: Maps whose keys are the library's own names (exception classes, opcodes), verbatim.
+VERBATIM = frozenset({"fast_fails", "errors", "frames_before_trip", "frames_after_trip"})
+
+
+def not_snake_keys(doc: Any, path: str = "") -> list[str]:
+    """The paths of every key in ``doc`` that is not a snake_case identifier."""
+    bad: list[str] = []
+    if isinstance(doc, dict):
+        verbatim = path.rsplit(".", 1)[-1] in VERBATIM
+        for key, value in doc.items():
+            if not verbatim and not SNAKE.fullmatch(key):
+                bad.append(f"{path}.{key}")
+            bad += not_snake_keys(value, f"{path}.{key}")
+    elif isinstance(doc, list):
+        for i, value in enumerate(doc):
+            bad += not_snake_keys(value, f"{path}[{i}]")
+    return bad
+
+
+def test_json_keys_are_snake_case_identifiers(results: dict[str, Any]) -> None:
+    doc = {k: v for k, v in results.items() if not k.startswith("_")}
+    assert not_snake_keys(doc) == []
+    assert set(doc["strategies"]) == {BEST_EFFORT, FAST_FAIL, USER}
+    assert doc["strategy_labels"] == LABELS
+    assert doc["scenarios"]["bad_credentials"]["name"] == "bad-credentials"  # --scenario's
+    assert set(doc["strategies"][BEST_EFFORT]) == {
+        "bad_credentials", "node_restart", "slow_replica", "hedged_reads", "all",
+    }  # fmt: skip
+    for example in doc["examples"]:
+        assert example["scenario"] in doc["scenarios"]
+        assert example["strategy"] in doc["strategies"]
 
 
 def test_no_write_is_applied_twice(results: dict[str, Any]) -> None:
@@ -90,13 +137,13 @@ def test_no_write_is_applied_twice(results: dict[str, Any]) -> None:
     # got an error for each and did not send it again.
     assert writes["applied"] - writes["succeeded"] >= 2 * 3
     for strategy in (BEST_EFFORT, FAST_FAIL, USER):
-        restart = results["strategies"][strategy]["node-restart"]
+        restart = results["strategies"][strategy]["node_restart"]
         assert "SOCKET_CLOSED_WHILE_IN_FLIGHT" in restart["retry_reasons"]
         assert restart["fast_fails"].get("RequestCanceledException", 0) >= 2
         assert restart["channel_retries"] > 0  # reads retried by the channel's retryPolicy
     # The example refusal: a write that may have reached the server is not sent again
     # (SOCKET_CLOSED_WHILE_IN_FLIGHT by its flag, or an answered UNAVAILABLE by its effect).
-    refusal = results["examples"]["RequestCanceledException"]["message"]
+    refusal = example_of(results, "RequestCanceledException")["message"]
     assert "not idempotent" in refusal
     assert "SOCKET_CLOSED_WHILE_IN_FLIGHT" in refusal or "MAYBE_APPLIED" in refusal
 
@@ -116,11 +163,11 @@ def test_the_duplicate_write_check_can_fail() -> None:
 def test_hedged_reads_cut_the_slow_replica_tail(results: dict[str, Any]) -> None:
     from sdkcore._demo._server import SLOW_SECONDS
 
-    plain = results["strategies"][BEST_EFFORT]["slow-replica"]
+    plain = results["strategies"][BEST_EFFORT]["slow_replica"]
     assert plain["successes"] == plain["ops"]
     for strategy in (BEST_EFFORT, FAST_FAIL, USER):
-        plain = results["strategies"][strategy]["slow-replica"]
-        hedged = results["strategies"][strategy]["hedged-reads"]
+        plain = results["strategies"][strategy]["slow_replica"]
+        hedged = results["strategies"][strategy]["hedged_reads"]
         assert hedged["successes"] == hedged["ops"]
         # 1 read in 7 takes 300 ms on replica 0; a hedge to replica 1 goes after 20 ms
         # (it takes ~30 ms; the bound leaves room for a busy machine)
@@ -137,7 +184,7 @@ def test_text_report_fits_100_columns_without_colour(capsys: pytest.CaptureFixtu
     lines = out.splitlines()
     assert max(len(line) for line in lines) <= 100
     assert "\x1b[" not in out  # not a terminal: no colour
-    for label in (BEST_EFFORT, FAST_FAIL, USER):
+    for label in LABELS.values():
         assert f"Strategy: {label}" in out
     assert "OK: no write was applied twice." in out
     assert "Legend" in out

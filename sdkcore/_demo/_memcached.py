@@ -33,12 +33,8 @@ from sdkcore import (
     BestEffortRetryStrategy,
     CircuitBreaker,
     CircuitState,
-    CouchbaseException,
-    DocumentNotFoundException,
-    RequestCanceledException,
     RetryBudget,
     RetryOrchestrator,
-    TimeoutException,
 )
 from sdkcore.examples.memcached import MemcachedClient, endpoint_down
 from sdkcore.examples.memcached._endpoint import pick
@@ -62,13 +58,14 @@ from ._memcached_report import (
     Outage,
     Transition,
     planned_requests,
-    render_outage,
 )
+from ._memcached_text import UNEXPECTED, OutageStream, outcome_of, render_outage
 
 __all__ = [
     "NAME",
     "SKIP_LINE",
     "Outage",
+    "OutageStream",
     "planned_requests",
     "render_outage",
     "run_outage",
@@ -133,25 +130,6 @@ def _never_trips(name: str) -> CircuitBreaker:
     return CircuitBreaker(name=name, is_failure=endpoint_down, volume_threshold=10**9)
 
 
-def _outcome(exc: BaseException | None) -> str:
-    if exc is None:
-        return "ok"
-    if isinstance(exc, DocumentNotFoundException):
-        return "not found"
-    if isinstance(exc, TimeoutException):
-        return "timed out"
-    if isinstance(exc, RequestCanceledException):
-        context = exc.context
-        why = getattr(getattr(context, "cancellation_reason", None), "name", "")
-        if why == "RETRY_BUDGET_EXHAUSTED":
-            return "refused by the budget"
-        last = getattr(getattr(context, "reason", None), "name", why or "?")
-        return f"canceled after {last}"
-    if isinstance(exc, CouchbaseException):
-        return type(exc).__name__
-    return f"NOT an sdkcore exception: {type(exc).__name__}"
-
-
 def _describe(exc: BaseException) -> str:
     """``Type: message``, looking inside exception groups (task groups raise them)."""
     inner = getattr(exc, "exceptions", None)
@@ -184,12 +162,18 @@ async def run_outage(
     *,
     on_done: Callable[[], None] = lambda: None,
     which: Callable[[str], str | None] | None = None,
+    stream: OutageStream | None = None,
 ) -> Outage:
-    """Run the scenario (skipped, at once, when ``memcached`` is not on PATH)."""
+    """Run the scenario (skipped, at once, when ``memcached`` is not on PATH).
+
+    ``stream`` gets the text report's lines as they become known (the caller ends
+    it with ``stream.finish(result)``).
+    """
     binary = memcached_binary(which)
     if binary is None:
         return Outage(skipped=True)
     result = Outage(version=memcached_version(binary))
+    lines = _Lines(result, stream)
     started = time.perf_counter()
     try:
         with anyio.fail_after(LIMIT):
@@ -202,14 +186,23 @@ async def run_outage(
                 await proxies.start(pa.serve)
                 await proxies.start(pb.serve)
                 result.endpoints = {"A": f"127.0.0.1:{pa.port}", "B": f"127.0.0.1:{pb.port}"}
+                if stream is not None:
+                    stream.head(result)
                 try:
-                    await _around_a_restart(result, a, pa, pb, on_done)
+                    await _around_a_restart(result, a, pa, pb, on_done, lines)
+                    if stream is not None:
+                        stream.restart_done(result)
                     a.kill()
-                    for label, budget in (
-                        ("with the budget", RetryBudget(**BUDGET, name="demo-outage")),
-                        ("without a budget", None),
-                    ):
-                        result.budget_runs.append(await _total_outage(label, pa, budget, on_done))
+                    budget = RetryBudget(**BUDGET, name="demo-outage")
+                    runs: list[tuple[str, str, RetryBudget | None]] = [
+                        ("with_budget", "with the budget", budget),
+                        ("without_budget", "without a budget", None),
+                    ]
+                    for key, label, each in runs:
+                        run = await _total_outage(key, label, pa, each, on_done)
+                        result.budget_runs.append(run)
+                        if stream is not None:
+                            stream.budget_run(run)
                 finally:
                     proxies.cancel_scope.cancel()
     except Exception as exc:  # memcached would not start, the safety net ran out, ...
@@ -218,12 +211,26 @@ async def run_outage(
     return result
 
 
+class _Lines:
+    """The timeline: each line recorded in the result and streamed as it happens."""
+
+    def __init__(self, result: Outage, stream: OutageStream | None) -> None:
+        self._result = result
+        self._stream = stream
+
+    def add(self, t: float, text: str) -> None:
+        self._result.timeline.append((t, text))
+        if self._stream is not None:
+            self._stream.event(t, text)
+
+
 async def _around_a_restart(
     result: Outage,
     a: MemcachedProcess,
     pa: CountingProxy,
     pb: CountingProxy,
     on_done: Callable[[], None],
+    lines: _Lines,
 ) -> None:
     budget = RetryBudget(**BUDGET, name="demo-shared")
     orchestrator = RetryOrchestrator(BestEffortRetryStrategy(), retry_budget=budget)
@@ -237,7 +244,7 @@ async def _around_a_restart(
     def changed(label: str, state: str, cause: str) -> None:
         t = now()
         result.transitions.append(Transition(t, label, state, cause))
-        result.timeline.append((t, f"{label}'s breaker {state}: {cause}"))
+        lines.add(t, f"{label}'s breaker {state}: {cause}")
         if label != "A" or result.killed_at is None:
             return
         if state == "open" and result.tripped_at is None:
@@ -267,7 +274,9 @@ async def _around_a_restart(
                 await call()
                 outcome = "ok"
             except Exception as exc:
-                outcome = _outcome(exc)
+                outcome = outcome_of(exc)
+                if outcome == UNEXPECTED:
+                    result.errors.append(f"NOT an sdkcore exception: {_describe(exc)}")
             done.append((issued, endpoint, outcome))
             on_done()
             return outcome == "ok"
@@ -286,20 +295,16 @@ async def _around_a_restart(
             a.kill()
             result.killed_at = now()
             marks["kill"] = pa.snapshot()
-            result.timeline.append((result.killed_at, "memcached A killed (SIGKILL)"))
+            lines.add(result.killed_at, "memcached A killed (SIGKILL)")
             await anyio.sleep_until(t0 + KILL_AT + OUTAGE)
             # The outage ends when the restart begins: a probe may find memcached
             # listening (and close the breaker) before start() has seen it listen.
             result.restarted_at = now()
             marks["restart"] = pa.snapshot()
+            lines.add(result.restarted_at, "memcached A restarted, same port, empty")
             await a.start()
             listening = (now() - result.restarted_at) * 1000
-            result.timeline.append(
-                (
-                    result.restarted_at,
-                    f"memcached A restarted, same port, empty (listening after {listening:.0f} ms)",
-                )
-            )
+            lines.add(now(), f"memcached A listening again ({listening:.0f} ms after the restart)")
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(operator)
@@ -307,7 +312,6 @@ async def _around_a_restart(
                 await anyio.sleep_until(t0 + i / PAIRS_PER_S)
                 tg.start_soon(pair, i)
 
-    result.timeline.sort(key=lambda item: item[0])
     result.requests = len(done)
     result.budget_balance = budget.balance
     result.budget_refused = budget.refused
@@ -321,8 +325,6 @@ async def _around_a_restart(
     recovered = [0, 0]
     steady = [0, 0]
     for issued, endpoint, outcome in done:
-        if outcome.startswith("NOT an sdkcore"):
-            result.errors.append(outcome)
         if endpoint == "B":
             steady[0] += 1
             steady[1] += outcome == "ok"
@@ -340,7 +342,11 @@ async def _around_a_restart(
 
 
 async def _total_outage(
-    label: str, proxy: CountingProxy, budget: RetryBudget | None, on_done: Callable[[], None]
+    key: str,
+    label: str,
+    proxy: CountingProxy,
+    budget: RetryBudget | None,
+    on_done: Callable[[], None],
 ) -> BudgetRun:
     """BUDGET_REQUESTS GETs at once to the dead endpoint behind ``proxy``."""
     kwargs: dict[str, Any] = {} if budget is None else {"retry_budget": budget}
@@ -361,7 +367,7 @@ async def _total_outage(
                 await client.get(f"outage:{i}")
                 attempts += 1  # (memcached is dead: not expected)
             except Exception as exc:
-                refused += _outcome(exc) == "refused by the budget"
+                refused += outcome_of(exc) == "refused_by_budget"
                 context = getattr(exc, "context", None)
                 attempts += 1 + int(getattr(context, "retry_attempts", 0))
             on_done()
@@ -371,7 +377,7 @@ async def _total_outage(
                 tg.start_soon(one, i)
     await anyio.sleep(CountingProxy.LINGER * 2)  # the proxy's last reads
     frames = sum(_minus(proxy.snapshot(), before).values())
-    return BudgetRun(label, BUDGET_REQUESTS, attempts, frames, refused)
+    return BudgetRun(key, label, BUDGET_REQUESTS, attempts, frames, refused)
 
 
 # -- text ----------------------------------------------------------------------------------

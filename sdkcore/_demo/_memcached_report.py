@@ -1,20 +1,22 @@
-"""The memcached outage scenario's settings, what it measured, and how the report shows it.
+"""The memcached outage scenario's settings, and what it measured (its JSON).
 
-The settings, the values (:class:`Outage`, :class:`BudgetRun`, :class:`Transition`)
-and the text rendering; the scenario that runs and fills them is
-:mod:`sdkcore._demo._memcached`.
+The settings and the values (:class:`Outage`, :class:`BudgetRun`, :class:`Transition`);
+the scenario that runs and fills them is :mod:`sdkcore._demo._memcached`, the text
+report :mod:`sdkcore._demo._memcached_text`.
+
+JSON keys are stable snake_case identifiers; the only keys taken verbatim from the
+library are opcode names (``frames_before_trip``, ``frames_after_trip``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import attrs
 
 from ._mcserver import INSTALL
 
-__all__ = ["BudgetRun", "Outage", "Transition", "render_outage"]
+__all__ = ["BudgetRun", "Outage", "Transition", "planned_requests"]
 
 # -- the scenario's settings ---------------------------------------------------------------
 NAME = "memcached-outage"
@@ -66,6 +68,8 @@ class Transition:
 class BudgetRun:
     """One run of the total outage: what reached the dead endpoint."""
 
+    #: The JSON key (``with_budget``, ``without_budget``).
+    key: str
     label: str
     first_attempts: int
     #: Attempts the client made (first attempts and retries: each connects and writes).
@@ -77,6 +81,7 @@ class BudgetRun:
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "label": self.label,
             "first_attempts": self.first_attempts,
             "attempts": self.attempts,
             "per_first_attempt": round(self.attempts / max(self.first_attempts, 1), 3),
@@ -105,7 +110,8 @@ class Outage:
     #: Requests to A issued while its breaker was open (trip to restart; ``restarted_at``
     #: is when the restart began, memcached listens a few ms later).
     requests_while_open: int = 0
-    #: Outcomes of the requests to A issued between the kill and the restart.
+    #: Outcomes of the requests to A issued between the kill and the restart, by outcome id
+    #: (``timed_out``, ``refused_by_budget``, ...: see :func:`outcome_text`).
     outage_outcomes: dict[str, int] = attrs.field(factory=dict)
     #: Requests to A issued after its breaker closed, and how many succeeded.
     recovered: tuple[int, int] = (0, 0)
@@ -137,7 +143,7 @@ class Outage:
             return {}
         states = [t.state for t in self.transitions if t.endpoint == "A"]
         probes = self.frames_after_trip.get("NOOP", 0)
-        with_budget = [r for r in self.budget_runs if r.label == "with the budget"]
+        with_budget = [r for r in self.budget_runs if r.key == "with_budget"]
         return {
             "breaker_opened": "open" in states,
             "breaker_closed_after_restart": self.closed_at is not None,
@@ -165,7 +171,7 @@ class Outage:
         return {
             "skipped": False,
             "memcached_version": self.version,
-            "endpoints": dict(self.endpoints),
+            "endpoints": {label.lower(): address for label, address in self.endpoints.items()},
             "settings": {
                 "pairs_per_s": PAIRS_PER_S,
                 "issue_for_s": ISSUE_FOR,
@@ -179,7 +185,12 @@ class Outage:
             "restarted_at_s": r(self.restarted_at),
             "closed_at_s": r(self.closed_at),
             "transitions": [
-                {"t_s": round(t.t, 3), "endpoint": t.endpoint, "state": t.state, "cause": t.cause}
+                {
+                    "t_s": round(t.t, 3),
+                    "endpoint": t.endpoint.lower(),
+                    "state": t.state,
+                    "cause": t.cause,
+                }
                 for t in self.transitions
             ],
             "outage": {
@@ -197,110 +208,10 @@ class Outage:
                 "requests": BUDGET_REQUESTS,
                 "timeout_s": BUDGET_TIMEOUT,
                 "bound": self.budget_bound,
-                "runs": {run.label: run.to_json() for run in self.budget_runs},
+                "runs": {run.key: run.to_json() for run in self.budget_runs},
             },
             "checks": self.checks,
             "errors": list(self.errors),
             "elapsed_s": round(self.elapsed_s, 3),
             "ok": self.ok,
         }
-
-
-# -- the breakers ------------------------------------------------------------------------
-
-
-def render_outage(result: Outage, style: Callable[[str], str], wrap: Any) -> list[str]:
-    """The scenario's lines (``wrap(label, text, indent)`` wraps to the report's width)."""
-    if result.skipped:
-        return ["", SKIP_LINE]
-    out = ["", style(f"Scenario {NAME}: memcached {result.version}, two endpoints on 127.0.0.1")]
-    out += wrap(
-        "",
-        f"A {result.endpoints.get('A', '?')} and B {result.endpoints.get('B', '?')} "
-        f"(counting proxies in front of memcached). BestEffort, timeout {TIMEOUT:g} s; a "
-        f"CircuitBreaker per endpoint (volume {BREAKER['volume_threshold']}, "
-        f"{BREAKER['error_threshold_percentage']} %, sleep window {BREAKER['sleep_window']:g} s, "
-        f"a NOOP canary) and one shared RetryBudget; {PAIRS_PER_S} SET+GET pairs a second "
-        f"for {ISSUE_FOR:g} s, half to each endpoint.",
-        2,
-    )
-    for t, text in _compact(result.timeline):
-        out += wrap(f"{t:+7.3f} s  ", text, 2)
-    if result.tripped_at is not None and result.restarted_at is not None:
-        after = result.frames_after_trip
-        probes = after.get("NOOP", 0)
-        others = sum(n for op, n in after.items() if op != "NOOP")
-        out += wrap(
-            "",
-            f"While A's breaker was open ({result.restarted_at - result.tripped_at:.2f} s, "
-            f"{result.sleep_windows:.1f} sleep windows): {result.requests_while_open} requests "
-            f"to A were issued and {probes + others} frames reached it: {probes} NOOP probes"
-            + (f" and {others} GET/SET let through just before the trip" if others else "")
-            + f". From the kill to the trip: {sum(result.frames_before_trip.values())} frames.",
-            2,
-        )
-    if result.outage_outcomes:
-        text = ", ".join(f"{k} x{n}" for k, n in result.outage_outcomes.items())
-        out += wrap("", f"Requests to A issued while it was down: {text}.", 2)
-    out += wrap(
-        "",
-        f"After the NOOP canary closed A's breaker: {result.recovered[1]} of "
-        f"{result.recovered[0]} requests to A succeeded. B (never killed): {result.steady[1]} "
-        f"of {result.steady[0]} succeeded. Shared budget at the end: {result.budget_balance} "
-        f"retries available, {result.budget_refused} withdrawal(s) refused.",
-        2,
-    )
-    if result.budget_runs:
-        out += wrap(
-            "",
-            f"Total outage: {BUDGET_REQUESTS} GETs at once to a dead A, timeout "
-            f"{BUDGET_TIMEOUT:g} s, breaker held closed so that only the budget limits "
-            "retries. Attempts: first attempts and retries, each one a connection and a write; "
-            "frames: those that reached A's proxy before it hung up.",
-            2,
-        )
-        out.append(f"    {'':<18}{'first attempts':>16}{'attempts':>10}{'per first':>11}"
-                   f"{'frames at A':>13}{'refused by budget':>19}")  # fmt: skip
-        for run in result.budget_runs:
-            ratio = run.attempts / max(run.first_attempts, 1)
-            out.append(
-                f"    {run.label:<18}{run.first_attempts:>16}{run.attempts:>10}{ratio:>11.2f}"
-                f"{run.frames:>13}{run.refused_by_budget:>19}"
-            )
-        pct = BUDGET["percent_can_retry"]
-        out += wrap(
-            "",
-            f"Bound with the budget: {BUDGET_REQUESTS} first attempts x {1 + pct:g} + a reserve "
-            f"of {RESERVE} = {result.budget_bound}.",
-            4,
-        )
-    for error in result.errors:
-        out += wrap("", style(f"FAILED: {error}"), 2)
-    failed = [name.replace("_", " ") for name, held in result.checks.items() if not held]
-    if failed:
-        out += wrap("", style("FAILED: " + "; ".join(failed)), 2)
-    elif not result.errors:
-        out += wrap(
-            "",
-            "OK: A's breaker opened and closed around the restart, with at most one probe per "
-            "sleep window; B's stayed closed; the budget held.",
-            2,
-        )
-    return out
-
-
-def _compact(timeline: list[tuple[float, str]]) -> list[tuple[float, str]]:
-    """A probe that went out and failed at once reads as one line."""
-    out: list[tuple[float, str]] = []
-    for t, text in timeline:
-        if (
-            out
-            and "breaker open: the probe failed" in text
-            and "breaker half_open" in out[-1][1]
-            and out[-1][1].split("'")[0] == text.split("'")[0]
-        ):
-            who = text.split("'")[0]
-            out[-1] = (out[-1][0], f"{who}'s breaker half_open: a NOOP probe, which failed: open")
-            continue
-        out.append((t, text))
-    return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import re
 import sys
 import textwrap
 from collections import Counter
@@ -13,20 +14,24 @@ from typing import IO, Any
 
 import attrs
 
-from ._memcached_report import Outage, render_outage
-from ._workload import OpResult
+from ._memcached_report import Outage
+from ._memcached_text import OutageStream, render_outage
+from ._workload import STRATEGY_IDS, OpResult
 
 __all__ = [
     "WIDTH",
     "Progress",
     "Report",
     "Summary",
+    "memcached_stream",
     "render_head",
     "render_memcached",
     "render_row",
     "render_strategy",
     "render_tail",
     "render_text",
+    "scenario_id",
+    "strategy_id",
     "summarize",
     "to_json",
 ]
@@ -138,19 +143,40 @@ class Report:
         return not self.duplicate_writes and not unexpected and outage_ok
 
 
+def scenario_id(name: str) -> str:
+    """A scenario's key in ``--json``: its ``--scenario`` name in snake_case."""
+    return name.replace("-", "_")
+
+
+def strategy_id(label: str) -> str:
+    """A strategy's key in ``--json`` (stable snake_case; the label is for people)."""
+    known = STRATEGY_IDS.get(label)
+    return known if known is not None else re.sub(r"[^a-z0-9]+", "_", label.lower()).strip("_")
+
+
 def to_json(report: Report) -> dict[str, Any]:
+    """The report as ``--json`` prints it (keys: rfc/0006-demo.md, "The JSON document")."""
     out = {
         "target": report.target,
         "elapsed_s": round(report.elapsed_s, 3),
-        "scenarios": dict(report.scenario_titles),
+        "scenarios": {
+            scenario_id(name): {"name": name, "title": title}
+            for name, title in report.scenario_titles.items()
+        },
         "strategies": {
-            label: {name: s.to_json() for name, s in table.items()}
+            strategy_id(label): {scenario_id(name): s.to_json() for name, s in table.items()}
             for label, table in report.tables.items()
         },
-        "examples": {
-            name: {"scenario": sc, "strategy": st, "message": msg}
+        "strategy_labels": {strategy_id(label): label for label in report.tables},
+        "examples": [
+            {
+                "exception": name,
+                "scenario": scenario_id(sc),
+                "strategy": strategy_id(st),
+                "message": msg,
+            }
             for name, (sc, st, msg) in report.examples.items()
-        },
+        ],
         "writes": {
             "applied": report.writes_applied,
             "succeeded": report.writes_succeeded,
@@ -243,6 +269,13 @@ def render_strategy(label: str, style: Callable[[str], str] = _plain) -> list[st
 def render_row(name: str, summary: Summary) -> list[str]:
     """One scenario's line (and its reasons), or the strategy's ``all`` line."""
     return _row(name, summary)
+
+
+def memcached_stream(
+    emit: Callable[[list[str]], None], style: Callable[[str], str] = _plain
+) -> OutageStream:
+    """Streams the memcached-outage scenario's lines as it runs (:func:`render_memcached`'s)."""
+    return OutageStream(emit, style, _wrap)
 
 
 def render_memcached(report: Report, style: Callable[[str], str] = _plain) -> list[str]:

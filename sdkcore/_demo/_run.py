@@ -13,8 +13,8 @@ from ._memcached_report import planned_requests
 from ._report import (
     Progress,
     Report,
+    memcached_stream,
     render_head,
-    render_memcached,
     render_row,
     render_strategy,
     summarize,
@@ -41,9 +41,10 @@ async def run(
 
     ``emit`` gets the text report's lines as soon as they are known: the head and
     the scenario list once the cluster listens, each strategy's heading as it
-    starts, each scenario's line as it ends, then the memcached scenario's lines
-    (``render_text`` of the returned report gives the same lines, and the tail
-    after them). ``which`` finds ``memcached`` (default ``shutil.which``).
+    starts, each scenario's line as it ends, then the memcached scenario's lines as
+    it runs (its set-up, each event of its timeline as it happens, its figures as
+    each part ends); ``render_text`` of the returned report gives the same lines,
+    and the tail after them. ``which`` finds ``memcached`` (default ``shutil.which``).
     """
     started = time.perf_counter()
     runnable = [s for s in SCENARIOS if s.name in names]
@@ -89,8 +90,9 @@ async def run(
                 emit(render_row("all", table["all"]))
             if outage:
                 bar.stage(MEMCACHED)
-                report.memcached = await run_outage(on_done=bar.advance, which=which)
-                emit(render_memcached(report, style))
+                lines = memcached_stream(emit, style)
+                report.memcached = await run_outage(on_done=bar.advance, which=which, stream=lines)
+                lines.finish(report.memcached)
         if cluster is not None:
             report.writes_applied = sum(cluster.applied.values())
             report.writes_succeeded = writes_ok

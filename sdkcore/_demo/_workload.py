@@ -53,6 +53,7 @@ __all__ = [
     "OP_TIMEOUT",
     "SCENARIOS",
     "STRATEGIES",
+    "STRATEGY_IDS",
     "GiveUpAfterSix",
     "OpResult",
     "Scenario",
@@ -123,6 +124,12 @@ STRATEGIES: tuple[tuple[str, Callable[[], RetryStrategy]], ...] = (
     ("FastFailOnTerminalError (default)", FastFailOnTerminalErrorRetryStrategy),
     ("GiveUpAfterSix (user strategy)", GiveUpAfterSix),
 )
+#: label -> the strategy's key in ``--json`` (stable snake_case; labels are for people).
+STRATEGY_IDS: dict[str, str] = {
+    "BestEffort": "best_effort",
+    "FastFailOnTerminalError (default)": "fast_fail_on_terminal_error",
+    "GiveUpAfterSix (user strategy)": "give_up_after_six",
+}
 
 
 @attrs.frozen(slots=True)

@@ -7,6 +7,7 @@ response); ``trickle`` sends those bytes one at a time, that many seconds apart.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -63,16 +64,12 @@ class ScriptedServer:
         tb: TracebackType | None,
     ) -> None:
         self._stop.set()
-        try:
+        with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() (Linux)
-        except OSError:
-            pass
         self._listener.close()
         for conn in list(self._conns):
-            try:
+            with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             conn.close()
         for thread in self._threads:
             thread.join(timeout=10)

@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -32,9 +33,11 @@ from sdkcore._demo._memcached_report import (
     BREAKER,
     BUDGET_REQUESTS,
     NAME,
+    OUTAGE,
     RESERVE,
     SKIP_LINE,
 )
+from sdkcore._demo._memcached_text import UNEXPECTED
 from sdkcore.mapping import KvOpcode
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -50,10 +53,17 @@ def outage() -> dict[str, Any]:
     from sdkcore._demo._run import run
 
     emitted: list[list[str]] = []
-    report = asyncio.run(run([NAME], progress=False, emit=emitted.append))
+    at: list[float] = []
+
+    def emit(lines: list[str]) -> None:
+        emitted.append(lines)
+        at.append(time.monotonic())
+
+    report = asyncio.run(run([NAME], progress=False, emit=emit))
     data = to_json(report)
     data["_text"] = render_text(report)
     data["_streamed"] = [line for chunk in emitted for line in chunk] + render_tail(report)
+    data["_chunks"] = list(zip(at, emitted, strict=True))
     return data
 
 
@@ -66,7 +76,7 @@ def test_breaker_opens_after_the_kill_and_the_canary_closes_it_after_the_restart
 ) -> None:
     m = outage["memcached"]
     assert m["skipped"] is False
-    a = [(t["t_s"], t["state"], t["cause"]) for t in m["transitions"] if t["endpoint"] == "A"]
+    a = [(t["t_s"], t["state"], t["cause"]) for t in m["transitions"] if t["endpoint"] == "a"]
     states = [state for _, state, _ in a]
     assert states[0] == "open"  # tripped by the outage, not before
     assert a[0][0] >= m["killed_at_s"]
@@ -76,7 +86,7 @@ def test_breaker_opens_after_the_kill_and_the_canary_closes_it_after_the_restart
     assert m["killed_at_s"] < m["restarted_at_s"] <= m["closed_at_s"] == a[-1][0]
     assert states.count("closed") == 1  # it stayed open until memcached was back
     # B was never killed: its breaker never moved, and all its requests succeeded
-    assert not [t for t in m["transitions"] if t["endpoint"] == "B"]
+    assert not [t for t in m["transitions"] if t["endpoint"] == "b"]
     assert m["steady"]["requests"] > 0
     assert m["steady"]["succeeded"] == m["steady"]["requests"]
 
@@ -103,8 +113,8 @@ def test_requests_succeed_again_after_the_restart(outage: dict[str, Any]) -> Non
     assert m["recovered"]["requests"] > 0
     assert m["recovered"]["succeeded"] == m["recovered"]["requests"]
     outcomes = m["outage"]["outcomes"]
-    assert outcomes.get("timed out", 0) > 0  # requests to the dead A timed out
-    assert not [k for k in outcomes if k.startswith("NOT an sdkcore")]
+    assert outcomes.get("timed_out", 0) > 0  # requests to the dead A timed out
+    assert UNEXPECTED not in outcomes
     assert m["errors"] == []
 
 
@@ -112,8 +122,8 @@ def test_the_budget_holds_during_a_total_outage(outage: dict[str, Any]) -> None:
     budget = outage["memcached"]["budget"]
     bound = BUDGET_REQUESTS * (1 + PERCENT) + RESERVE
     assert budget["bound"] == bound
-    with_budget = budget["runs"]["with the budget"]
-    without = budget["runs"]["without a budget"]
+    with_budget = budget["runs"]["with_budget"]
+    without = budget["runs"]["without_budget"]
     assert with_budget["first_attempts"] == without["first_attempts"] == BUDGET_REQUESTS
     assert BUDGET_REQUESTS <= with_budget["attempts"] <= bound
     assert with_budget["frames_at_endpoint"] <= with_budget["attempts"]
@@ -129,20 +139,62 @@ def test_checks_hold_and_the_text_report_streams(outage: dict[str, Any]) -> None
     assert m["ok"] is True
     assert outage["ok"] is True
     text = outage["_text"]
-    assert outage["_streamed"] == text  # streamed as it ended, line for line
+    assert outage["_streamed"] == text  # streamed as it ran, line for line
     assert text[0] == "sdkcore demo: a memcached outage"
     assert max(len(line) for line in text) <= 100
     joined = "\n".join(text)
     assert f"Scenario {NAME}: memcached " in joined
     assert "memcached A killed" in joined
     assert "memcached A restarted" in joined
+    assert "memcached A listening again" in joined
     assert "A's breaker closed: the NOOP canary was answered" in joined
     assert "OK: A's breaker opened and closed around the restart" in joined
     assert "Writes (non-idempotent)" not in joined  # no gRPC scenario ran
 
 
-def test_without_memcached_the_demo_says_how_to_enable_it_and_exits_0() -> None:
-    pytest.importorskip("grpc")
+def test_the_scenario_streams_as_it_runs(outage: dict[str, Any]) -> None:
+    chunks: list[tuple[float, list[str]]] = outage["_chunks"]
+
+    def when(text: str) -> float:
+        found = [t for t, lines in chunks if any(text in line for line in lines)]
+        assert len(found) == 1, text
+        return found[0]
+
+    # the set-up as soon as memcached listens, each event as it happens, each part's
+    # figures as it ends: not the whole block at the end
+    head, killed = when(f"Scenario {NAME}: memcached"), when("memcached A killed")
+    restarted, closed = when("memcached A restarted"), when("A's breaker closed")
+    figures, table = when("While A's breaker was open"), when("Total outage:")
+    assert head < killed < restarted <= closed <= figures < table
+    assert restarted - killed >= OUTAGE / 2  # each line went out as it happened
+    assert table - killed >= OUTAGE / 2
+    assert len([c for c in chunks if c[0] >= head]) >= 8
+
+
+def test_json_keys_are_snake_case_identifiers(outage: dict[str, Any]) -> None:
+    m = outage["memcached"]
+    bad: list[str] = []
+
+    def walk(doc: Any, path: str) -> None:
+        if isinstance(doc, dict):
+            verbatim = path.rsplit(".", 1)[-1] in ("frames_before_trip", "frames_after_trip")
+            for key, value in doc.items():
+                if not verbatim and not re.fullmatch(r"[a-z][a-z0-9]*(_[a-z0-9]+)*", key):
+                    bad.append(f"{path}.{key}")
+                walk(value, f"{path}.{key}")
+        elif isinstance(doc, list):
+            for value in doc:
+                walk(value, path)
+
+    walk(m, "memcached")
+    assert bad == []
+    assert set(m["endpoints"]) == {"a", "b"}
+    assert set(m["budget"]["runs"]) == {"with_budget", "without_budget"}
+    assert m["budget"]["runs"]["with_budget"]["label"] == "with the budget"
+    assert set(outage["scenarios"]) == {"memcached_outage"}
+
+
+def test_asked_for_by_name_without_memcached_it_exits_2_naming_the_install() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "sdkcore._demo", "--scenario", NAME],
         cwd=ROOT,
@@ -151,28 +203,51 @@ def test_without_memcached_the_demo_says_how_to_enable_it_and_exits_0() -> None:
         check=False,
         env={**os.environ, "PATH": str(ROOT / "no-such-dir"), "NO_COLOR": "1"},
     )
-    assert done.returncode == 0, done.stderr.decode()
-    lines = done.stdout.decode().splitlines()
-    hints = [line for line in lines if INSTALL in line]
-    assert hints == [SKIP_LINE]
-    assert len(SKIP_LINE) <= 100
-    assert b"Traceback" not in done.stderr
+    assert done.returncode == 2, done.stderr.decode()
+    assert done.stdout == b""
+    err = done.stderr.decode()
+    assert f"--scenario {NAME} needs memcached" in err
+    assert INSTALL in err
+    assert "Traceback" not in err
 
 
-def test_without_memcached_json_marks_it_skipped_and_the_rest_runs(
+def test_asked_for_by_name_with_json_it_exits_2_and_prints_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    pytest.importorskip("grpc")
     real = shutil.which
     monkeypatch.setattr(shutil, "which", lambda name: None if name == "memcached" else real(name))
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(["--json", "--scenario", "locked", "--scenario", NAME])
-    data = json.loads(out.getvalue())
-    assert code == 0
-    assert data["memcached"] == {"skipped": True, "hint": SKIP_LINE, "ok": True}
-    assert data["ok"] is True
-    assert data["strategies"]["BestEffort"]["locked"]["ops"] > 0
+    assert code == 2
+    assert out.getvalue() == ""
+    assert INSTALL in err.getvalue()
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_the_default_run_without_memcached_skips_it_with_one_line_and_exits_0(
+    monkeypatch: pytest.MonkeyPatch, as_json: bool
+) -> None:
+    pytest.importorskip("grpc")
+    import sdkcore._demo
+
+    real = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name: None if name == "memcached" else real(name))
+    # the default run is every scenario: these two stand for them here
+    monkeypatch.setattr(sdkcore._demo, "SCENARIO_NAMES", ("locked", NAME))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["--json"] if as_json else [])
+    assert code == 0, err.getvalue()
+    if as_json:
+        data = json.loads(out.getvalue())
+        assert data["memcached"] == {"skipped": True, "hint": SKIP_LINE, "ok": True}
+        assert data["ok"] is True
+        assert data["strategies"]["best_effort"]["locked"]["ops"] > 0
+    else:
+        hints = [line for line in out.getvalue().splitlines() if INSTALL in line]
+        assert hints == [SKIP_LINE]
+        assert len(SKIP_LINE) <= 100
 
 
 # -- the launcher and the proxy ----------------------------------------------------------

@@ -187,9 +187,7 @@ class _Endpoint:
         return await self._attempt(request, opcode, build)
 
     async def _canary(self, request: Request) -> None:
-        until = anyio.current_time() + canary_bound(
-            self.breaker, request.dispatch_info().time_left
-        )
+        until = anyio.current_time() + canary_bound(self.breaker, request.dispatch_info().time_left)
 
         def expired() -> bool:
             return anyio.current_time() >= until or _past_deadline(request)
