@@ -36,7 +36,8 @@ def endpoint_down(error: BaseException) -> bool:
     The library's default rule already counts timeouts and an endpoint that refused,
     reset or closed the connection before the reply. This client connects on demand,
     inside the guarded dispatch, so any other ``OSError`` there (a name that does
-    not resolve, no route) is the endpoint being down too. A server that answers,
+    not resolve) is the endpoint being down too; a stream that broke reaches the
+    breaker as the client's own ``ConnectionResetError``. A server that answers,
     with any status, is alive. A dispatch cut by its request's deadline reaches the
     breaker as that timeout (``CircuitBreaker.record_failure`` finds the request).
     """
