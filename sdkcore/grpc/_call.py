@@ -18,7 +18,7 @@ from grpc import aio
 from .._context import AttemptEffect, ErrorContext
 from .._errors import CouchbaseException, RequestCanceledException, TimeoutException
 from .._reason import RetryReason
-from .._request import Request
+from .._request import _DISPATCHING, Request
 from ._controller import _Controller
 from ._metadata import _client_trailing, _strip_attempts, _with_attempts
 from ._plans import _Plan
@@ -91,6 +91,52 @@ def answered(err: Any) -> bool:
     return False
 
 
+#: The request being sent in this task, if any (one read per call: bound once here).
+_dispatching = _DISPATCHING.get
+
+#: Which request's timeout a call's deadline came from: (id, name, timeout seconds), as
+#: ``Request`` keeps it for its error context (``extra["deadline_from"]``).
+Origin = tuple[int, str, float]
+
+
+def outer_bound(mark: Any, timeout: float | None) -> tuple[float | None, Origin | None]:
+    """``timeout`` (seconds, None: none) bounded by the time left of an outer request.
+
+    ``mark``: what ``sdkcore._request._DISPATCHING`` holds, not None: a call is made
+    while an sdkcore request's attempt is being sent. The call must not outlive that
+    request, so its deadline is the earlier of its own and the request's time left
+    (:meth:`Request.dispatch_info`, which an enclosing trio/anyio cancel scope also
+    bounds), and every attempt's ``grpc-timeout`` says so. Returns the timeout and,
+    when the outer request's is the earlier, where it came from (else None). The
+    callers read the contextvar themselves: without an outer request, that one read
+    is all it costs.
+    """
+    # The mark's shape belongs to sdkcore._request: a [request, token] list (a holder
+    # with .request before); the door empties it when its dispatch ends.
+    outer = mark[0] if type(mark) is list else getattr(mark, "request", None)
+    if outer is None:
+        return timeout, None
+    left = outer.dispatch_info().time_left
+    if left is None or (timeout is not None and timeout <= left):
+        return timeout, None
+    return float(left), outer._deadline_from or (outer.id, outer.name, outer._timeout_s)
+
+
+def within_outer(mark: Any, timeout: float | None) -> float | None:
+    """:func:`outer_bound`'s timeout alone."""
+    return outer_bound(mark, timeout)[0]
+
+
+def outer_details(mark: Any, details: Any) -> Any:
+    """``details`` with its timeout bounded by the outer request (see :func:`within_outer`)."""
+    timeout = within_outer(mark, details.timeout)
+    if timeout == details.timeout:
+        return details
+    return aio.ClientCallDetails(
+        details.method, timeout, details.metadata, details.credentials, details.wait_for_ready
+    )
+
+
 class _Since:
     """A monotonic clock whose first reading is the call's start (see :attr:`_Call.request`)."""
 
@@ -116,6 +162,7 @@ class _Call:
         "buffered",
         "core",
         "credentials",
+        "deadline_from",
         "in_backoff",
         "method",
         "owner",
@@ -127,6 +174,12 @@ class _Call:
         "timeout",
         "wait_for_ready",
     )
+    # Slots left unset unless they apply (read with getattr): nothing to store per call.
+    #: The call object the application holds, when closing the channel helper's channel
+    #: must cancel it while it waits (_Controller._close_calls).
+    owner: Any
+    #: The outer request whose time left bounded ``timeout`` (see outer_bound).
+    deadline_from: Origin
 
     def __init__(
         self,
@@ -143,6 +196,11 @@ class _Call:
         self.method = method
         if plan.timeout is not None and (timeout is None or plan.timeout < timeout):
             timeout = plan.timeout
+        mark = _dispatching()
+        if mark is not None:  # made inside a request's send: never outlive it
+            timeout, origin = outer_bound(mark, timeout)
+            if origin is not None:
+                self.deadline_from = origin
         self.timeout = None if timeout is None else max(timeout, 1e-6)
         self.started = time.monotonic()
         self.state = CallState()
@@ -158,9 +216,6 @@ class _Call:
         self.in_backoff = False
         #: Whether the channel was READY (or unknown) when the current attempt started.
         self.ready_at_start = True
-        #: The call object the application holds, when closing the channel helper's
-        #: channel must cancel it while it waits (see _Controller._close_calls).
-        self.owner: Any = None
         self._request: Request | None = None
 
     @classmethod
@@ -189,19 +244,33 @@ class _Call:
         """The call's Request, built on first use (the first failure needs it)."""
         request = self._request
         if request is None:
-            request = self._request = Request(
-                name=self.name,
-                # A6: a method's retryPolicy is the service owner's word that its
-                # retryableStatusCodes are safe to send again, answered or not (the
-                # core never re-sends a non-idempotent request that may have been
-                # applied). Without one, only transparent retries (never sent) remain.
-                idempotent=self.strategy.policy is not None,
-                timeout=self.timeout,
-                retry_strategy=self.strategy,
-                client_context={CALL_STATE_KEY: self.state},
-                clock=_Since(self.started),
-            )
+            # Built with no outer request in view: the call's timeout already holds the
+            # outer request's bound, taken when the call started. Inherited again here,
+            # on a clock dated back to that start, the time since would count twice.
+            token = _DISPATCHING.set(None)
+            try:
+                request = self._new_request()
+            finally:
+                _DISPATCHING.reset(token)
+            origin = getattr(self, "deadline_from", None)
+            if origin is not None:  # its error context names the outer request, as inheriting does
+                request._deadline_from = origin
             request._first_dispatch()  # its first attempt already paid the budget, above
+        return request
+
+    def _new_request(self) -> Request:
+        request = self._request = Request(
+            name=self.name,
+            # A6: a method's retryPolicy is the service owner's word that its
+            # retryableStatusCodes are safe to send again, answered or not (the
+            # core never re-sends a non-idempotent request that may have been
+            # applied). Without one, only transparent retries (never sent) remain.
+            idempotent=self.strategy.policy is not None,
+            timeout=self.timeout,
+            retry_strategy=self.strategy,
+            client_context={CALL_STATE_KEY: self.state},
+            clock=_Since(self.started),
+        )
         return request
 
     def time_left(self) -> float | None:
@@ -306,7 +375,7 @@ class _Call:
             reason, effect = status_reason(st.code), AttemptEffect.MAYBE_APPLIED
         else:
             reason, effect = REASON_TRANSPARENT, AttemptEffect.NOT_SENT
-        owner = self.owner
+        owner = getattr(self, "owner", None)
         if owner is not None:
             if core._closing:
                 # The channel is closing: it takes no new attempt. The call ends as

@@ -24,7 +24,7 @@ from ._interceptors import (
 from ._policy import BackoffJitter
 from ._service_config import DEFAULT_MAX_ATTEMPTS_CAP, ServiceConfig
 from ._stats import RetryStats
-from ._unary import DirectMultiCallable
+from ._unary import BoundedMultiCallable, DirectMultiCallable
 
 __all__ = ["insecure_channel", "retry_controller", "retry_stats", "secure_channel"]
 
@@ -36,9 +36,13 @@ class _Channel(_aio_channel.Channel):  # type: ignore[misc]
 
     A retried or hedged unary-unary method gets sdkcore's multi-callable around
     grpc.aio's own (the application's interceptors run inside, once per attempt); a
-    method with no plan gets
-    grpc.aio's multi-callable unchanged. The streaming shapes go through sdkcore's
-    interceptors, first in the chain. Measured in bench/bench_grpc_cpu.py.
+    method with no plan gets grpc.aio's multi-callable behind a thin one that only
+    bounds the timeout of a call made inside an sdkcore request's send by that
+    request's time left. The streaming shapes go through sdkcore's interceptors,
+    first in the chain. Measured in bench/bench_grpc_cpu.py.
+
+    ``close()`` (and ``async with``) also cancel the calls waiting between attempts,
+    which grpc.aio does not track (see ``_Controller._close_calls``).
     """
 
     def __init__(
@@ -75,8 +79,8 @@ class _Channel(_aio_channel.Channel):  # type: ignore[misc]
             if hedging is not None:
                 return DirectMultiCallable(core, hedging, inner, method, _HedgedCall)
         plan = core.plan(method)
-        if plan is None:
-            return inner
+        if plan is None:  # grpc.aio's own calls, within an outer request's deadline
+            return BoundedMultiCallable(inner)
         return DirectMultiCallable(core, plan, inner, method)
 
     async def close(self, grace: float | None = None) -> None:

@@ -18,6 +18,8 @@ from grpc import aio
 from grpc.aio import _base_call
 
 from .._hooks import INSTANT_DELAYS
+from .._request import _DISPATCHING
+from ._call import Origin, outer_bound
 from ._controller import _Controller
 from ._finished import _ended_ok, _Readers
 from ._hedging import direct_opener, hedged_unary_unary
@@ -47,6 +49,11 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
     ) -> None:
         if plan.timeout is not None and (timeout is None or plan.timeout < timeout):
             timeout = plan.timeout
+        origin: Origin | None = None
+        mark = _DISPATCHING.get()
+        if mark is not None:  # made inside a request's send: never outlive it
+            timeout, origin = outer_bound(mark, timeout)
+        self._deadline_from = origin
         if wait_for_ready is None:
             wait_for_ready = plan.wait_for_ready
         metadata = _strip_attempts(metadata)
@@ -121,6 +128,7 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
                 started=self._started,
                 sent_at=self._sent_at,
                 open_streamed=direct_opener(self._inner, self._message, self._compression),
+                deadline_from=self._deadline_from,
             )
         )
         driver.add_done_callback(self._driver_done)

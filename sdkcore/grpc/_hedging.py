@@ -26,8 +26,8 @@ from .._context import AttemptEffect
 from .._errors import RequestCanceledException, RetryableError, TimeoutException
 from .._hedge import run_hedged
 from .._hooks import INSTANT_DELAYS
-from .._request import Request
-from ._call import _Since, answered
+from .._request import _DISPATCHING, Request
+from ._call import Origin, _Since, answered, outer_bound
 from ._controller import _Controller
 from ._finished import _FinishedUnaryCall
 from ._metadata import _client_trailing, _strip_attempts, _with_attempts
@@ -71,6 +71,7 @@ async def hedged_unary_unary(
     started: float | None = None,
     sent_at: float | None = None,
     open_streamed: Callable[[Any], Any] | None = None,
+    deadline_from: Origin | None = None,
 ) -> Any:
     """Run one unary-unary call as A6 hedges; return the committed call or raise its error.
 
@@ -81,14 +82,19 @@ async def hedged_unary_unary(
 
     The direct path (``_hedged_call``) sends hedge 0 and waits for it itself: it
     passes ``first`` (that call), ``started`` (time.monotonic() when it was made),
-    ``sent_at`` (the loop time it was sent) and ``open_streamed`` (how to open hedges
-    as unary-stream RPCs, or None).
+    ``sent_at`` (the loop time it was sent), ``open_streamed`` (how to open hedges
+    as unary-stream RPCs, or None) and ``deadline_from`` (the outer request whose time
+    left bounded ``details.timeout``, or None).
     """
     method = details.method
     name: str = method.decode() if isinstance(method, bytes) else str(method)
     timeout = details.timeout
     if plan.timeout is not None and (timeout is None or plan.timeout < timeout):
         timeout = plan.timeout
+    if first is None:  # the interceptor path (the direct one bounded it already)
+        mark = _DISPATCHING.get()
+        if mark is not None:  # made inside a request's send: never outlive it
+            timeout, deadline_from = outer_bound(mark, timeout)
     if timeout is not None:
         timeout = max(timeout, 1e-6)
     if started is None:
@@ -244,7 +250,14 @@ async def hedged_unary_unary(
             raise
 
     # The runner's Request, dated back to the call's start: one deadline for every hedge.
-    request = Request(name=name, idempotent=True, timeout=timeout, clock=_Since(started))
+    # No outer request in view: ``timeout`` holds its bound already (see _Call.request).
+    token = _DISPATCHING.set(None)
+    try:
+        request = Request(name=name, idempotent=True, timeout=timeout, clock=_Since(started))
+    finally:
+        _DISPATCHING.reset(token)
+    if deadline_from is not None:  # its error context names the outer request
+        request._deadline_from = deadline_from
     request._first_dispatch()  # the call's first attempt already paid the retry budget
     winner: Any = None
     try:

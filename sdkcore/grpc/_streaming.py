@@ -14,7 +14,8 @@ import grpc
 from grpc import aio
 from grpc.aio import _base_call
 
-from ._call import _Call
+from .._request import _DISPATCHING
+from ._call import _Call, outer_details
 from ._controller import _Controller
 from ._metadata import _client_trailing
 from ._policy import PUSHBACK_DONT_RETRY, PUSHBACK_KEY, parse_pushback
@@ -393,6 +394,9 @@ async def streaming_call(
     """A retrying call for a streaming method with a plan, else the plain call."""
     plan = core.plan(details.method)
     if plan is None:
+        mark = _DISPATCHING.get()
+        if mark is not None:  # made inside a request's send: never outlive it
+            details = outer_details(mark, details)
         return await continuation(details, request)
     return call_class(
         _Call.from_details(core, plan, details),

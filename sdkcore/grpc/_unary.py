@@ -17,7 +17,8 @@ import grpc
 from grpc import aio
 from grpc.aio import _base_call
 
-from ._call import _Call
+from .._request import _DISPATCHING
+from ._call import _Call, outer_details, within_outer
 from ._controller import _Controller
 from ._finished import _ended_ok, _FinishedUnaryCall, _Readers
 from ._hedging import hedged_unary_unary
@@ -43,6 +44,9 @@ async def unary_unary_call(
             return await hedged_unary_unary(core, hedging, continuation, details, request)
     plan = core.plan(details.method)
     if plan is None:
+        mark = _DISPATCHING.get()
+        if mark is not None:  # made inside a request's send: never outlive it
+            details = outer_details(mark, details)
         return await continuation(details, request)
     c = _Call.from_details(core, plan, details)
     if plan.strategy.policy is not None:
@@ -352,6 +356,41 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             self._watch().add_done_callback(settled)
         else:
             self._driver.add_done_callback(settled)
+
+
+class BoundedMultiCallable(aio.UnaryUnaryMultiCallable):  # type: ignore[misc]
+    """A unary-unary method sdkcore does not retry, on an sdkcore channel.
+
+    grpc.aio's own multi-callable ``inner``, except that a call made inside an sdkcore
+    request's send gets the earlier of its timeout and that request's time left.
+    """
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __call__(
+        self,
+        request: Any,
+        *,
+        timeout: float | None = None,
+        metadata: Any = None,
+        credentials: Any = None,
+        wait_for_ready: bool | None = None,
+        compression: Any = None,
+    ) -> Any:
+        mark = _DISPATCHING.get()
+        if mark is not None:  # made inside a request's send: never outlive it
+            timeout = within_outer(mark, timeout)
+        return self._inner(
+            request,
+            timeout=timeout,
+            metadata=metadata,
+            credentials=credentials,
+            wait_for_ready=wait_for_ready,
+            compression=compression,
+        )
 
 
 class DirectMultiCallable(aio.UnaryUnaryMultiCallable):  # type: ignore[misc]
