@@ -337,3 +337,33 @@ async def test_a_call_on_a_closed_channel_is_refused_as_grpc_aio_refuses_it(
     await ch.close()
     with pytest.raises(aio.UsageError):
         ch.unary_unary(method)(b"x")
+
+
+@pytest.mark.parametrize(
+    ("code", "ends_with"),
+    [(UNAVAILABLE, "cancelled"), (grpc.StatusCode.INVALID_ARGUMENT, "its status")],
+)
+async def test_hedge_zero_failing_during_a_grace_sends_no_other_hedge(
+    server: Server, code: Any, ends_with: str
+) -> None:
+    """Hedge 0 is in flight when ``close(grace)`` starts and fails within the grace: a
+    non-fatal status ends the call cancelled (no hedge can follow), a fatal one is the
+    call's answer, as for a call that is not hedged."""
+    script = HedgeScript(server, "H", {0: fail(code, delay=0.3)})
+    with anyio.fail_after(TEST_TIMEOUT):
+        ch = insecure_channel(server.target, service_config=hedging_config(delay="5s"))
+        call = ch.unary_unary(script.method)(b"x")
+        waiting = asyncio.ensure_future(outcome(call))
+        await wait_until(lambda: script.count == 1)
+        with anyio.fail_after(PROMPT):
+            closing = asyncio.ensure_future(ch.close(grace=8))
+            exc = await ended(waiting)
+            await closing
+        if ends_with == "cancelled":
+            assert type(exc) is asyncio.CancelledError
+            assert await call.code() is grpc.StatusCode.CANCELLED
+        else:
+            assert isinstance(exc, aio.AioRpcError)
+            assert exc.code() is code
+        await asyncio.sleep(0.1)
+    assert script.count == 1
