@@ -2,7 +2,7 @@
 
 Finagle's ``RetryBudget`` (a leaky token bucket over twitter/util's windowed
 adder), with its bounds and its integer arithmetic: a withdrawal costs
-``1000 / percent_can_retry`` tokens (truncated), a deposit adds 1000, and a
+``1000 / retry_ratio`` tokens (truncated), a deposit adds 1000, and a
 reserve of ``min_retries_per_sec * ttl`` withdrawals is always there. Deposits and
 withdrawals live in the slice of ``ttl / 10`` they were made in and leave the
 window ten slices later (after between 0.9 and 1 ``ttl``). See rfc/0007.
@@ -23,22 +23,27 @@ from ._untrusted import show
 
 __all__ = ["RetryBudget"]
 
-_SCALE = 1000  # tokens per deposit: lets percent_can_retry be fractional with int tokens
+_SCALE = 1000  # tokens per deposit: lets retry_ratio be fractional with int tokens
 _SLICES = 10
 _NEVER = 1 << 62  # the cost of a withdrawal from a budget that never allows one
+_RATIO = "a ratio in [0, 1000] (retries per first attempt: 0.2 is one per five)"
+_RENAMED: object = object()  # percent_can_retry was not given (it is now retry_ratio)
 
 
 class RetryBudget:
-    """How many retries may be sent now: ``percent_can_retry`` of deposits plus a reserve.
+    """How many retries may be sent now: ``retry_ratio`` of deposits plus a reserve.
 
     * ``ttl``: deposits and withdrawals expire after it (1 s to 60 s).
     * ``min_retries_per_sec``: the reserve, ``min_retries_per_sec * ttl`` retries that
       are always available (a client that has just started, or sends little).
-    * ``percent_can_retry``: each :meth:`deposit` adds this fraction of a retry
+    * ``retry_ratio``: retries earned per first attempt; each :meth:`deposit` adds this
+      fraction of a retry. A ratio, not a percentage: 0.2 is one retry per five first
+      attempts (Finagle's ``percentCanRetry``, which despite its name is a ratio too);
+      0 to 1000, Finagle's range.
       (0.2: one retry per five first attempts; 0 to 1000).
 
     A fresh default budget holds 100 retries (10/s over 10 s). With
-    ``min_retries_per_sec=0`` and ``percent_can_retry=0`` every withdrawal is refused.
+    ``min_retries_per_sec=0`` and ``retry_ratio=0`` every withdrawal is refused.
     Thread-safe and loop-agnostic: one budget may be shared by every request,
     thread and event loop. A refused withdrawal after a granted one logs
     ``budget.exhausted`` once (until a withdrawal is granted again).
@@ -54,7 +59,7 @@ class RetryBudget:
         "_min",
         "_name",
         "_per_slice",
-        "_percent",
+        "_ratio",
         "_refused",
         "_reserve",
         "_slice_end",
@@ -70,9 +75,10 @@ class RetryBudget:
         *,
         ttl: timedelta | float = timedelta(seconds=10),
         min_retries_per_sec: float = 10,
-        percent_can_retry: float = 0.2,
+        retry_ratio: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
         name: str | None = None,
+        percent_can_retry: object = _RENAMED,
     ) -> None:
         what = "RetryBudget"
         seconds = to_seconds(ttl, f"{what}(ttl)")
@@ -81,27 +87,31 @@ class RetryBudget:
         minimum = _number(min_retries_per_sec, f"{what}(min_retries_per_sec)", "a number >= 0")
         if minimum < 0:
             raise ValueError(f"{what}(min_retries_per_sec) must be >= 0, got {minimum!r}")
-        percent = _number(percent_can_retry, f"{what}(percent_can_retry)", "a number in [0, 1000]")
-        if not 0.0 <= percent <= _SCALE:
-            raise ValueError(
-                f"{what}(percent_can_retry) must be in [0, 1000], got {percent_can_retry!r}"
+        if percent_can_retry is not _RENAMED:
+            raise TypeError(
+                f"{what}(percent_can_retry=...) is now {what}(retry_ratio=...): the retries "
+                "earned per first attempt, a ratio (0.2: one retry per five requests; 0 to "
+                f"1000), not a 0-100 percentage; got percent_can_retry={show(percent_can_retry)}"
             )
+        ratio = _number(retry_ratio, f"{what}(retry_ratio)", _RATIO)
+        if not 0.0 <= ratio <= _SCALE:
+            raise ValueError(f"{what}(retry_ratio) must be {_RATIO}, got {show(retry_ratio)}")
         if not callable(clock):
             raise TypeError(f"{what}(clock) must be a callable returning seconds, got {clock!r}")
         if name is not None and not isinstance(name, str):
             raise TypeError(f"{what}(name) must be a str or None, got {name!r}")
         self._ttl = seconds
         self._min = minimum
-        self._percent = percent
+        self._ratio = ratio
         self._clock = clock
         self._name = name
-        # Finagle: with no percentage, deposits earn nothing and a retry costs one token.
-        self._deposit = 0 if percent == 0.0 else _SCALE
-        # A percentage so small that a withdrawal costs more than any deposit could ever
+        # Finagle: with a zero ratio, deposits earn nothing and a retry costs one token.
+        self._deposit = 0 if ratio == 0.0 else _SCALE
+        # A ratio so small that a withdrawal costs more than any deposit could ever
         # add (5e-324 would overflow int()): only the reserve pays for retries.
-        cost = _SCALE / percent if percent else 1.0
+        cost = _SCALE / ratio if ratio else 1.0
         self._withdraw = _NEVER if cost >= _NEVER else int(cost)
-        empty = minimum == 0 and percent == 0.0
+        empty = minimum == 0 and ratio == 0.0
         self._reserve = 0 if empty else int(minimum * seconds * self._withdraw)
         if empty:  # Finagle's RetryBudget.Empty: no token is ever enough
             self._withdraw = _NEVER
@@ -127,8 +137,8 @@ class RetryBudget:
         return self._min
 
     @property
-    def percent_can_retry(self) -> float:
-        return self._percent
+    def retry_ratio(self) -> float:
+        return self._ratio
 
     @property
     def balance(self) -> int:
@@ -147,7 +157,7 @@ class RetryBudget:
         return self._refused
 
     def deposit(self) -> None:
-        """A first attempt: credits ``percent_can_retry`` of a retry."""
+        """A first attempt: credits ``retry_ratio`` of a retry."""
         if not self._deposit:
             return
         now = self._clock()
@@ -183,7 +193,7 @@ class RetryBudget:
                     budget=self._name,
                     balance=max(0, tokens // cost),
                     min_retries_per_sec=self._min,
-                    percent_can_retry=self._percent,
+                    retry_ratio=self._ratio,
                     ttl_s=self._ttl,
                 )
         return False
@@ -237,7 +247,7 @@ class RetryBudget:
         label = "" if self._name is None else f" {self._name!r}"
         return (
             f"<RetryBudget{label} balance={self.balance} ttl={self._ttl:g}s "
-            f"min_retries_per_sec={self._min:g} percent_can_retry={self._percent:g}>"
+            f"min_retries_per_sec={self._min:g} retry_ratio={self._ratio:g}>"
         )
 
 

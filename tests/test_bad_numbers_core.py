@@ -57,7 +57,7 @@ FIELDS: list[tuple[str, Callable[[Any], object]]] = [
     ("CircuitBreaker(canary_timeout)", lambda v: CircuitBreaker(canary_timeout=v)),
     ("RetryBudget(ttl)", lambda v: RetryBudget(ttl=v)),
     ("RetryBudget(min_retries_per_sec)", lambda v: RetryBudget(min_retries_per_sec=v)),
-    ("RetryBudget(percent_can_retry)", lambda v: RetryBudget(percent_can_retry=v)),
+    ("RetryBudget(retry_ratio)", lambda v: RetryBudget(retry_ratio=v)),
     ("BestEffortRetryStrategy", lambda v: _backoff_returning(v)),
 ]
 

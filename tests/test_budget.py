@@ -25,10 +25,10 @@ def test_a_fresh_default_budget_holds_100() -> None:
     assert budget.balance == 100
     assert budget.ttl == timedelta(seconds=10)
     assert budget.min_retries_per_sec == 10
-    assert budget.percent_can_retry == 0.2
+    assert budget.retry_ratio == 0.2
 
 
-def test_each_deposit_adds_percent_can_retry_of_a_retry() -> None:
+def test_each_deposit_adds_retry_ratio_of_a_retry() -> None:
     budget = RetryBudget(clock=Clock())
     for _ in range(4):
         budget.deposit()
@@ -54,7 +54,7 @@ def test_withdrawals_until_refused_leave_the_balance_intact() -> None:
 
 
 def test_min_zero_and_percent_zero_refuse_everything() -> None:
-    budget = RetryBudget(min_retries_per_sec=0, percent_can_retry=0, clock=Clock())
+    budget = RetryBudget(min_retries_per_sec=0, retry_ratio=0, clock=Clock())
     for _ in range(1000):
         budget.deposit()
     assert budget.balance == 0
@@ -62,7 +62,7 @@ def test_min_zero_and_percent_zero_refuse_everything() -> None:
 
 
 def test_reserve_only_deposits_earn_nothing() -> None:
-    budget = RetryBudget(ttl=2, min_retries_per_sec=3, percent_can_retry=0, clock=Clock())
+    budget = RetryBudget(ttl=2, min_retries_per_sec=3, retry_ratio=0, clock=Clock())
     assert budget.balance == 6
     for _ in range(100):
         budget.deposit()
@@ -70,7 +70,7 @@ def test_reserve_only_deposits_earn_nothing() -> None:
 
 
 def test_percent_above_one_gives_several_retries_per_deposit() -> None:
-    budget = RetryBudget(min_retries_per_sec=0, percent_can_retry=2.0, clock=Clock())
+    budget = RetryBudget(min_retries_per_sec=0, retry_ratio=2.0, clock=Clock())
     budget.deposit()
     assert budget.balance == 2
     assert budget.try_withdraw()
@@ -80,7 +80,7 @@ def test_percent_above_one_gives_several_retries_per_deposit() -> None:
 
 def test_deposits_expire_after_ttl() -> None:
     clock = Clock(1000.0)
-    budget = RetryBudget(ttl=10, min_retries_per_sec=0, percent_can_retry=1.0, clock=clock)
+    budget = RetryBudget(ttl=10, min_retries_per_sec=0, retry_ratio=1.0, clock=clock)
     budget.deposit()
     assert budget.balance == 1
     clock.now = 1009.999  # the ninth slice after it: still in the window
@@ -92,7 +92,7 @@ def test_deposits_expire_after_ttl() -> None:
 
 def test_the_window_has_ten_slices() -> None:
     clock = Clock(1000.0)
-    budget = RetryBudget(ttl=10, min_retries_per_sec=0, percent_can_retry=1.0, clock=clock)
+    budget = RetryBudget(ttl=10, min_retries_per_sec=0, retry_ratio=1.0, clock=clock)
     for second in range(10):
         clock.now = 1000.0 + second + 0.5
         budget.deposit()
@@ -104,7 +104,7 @@ def test_the_window_has_ten_slices() -> None:
 
 def test_withdrawals_expire_after_ttl() -> None:
     clock = Clock(1000.0)
-    budget = RetryBudget(ttl=5, min_retries_per_sec=2, percent_can_retry=0, clock=clock)
+    budget = RetryBudget(ttl=5, min_retries_per_sec=2, retry_ratio=0, clock=clock)
     assert budget.balance == 10
     assert all(budget.try_withdraw() for _ in range(10))
     assert not budget.try_withdraw()
@@ -116,7 +116,7 @@ def test_withdrawals_expire_after_ttl() -> None:
 
 def test_a_long_pause_empties_the_window() -> None:
     clock = Clock()
-    budget = RetryBudget(min_retries_per_sec=0, percent_can_retry=1.0, clock=clock)
+    budget = RetryBudget(min_retries_per_sec=0, retry_ratio=1.0, clock=clock)
     for _ in range(50):
         budget.deposit()
     clock.now += 3600.0
@@ -126,7 +126,7 @@ def test_a_long_pause_empties_the_window() -> None:
 def test_balance_is_never_negative() -> None:
     # a deposit expires before the withdrawal it paid for: Finagle's count goes below zero
     clock = Clock(1000.0)
-    budget = RetryBudget(ttl=10, min_retries_per_sec=0, percent_can_retry=1.0, clock=clock)
+    budget = RetryBudget(ttl=10, min_retries_per_sec=0, retry_ratio=1.0, clock=clock)
     budget.deposit()
     clock.now = 1009.5
     assert budget.try_withdraw()
@@ -139,7 +139,7 @@ def test_balance_is_never_negative() -> None:
 
 def test_a_clock_that_goes_back_keeps_the_newer_slice() -> None:
     clock = Clock(1000.0)
-    budget = RetryBudget(ttl=10, min_retries_per_sec=0, percent_can_retry=1.0, clock=clock)
+    budget = RetryBudget(ttl=10, min_retries_per_sec=0, retry_ratio=1.0, clock=clock)
     clock.now = 1005.0
     budget.deposit()
     clock.now = 1003.0
@@ -162,10 +162,10 @@ def test_a_clock_that_goes_back_keeps_the_newer_slice() -> None:
         ("min_retries_per_sec", float("nan"), ValueError),
         ("min_retries_per_sec", "10", TypeError),
         ("min_retries_per_sec", True, TypeError),
-        ("percent_can_retry", -0.01, ValueError),
-        ("percent_can_retry", 1000.5, ValueError),
-        ("percent_can_retry", float("inf"), ValueError),
-        ("percent_can_retry", None, TypeError),
+        ("retry_ratio", -0.01, ValueError),
+        ("retry_ratio", 1000.5, ValueError),
+        ("retry_ratio", float("inf"), ValueError),
+        ("retry_ratio", None, TypeError),
         ("clock", 3, TypeError),
         ("name", b"x", TypeError),
     ],
@@ -181,8 +181,8 @@ def test_bad_settings_name_the_field(field: str, value: object, error: type[Exce
         {"ttl": 1},
         {"ttl": timedelta(seconds=60)},
         {"min_retries_per_sec": 0},
-        {"percent_can_retry": 0},
-        {"percent_can_retry": 1000},
+        {"retry_ratio": 0},
+        {"retry_ratio": 1000},
     ],
 )
 def test_finagle_bounds_are_inclusive(kwargs: dict[str, Any]) -> None:
@@ -191,7 +191,7 @@ def test_finagle_bounds_are_inclusive(kwargs: dict[str, Any]) -> None:
 
 
 def test_exhausted_event_once_per_exhaustion() -> None:
-    budget = RetryBudget(ttl=1, min_retries_per_sec=1, percent_can_retry=0, clock=Clock())
+    budget = RetryBudget(ttl=1, min_retries_per_sec=1, retry_ratio=0, clock=Clock())
     with capture_retry_events() as events:
         assert budget.try_withdraw()
         assert not budget.try_withdraw()
@@ -228,7 +228,7 @@ def test_repr_shows_the_balance() -> None:
 
 
 def test_lock_free_deposits_from_threads_are_all_counted() -> None:
-    budget = RetryBudget(min_retries_per_sec=0, percent_can_retry=1.0, clock=Clock())
+    budget = RetryBudget(min_retries_per_sec=0, retry_ratio=1.0, clock=Clock())
 
     def work() -> None:
         for _ in range(5000):
@@ -246,12 +246,12 @@ def test_lock_free_deposits_from_threads_are_all_counted() -> None:
 
 
 def test_a_vanishing_percentage_is_a_budget_not_an_overflow() -> None:
-    budget = RetryBudget(percent_can_retry=5e-324, min_retries_per_sec=1, ttl=10)
+    budget = RetryBudget(retry_ratio=5e-324, min_retries_per_sec=1, ttl=10)
     assert budget.balance == 10  # the reserve only: no deposit ever earns a retry
     for _ in range(1000):
         budget.deposit()
     assert budget.balance == 10
-    assert RetryBudget(percent_can_retry=5e-324, min_retries_per_sec=0).try_withdraw() is False
+    assert RetryBudget(retry_ratio=5e-324, min_retries_per_sec=0).try_withdraw() is False
 
 
 def test_refund_gives_back_a_withdrawal() -> None:
@@ -276,7 +276,7 @@ async def test_hedge_copies_an_open_breaker_refused_cost_nothing() -> None:
         RetryReason,
     )
 
-    budget = RetryBudget(min_retries_per_sec=1, ttl=10, percent_can_retry=0.0)
+    budget = RetryBudget(min_retries_per_sec=1, ttl=10, retry_ratio=0.0)
     breaker = CircuitBreaker(volume_threshold=1, sleep_window=60)
     breaker.record_failure(TimeoutError())
     sent = 0
@@ -368,3 +368,14 @@ async def test_a_try_withdraw_that_raises_leaves_no_request_counted_in_retry() -
         orchestrator.execute_sync(sync, send_sync)
     assert orchestrator.requests_in_retry == 0
     assert sync.state is RequestState.FAILED
+
+
+def test_the_old_percentage_name_is_refused_with_the_new_unit() -> None:
+    """Issue 21: RetryBudget(percent_can_retry=20) silently meant 2,000% (20 retries per
+    request), easy to read as the breaker's 0-100 percentage. The parameter is now a ratio
+    by name; the old name says what to write instead."""
+    with pytest.raises(TypeError, match=r"now RetryBudget\(retry_ratio=\.\.\.\).*not a 0-100"):
+        RetryBudget(percent_can_retry=20)
+    assert RetryBudget(retry_ratio=1000).retry_ratio == 1000  # Finagle's range stays reachable
+    with pytest.raises(ValueError, match=r"retry_ratio\) must be a ratio in \[0, 1000\]"):
+        RetryBudget(retry_ratio=1000.5)

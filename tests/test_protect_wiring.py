@@ -32,7 +32,7 @@ LOCKED = RetryReason.KV_LOCKED  # reached the server: a retry spends budget
 
 def budget(clock: VirtualClock, reserve_per_sec: float = 0.0, percent: float = 0.0) -> RetryBudget:
     return RetryBudget(
-        ttl=10, min_retries_per_sec=reserve_per_sec, percent_can_retry=percent, clock=clock.clock
+        ttl=10, min_retries_per_sec=reserve_per_sec, retry_ratio=percent, clock=clock.clock
     )
 
 

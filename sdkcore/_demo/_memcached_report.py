@@ -40,7 +40,7 @@ BREAKER: dict[str, Any] = {
     "rolling_window": 10.0,
 }
 #: The shared budget: 20 % of first attempts, plus a reserve of 1/s over 10 s.
-BUDGET: dict[str, Any] = {"ttl": 10.0, "min_retries_per_sec": 1, "percent_can_retry": 0.2}
+BUDGET: dict[str, Any] = {"ttl": 10.0, "min_retries_per_sec": 1, "retry_ratio": 0.2}
 RESERVE = int(BUDGET["min_retries_per_sec"] * BUDGET["ttl"])
 #: The budget run: this many GETs at once into a dead endpoint, with this timeout.
 BUDGET_REQUESTS = 100
@@ -134,7 +134,7 @@ class Outage:
 
     @property
     def budget_bound(self) -> int:
-        return int(BUDGET_REQUESTS * (1 + BUDGET["percent_can_retry"])) + RESERVE
+        return int(BUDGET_REQUESTS * (1 + BUDGET["retry_ratio"])) + RESERVE
 
     @property
     def checks(self) -> dict[str, bool]:

@@ -153,7 +153,7 @@ def _ending(result: Outage, style: Callable[[str], str], wrap: Wrap) -> list[str
     """The budget's bound, then the errors and the verdict (known at the end)."""
     out: list[str] = []
     if result.budget_runs:
-        pct = BUDGET["percent_can_retry"]
+        pct = BUDGET["retry_ratio"]
         out += wrap(
             "",
             f"Bound with the budget: {BUDGET_REQUESTS} first attempts x {1 + pct:g} + a reserve "

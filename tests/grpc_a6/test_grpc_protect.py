@@ -33,7 +33,7 @@ def always_unavailable(trailing: tuple[tuple[str, str], ...] = ()) -> Any:
 
 async def test_a_channel_shares_a_retry_budget(server: Server) -> None:
     method = server.unary_unary("M", always_unavailable())
-    budget = RetryBudget(ttl=10, min_retries_per_sec=0, percent_can_retry=1.0)
+    budget = RetryBudget(ttl=10, min_retries_per_sec=0, retry_ratio=1.0)
     with anyio.fail_after(TEST_TIMEOUT):
         async with insecure_channel(
             server.target, service_config=retry_config(max_attempts=5), retry_budget=budget
@@ -53,7 +53,7 @@ async def test_a_channel_shares_a_retry_budget(server: Server) -> None:
 
 async def test_successful_calls_earn_retries(server: Server) -> None:
     ok = server.unary_unary("Ok", lambda request, context, attempt: _ok())
-    budget = RetryBudget(ttl=10, min_retries_per_sec=0, percent_can_retry=0.5)
+    budget = RetryBudget(ttl=10, min_retries_per_sec=0, retry_ratio=0.5)
     with anyio.fail_after(TEST_TIMEOUT):
         async with insecure_channel(
             server.target, service_config=retry_config(), retry_budget=budget

@@ -67,7 +67,7 @@ async def outage_attempts(
 async def test_total_outage_attempts_stay_within_the_budget(
     memcached: Memcached, proxy: FaultProxy
 ) -> None:
-    budget = RetryBudget(ttl=10, min_retries_per_sec=1, percent_can_retry=PERCENT)
+    budget = RetryBudget(ttl=10, min_retries_per_sec=1, retry_ratio=PERCENT)
     attempts, failures = await outage_attempts(memcached, proxy, budget)
     assert len(failures) == REQUESTS
     assert attempts <= REQUESTS * (1 + PERCENT) + RESERVE + 1
@@ -88,7 +88,7 @@ async def test_without_the_budget_retries_multiply(memcached: Memcached, proxy: 
 
 
 async def test_breaker_refusals_do_not_withdraw(memcached: Memcached, proxy: FaultProxy) -> None:
-    budget = RetryBudget(ttl=10, min_retries_per_sec=1, percent_can_retry=0)
+    budget = RetryBudget(ttl=10, min_retries_per_sec=1, retry_ratio=0)
     breaker: Callable[[str], CircuitBreaker] = lambda name: CircuitBreaker(  # noqa: E731
         name=name, is_failure=endpoint_down, volume_threshold=1, sleep_window=60
     )
@@ -102,7 +102,7 @@ async def test_breaker_refusals_do_not_withdraw(memcached: Memcached, proxy: Fau
 
 
 def test_sync_door_outage_within_the_budget(memcached: Memcached, proxy: FaultProxy) -> None:
-    budget = RetryBudget(ttl=10, min_retries_per_sec=1, percent_can_retry=PERCENT)
+    budget = RetryBudget(ttl=10, min_retries_per_sec=1, retry_ratio=PERCENT)
     memcached.kill()
     proxy.reset_counts()
     with SyncMemcachedClient(
