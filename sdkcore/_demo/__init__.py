@@ -10,8 +10,9 @@ kills and restarts a real one under the example memcached client (circuit
 breakers, a retry budget). This package is the application: it configures
 structlog for its own run (and restores it); the library never does.
 
-Needs grpcio (``pip install 'sdkcore[grpc]'``); uses rich for the progress bar
-when it is installed (``pip install 'sdkcore[cli]'``).
+Needs grpcio (the ``grpc`` extra); uses rich for the progress bar when it is
+installed (the ``cli`` extra). sdkcore is not on PyPI: from a checkout,
+``uv run --no-dev --extra grpc sdkcore demo``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import os
 import sys
 from collections.abc import Sequence
 from typing import Any
+
+from .._install import install_hint
 
 __all__ = ["main"]
 
@@ -102,8 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         import grpc  # noqa: F401
     except ImportError:
         sys.stderr.write(
-            "sdkcore demo needs grpcio: pip install 'sdkcore[grpc]' "
-            "(or run it from a checkout with: uv run --no-dev --extra grpc sdkcore demo)\n"
+            f"sdkcore demo needs grpcio: {install_hint('grpc')}; or run it from a "
+            "checkout with: uv run --no-dev --extra grpc sdkcore demo\n"
         )
         return 2
     import asyncio

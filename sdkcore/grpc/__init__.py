@@ -1,4 +1,4 @@
-"""gRPC A6 retries on the sdkcore orchestrator (``pip install 'sdkcore[grpc]'``).
+"""gRPC A6 retries on the sdkcore orchestrator (needs grpcio: the ``grpc`` extra).
 
 Service config parsing (:class:`ServiceConfig`), the throttler
 (:class:`RetryThrottler`), the policy (:class:`A6RetryStrategy`) and statistics
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .._install import install_hint
 from ._duration import parse_duration
 from ._policy import (
     PUSHBACK_DONT_RETRY,
@@ -82,9 +83,7 @@ def __getattr__(name: str) -> Any:
         mod = importlib.import_module(f"{__name__}.{module}")
     except ImportError as exc:
         if exc.name is not None and exc.name.split(".")[0] == "grpc":
-            raise ImportError(
-                f"sdkcore.grpc.{name} needs grpcio: pip install 'sdkcore[grpc]'"
-            ) from exc
+            raise ImportError(f"sdkcore.grpc.{name} needs grpcio: {install_hint('grpc')}") from exc
         raise
     value = getattr(mod, name)
     globals()[name] = value

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._install import install_hint
+
 __all__ = ["OtelRecorder"]
 
 
@@ -16,7 +18,7 @@ class OtelRecorder:
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise ImportError(
                 "OpenTelemetry export needs the opentelemetry-api package: "
-                "pip install 'sdkcore[otel]'"
+                + install_hint("opentelemetry")
             ) from exc
         if meter is None:
             meter = metrics.get_meter("sdkcore.grpc")
