@@ -24,6 +24,7 @@ __all__ = ["WIDTH", "Output", "UsageError", "color_wanted", "install_hint"]
 #: The widest line any command prints.
 WIDTH = 100
 
+
 class UsageError(Exception):
     """Bad input on the command line: printed on stderr, exit code 2."""
 
