@@ -37,7 +37,7 @@ from . import _log
 from ._duration import to_seconds
 from ._errors import RetryableError, TimeoutException
 from ._reason import RetryReason
-from ._request import _DISPATCHING, Request
+from ._request import Request, dispatching
 from ._retry_state import RequestState
 from ._untrusted import show
 
@@ -156,20 +156,6 @@ def default_is_failure(error: BaseException) -> bool:
 _CUT_SLACK = max(0.001, time.get_clock_info("monotonic").resolution)
 _NOT_A_CUT = (KeyboardInterrupt, SystemExit, GeneratorExit)
 _PENDING = RequestState.PENDING
-
-
-def _door_request() -> Request | None:
-    """The request a door (``execute``, ``attempt()``, ...) is sending in this task or thread.
-
-    ``_DISPATCHING`` holds the door's mark: ``[request, reset token]``, the request
-    None once that dispatch ended (sdkcore/_request.py). The other shapes it had (the
-    request itself, an object with ``request``) are read too.
-    """
-    mark: Any = _DISPATCHING.get()
-    if mark is None or isinstance(mark, Request):
-        return mark
-    request = mark[0] if isinstance(mark, list) else getattr(mark, "request", None)
-    return request if isinstance(request, Request) else None
 
 
 def _cut_at_deadline(request: Request | None, error: BaseException) -> TimeoutError | None:
@@ -490,7 +476,7 @@ class CircuitBreaker:
                 f"CircuitBreaker.record_failure(error) must be an exception, got {error!r}"
             )
         if not isinstance(error, Exception):
-            cut = _cut_at_deadline(_door_request(), error)
+            cut = _cut_at_deadline(dispatching(), error)
             if cut is None:
                 return
             error = cut

@@ -42,6 +42,18 @@ _EMPTY: Mapping[str, Any] = MappingProxyType({})
 _DISPATCHING: ContextVar[list[Any] | None] = ContextVar("sdkcore_dispatching", default=None)
 
 
+def dispatching() -> Request | None:
+    """The request whose attempt is being sent in this task or thread, if any.
+
+    None outside a door's ``send`` (``execute``, ``execute_sync``, ``attempt()``, a
+    hedge copy), and in a task spawned there once that dispatch has ended. The one
+    reader of ``_DISPATCHING``'s mark for the rest of sdkcore (the breaker, the gRPC
+    channels): its shape stays this module's business.
+    """
+    mark = _DISPATCHING.get()
+    return None if mark is None else mark[0]
+
+
 @attrs.frozen(slots=True)
 class DispatchInfo:
     """What a dispatcher puts on the wire for one attempt (:meth:`Request.dispatch_info`).

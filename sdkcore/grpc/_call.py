@@ -18,7 +18,7 @@ from grpc import aio
 from .._context import AttemptEffect, ErrorContext
 from .._errors import CouchbaseException, RequestCanceledException, TimeoutException
 from .._reason import RetryReason
-from .._request import _DISPATCHING, Request
+from .._request import _DISPATCHING, Request, dispatching
 from ._controller import _Controller
 from ._metadata import _client_trailing, _strip_attempts, _with_attempts
 from ._plans import _Plan
@@ -91,45 +91,37 @@ def answered(err: Any) -> bool:
     return False
 
 
-#: The request being sent in this task, if any (one read per call: bound once here).
-_dispatching = _DISPATCHING.get
-
 #: Which request's timeout a call's deadline came from: (id, name, timeout seconds), as
 #: ``Request`` keeps it for its error context (``extra["deadline_from"]``).
 Origin = tuple[int, str, float]
 
 
-def outer_bound(mark: Any, timeout: float | None) -> tuple[float | None, Origin | None]:
-    """``timeout`` (seconds, None: none) bounded by the time left of an outer request.
+def outer_bound(outer: Request, timeout: float | None) -> tuple[float | None, Origin | None]:
+    """``timeout`` (seconds, None: none) bounded by the time left of ``outer``.
 
-    ``mark``: what ``sdkcore._request._DISPATCHING`` holds, not None: a call is made
-    while an sdkcore request's attempt is being sent. The call must not outlive that
-    request, so its deadline is the earlier of its own and the request's time left
+    ``outer``: the request whose attempt is being sent while this call is made
+    (:func:`sdkcore._request.dispatching`). The call must not outlive that request,
+    so its deadline is the earlier of its own and the request's time left
     (:meth:`Request.dispatch_info`, which an enclosing trio/anyio cancel scope also
     bounds), and every attempt's ``grpc-timeout`` says so. Returns the timeout and,
     when the outer request's is the earlier, where it came from (else None). The
-    callers read the contextvar themselves: without an outer request, that one read
-    is all it costs.
+    callers ask :func:`dispatching` themselves: without an outer request, that one
+    call is all it costs.
     """
-    # The mark's shape belongs to sdkcore._request: a [request, token] list (a holder
-    # with .request before); the door empties it when its dispatch ends.
-    outer = mark[0] if type(mark) is list else getattr(mark, "request", None)
-    if outer is None:
-        return timeout, None
     left = outer.dispatch_info().time_left
     if left is None or (timeout is not None and timeout <= left):
         return timeout, None
     return float(left), outer._deadline_from or (outer.id, outer.name, outer._timeout_s)
 
 
-def within_outer(mark: Any, timeout: float | None) -> float | None:
+def within_outer(outer: Request, timeout: float | None) -> float | None:
     """:func:`outer_bound`'s timeout alone."""
-    return outer_bound(mark, timeout)[0]
+    return outer_bound(outer, timeout)[0]
 
 
-def outer_details(mark: Any, details: Any) -> Any:
+def outer_details(outer: Request, details: Any) -> Any:
     """``details`` with its timeout bounded by the outer request (see :func:`within_outer`)."""
-    timeout = within_outer(mark, details.timeout)
+    timeout = within_outer(outer, details.timeout)
     if timeout == details.timeout:
         return details
     return aio.ClientCallDetails(
@@ -196,9 +188,9 @@ class _Call:
         self.method = method
         if plan.timeout is not None and (timeout is None or plan.timeout < timeout):
             timeout = plan.timeout
-        mark = _dispatching()
-        if mark is not None:  # made inside a request's send: never outlive it
-            timeout, origin = outer_bound(mark, timeout)
+        outer = dispatching()
+        if outer is not None:  # made inside a request's send: never outlive it
+            timeout, origin = outer_bound(outer, timeout)
             if origin is not None:
                 self.deadline_from = origin
         self.timeout = None if timeout is None else max(timeout, 1e-6)

@@ -18,7 +18,7 @@ from grpc import aio
 from grpc.aio import _base_call
 
 from .._hooks import INSTANT_DELAYS
-from .._request import _DISPATCHING
+from .._request import dispatching
 from ._call import Origin, outer_bound
 from ._controller import _Controller
 from ._finished import _ended_ok, _Readers
@@ -50,9 +50,9 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         if plan.timeout is not None and (timeout is None or plan.timeout < timeout):
             timeout = plan.timeout
         origin: Origin | None = None
-        mark = _DISPATCHING.get()
-        if mark is not None:  # made inside a request's send: never outlive it
-            timeout, origin = outer_bound(mark, timeout)
+        outer = dispatching()
+        if outer is not None:  # made inside a request's send: never outlive it
+            timeout, origin = outer_bound(outer, timeout)
         self._deadline_from = origin
         if wait_for_ready is None:
             wait_for_ready = plan.wait_for_ready

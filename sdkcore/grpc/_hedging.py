@@ -26,7 +26,7 @@ from .._context import AttemptEffect
 from .._errors import RequestCanceledException, RetryableError, TimeoutException
 from .._hedge import run_hedged
 from .._hooks import INSTANT_DELAYS
-from .._request import _DISPATCHING, Request
+from .._request import _DISPATCHING, Request, dispatching
 from ._call import Origin, _Since, answered, outer_bound
 from ._controller import _Controller
 from ._finished import _FinishedUnaryCall
@@ -92,9 +92,9 @@ async def hedged_unary_unary(
     if plan.timeout is not None and (timeout is None or plan.timeout < timeout):
         timeout = plan.timeout
     if first is None:  # the interceptor path (the direct one bounded it already)
-        mark = _DISPATCHING.get()
-        if mark is not None:  # made inside a request's send: never outlive it
-            timeout, deadline_from = outer_bound(mark, timeout)
+        outer = dispatching()
+        if outer is not None:  # made inside a request's send: never outlive it
+            timeout, deadline_from = outer_bound(outer, timeout)
     if timeout is not None:
         timeout = max(timeout, 1e-6)
     if started is None:

@@ -14,7 +14,7 @@ import grpc
 from grpc import aio
 from grpc.aio import _base_call
 
-from .._request import _DISPATCHING
+from .._request import dispatching
 from ._call import _Call, outer_details
 from ._controller import _Controller
 from ._metadata import _client_trailing
@@ -394,9 +394,9 @@ async def streaming_call(
     """A retrying call for a streaming method with a plan, else the plain call."""
     plan = core.plan(details.method)
     if plan is None:
-        mark = _DISPATCHING.get()
-        if mark is not None:  # made inside a request's send: never outlive it
-            details = outer_details(mark, details)
+        outer = dispatching()
+        if outer is not None:  # made inside a request's send: never outlive it
+            details = outer_details(outer, details)
         return await continuation(details, request)
     return call_class(
         _Call.from_details(core, plan, details),

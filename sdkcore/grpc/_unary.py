@@ -17,7 +17,7 @@ import grpc
 from grpc import aio
 from grpc.aio import _base_call
 
-from .._request import _DISPATCHING
+from .._request import dispatching
 from ._call import _Call, outer_details, within_outer
 from ._controller import _Controller
 from ._finished import _ended_ok, _FinishedUnaryCall, _Readers
@@ -44,9 +44,9 @@ async def unary_unary_call(
             return await hedged_unary_unary(core, hedging, continuation, details, request)
     plan = core.plan(details.method)
     if plan is None:
-        mark = _DISPATCHING.get()
-        if mark is not None:  # made inside a request's send: never outlive it
-            details = outer_details(mark, details)
+        outer = dispatching()
+        if outer is not None:  # made inside a request's send: never outlive it
+            details = outer_details(outer, details)
         return await continuation(details, request)
     c = _Call.from_details(core, plan, details)
     if plan.strategy.policy is not None:
@@ -380,9 +380,9 @@ class BoundedMultiCallable(aio.UnaryUnaryMultiCallable):  # type: ignore[misc]
         wait_for_ready: bool | None = None,
         compression: Any = None,
     ) -> Any:
-        mark = _DISPATCHING.get()
-        if mark is not None:  # made inside a request's send: never outlive it
-            timeout = within_outer(mark, timeout)
+        outer = dispatching()
+        if outer is not None:  # made inside a request's send: never outlive it
+            timeout = within_outer(outer, timeout)
         return self._inner(
             request,
             timeout=timeout,
