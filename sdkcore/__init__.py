@@ -49,6 +49,7 @@ from ._strategy import (
 from ._strategy import (
     FailFastRetryStrategy as FailFastRetryStrategy,  # internal (RFC 0049): not in __all__
 )
+from ._telemetry import Telemetry
 from ._version import __version__
 
 __all__ = [
@@ -91,6 +92,7 @@ __all__ = [
     "RetryableError",
     "ScopeNotFoundException",
     "ServiceNotAvailableException",
+    "Telemetry",
     "TemporaryFailureException",
     "TimeoutException",
     "UnambiguousTimeoutException",

@@ -263,6 +263,7 @@ class CircuitBreaker:
         "_rolling_window",
         "_sleep_window",
         "_state",
+        "_telemetry",
         "_ticks",
         "_token",
         "_total",
@@ -326,6 +327,7 @@ class CircuitBreaker:
         # adds them to _total (see _flush).
         self._ticks = itertools.count()
         self._last = next(self._ticks)
+        self._telemetry: Any = None  # set by Telemetry.watch
 
     # -- configuration and diagnostics -------------------------------------------
     @property
@@ -600,6 +602,10 @@ class CircuitBreaker:
         )
 
     def _event(self, name: str, level: int, fields: dict[str, Any]) -> tuple[Any, ...]:
+        """A transition's log event (every caller changes the state: it is reported too)."""
+        telemetry = self._telemetry
+        if telemetry is not None:
+            telemetry.breaker_transition(self, _NEW_STATE[name])
         return (
             name,
             level,
@@ -610,6 +616,14 @@ class CircuitBreaker:
                 **fields,
             },
         )
+
+
+#: The state a transition event announces (telemetry's ``sdkcore.circuit_breaker.state``).
+_NEW_STATE = {
+    _log.EVENT_BREAKER_OPENED: "open",
+    _log.EVENT_BREAKER_HALF_OPEN: "half_open",
+    _log.EVENT_BREAKER_CLOSED: "closed",
+}
 
 
 class BreakerGuard:
@@ -635,6 +649,9 @@ class BreakerGuard:
         breaker = self._breaker
         admitted = breaker.admit()
         if admitted is None:
+            telemetry = breaker._telemetry
+            if telemetry is not None:
+                telemetry.breaker_rejected(breaker)
             # OPEN: the next chance is the end of the sleep window. HALF_OPEN: another
             # dispatch is the probe and will usually answer soon: no hint, the
             # strategy's own backoff polls for the breaker closing.

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 from . import _log
 from ._duration import to_seconds
@@ -65,6 +66,7 @@ class RetryBudget:
         "_slice_end",
         "_slices",
         "_sum",
+        "_telemetry",
         "_ticks",
         "_ttl",
         "_withdraw",
@@ -127,6 +129,7 @@ class RetryBudget:
         self._last = next(self._ticks)
         self._exhausted = False
         self._refused = 0
+        self._telemetry: Any = None  # set by Telemetry.watch
 
     @property
     def ttl(self) -> timedelta:
@@ -185,6 +188,9 @@ class RetryBudget:
             self._refused += 1
             first = not self._exhausted
             self._exhausted = True
+        telemetry = self._telemetry
+        if telemetry is not None:
+            telemetry.budget_rejected(self)
         if first:
             log = _log.enabled(_log.INFO)
             if log is not None:

@@ -22,11 +22,13 @@ from typing import Any, Protocol
 
 from . import _failing, _log
 from ._action import RetryAction
+from ._budget import RetryBudget
 from ._decision import Decision, Verdict, decide, spends_budget
 from ._errors import CouchbaseException
 from ._reason import RetryReason
 from ._request import Request, RequestState
 from ._strategy import BUILTIN_RETRY_AFTER, FastFailOnTerminalErrorRetryStrategy, RetryStrategy
+from ._telemetry import Telemetry
 from ._untrusted import show
 
 __all__ = ["DEFAULT_MAX_REQUESTS_IN_RETRY", "OrchestratorCore", "RetryBudgetLike"]
@@ -62,6 +64,7 @@ class OrchestratorCore:
         "_max_in_retry",
         "_sleep",
         "_sleep_clock",
+        "_telemetry",
     )
 
     def __init__(
@@ -71,6 +74,7 @@ class OrchestratorCore:
         max_requests_in_retry: int = DEFAULT_MAX_REQUESTS_IN_RETRY,
         sleep: Callable[[float], Awaitable[Any]] | None = None,
         retry_budget: RetryBudgetLike | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         if default_strategy is None:
             default_strategy = FastFailOnTerminalErrorRetryStrategy()
@@ -102,6 +106,14 @@ class OrchestratorCore:
                 "RetryOrchestrator(retry_budget=...) must be an sdkcore.RetryBudget (an object "
                 f"with deposit() and try_withdraw() -> bool), got {retry_budget!r}"
             )
+        if telemetry is not None and not isinstance(telemetry, Telemetry):
+            raise TypeError(
+                "RetryOrchestrator(telemetry=...) must be an sdkcore.Telemetry or None, "
+                f"got {telemetry!r}"
+            )
+        self._telemetry = telemetry
+        if telemetry is not None and isinstance(retry_budget, RetryBudget):
+            telemetry.watch(retry_budget)  # the budget it serves reports through it
         self._budget = retry_budget
         self._default: RetryStrategy = default_strategy
         self._max_in_retry = max_requests_in_retry
@@ -121,6 +133,11 @@ class OrchestratorCore:
     @property
     def default_strategy(self) -> RetryStrategy:
         return self._default
+
+    @property
+    def telemetry(self) -> Telemetry | None:
+        """The telemetry every request of this orchestrator reports to (rfc/0008)."""
+        return self._telemetry
 
     @property
     def retry_budget(self) -> RetryBudgetLike | None:
@@ -240,6 +257,9 @@ class OrchestratorCore:
         if verdict is not _RETRY and verdict is not _TIME_OUT:
             raise self._refusal(request, reason, verdict, action, strategy, failure, hint, left)
         request._retry_booked(reason, delay)
+        trace = request._trace
+        if trace is not None:
+            trace.retry(reason, delay)
         if log is not None:
             try:
                 log.debug(

@@ -124,6 +124,8 @@ async def execute(
     been applied, see rfc/0001 "Ambiguity"). The final exception's ``__cause__``
     is the last attempt's failure.
     """
+    if self._telemetry is not None and request._trace is None:
+        return await _traced_execute(self, request, send)
     _check_request(request, "execute(request, send)")
     if not callable(send):
         raise TypeError(
@@ -233,6 +235,22 @@ async def execute(
             Request._dispatched_done(token)
 
 
+async def _traced_execute(
+    self: OrchestratorCore, request: Request, send: Callable[[Request], Awaitable[T]]
+) -> T:
+    """``execute`` with telemetry: the request's span and metrics, a span per attempt."""
+    assert self._telemetry is not None
+    _check_request(request, "execute(request, send)")
+    trace = self._telemetry.begin(request)
+    try:
+        result = await execute(self, request, trace.traced(send) if callable(send) else send)
+    except BaseException as exc:
+        trace.end(request, exc)
+        raise
+    trace.end(request, None)
+    return result
+
+
 async def maybe_retry(
     self: OrchestratorCore,
     request: Request,
@@ -270,54 +288,67 @@ async def maybe_retry(
         )
     if request.state is not _PENDING:
         raise _failing.already_completed(request, reason)
-    now = request.clock()
-    request._attempt_failed(reason, effect or DEFAULT_EFFECT[reason], cause, now)
-    if self._budget is not None:  # a loop without attempt(): its first failure counts the first
-        self._deposit(request)
-    rt = _runtime.current()
-    _, strategy, decides, gate = request._resolved_by(self, self._resolve)
-    action = self._ask(request, reason, strategy, decides)
-    if type(action) is not RetryAction and hasattr(action, "__await__"):
-        name = _failing.strategy_name(strategy)
-        action = await _bounded(self, request, reason, rt, action, name)
+    telemetry = self._telemetry
+    if telemetry is not None and request._trace is None:
+        telemetry.begin(request)  # a hand-wired loop without attempt(): its first failure
+    try:
         now = request.clock()
-    if retry_after is None and isinstance(cause, RetryableError):
-        retry_after = cause.retry_after
-    hint = None if retry_after is None else to_seconds(retry_after, "maybe_retry(retry_after=...)")
-    verdict, delay = self._settle(request, reason, action, strategy, gate(_DEBUG), cause, hint, now)
-    if delay > 0.0 and (self._sleep is None or not INSTANT_DELAYS.get()):
-        # Request.cancel() wakes a real backoff early.
-        scope = rt.Scope(_INF)
-        previous = request._set_cancel_hook(scope)
-        try:
-            await _wait(self, request, rt, delay)
-        except BaseException as exc:
-            request._set_cancel_hook(previous)
-            if not scope.exit(exc):
+        request._attempt_failed(reason, effect or DEFAULT_EFFECT[reason], cause, now)
+        if self._budget is not None:  # a loop without attempt(): its first failure counts the first
+            self._deposit(request)
+        rt = _runtime.current()
+        _, strategy, decides, gate = request._resolved_by(self, self._resolve)
+        action = self._ask(request, reason, strategy, decides)
+        if type(action) is not RetryAction and hasattr(action, "__await__"):
+            name = _failing.strategy_name(strategy)
+            action = await _bounded(self, request, reason, rt, action, name)
+            now = request.clock()
+        if retry_after is None and isinstance(cause, RetryableError):
+            retry_after = cause.retry_after
+        hint = (
+            None if retry_after is None else to_seconds(retry_after, "maybe_retry(retry_after=...)")
+        )
+        verdict, delay = self._settle(
+            request, reason, action, strategy, gate(_DEBUG), cause, hint, now
+        )
+        if delay > 0.0 and (self._sleep is None or not INSTANT_DELAYS.get()):
+            # Request.cancel() wakes a real backoff early.
+            scope = rt.Scope(_INF)
+            previous = request._set_cancel_hook(scope)
+            try:
+                await _wait(self, request, rt, delay)
+            except BaseException as exc:
+                request._set_cancel_hook(previous)
+                if not scope.exit(exc):
+                    request._finish_by(exc)
+                    raise
+            else:
+                request._set_cancel_hook(previous)
+                scope.exit(None)
+        else:
+            # The wait written out, as in execute: through _wait it is one more coroutine frame,
+            # 3% more instructions per maybe_retry (181.6k against 176.6k for the retried call of
+            # bench/bench_instructions.py).
+            try:
+                if self._sleep is None and not INSTANT_DELAYS.get():
+                    await rt.sleep(delay)  # zero: one checkpoint
+                else:
+                    await _injected_wait(self, request, rt, delay)
+            except BaseException as exc:
                 request._finish_by(exc)
                 raise
-        else:
-            request._set_cancel_hook(previous)
-            scope.exit(None)
-    else:
-        # The wait written out, as in execute: through _wait it is one more coroutine frame,
-        # 3% more instructions per maybe_retry (181.6k against 176.6k for the retried call of
-        # bench/bench_instructions.py).
-        try:
-            if self._sleep is None and not INSTANT_DELAYS.get():
-                await rt.sleep(delay)  # zero: one checkpoint
-            else:
-                await _injected_wait(self, request, rt, delay)
-        except BaseException as exc:
-            request._finish_by(exc)
-            raise
-        finally:
-            self._in_retry -= 1  # counted by _settle (the loop's thread only)
-    if verdict is not _RETRY or request.state is not _PENDING:
-        _resume(request, verdict, reason, strategy)
-    if type(action) is RetryAction and action.seconds == delay and action.duration is not None:
-        return action.duration  # the strategy's own timedelta: nothing to build
-    return timedelta(seconds=delay)
+            finally:
+                self._in_retry -= 1  # counted by _settle (the loop's thread only)
+        if verdict is not _RETRY or request.state is not _PENDING:
+            _resume(request, verdict, reason, strategy)
+        if type(action) is RetryAction and action.seconds == delay and action.duration is not None:
+            return action.duration  # the strategy's own timedelta: nothing to build
+        return timedelta(seconds=delay)
+    except BaseException as exc:
+        trace = request._trace
+        if trace is not None and request.completed:
+            trace.end(request, exc)
+        raise
 
 
 async def _bounded(
@@ -372,7 +403,12 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
         raise _failing.timed_out(request, request.last_reason, _strategy_of(self, request), now)
     request._begin_attempt(now)
     self._deposit(request)  # once, on the request's first attempt
+    trace = request._trace
+    if trace is None and self._telemetry is not None:
+        trace = self._telemetry.begin(request)
+    handle = None if trace is None else trace.attempt(request.retry_attempts + 1)
     token = request._dispatching()  # requests made in the block keep within this deadline
+    error: BaseException | None = None
     try:
         if left == _INF:
             yield
@@ -385,9 +421,15 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
         except BaseException as exc:
             request._set_cancel_hook(previous)
             if scope.exit(exc):
-                raise _scope_fired(self, request, exc, in_flight=True) from _failing.cause(request)
+                error = _scope_fired(self, request, exc, in_flight=True)
+                raise error from _failing.cause(request)
+            error = exc
             raise
         request._set_cancel_hook(previous)
         scope.exit(None)
     finally:
         Request._dispatched_done(token)
+        if trace is not None:
+            trace.attempt_end(handle, error)
+            if request.completed:  # the deadline or Request.cancel() ended it here
+                trace.end(request, error)

@@ -61,12 +61,29 @@ def execute_sync(
         )
     if request.state is not _PENDING:
         raise _failing.already_completed(request, None)
-    self._deposit(request)
+    trace = None
+    telemetry = self._telemetry
+    if telemetry is not None and request._trace is None:
+        trace = telemetry.begin(request)
+        send = trace.traced_sync(send)
+    try:
+        self._deposit(request)
+    except BaseException as exc:  # a broken budget failed the request
+        if trace is not None:
+            trace.end(request, exc)
+        raise
     token = request._dispatching()  # requests made inside send keep within this deadline
     try:
-        return _loop(self, request, send, sleep)
+        result = _loop(self, request, send, sleep)
+    except BaseException as exc:
+        if trace is not None:
+            trace.end(request, exc)
+        raise
     finally:
         Request._dispatched_done(token)
+    if trace is not None:
+        trace.end(request, None)
+    return result
 
 
 def _loop(

@@ -204,6 +204,9 @@ class _Chain:
         request = self.request
         if index > 0:
             request._hedge_sent()
+            trace = request._trace
+            if trace is not None:
+                trace.hedge_sent()
         self.next_at = now + self.delay - (self.first_elapsed if index == 0 else 0.0)
         self.next_trigger = "delay"
         log = _log.enabled(_log.DEBUG)
@@ -504,6 +507,9 @@ async def run_hedged(
 
     if chain.winner is not None:
         request._finish(RequestState.SUCCEEDED)
+        trace = request._trace
+        if trace is not None and chain.winner > 0:
+            trace.hedge_won()
         return chain.result  # type: ignore[no-any-return]
     if chain.fatal is not None:
         fatal = chain.fatal

@@ -42,6 +42,9 @@ class RetryOrchestrator(OrchestratorCore):
       other orchestrator or channel given the same one): each request's first
       attempt deposits, each retry that sends again withdraws, and a refused
       withdrawal ends the request (RETRY_BUDGET_EXHAUSTED). See rfc/0007.
+    * ``telemetry``: an :class:`sdkcore.Telemetry`: every request of this
+      orchestrator, on every door, reports its metrics and spans there (rfc/0008);
+      None (the default) records nothing.
 
     Three doors, one set of rules: :meth:`execute` (async dispatch loop),
     :meth:`execute_sync` (the same for threads), and :meth:`maybe_retry` with
@@ -62,6 +65,9 @@ class RetryOrchestrator(OrchestratorCore):
         A completed request cannot be retried; this does nothing if it already completed.
         """
         request._succeeded()
+        trace = request._trace
+        if trace is not None:
+            trace.end(request, None)
 
     def fail(self, request: Request, error: BaseException) -> BaseException:
         """Fail ``request`` with ``error`` (a non-retryable answer); returns ``error`` to raise.
@@ -78,6 +84,9 @@ class RetryOrchestrator(OrchestratorCore):
             request._finish(RequestState.FAILED)
         if isinstance(error, CouchbaseException) and error.context is None:
             error.context = request.error_context(request.last_reason)
+        trace = request._trace
+        if trace is not None:
+            trace.end(request, error)
         return error
 
     async def hedge(
@@ -104,4 +113,20 @@ class RetryOrchestrator(OrchestratorCore):
         A request that is not idempotent is refused (InvalidArgumentException)
         and nothing is sent. Error contexts list every hedge under ``extra``.
         """
-        return await run_hedged(self, request, send, policy, throttler)
+        telemetry = self._telemetry
+        if telemetry is None or request._trace is not None:
+            return await run_hedged(self, request, send, policy, throttler)
+        trace = telemetry.begin(request)
+        try:
+            result = await run_hedged(
+                self,
+                request,
+                trace.traced_hedge(send) if callable(send) else send,
+                policy,
+                throttler,
+            )
+        except BaseException as exc:
+            trace.end(request, exc)
+            raise
+        trace.end(request, None)
+        return result

@@ -120,6 +120,7 @@ class Request(RetryState):
         "_start",
         "_strategy",
         "_timeout_s",
+        "_trace",
     )
 
     def __init__(
@@ -188,6 +189,7 @@ class Request(RetryState):
                     )
         self._cancel_scope: Any = None
         self._memo: tuple[Any, ...] | None = None  # see _resolved_by
+        self._trace: Any = None  # its telemetry (sdkcore._telemetry.RequestTrace), if any
         RetryState.__init__(self)
 
     # -- what the application set (read-only once built) ----------------------

@@ -1,0 +1,477 @@
+"""OpenTelemetry metrics and traces for every door (rfc/0008).
+
+:class:`Telemetry` holds sdkcore's instruments (instrumentation scope ``sdkcore``)
+and its tracer, made once from the OpenTelemetry API (the ``otel`` extra, API
+only: the application picks the SDK and exporters). ``None`` providers mean the
+global ones, so an application's own setup, or ``opentelemetry-instrument``, is
+used as it is.
+
+The doors reach it through one object per request, :class:`RequestTrace`, made at
+the request's first attempt and kept on the request (``Request._trace``); a door
+without telemetry holds None there and pays one comparison per call. Every call
+into OpenTelemetry goes through :meth:`Telemetry._guard`: an instrument, exporter or
+span that raises never fails or delays a request (logged once per kind, event
+``telemetry.failed``).
+
+Names, units and attributes are fixed (dashboards rely on them): see rfc/0008.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+from . import _log
+from ._breaker import CircuitBreaker
+from ._budget import RetryBudget
+from ._context import CancellationReason
+from ._reason import RetryReason
+from ._retry_state import RequestState
+
+__all__ = ["MAX_NAMES", "MAX_TEXT", "RequestTrace", "Telemetry", "outcome_of"]
+
+T = TypeVar("T")
+
+#: Distinct request names recorded as themselves; later new names are ``other``.
+MAX_NAMES = 1000
+#: Attribute texts (names, error types) are cut at this many characters.
+MAX_TEXT = 100
+
+SCOPE = "sdkcore"
+EVENT_TELEMETRY_FAILED = "telemetry.failed"
+
+# Attribute keys (rfc/0008).
+NAME = "sdkcore.request.name"
+OUTCOME = "sdkcore.request.outcome"
+ERROR_TYPE = "error.type"
+REASON = "sdkcore.retry.reason"
+ENDPOINT = "sdkcore.endpoint"
+BREAKER_STATE = "sdkcore.circuit_breaker.state"
+ATTEMPT_NUMBER = "sdkcore.attempt.number"
+HEDGE_INDEX = "sdkcore.hedge.index"
+
+_STATE_VALUE = {"closed": 0, "open": 1, "half_open": 2}
+
+# Seconds buckets for durations and delays: 0.1 ms to 60 s (OpenTelemetry's default
+# buckets start at 0 and 5, in the unit: useless for seconds).
+_SECONDS_BUCKETS = (
+    0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0,
+)  # fmt: skip
+_RETRY_BUCKETS = (0, 1, 2, 3, 4, 5, 10, 20, 50)
+
+
+def outcome_of(request: Any) -> str:
+    """``success``, ``timeout``, ``cancelled`` or ``failure``, from the request's ending."""
+    state = request.state
+    if state is RequestState.SUCCEEDED:
+        return "success"
+    why = request.cancellation_reason
+    if state is RequestState.CANCELLED:
+        if why is CancellationReason.TIMEOUT:
+            return "timeout"
+        if (
+            why is CancellationReason.CANCELLED_VIA_CONTEXT
+            or why is CancellationReason.TASK_CANCELLED
+        ):
+            return "cancelled"
+    return "failure"
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= MAX_TEXT else text[:MAX_TEXT]
+
+
+class Telemetry:
+    """sdkcore's OpenTelemetry instruments and tracer (rfc/0008).
+
+    ``RetryOrchestrator(telemetry=Telemetry())`` records every request of that
+    orchestrator, on every door; an sdkcore gRPC channel uses its orchestrator's.
+    ``meter_provider``/``tracer_provider``: None for the global providers.
+    Breakers and budgets report once watched (:meth:`watch`); an orchestrator
+    watches its own retry budget.
+    """
+
+    def __init__(self, meter_provider: Any = None, tracer_provider: Any = None) -> None:
+        try:
+            from opentelemetry import context as otel_context
+            from opentelemetry import metrics, trace
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            from ._install import install_hint
+
+            raise ImportError(
+                f"sdkcore.Telemetry needs the opentelemetry-api package: "
+                f"{install_hint('opentelemetry')}"
+            ) from exc
+        from ._version import __version__
+
+        if meter_provider is not None and not callable(getattr(meter_provider, "get_meter", None)):
+            raise TypeError(
+                "Telemetry(meter_provider=...) must be an OpenTelemetry MeterProvider (with "
+                f"get_meter) or None for the global one, got {meter_provider!r}"
+            )
+        if tracer_provider is not None and not callable(
+            getattr(tracer_provider, "get_tracer", None)
+        ):
+            raise TypeError(
+                "Telemetry(tracer_provider=...) must be an OpenTelemetry TracerProvider (with "
+                f"get_tracer) or None for the global one, got {tracer_provider!r}"
+            )
+        self._trace = trace
+        self._context = otel_context
+        self.meter: Any = (
+            metrics.get_meter(SCOPE, __version__)
+            if meter_provider is None
+            else meter_provider.get_meter(SCOPE, __version__)
+        )
+        self.tracer: Any = (
+            trace.get_tracer(SCOPE, __version__)
+            if tracer_provider is None
+            else tracer_provider.get_tracer(SCOPE, __version__)
+        )
+        self._lock = threading.Lock()
+        self._names: set[str] = set()
+        self._failed: set[str] = set()
+        self._breakers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._budgets: weakref.WeakSet[Any] = weakref.WeakSet()
+        m = self.meter
+        self.request_duration = m.create_histogram(
+            "sdkcore.request.duration",
+            unit="s",
+            description="Duration of each finished request, from its creation to its end",
+            explicit_bucket_boundaries_advisory=_SECONDS_BUCKETS,
+        )
+        self.request_retries = m.create_histogram(
+            "sdkcore.request.retries",
+            unit="{retry}",
+            description="Retries of each finished request (0 included)",
+            explicit_bucket_boundaries_advisory=_RETRY_BUCKETS,
+        )
+        self.retries = m.create_counter(
+            "sdkcore.retries", unit="{retry}", description="Retries scheduled, by reason"
+        )
+        self.retry_delay = m.create_histogram(
+            "sdkcore.retry.delay",
+            unit="s",
+            description="The wait before each scheduled retry",
+            explicit_bucket_boundaries_advisory=_SECONDS_BUCKETS,
+        )
+        self.hedges = m.create_counter(
+            "sdkcore.hedges", unit="{hedge}", description="Hedged copies sent after the first"
+        )
+        self.hedge_wins = m.create_counter(
+            "sdkcore.hedge.wins",
+            unit="{request}",
+            description="Hedged requests whose answer came from a copy other than the first",
+        )
+        self.breaker_transitions = m.create_counter(
+            "sdkcore.circuit_breaker.transitions",
+            unit="{transition}",
+            description="Circuit breaker state changes, by new state",
+        )
+        self.breaker_rejections = m.create_counter(
+            "sdkcore.circuit_breaker.rejections",
+            unit="{dispatch}",
+            description="Dispatches a circuit breaker refused (nothing was sent)",
+        )
+        self.budget_rejections = m.create_counter(
+            "sdkcore.retry_budget.rejections",
+            unit="{retry}",
+            description="Retries a retry budget refused",
+        )
+        m.create_observable_gauge(
+            "sdkcore.circuit_breaker.state",
+            callbacks=[self._observe_breakers],
+            unit="1",
+            description="Circuit breaker state: 0 closed, 1 open, 2 half-open",
+        )
+        m.create_observable_gauge(
+            "sdkcore.retry_budget.balance",
+            callbacks=[self._observe_budgets],
+            unit="{retry}",
+            description="Retries a retry budget would allow now",
+        )
+
+    def __repr__(self) -> str:
+        return f"<Telemetry meter={self.meter!r} tracer={self.tracer!r}>"
+
+    # -- breakers and budgets ---------------------------------------------------------
+    def watch(self, target: Any) -> Any:
+        """Report a :class:`CircuitBreaker` or :class:`RetryBudget` through this telemetry.
+
+        Returns ``target``. A breaker or budget reports to one telemetry at a time
+        (the last that watched it). Its gauges are read at each collection; it is held
+        weakly.
+        """
+        if isinstance(target, CircuitBreaker):
+            self._breakers.add(target)
+        elif isinstance(target, RetryBudget):
+            self._budgets.add(target)
+        else:
+            raise TypeError(
+                "Telemetry.watch(target): target must be an sdkcore.CircuitBreaker or "
+                f"sdkcore.RetryBudget, got {target!r}"
+            )
+        target._telemetry = self
+        return target
+
+    def _observe_breakers(self, options: Any) -> Iterable[Any]:
+        from opentelemetry.metrics import Observation
+
+        out = []
+        for breaker in list(self._breakers):
+            state = breaker.state.value
+            out.append(Observation(_STATE_VALUE[state], {ENDPOINT: _cut(breaker.name or "")}))
+        return out
+
+    def _observe_budgets(self, options: Any) -> Iterable[Any]:
+        from opentelemetry.metrics import Observation
+
+        return [
+            Observation(budget.balance, {ENDPOINT: _cut(budget.name or "")})
+            for budget in list(self._budgets)
+        ]
+
+    def breaker_transition(self, breaker: Any, state: str) -> None:
+        """A watched breaker changed state (``closed``, ``open``, ``half_open``)."""
+        attributes = {ENDPOINT: _cut(breaker.name or ""), BREAKER_STATE: state}
+        self._guard("circuit_breaker.transitions", self.breaker_transitions.add, 1, attributes)
+
+    def breaker_rejected(self, breaker: Any) -> None:
+        attributes = {ENDPOINT: _cut(breaker.name or "")}
+        self._guard("circuit_breaker.rejections", self.breaker_rejections.add, 1, attributes)
+
+    def budget_rejected(self, budget: Any) -> None:
+        attributes = {ENDPOINT: _cut(budget.name or "")}
+        self._guard("retry_budget.rejections", self.budget_rejections.add, 1, attributes)
+
+    # -- requests -----------------------------------------------------------------------
+    def name(self, name: str) -> str:
+        """``name`` as an attribute value: cut, and ``other`` past :data:`MAX_NAMES`."""
+        names = self._names
+        if name in names:
+            return name
+        with self._lock:
+            if name in names:
+                return name
+            if len(names) >= MAX_NAMES:
+                return "other"
+            name = _cut(name)
+            names.add(name)
+            return name
+
+    def begin(self, request: Any, kind: Any = None, span_name: str | None = None) -> RequestTrace:
+        """The request's trace: its span starts (back-dated to the request's creation)."""
+        trace = RequestTrace(self, request, kind, span_name)
+        request._trace = trace
+        return trace
+
+    def _guard(self, kind: str, call: Any, *args: Any) -> Any:
+        """Call into OpenTelemetry; an exception is logged once per ``kind``, never raised."""
+        try:
+            return call(*args)
+        except Exception as exc:
+            self._failure(kind, exc)
+            return None
+
+    def _failure(self, kind: str, error: Exception) -> None:
+        if kind in self._failed:
+            return
+        with self._lock:
+            first = kind not in self._failed
+            self._failed.add(kind)
+        if first:
+            log = _log.enabled(_log.WARNING)
+            if log is not None:
+                log.warning(
+                    EVENT_TELEMETRY_FAILED, kind=kind, error=f"{type(error).__name__}: {error}"
+                )
+
+
+class RequestTrace:
+    """One request's span and the attributes of its metrics (made by :meth:`Telemetry.begin`)."""
+
+    __slots__ = ("attributes", "ended", "span", "telemetry")
+
+    def __init__(
+        self, telemetry: Telemetry, request: Any, kind: Any = None, span_name: str | None = None
+    ) -> None:
+        self.telemetry = telemetry
+        self.ended = False
+        name = telemetry.name(request.name)
+        self.attributes = {NAME: name}
+        # Back-dated to the request's creation: its duration metric starts there too.
+        started = time.time_ns() - int(request.elapsed.total_seconds() * 1e9)
+        trace = telemetry._trace
+        self.span: Any = telemetry._guard(
+            "span",
+            lambda: telemetry.tracer.start_span(
+                span_name or name,
+                kind=trace.SpanKind.CLIENT if kind is None else kind,
+                attributes={NAME: name, "sdkcore.request.id": request.id},
+                start_time=started,
+            ),
+        )
+
+    # -- attempts --------------------------------------------------------------------
+    def traced(self, send: Callable[[Any], Awaitable[T]]) -> Callable[[Any], Awaitable[T]]:
+        """``send`` with each attempt in its own span, current while it runs."""
+
+        async def attempt(request: Any) -> T:
+            handle = self.attempt(request.retry_attempts + 1)
+            try:
+                result = await send(request)
+            except BaseException as exc:
+                self.attempt_end(handle, exc)
+                raise
+            self.attempt_end(handle, None)
+            return result
+
+        return attempt
+
+    def traced_sync(self, send: Callable[[Any], T]) -> Callable[[Any], T]:
+        """:meth:`traced` for ``execute_sync``'s blocking ``send``."""
+
+        def attempt(request: Any) -> T:
+            handle = self.attempt(request.retry_attempts + 1)
+            try:
+                result = send(request)
+            except BaseException as exc:
+                self.attempt_end(handle, exc)
+                raise
+            self.attempt_end(handle, None)
+            return result
+
+        return attempt
+
+    def traced_hedge(
+        self, send: Callable[[Any, int], Awaitable[T]]
+    ) -> Callable[[Any, int], Awaitable[T]]:
+        """A hedge's ``send(request, index)``: each copy a sibling attempt span."""
+
+        async def copy(request: Any, index: int) -> T:
+            handle = self.attempt(index + 1, hedge=index)
+            try:
+                result = await send(request, index)
+            except BaseException as exc:
+                self.attempt_end(handle, exc)
+                raise
+            self.attempt_end(handle, None)
+            return result
+
+        return copy
+
+    def attempt(self, number: int, hedge: int | None = None, name: str = "sdkcore.attempt") -> Any:
+        """Start attempt ``number`` (1-based) as a child span, current until :meth:`attempt_end`.
+
+        Returns a handle for :meth:`attempt_end`, or None when the span could not start.
+        """
+        telemetry = self.telemetry
+        parent = self.span
+        if parent is None:
+            return None
+
+        def start() -> Any:
+            trace = telemetry._trace
+            attributes: dict[str, Any] = {ATTEMPT_NUMBER: number}
+            if hedge is not None:
+                attributes[HEDGE_INDEX] = hedge
+            span = telemetry.tracer.start_span(
+                name, context=trace.set_span_in_context(parent), attributes=attributes
+            )
+            token = telemetry._context.attach(trace.set_span_in_context(span))
+            return span, token
+
+        return telemetry._guard("span", start)
+
+    def attempt_end(self, handle: Any, error: BaseException | None) -> None:
+        if handle is None:
+            return
+        telemetry = self.telemetry
+        span, token = handle
+
+        def end() -> None:
+            try:
+                telemetry._context.detach(token)
+            finally:
+                if error is not None:
+                    _record_error(telemetry, span, error)
+                span.end()
+
+        telemetry._guard("span", end)
+
+    # -- the request's events ---------------------------------------------------------
+    def retry(self, reason: RetryReason, delay: float) -> None:
+        """A retry was scheduled for ``reason`` after ``delay`` seconds."""
+        telemetry = self.telemetry
+        attributes = {NAME: self.attributes[NAME], REASON: reason.name}
+        telemetry._guard("retries", telemetry.retries.add, 1, attributes)
+        telemetry._guard("retry.delay", telemetry.retry_delay.record, delay, attributes)
+        span = self.span
+        if span is not None:
+            telemetry._guard(
+                "span",
+                span.add_event,
+                "sdkcore.retry",
+                {REASON: reason.name, "sdkcore.retry.delay": delay},
+            )
+
+    def hedge_sent(self) -> None:
+        telemetry = self.telemetry
+        telemetry._guard("hedges", telemetry.hedges.add, 1, self.attributes)
+
+    def hedge_won(self) -> None:
+        telemetry = self.telemetry
+        telemetry._guard("hedge.wins", telemetry.hedge_wins.add, 1, self.attributes)
+
+    def end(self, request: Any, error: BaseException | None) -> None:
+        """The request ended (``error``: what the caller got, None on success). Once."""
+        if self.ended:
+            return
+        self.ended = True
+        telemetry = self.telemetry
+        if not request.completed:  # a caller's mistake before anything ran (a bad argument)
+            request._trace = None
+            span = self.span
+            if span is not None:
+                telemetry._guard("span", span.end)
+            return
+        outcome = outcome_of(request)
+        attributes: dict[str, Any] = {NAME: self.attributes[NAME], OUTCOME: outcome}
+        if outcome != "success":
+            cls = type(error).__name__ if error is not None else "RequestCanceledException"
+            attributes[ERROR_TYPE] = _cut(cls)
+        telemetry._guard(
+            "request.duration",
+            telemetry.request_duration.record,
+            request.elapsed.total_seconds(),
+            attributes,
+        )
+        telemetry._guard(
+            "request.retries",
+            telemetry.request_retries.record,
+            request.retry_attempts,
+            {NAME: self.attributes[NAME]},
+        )
+        span = self.span
+        if span is not None:
+
+            def close() -> None:
+                span.set_attribute(OUTCOME, outcome)
+                span.set_attribute("sdkcore.request.retries", request.retry_attempts)
+                if error is not None and outcome != "success":
+                    _record_error(telemetry, span, error)
+                span.end()
+
+            telemetry._guard("span", close)
+
+
+def _record_error(telemetry: Telemetry, span: Any, error: BaseException) -> None:
+    trace = telemetry._trace
+    span.set_status(trace.Status(trace.StatusCode.ERROR, _cut(str(error))))
+    span.set_attribute(ERROR_TYPE, _cut(type(error).__name__))
+    if isinstance(error, Exception):
+        span.record_exception(error)
