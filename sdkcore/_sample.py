@@ -1,0 +1,272 @@
+"""The slowest requests per service, kept for one interval and logged as one JSON line (rfc/0008).
+
+The common part of :class:`~sdkcore.ThresholdReporter` and
+:class:`~sdkcore.OrphanReporter` (Couchbase SDK RFC 67): per service, a count and a
+min-heap of at most ``sample_size`` entries keyed by their total duration, so a new
+entry costs O(log sample_size) and one slower than none of the kept ones costs one
+comparison. No timer and no task: the report of an interval is emitted by the first
+record at or after its end (or by ``flush()``), as the circuit breaker is brought up
+to date by whoever calls next.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import math
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from . import _log
+from ._duration import to_seconds
+from ._untrusted import show
+
+__all__ = ["MAX_SERVICES", "OTHER_SERVICE", "Details", "Sample", "details", "positive_int"]
+
+#: Distinct services kept per interval; records for more are counted under OTHER_SERVICE.
+MAX_SERVICES = 64
+OTHER_SERVICE = "other"
+
+# An entry's fields after total_duration_us, in the order of RFC 67's example; a field
+# whose value is None is left out of the entry, as the RFC asks.
+_FIELDS = (
+    "encode_duration_us",
+    "last_dispatch_duration_us",
+    "total_dispatch_duration_us",
+    "last_server_duration_us",
+    "total_server_duration_us",
+    "operation_name",
+    "last_local_id",
+    "operation_id",
+    "last_local_socket",
+    "last_remote_socket",
+    "timeout_ms",
+)
+
+#: The values of _FIELDS for one record, already in the report's units (ints, strs).
+Details = tuple[Any, ...]
+# (total_duration_us, -sequence, details): the heap's smallest is the fastest kept, the
+# newest among equals, so ties keep the earliest records.
+_Entry = tuple[int, int, Details]
+
+
+def positive_int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int >= 1, got {show(value)} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{what} must be an int >= 1, got {show(value)}")
+    return int(value)
+
+
+def _micros(value: object, what: str) -> int | None:
+    """Seconds (int or float, finite, >= 0) as whole microseconds; None stays None."""
+    if value is None:
+        return None
+    if type(value) is not float and (isinstance(value, bool) or not isinstance(value, int)):
+        hint = " (use .total_seconds())" if isinstance(value, timedelta) else ""
+        raise TypeError(
+            f"{what} must be a number of seconds (int or float){hint}, "
+            f"got {show(value)} ({type(value).__name__})"
+        )
+    seconds = float(value)
+    if not 0.0 <= seconds < math.inf:  # also NaN
+        raise ValueError(f"{what} must be a finite number of seconds >= 0, got {show(value)}")
+    return round(seconds * 1_000_000)
+
+
+def _text(value: object, what: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise TypeError(f"{what} must be a str or None, got {show(value)} ({type(value).__name__})")
+
+
+def details(
+    what: str,
+    operation_name: object,
+    encode_duration: object,
+    last_dispatch_duration: object,
+    total_dispatch_duration: object,
+    last_server_duration: object,
+    total_server_duration: object,
+    last_local_id: object,
+    operation_id: object,
+    last_local_socket: object,
+    last_remote_socket: object,
+    timeout: object,
+) -> Details:
+    """One record's fields, checked and converted (seconds to µs, the timeout to ms)."""
+    if not isinstance(operation_name, str):
+        raise TypeError(
+            f"{what}(operation_name) must be a str, got {show(operation_name)} "
+            f"({type(operation_name).__name__})"
+        )
+    timeout_us = _micros(timeout, f"{what}(timeout)")
+    return (
+        _micros(encode_duration, f"{what}(encode_duration)"),
+        _micros(last_dispatch_duration, f"{what}(last_dispatch_duration)"),
+        _micros(total_dispatch_duration, f"{what}(total_dispatch_duration)"),
+        _micros(last_server_duration, f"{what}(last_server_duration)"),
+        _micros(total_server_duration, f"{what}(total_server_duration)"),
+        operation_name,
+        _text(last_local_id, f"{what}(last_local_id)"),
+        _text(operation_id, f"{what}(operation_id)"),
+        _text(last_local_socket, f"{what}(last_local_socket)"),
+        _text(last_remote_socket, f"{what}(last_remote_socket)"),
+        None if timeout_us is None else timeout_us // 1000,
+    )
+
+
+def total_micros(duration: object, what: str) -> int:
+    micros = _micros(duration, f"{what}(duration)")
+    if micros is None:
+        raise TypeError(f"{what}(duration) must be a number of seconds (int or float), got None")
+    return micros
+
+
+class Sample:
+    """Per service: how many records, and the ``size`` slowest; one report per interval.
+
+    Thread-safe (one lock, held for a few dict and heap operations; the report is
+    built and logged outside it). ``due`` is when the pending report is due on
+    ``clock`` (``math.inf``: nothing pending): the threshold reporter's fast path
+    reads it without the lock.
+    """
+
+    __slots__ = (
+        "_clock",
+        "_counts",
+        "_event",
+        "_heaps",
+        "_interval",
+        "_lock",
+        "_seq",
+        "_size",
+        "due",
+    )
+
+    def __init__(
+        self,
+        event: str,
+        what: str,
+        sample_size: object,
+        emit_interval: object,
+        clock: object,
+    ) -> None:
+        self._event = event
+        self._size = positive_int(sample_size, f"{what}(sample_size)")
+        self._interval = to_seconds(emit_interval, f"{what}(emit_interval)", allow_zero=False)
+        if not callable(clock):
+            raise TypeError(f"{what}(clock) must be a callable returning seconds, got {clock!r}")
+        self._clock: Callable[[], float] = clock
+        self._lock = threading.Lock()
+        self._seq = itertools.count()
+        self._heaps: dict[str, list[_Entry]] = {}
+        self._counts: dict[str, int] = {}
+        self.due = math.inf
+
+    @property
+    def sample_size(self) -> int:
+        return self._size
+
+    @property
+    def emit_interval(self) -> float:
+        return self._interval
+
+    def add(self, service: str, total_us: int, fields: Details) -> None:
+        """Count one record of ``service``; keep it if it is among the ``size`` slowest."""
+        now = self._clock()
+        taken = None
+        with self._lock:
+            if now >= self.due:  # the interval is over: its report goes first
+                taken = self._take()
+            elif now < self.due - self._interval:  # the clock stepped back
+                self.due = now + self._interval
+            if self.due == math.inf:
+                self.due = now + self._interval
+            heaps = self._heaps
+            heap = heaps.get(service)
+            if heap is None:
+                if len(heaps) >= MAX_SERVICES:
+                    service = OTHER_SERVICE
+                    heap = heaps.get(service)
+                if heap is None:
+                    heap = heaps[service] = []
+                    self._counts[service] = 0
+            self._counts[service] += 1
+            if len(heap) < self._size:
+                heapq.heappush(heap, (total_us, -next(self._seq), fields))
+            elif total_us > heap[0][0]:
+                heapq.heapreplace(heap, (total_us, -next(self._seq), fields))
+        if taken is not None:
+            self._emit(taken)
+
+    def poll(self) -> None:
+        """Emit the pending report if its interval is over (a record that kept nothing)."""
+        now = self._clock()
+        if now >= self.due:
+            with self._lock:
+                taken = self._take() if now >= self.due else None
+            if taken is not None:
+                self._emit(taken)
+
+    def peek(self) -> dict[str, Any] | None:
+        """The pending report, left pending (None: nothing recorded)."""
+        with self._lock:
+            state = {s: (self._counts[s], list(h)) for s, h in self._heaps.items()}
+        return _report(state) if state else None
+
+    def flush(self) -> dict[str, Any] | None:
+        """Take the pending report now and log it; None (and nothing logged) if empty."""
+        with self._lock:
+            taken = self._take()
+        if taken is None:
+            return None
+        report = _report(taken)
+        self._log(report)
+        return report
+
+    # -- under the lock ---------------------------------------------------------------
+    def _take(self) -> dict[str, tuple[int, list[_Entry]]] | None:
+        heaps, counts = self._heaps, self._counts
+        self.due = math.inf
+        if not heaps:
+            return None
+        self._heaps, self._counts = {}, {}
+        return {service: (counts[service], heap) for service, heap in heaps.items()}
+
+    # -- outside the lock ---------------------------------------------------------------
+    def _emit(self, taken: dict[str, tuple[int, list[_Entry]]]) -> None:
+        if _log.enabled(_log.WARNING) is not None:  # built only for a logger that wants it
+            self._log(_report(taken))
+
+    def _log(self, report: dict[str, Any]) -> None:
+        log = _log.enabled(_log.WARNING)
+        if log is not None:
+            log.warning(self._event, report=_line(report), emit_interval_s=self._interval)
+
+
+def _line(report: dict[str, Any]) -> str:
+    """The report as one line of compact JSON (RFC 67: non-pretty)."""
+    return json.dumps(report, separators=(",", ":"))
+
+
+def _report(taken: dict[str, tuple[int, list[_Entry]]]) -> dict[str, Any]:
+    """RFC 67's shape: ``{service: {"total_count": n, "top_requests": [entry, ...]}}``.
+
+    Services in name order; entries slowest first (equal durations: earliest first).
+    """
+    report: dict[str, Any] = {}
+    for service in sorted(taken):
+        count, heap = taken[service]
+        top = []
+        for total_us, _, fields in sorted(heap, reverse=True):
+            entry: dict[str, Any] = {"total_duration_us": total_us}
+            for name, value in zip(_FIELDS, fields, strict=True):
+                if value is not None:
+                    entry[name] = value
+            top.append(entry)
+        report[service] = {"total_count": count, "top_requests": top}
+    return report
