@@ -27,6 +27,7 @@ from sdkcore import (
     RetryReason,
     RetryStrategy,
 )
+from sdkcore._orphans import OrphanReporter  # sdkcore.OrphanReporter
 from sdkcore.mapping import KvOpcode, kv_request
 
 from . import _protocol as proto
@@ -49,6 +50,7 @@ __all__ = ["MemcachedClient"]
 #: deadline. A wait cut this close to the deadline was cut by it.
 _AT_DEADLINE = max(0.001, time.get_clock_info("monotonic").resolution)
 _LOST = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
+_CUTS_KEPT = 1024  # attempts cut per connection whose late answer is still awaited as an orphan
 
 
 class _Waiter:
@@ -75,9 +77,14 @@ class _Connection:
     the frame was written (black-holed: the next dispatch connects again).
     """
 
-    def __init__(self, stream: anyio.abc.ByteStream, name: str) -> None:
+    def __init__(
+        self, stream: anyio.abc.ByteStream, name: str, orphans: OrphanReporter | None = None
+    ) -> None:
         self.stream = stream
         self.name = name
+        self.orphans = orphans
+        # opaque -> (written at, cut at, timeout): attempts cut while the connection lived
+        self.cut: dict[int, tuple[float, float, float | None]] = {}
         self.waiting: dict[int, _Waiter] = {}
         self.write_lock = anyio.Lock()
         self.lost: BaseException | None = None
@@ -94,12 +101,39 @@ class _Connection:
                     if waiter is not None:  # else: its attempt was cut; drop the answer
                         waiter.response = response
                         waiter.done.set()
+                    elif self.cut:
+                        self._orphan(response)
         except (*_LOST, proto.ProtocolError) as exc:
             self.close(ConnectionResetError(f"connection to {self.name} lost: {exc!r}"))
         finally:
             self.close(ConnectionResetError(f"connection to {self.name} closed"))
             with anyio.CancelScope(shield=True):
                 await self.stream.aclose()
+
+    def _orphan(self, response: proto.Response) -> None:
+        """Report the late answer to a cut attempt (RFC 67 orphaned response) to ``orphans``."""
+        cut = self.cut.pop(response.opaque, None)
+        if cut is None or self.orphans is None:
+            return
+        written, ended, timeout = cut
+        try:
+            operation = KvOpcode(response.opcode).name.lower()
+        except ValueError:
+            operation = f"0x{response.opcode:02x}"
+        local = self.stream.extra(anyio.abc.SocketAttribute.local_address, None)
+        if isinstance(local, tuple):
+            host = f"[{local[0]}]" if ":" in str(local[0]) else local[0]
+            local = f"{host}:{local[1]}"
+        self.orphans.record(
+            "kv",
+            operation,
+            time.monotonic() - written,
+            operation_id=f"0x{response.opaque:x}",
+            timeout=timeout,
+            last_dispatch_duration=ended - written,
+            last_remote_socket=self.name,
+            last_local_socket=local if isinstance(local, str) else None,
+        )
 
     def close(self, why: BaseException) -> None:
         if self.lost is None:
@@ -116,11 +150,17 @@ class _Connection:
             await self.stream.aclose()
 
     async def roundtrip(
-        self, frame: bytes, opaque: int, expired: Callable[[], bool]
+        self,
+        frame: bytes,
+        opaque: int,
+        expired: Callable[[], bool],
+        request: Request | None = None,
     ) -> proto.Response:
         """Write ``frame`` and wait for its response (OSError when the connection is lost).
 
-        ``expired()`` says, when the wait is cut, whether a deadline cut it.
+        ``expired()`` says, when the wait is cut, whether a deadline cut it. A wait cut
+        on a connection that stays open is remembered (with ``request``'s timeout), so
+        its late answer goes to the client's orphan reporter.
         """
         if self.lost is not None:
             raise ConnectionResetError(f"connection to {self.name} is closed")
@@ -140,11 +180,18 @@ class _Connection:
                             # cancelled part way: the rest of the stream would complete this frame
                             await self.drop(f"a write to {self.name} was cut mid-frame")
             silent_since = self.reads
+            sent_at = time.monotonic()
             try:
                 await waiter.done.wait()
             except BaseException:
                 if self.lost is None and self.reads == silent_since and expired():
                     await self.drop(f"no byte from {self.name} before the deadline")
+                if self.orphans is not None and self.lost is None and not waiter.done.is_set():
+                    if len(self.cut) >= _CUTS_KEPT:
+                        del self.cut[next(iter(self.cut))]  # the oldest: its answer never came
+                    limit = None if request is None else request.timeout
+                    timeout = None if limit is None else limit.total_seconds()
+                    self.cut[opaque] = (sent_at, time.monotonic(), timeout)
                 raise
         finally:
             self.waiting.pop(opaque, None)
@@ -173,7 +220,7 @@ class _Endpoint:
             connection = self._connection
             if connection is None or connection.lost is not None:
                 stream = await anyio.connect_tcp(*self.address)
-                connection = _Connection(stream, self.name)
+                connection = _Connection(stream, self.name, self._client._orphans)
                 self._client._start(connection)
                 self._connection = connection
         return connection
@@ -225,7 +272,7 @@ class _Endpoint:
         opaque = self._client._opaque()
         try:
             response = await connection.roundtrip(
-                build(opaque), opaque, lambda: _past_deadline(request)
+                build(opaque), opaque, lambda: _past_deadline(request), request
             )
         except OSError as exc:
             breaker.record_failure(exc)
@@ -281,6 +328,9 @@ class MemcachedClient:
     * ``timeout`` and ``retry_strategy``: for every :class:`~sdkcore.Request`.
     * ``breaker``: makes the breaker of an endpoint from its name ``"host:port"``
       (default :func:`make_breaker`).
+    * ``orphan_reporter``: a :class:`~sdkcore.OrphanReporter` that gets every answer
+      arriving for an attempt that was cut (timed out or cancelled) while its
+      connection stayed open (rfc/0008).
 
     Keys go to endpoints by crc32. Server statuses are mapped by
     :func:`sdkcore.mapping.kv_failure`; a GET of a missing key raises
@@ -296,7 +346,14 @@ class MemcachedClient:
         retry_strategy: RetryStrategy | None = None,
         breaker: BreakerFactory = make_breaker,
         clock: Callable[[], float] | None = None,
+        orphan_reporter: OrphanReporter | None = None,
     ) -> None:
+        if orphan_reporter is not None and not isinstance(orphan_reporter, OrphanReporter):
+            raise TypeError(
+                "MemcachedClient(orphan_reporter) must be an sdkcore.OrphanReporter or None, "
+                f"got {orphan_reporter!r}"
+            )
+        self._orphans = orphan_reporter
         self._orchestrator = RetryOrchestrator() if orchestrator is None else orchestrator
         self._request_kwargs: dict[str, Any] = {"timeout": timeout}
         if retry_strategy is not None:
