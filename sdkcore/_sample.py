@@ -24,11 +24,22 @@ from . import _log
 from ._duration import to_seconds
 from ._untrusted import show
 
-__all__ = ["MAX_SERVICES", "OTHER_SERVICE", "Details", "Sample", "details", "positive_int"]
+__all__ = [
+    "MAX_SERVICES",
+    "MAX_TEXT",
+    "OTHER_SERVICE",
+    "Details",
+    "Sample",
+    "details",
+    "positive_int",
+]
 
 #: Distinct services kept per interval; records for more are counted under OTHER_SERVICE.
 MAX_SERVICES = 64
 OTHER_SERVICE = "other"
+#: Texts (service, operation name, ids, sockets) are cut at this many characters, as
+#: sdkcore.Telemetry cuts its attribute values.
+MAX_TEXT = 100
 
 # An entry's fields after total_duration_us, in the order of RFC 67's example; a field
 # whose value is None is left out of the entry, as the RFC asks.
@@ -78,8 +89,10 @@ def _micros(value: object, what: str) -> int | None:
 
 
 def _text(value: object, what: str) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value if len(value) <= MAX_TEXT else value[:MAX_TEXT]
     raise TypeError(f"{what} must be a str or None, got {show(value)} ({type(value).__name__})")
 
 
@@ -103,6 +116,8 @@ def details(
             f"{what}(operation_name) must be a str, got {show(operation_name)} "
             f"({type(operation_name).__name__})"
         )
+    if len(operation_name) > MAX_TEXT:
+        operation_name = operation_name[:MAX_TEXT]
     timeout_us = _micros(timeout, f"{what}(timeout)")
     return (
         _micros(encode_duration, f"{what}(encode_duration)"),
@@ -189,9 +204,11 @@ class Sample:
             heaps = self._heaps
             heap = heaps.get(service)
             if heap is None:
-                if len(heaps) >= MAX_SERVICES:
+                if len(service) > MAX_TEXT:
+                    service = service[:MAX_TEXT]
+                if len(heaps) >= MAX_SERVICES and service not in heaps:
                     service = OTHER_SERVICE
-                    heap = heaps.get(service)
+                heap = heaps.get(service)
                 if heap is None:
                     heap = heaps[service] = []
                     self._counts[service] = 0

@@ -266,6 +266,18 @@ def test_services_beyond_the_bound_are_counted_as_other() -> None:
     assert report["other"]["total_count"] == 6
 
 
+def test_texts_are_cut_at_100_characters() -> None:
+    r, _ = reporter(default_threshold=0)
+    long = "x" * 250
+    r.record("s" * 150, long, 1.0, operation_id=long, last_remote_socket=long)
+    report = r.report()
+    assert report is not None
+    assert list(report) == ["s" * 100]
+    [entry] = report["s" * 100]["top_requests"]
+    assert entry["operation_name"] == entry["operation_id"] == "x" * 100
+    assert entry["last_remote_socket"] == "x" * 100
+
+
 # -- the interval --------------------------------------------------------------------------
 
 
