@@ -248,6 +248,7 @@ class CircuitBreaker:
     """
 
     __slots__ = (
+        "__weakref__",  # Telemetry.watch holds it weakly
         "_canary_timeout",
         "_clock",
         "_error_pct",

@@ -51,6 +51,7 @@ class RetryBudget:
     """
 
     __slots__ = (
+        "__weakref__",  # Telemetry.watch holds it weakly
         "_clock",
         "_deposit",
         "_exhausted",

@@ -207,14 +207,18 @@ class Telemetry:
         weakly.
         """
         if isinstance(target, CircuitBreaker):
-            self._breakers.add(target)
+            watched = "_breakers"
         elif isinstance(target, RetryBudget):
-            self._budgets.add(target)
+            watched = "_budgets"
         else:
             raise TypeError(
                 "Telemetry.watch(target): target must be an sdkcore.CircuitBreaker or "
                 f"sdkcore.RetryBudget, got {target!r}"
             )
+        previous = target._telemetry
+        if previous is not None and previous is not self:  # its gauge moves here too
+            getattr(previous, watched).discard(target)
+        getattr(self, watched).add(target)
         target._telemetry = self
         return target
 
@@ -231,7 +235,7 @@ class Telemetry:
         from opentelemetry.metrics import Observation
 
         return [
-            Observation(budget.balance, {ENDPOINT: _cut(budget.name or "")})
+            Observation(budget.balance, {ENDPOINT: _cut(budget._name or "")})
             for budget in list(self._budgets)
         ]
 
@@ -245,7 +249,7 @@ class Telemetry:
         self._guard("circuit_breaker.rejections", self.breaker_rejections.add, 1, attributes)
 
     def budget_rejected(self, budget: Any) -> None:
-        attributes = {ENDPOINT: _cut(budget.name or "")}
+        attributes = {ENDPOINT: _cut(budget._name or "")}
         self._guard("retry_budget.rejections", self.budget_rejections.add, 1, attributes)
 
     # -- requests -----------------------------------------------------------------------
@@ -254,12 +258,14 @@ class Telemetry:
         names = self._names
         if name in names:
             return name
+        name = _cut(name)  # a long name is kept cut: look that up, past the cap too
+        if name in names:
+            return name
         with self._lock:
             if name in names:
                 return name
             if len(names) >= MAX_NAMES:
                 return "other"
-            name = _cut(name)
             names.add(name)
             return name
 
@@ -294,13 +300,14 @@ class Telemetry:
 class RequestTrace:
     """One request's span and the attributes of its metrics (made by :meth:`Telemetry.begin`)."""
 
-    __slots__ = ("attributes", "ended", "span", "telemetry")
+    __slots__ = ("attributes", "ended", "hedges", "span", "telemetry")
 
     def __init__(
         self, telemetry: Telemetry, request: Any, kind: Any = None, span_name: str | None = None
     ) -> None:
         self.telemetry = telemetry
         self.ended = False
+        self.hedges = 0  # copies after the first: sdkcore.hedges, not retries
         name = telemetry.name(request.name)
         self.attributes = {NAME: name}
         # Back-dated to the request's creation: its duration metric starts there too.
@@ -420,6 +427,7 @@ class RequestTrace:
             )
 
     def hedge_sent(self) -> None:
+        self.hedges += 1
         telemetry = self.telemetry
         telemetry._guard("hedges", telemetry.hedges.add, 1, self.attributes)
 
@@ -440,6 +448,9 @@ class RequestTrace:
                 telemetry._guard("span", span.end)
             return
         outcome = outcome_of(request)
+        # Request.retry_attempts counts hedged copies too (RFC 0049): they are reported
+        # by sdkcore.hedges, so a retry ratio never mistakes a hedge for a retry.
+        retries = request.retry_attempts - self.hedges
         attributes: dict[str, Any] = {NAME: self.attributes[NAME], OUTCOME: outcome}
         if outcome != "success":
             cls = type(error).__name__ if error is not None else "RequestCanceledException"
@@ -453,7 +464,7 @@ class RequestTrace:
         telemetry._guard(
             "request.retries",
             telemetry.request_retries.record,
-            request.retry_attempts,
+            retries,
             {NAME: self.attributes[NAME]},
         )
         span = self.span
@@ -461,7 +472,7 @@ class RequestTrace:
 
             def close() -> None:
                 span.set_attribute(OUTCOME, outcome)
-                span.set_attribute("sdkcore.request.retries", request.retry_attempts)
+                span.set_attribute("sdkcore.request.retries", retries)
                 if error is not None and outcome != "success":
                     _record_error(telemetry, span, error)
                 span.end()
