@@ -39,6 +39,7 @@ from ._errors import (
 )
 from ._hedge import HedgePolicy, HedgeThrottler
 from ._orchestrator import DEFAULT_MAX_REQUESTS_IN_RETRY, RetryOrchestrator
+from ._orphans import OrphanReporter
 from ._reason import RetryReason
 from ._request import DEFAULT_TIMEOUT, DispatchInfo, Request, RequestState
 from ._strategy import (
@@ -50,6 +51,7 @@ from ._strategy import (
     FailFastRetryStrategy as FailFastRetryStrategy,  # internal (RFC 0049): not in __all__
 )
 from ._telemetry import Telemetry
+from ._threshold import ThresholdReporter
 from ._version import __version__
 
 __all__ = [
@@ -79,6 +81,7 @@ __all__ = [
     "HedgeThrottler",
     "InternalServerFailureException",
     "InvalidArgumentException",
+    "OrphanReporter",
     "QuotaLimitedException",
     "RateLimitedException",
     "Request",
@@ -94,6 +97,7 @@ __all__ = [
     "ServiceNotAvailableException",
     "Telemetry",
     "TemporaryFailureException",
+    "ThresholdReporter",
     "TimeoutException",
     "UnambiguousTimeoutException",
     "__version__",

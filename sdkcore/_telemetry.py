@@ -30,6 +30,7 @@ from ._budget import RetryBudget
 from ._context import CancellationReason
 from ._reason import RetryReason
 from ._retry_state import RequestState
+from ._threshold import ThresholdReporter
 
 __all__ = ["MAX_NAMES", "MAX_TEXT", "RequestTrace", "Telemetry", "outcome_of"]
 
@@ -95,7 +96,13 @@ class Telemetry:
     watches its own retry budget.
     """
 
-    def __init__(self, meter_provider: Any = None, tracer_provider: Any = None) -> None:
+    def __init__(
+        self,
+        meter_provider: Any = None,
+        tracer_provider: Any = None,
+        *,
+        threshold_reporter: ThresholdReporter | None = None,
+    ) -> None:
         try:
             from opentelemetry import context as otel_context
             from opentelemetry import metrics, trace
@@ -120,6 +127,13 @@ class Telemetry:
                 "Telemetry(tracer_provider=...) must be an OpenTelemetry TracerProvider (with "
                 f"get_tracer) or None for the global one, got {tracer_provider!r}"
             )
+        if threshold_reporter is not None and not isinstance(threshold_reporter, ThresholdReporter):
+            raise TypeError(
+                "Telemetry(threshold_reporter=...) must be an sdkcore.ThresholdReporter or None, "
+                f"got {threshold_reporter!r}"
+            )
+        #: Every finished request is also recorded there (Couchbase threshold logging).
+        self.threshold_reporter = threshold_reporter
         self._trace = trace
         self._context = otel_context
         self.meter: Any = (
@@ -455,12 +469,24 @@ class RequestTrace:
         if outcome != "success":
             cls = type(error).__name__ if error is not None else "RequestCanceledException"
             attributes[ERROR_TYPE] = _cut(cls)
-        telemetry._guard(
-            "request.duration",
-            telemetry.request_duration.record,
-            request.elapsed.total_seconds(),
-            attributes,
-        )
+        elapsed = request.elapsed.total_seconds()
+        telemetry._guard("request.duration", telemetry.request_duration.record, elapsed, attributes)
+        reporter = telemetry.threshold_reporter
+        if reporter is not None:
+            # The service from the request's client_context["service"] (e.g. "kv"), else
+            # "default": a service without a threshold of its own gets default_threshold.
+            service = request.client_context.get("service", "default")
+            timeout = request.timeout
+            telemetry._guard(
+                "threshold_reporter",
+                lambda: reporter.record(
+                    str(service),
+                    self.attributes[NAME],
+                    elapsed,
+                    operation_id=str(request.id),
+                    timeout=None if timeout is None else timeout.total_seconds(),
+                ),
+            )
         telemetry._guard(
             "request.retries",
             telemetry.request_retries.record,
