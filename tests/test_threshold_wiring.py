@@ -8,16 +8,16 @@ import pytest
 
 pytest.importorskip("opentelemetry.sdk")
 
-from opentelemetry.sdk.metrics import MeterProvider  # noqa: E402
-from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.trace import TracerProvider
 
-from sdkcore import (  # noqa: E402
+from sdkcore import (
     Request,
     RetryOrchestrator,
     Telemetry,
     ThresholdReporter,
 )
-from sdkcore.testing import VirtualClock, capture_retry_events  # noqa: E402
+from sdkcore.testing import VirtualClock, capture_retry_events
 
 pytestmark = pytest.mark.anyio
 
