@@ -36,6 +36,7 @@ __all__ = [
     "Fatal",
     "Metric",
     "Otel",
+    "attr",
     "current_span_id",
     "hand_wired",
     "parent_id",
@@ -88,6 +89,7 @@ class Otel:
                 assert sm.scope.name == "sdkcore", sm.scope
                 for m in sm.metrics:
                     d = m.data
+                    points: list[tuple[dict[str, Any], Any]]
                     if isinstance(d, Histogram):
                         kind = "histogram"
                         points = [
@@ -122,6 +124,13 @@ class Otel:
 def span_named(spans: list[ReadableSpan], name: str) -> ReadableSpan:
     [span] = [s for s in spans if s.name == name]
     return span
+
+
+def attr(span: Any, key: str) -> Any:
+    """A span's (or an event's) attribute ``key`` (KeyError when absent)."""
+    attributes = span.attributes
+    assert attributes is not None
+    return attributes[key]
 
 
 def parent_id(span: ReadableSpan) -> int | None:

@@ -22,7 +22,8 @@ import pytest
 
 pytest.importorskip("opentelemetry.sdk")
 
-from telemetry_kit import Fatal, Otel, hand_wired
+from opentelemetry.sdk.metrics.export import HistogramDataPoint
+from telemetry_kit import Fatal, Otel, attr, hand_wired
 
 from sdkcore import (
     BestEffortRetryStrategy,
@@ -195,8 +196,9 @@ def test_zero_retries_fall_in_a_bucket_of_their_own(otel: Otel) -> None:
         for sm in rm.scope_metrics
         for m in sm.metrics
         if m.name == "sdkcore.request.retries"
-        for p in m.data.data_points  # type: ignore[union-attr]
+        for p in m.data.data_points
     ]
+    assert isinstance(point, HistogramDataPoint)
     assert point.explicit_bounds[0] == 0
     assert point.bucket_counts[0] == 3
 
@@ -632,8 +634,7 @@ def test_sync_door_from_32_threads(otel: Otel) -> None:
     per_request: dict[int, list[int]] = {}
     for span in attempts:
         assert span.parent is not None
-        number = span.attributes["sdkcore.attempt.number"]  # type: ignore[index]
-        per_request.setdefault(span.parent.span_id, []).append(number)  # type: ignore[arg-type]
+        per_request.setdefault(span.parent.span_id, []).append(attr(span, "sdkcore.attempt.number"))
     assert all(sorted(numbers) == [1, 2] for numbers in per_request.values())
 
 
