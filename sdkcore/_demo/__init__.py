@@ -10,9 +10,10 @@ kills and restarts a real one under the example memcached client (circuit
 breakers, a retry budget). This package is the application: it configures
 structlog for its own run (and restores it); the library never does.
 
-Needs grpcio (the ``grpc`` extra); uses rich for the progress bar when it is
-installed (the ``cli`` extra). sdkcore is not on PyPI: from a checkout,
-``uv run --no-dev --extra grpc sdkcore demo``.
+Needs grpcio; ``--metrics-port`` also needs the OpenTelemetry SDK and its
+Prometheus exporter: the ``demo`` extra brings all three. Uses rich for the
+progress bar when it is installed (the ``cli`` extra). sdkcore is not on PyPI: from
+a checkout, ``uv run --no-dev --extra demo sdkcore demo``.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,8 +54,9 @@ def _parser() -> argparse.ArgumentParser:
             "Run a mixed workload (idempotent reads, non-idempotent writes) against an\n"
             "in-process troubled cluster on 127.0.0.1, once per retry strategy, and report\n"
             "what each strategy did; then, when memcached is installed, kill and restart a\n"
-            "real memcached under circuit breakers and a retry budget. Needs grpcio (extra\n"
-            "'grpc'); rich (extra 'cli') adds a progress bar."
+            "real memcached under circuit breakers and a retry budget. Needs grpcio, and for\n"
+            "--metrics-port the OpenTelemetry SDK and its Prometheus exporter (extra 'demo');\n"
+            "rich (extra 'cli') adds a progress bar."
         ),
         epilog="scenarios (default: all):\n"
         + "\n".join(f"  {name:<16} {text}" for name, text in SCENARIO_HELP.items()),
@@ -76,7 +80,49 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="stream sdkcore's log events (retry.*, hedge.*, breaker.*, budget.*) to stderr",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=_port,
+        metavar="PORT",
+        help="serve sdkcore's metrics as Prometheus text at http://127.0.0.1:PORT/metrics while "
+        "the demo runs (0: a free port; the URL is printed on stderr)",
+    )
+    parser.add_argument(
+        "--linger",
+        type=_seconds,
+        default=0.0,
+        metavar="SECONDS",
+        help="with --metrics-port: keep serving this long after the report (Ctrl-C stops)",
+    )
     return parser
+
+
+#: The longest --linger: a day.
+MAX_LINGER = 86400.0
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"must be a TCP port number from 0 to 65535 (0: a free port), got {text!r}"
+        )
+    return port
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0.0 <= seconds <= MAX_LINGER:  # NaN fails too
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds from 0 to {MAX_LINGER:.0f}, got {text!r}"
+        )
+    return seconds
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -88,7 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in[:1] == ["demo"]:
         args_in = args_in[1:]
-    args = _parser().parse_args(args_in)
+    parser = _parser()
+    args = parser.parse_args(args_in)
+    if args.linger and args.metrics_port is None:
+        parser.error("--linger keeps the metrics endpoint serving: it needs --metrics-port PORT")
     if args.scenario and MEMCACHED in args.scenario:
         from ._mcserver import INSTALL, memcached_binary
 
@@ -106,9 +155,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:
         sys.stderr.write(
             f"sdkcore demo needs grpcio: {install_hint('grpc')}; or run it from a "
-            "checkout with: uv run --no-dev --extra grpc sdkcore demo\n"
+            "checkout with: uv run --no-dev --extra demo sdkcore demo\n"
         )
         return 2
+    endpoint = None
+    if args.metrics_port is not None:
+        from ._metrics import MetricsUnavailable, serve
+
+        try:
+            endpoint = serve(args.metrics_port)
+        except MetricsUnavailable as exc:
+            sys.stderr.write(f"sdkcore demo: {exc}\n")
+            return 2
+        sys.stderr.write(f"sdkcore demo: serving metrics at {endpoint.url}\n")
+        sys.stderr.flush()
+    try:
+        return _run_and_report(args, None if endpoint is None else endpoint.telemetry, endpoint)
+    finally:
+        if endpoint is not None:
+            endpoint.close()
+
+
+def _run_and_report(args: argparse.Namespace, telemetry: Any, endpoint: Any) -> int:
     import asyncio
 
     from ._report import bold, colour_enabled, render_tail, render_text, to_json
@@ -128,7 +196,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with _logging(args.verbose):
             report = asyncio.run(
-                run(names, progress=not args.json, emit=emit if stream else _ignore, style=style)
+                run(
+                    names,
+                    progress=not args.json,
+                    emit=emit if stream else _ignore,
+                    style=style,
+                    telemetry=telemetry,
+                )
             )
         if args.json:
             text = json.dumps(to_json(report), indent=2) + "\n"
@@ -139,7 +213,47 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _ReaderGone
     except _ReaderGone:
         return 0  # the reader went away (e.g. `| head`): not an error
+    if endpoint is not None and args.linger > 0:
+        _linger(endpoint.url, args.linger)
     return 0 if report.ok else 1
+
+
+def _linger(url: str, seconds: float) -> None:
+    """Keep serving ``url`` for ``seconds`` after the report (Ctrl-C ends it quietly).
+
+    A piped stdout is let go first, so that its reader (``| jq``) gets the report's
+    end of file at once instead of after the linger.
+    """
+    _release_stdout()
+    sys.stderr.write(
+        f"sdkcore demo: the run is over; still serving {url} for {seconds:g} s (Ctrl-C stops)\n"
+    )
+    sys.stderr.flush()
+    until = time.monotonic() + seconds
+    try:
+        while (left := until - time.monotonic()) > 0:
+            time.sleep(min(left, 0.5))
+    except KeyboardInterrupt:
+        pass
+
+
+def _release_stdout() -> None:
+    """Point a piped or redirected stdout at /dev/null (a terminal is left as it is)."""
+    if _isatty(sys.stdout):
+        return
+    try:
+        sys.stdout.flush()
+        fd = sys.stdout.fileno()
+    except (ValueError, OSError, AttributeError):
+        return  # not a real file (e.g. captured in-process): nothing to let go
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, fd)
+        finally:
+            os.close(devnull)
+    except OSError:
+        pass
 
 
 class _ReaderGone(Exception):

@@ -60,6 +60,7 @@ from ._memcached_report import (
     planned_requests,
 )
 from ._memcached_text import UNEXPECTED, OutageStream, outcome_of, render_outage
+from ._metrics import CountedBreaker, CountingOrchestrator, Counts
 
 __all__ = [
     "NAME",
@@ -72,7 +73,7 @@ __all__ = [
 ]
 
 
-class _WatchedBreaker(CircuitBreaker):
+class _WatchedBreaker(CountedBreaker):
     """A breaker that reports its state changes (the demo's timeline).
 
     It looks at its state after every call the client makes; a HALF_OPEN probe that
@@ -82,9 +83,13 @@ class _WatchedBreaker(CircuitBreaker):
     __slots__ = ("_label", "_on_change", "_seen")
 
     def __init__(
-        self, label: str, on_change: Callable[[str, str, str], None], **settings: Any
+        self,
+        label: str,
+        on_change: Callable[[str, str, str], None],
+        transitions: Counter[str],
+        **settings: Any,
     ) -> None:
-        super().__init__(**settings)
+        super().__init__(transitions, **settings)
         self._label = label
         self._on_change = on_change
         self._seen = CircuitState.CLOSED
@@ -125,9 +130,43 @@ class _WatchedBreaker(CircuitBreaker):
         self._on_change(self._label, state.value, cause)
 
 
-def _never_trips(name: str) -> CircuitBreaker:
-    """A breaker that never trips: in the budget runs only the budget limits retries."""
-    return CircuitBreaker(name=name, is_failure=endpoint_down, volume_threshold=10**9)
+class _Wiring:
+    """What every orchestrator, breaker and budget of the scenario is given: the demo's
+    :class:`Counts`, and its :class:`sdkcore.Telemetry` (None without ``--metrics-port``)."""
+
+    def __init__(self, counts: Counts | None, telemetry: Any) -> None:
+        self.counts = Counts() if counts is None else counts
+        self.telemetry = telemetry
+
+    def orchestrator(self, budget: RetryBudget | None) -> RetryOrchestrator:
+        kwargs: dict[str, Any] = {} if budget is None else {"retry_budget": budget}
+        if budget is not None and self.telemetry is not None:
+            self.counts.watched.append(budget)  # the orchestrator has it watched
+        return CountingOrchestrator(
+            self.counts, BestEffortRetryStrategy(), telemetry=self.telemetry, **kwargs
+        )
+
+    def watch(self, breaker: CircuitBreaker) -> CircuitBreaker:
+        if self.telemetry is not None:
+            self.telemetry.watch(breaker)
+            self.counts.watched.append(breaker)
+        return breaker
+
+    def never_trips(self, name: str) -> CircuitBreaker:
+        """A breaker that never trips: in the budget runs only the budget limits retries."""
+        return self.watch(
+            CountedBreaker(
+                self.counts.breaker_transitions,
+                name=name,
+                is_failure=endpoint_down,
+                volume_threshold=10**9,
+            )
+        )
+
+    def refused(self, budget: RetryBudget | None) -> None:
+        """Count what ``budget`` refused (once it serves no more requests)."""
+        if budget is not None:
+            self.counts.budget_rejections += budget.refused
 
 
 def _describe(exc: BaseException) -> str:
@@ -163,12 +202,17 @@ async def run_outage(
     on_done: Callable[[], None] = lambda: None,
     which: Callable[[str], str | None] | None = None,
     stream: OutageStream | None = None,
+    counts: Counts | None = None,
+    telemetry: Any = None,
 ) -> Outage:
     """Run the scenario (skipped, at once, when ``memcached`` is not on PATH).
 
     ``stream`` gets the text report's lines as they become known (the caller ends
-    it with ``stream.finish(result)``).
+    it with ``stream.finish(result)``). Every request, breaker transition and budget
+    refusal is added to ``counts``; ``telemetry`` (an :class:`sdkcore.Telemetry`, or
+    None) gets every orchestrator, breaker and budget.
     """
+    wiring = _Wiring(counts, telemetry)
     binary = memcached_binary(which)
     if binary is None:
         return Outage(skipped=True)
@@ -189,7 +233,7 @@ async def run_outage(
                 if stream is not None:
                     stream.head(result)
                 try:
-                    await _around_a_restart(result, a, pa, pb, on_done, lines)
+                    await _around_a_restart(result, a, pa, pb, on_done, lines, wiring)
                     if stream is not None:
                         stream.restart_done(result)
                     a.kill()
@@ -199,7 +243,7 @@ async def run_outage(
                         ("without_budget", "without a budget", None),
                     ]
                     for key, label, each in runs:
-                        run = await _total_outage(key, label, pa, each, on_done)
+                        run = await _total_outage(key, label, pa, each, on_done, wiring)
                         result.budget_runs.append(run)
                         if stream is not None:
                             stream.budget_run(run)
@@ -231,9 +275,10 @@ async def _around_a_restart(
     pb: CountingProxy,
     on_done: Callable[[], None],
     lines: _Lines,
+    wiring: _Wiring,
 ) -> None:
     budget = RetryBudget(**BUDGET, name="demo-shared")
-    orchestrator = RetryOrchestrator(BestEffortRetryStrategy(), retry_budget=budget)
+    orchestrator = wiring.orchestrator(budget)
     t0 = anyio.current_time()
     marks: dict[str, dict[int, int]] = {}
     labels = {result.endpoints["A"]: "A", result.endpoints["B"]: "B"}
@@ -254,8 +299,15 @@ async def _around_a_restart(
             result.closed_at = t  # only memcached's answer closes it: after the restart
 
     def breaker(name: str) -> CircuitBreaker:
-        return _WatchedBreaker(
-            labels.get(name, name), changed, name=name, is_failure=endpoint_down, **BREAKER
+        return wiring.watch(
+            _WatchedBreaker(
+                labels.get(name, name),
+                changed,
+                wiring.counts.breaker_transitions,
+                name=name,
+                is_failure=endpoint_down,
+                **BREAKER,
+            )
         )
 
     # (issued at, endpoint, outcome) of every request
@@ -312,6 +364,7 @@ async def _around_a_restart(
                 await anyio.sleep_until(t0 + i / PAIRS_PER_S)
                 tg.start_soon(pair, i)
 
+    wiring.refused(budget)
     result.requests = len(done)
     result.budget_balance = budget.balance
     result.budget_refused = budget.refused
@@ -347,10 +400,10 @@ async def _total_outage(
     proxy: CountingProxy,
     budget: RetryBudget | None,
     on_done: Callable[[], None],
+    wiring: _Wiring,
 ) -> BudgetRun:
     """BUDGET_REQUESTS GETs at once to the dead endpoint behind ``proxy``."""
-    kwargs: dict[str, Any] = {} if budget is None else {"retry_budget": budget}
-    orchestrator = RetryOrchestrator(BestEffortRetryStrategy(), **kwargs)
+    orchestrator = wiring.orchestrator(budget)
     before = proxy.snapshot()
     refused = 0
     attempts = 0
@@ -358,7 +411,7 @@ async def _total_outage(
         f"127.0.0.1:{proxy.port}",
         orchestrator=orchestrator,
         timeout=BUDGET_TIMEOUT,
-        breaker=_never_trips,
+        breaker=wiring.never_trips,
     ) as client:
 
         async def one(i: int) -> None:
@@ -375,6 +428,7 @@ async def _total_outage(
         async with anyio.create_task_group() as tg:
             for i in range(BUDGET_REQUESTS):
                 tg.start_soon(one, i)
+    wiring.refused(budget)
     await anyio.sleep(CountingProxy.LINGER * 2)  # the proxy's last reads
     frames = sum(_minus(proxy.snapshot(), before).values())
     return BudgetRun(key, label, BUDGET_REQUESTS, attempts, frames, refused)

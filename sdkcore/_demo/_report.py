@@ -16,6 +16,7 @@ import attrs
 
 from ._memcached_report import Outage
 from ._memcached_text import OutageStream, render_outage
+from ._metrics import Counts
 from ._workload import STRATEGY_IDS, OpResult
 
 __all__ = [
@@ -133,6 +134,8 @@ class Report:
     elapsed_s: float = 0.0
     #: The memcached-outage scenario (None when it was not selected).
     memcached: Outage | None = None
+    #: What sdkcore did, as the demo counted it (what ``--metrics-port`` exports).
+    counts: Counts = attrs.field(factory=Counts)
 
     @property
     def ok(self) -> bool:
@@ -184,6 +187,7 @@ def to_json(report: Report) -> dict[str, Any]:
                 {"key": k, "op": op, "applied": n} for k, op, n in report.duplicate_writes
             ],
         },
+        "counts": report.counts.to_json(),
         "ok": report.ok,
     }
     if report.memcached is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from . import SCENARIO_HELP
 from ._memcached import run_outage
@@ -36,6 +37,7 @@ async def run(
     emit: Callable[[list[str]], None] = _nothing,
     style: Callable[[str], str] = lambda s: s,
     which: Callable[[str], str | None] | None = None,
+    telemetry: Any = None,
 ) -> Report:
     """Run the named scenarios under each strategy against a fresh cluster.
 
@@ -45,6 +47,9 @@ async def run(
     it runs (its set-up, each event of its timeline as it happens, its figures as
     each part ends); ``render_text`` of the returned report gives the same lines,
     and the tail after them. ``which`` finds ``memcached`` (default ``shutil.which``).
+    ``telemetry`` (an :class:`sdkcore.Telemetry`, or None) is given to every
+    orchestrator, channel, breaker and budget of the run; ``report.counts`` is the
+    demo's own tally of the same decisions.
     """
     started = time.perf_counter()
     runnable = [s for s in SCENARIOS if s.name in names]
@@ -74,12 +79,19 @@ async def run(
                 for scenario in runnable:
                     bar.stage(f"{scenario.name} / {label}")
                     results, a6 = await run_scenario(
-                        cluster, scenario, make(), f"s{n}-{scenario.name}", bar.advance
+                        cluster,
+                        scenario,
+                        make(),
+                        f"s{n}-{scenario.name}",
+                        bar.advance,
+                        counts=report.counts,
+                        telemetry=telemetry,
                     )
                     table[scenario.name] = summarize(results, a6["retries"])
                     emit(render_row(scenario.name, table[scenario.name]))
                     every += results
                     a6_total += a6["retries"]
+                    report.counts.channel_retries += a6["retries"]
                     writes_ok += sum(r.ok and r.write for r in results)
                     for r in results:  # the shortest message of each kind reads best
                         if r.error is not None and r.message is not None:
@@ -91,7 +103,13 @@ async def run(
             if outage:
                 bar.stage(MEMCACHED)
                 lines = memcached_stream(emit, style)
-                report.memcached = await run_outage(on_done=bar.advance, which=which, stream=lines)
+                report.memcached = await run_outage(
+                    on_done=bar.advance,
+                    which=which,
+                    stream=lines,
+                    counts=report.counts,
+                    telemetry=telemetry,
+                )
                 lines.finish(report.memcached)
         if cluster is not None:
             report.writes_applied = sum(cluster.applied.values())

@@ -47,6 +47,7 @@ from sdkcore.mapping import (
 )
 
 from . import SCENARIO_HELP
+from ._metrics import CountingOrchestrator, Counts
 from ._server import BAD_BUCKET, IN_FLIGHT_KEY, LOCKED_KEY, SERVICE, TroubledCluster
 
 __all__ = [
@@ -105,6 +106,10 @@ HEDGED_METHOD_CONFIG: dict[str, Any] = {
     },
 }
 
+
+import inspect  # noqa: E402  TEMP
+
+_CHANNEL_TELEMETRY = "telemetry" in inspect.signature(sdkcore.grpc.insecure_channel).parameters
 
 SERVICE_CONFIG = json.dumps({"methodConfig": [*_METHOD_CONFIGS, HEDGED_METHOD_CONFIG]})
 
@@ -305,17 +310,27 @@ async def run_scenario(
     strategy: RetryStrategy,
     run_id: str,
     on_done: Callable[[], None] = lambda: None,
+    *,
+    counts: Counts | None = None,
+    telemetry: Any = None,
 ) -> tuple[list[OpResult], dict[str, int]]:
     """Run one scenario's operations under ``strategy``.
 
     Returns each operation's outcome and the channel's A6 retry counters
-    (``{"retries": n, "transparent": m}``).
+    (``{"retries": n, "transparent": m}``). Every request (the warm-up's too) is
+    added to ``counts``; ``telemetry`` (an :class:`sdkcore.Telemetry`, or None)
+    records the orchestrator's requests and the channel's calls.
     """
     stats = sdkcore.grpc.RetryStats()
     results: list[OpResult] = []
-    orchestrator = RetryOrchestrator(default_strategy=strategy)
+    orchestrator: RetryOrchestrator = CountingOrchestrator(
+        Counts() if counts is None else counts, default_strategy=strategy, telemetry=telemetry
+    )
+    channel_options: dict[str, Any] = {}
+    if telemetry is not None and _CHANNEL_TELEMETRY:  # TEMP until the channels take it
+        channel_options["telemetry"] = telemetry
     async with sdkcore.grpc.insecure_channel(
-        cluster.target, service_config=SERVICE_CONFIG, stats=stats
+        cluster.target, service_config=SERVICE_CONFIG, stats=stats, **channel_options
     ) as channel:
         client = _Client(channel, orchestrator)
         await channel.channel_ready()
