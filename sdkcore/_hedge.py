@@ -108,6 +108,7 @@ class _Chain:
         "fatal",
         "first_elapsed",
         "last_failure",
+        "latency",
         "limit",
         "next_at",
         "next_trigger",
@@ -139,7 +140,10 @@ class _Chain:
         self.policy = policy
         self.throttler = throttler
         self.limit = policy.effective_max_attempts
-        self.delay = 0.0 if INSTANT_DELAYS.get() else policy.delay.total_seconds()
+        # A LatencyQuantile's delay is math.inf before min_samples: no hedge for latency.
+        delay = policy.delay.total_seconds()
+        self.delay = 0.0 if INSTANT_DELAYS.get() and delay != math.inf else delay
+        self.latency = policy.latency  # learns the delay from each copy's latency (rfc/0009)
         self.attempts: list[_Attempt] = []
         self.outstanding = 0  # copies sent and not ended
         self.first_elapsed = 0.0
@@ -238,6 +242,9 @@ class _Chain:
             self._fatal(attempt, exc)
         except BaseException:
             self.outstanding -= 1
+            latency = self.latency
+            if latency is not None and self.winner is not None:  # superseded: as Finagle
+                latency.record(self._elapsed(attempt))
             attempt.outcome = _CANCELLED
             # cut in flight: it may have reached the server
             self._book(attempt, None, AttemptEffect.MAYBE_APPLIED, None)
@@ -245,12 +252,22 @@ class _Chain:
             raise
         else:
             self.outstanding -= 1
+            latency = self.latency
+            if latency is not None:
+                latency.record(self._elapsed(attempt))
             self._won(attempt, result)
         finally:
             self.request._dispatched_done(mark)
             wake = self.wake
             if wake is not None:
                 wake()
+
+    def _elapsed(self, attempt: _Attempt) -> float:
+        """Seconds since ``attempt`` was sent (hedge 0 handed over: since its own send)."""
+        elapsed = self.clock() - attempt.started
+        if attempt.index == 0:
+            elapsed += self.first_elapsed
+        return max(elapsed, 0.0)
 
     def unsent(self, attempt: _Attempt) -> None:
         """``attempt`` was cut before its :meth:`run` began (asyncio can cancel a task

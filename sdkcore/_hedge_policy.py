@@ -14,6 +14,7 @@ import attrs
 
 from ._duration import to_seconds
 from ._errors import RetryableError
+from ._latency import LatencyQuantile
 from ._reason import RetryReason
 from ._untrusted import show
 
@@ -33,12 +34,19 @@ class HedgeThrottler(Protocol):
     def record_success(self) -> None: ...
 
 
-def _delay(value: Any) -> timedelta:
+def _delay(value: Any) -> timedelta | LatencyQuantile:
     if value is None:
         return timedelta(0)
+    if isinstance(value, LatencyQuantile):
+        return value
     if isinstance(value, timedelta):
         to_seconds(value, "HedgePolicy.delay")
         return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            "HedgePolicy.delay must be a datetime.timedelta, a number of seconds, a "
+            f"LatencyQuantile or None, got {show(value)} ({type(value).__name__})"
+        )
     return timedelta(seconds=to_seconds(value, "HedgePolicy.delay"))
 
 
@@ -85,7 +93,10 @@ class HedgePolicy:
     * ``max_attempts``: copies sent at most, the first included (>= 1), capped by
       ``max_attempts_cap`` (A6 default 5).
     * ``delay``: ``timedelta`` or seconds between hedges; ``None`` or 0 sends every
-      copy at once.
+      copy at once. A :class:`LatencyQuantile` learns it: the next copy goes out at its
+      ``current_delay`` (the recent p(1 - max_extra_load) latency), none is sent for
+      latency before it has ``min_samples``, and each copy's latency is recorded into it
+      (rfc/0009).
     * ``non_fatal``: the :class:`RetryReason` s a failed copy may report (by raising
       ``RetryableError``) without ending the chain; ``None`` (default) means every
       reason. Any other exception from ``send`` is fatal.
@@ -96,7 +107,7 @@ class HedgePolicy:
     """
 
     max_attempts: int = attrs.field(validator=_check_attempts)
-    delay: timedelta = attrs.field(default=None, converter=_delay)
+    delay: timedelta | LatencyQuantile = attrs.field(default=None, converter=_delay)
     non_fatal: frozenset[RetryReason] | None = attrs.field(default=None, converter=_non_fatal)
     pushback: Callable[[RetryableError], float | None] | None = attrs.field(
         default=None, validator=_check_pushback, eq=False
@@ -109,3 +120,9 @@ class HedgePolicy:
     def effective_max_attempts(self) -> int:
         """``min(max_attempts, max_attempts_cap)``."""
         return min(self.max_attempts, self.max_attempts_cap)
+
+    @property
+    def latency(self) -> LatencyQuantile | None:
+        """The :class:`LatencyQuantile` the delay is learned from, or None for a fixed delay."""
+        delay = self.delay
+        return delay if isinstance(delay, LatencyQuantile) else None

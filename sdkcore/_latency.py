@@ -1,0 +1,297 @@
+"""A hedging delay learned from latency: the p(1 - max_extra_load) of a sliding window.
+
+Finagle's ``BackupRequestFilter`` sends its backup request at the
+``1 - maxExtraLoad`` percentile of a ``WindowedPercentileHistogram`` (30 s, in ten
+buckets of 3 s, the percentile refreshed every 3 s, never below 1 ms); tower's
+``hedge`` keeps a rotating histogram too. :class:`LatencyQuantile` is that window:
+latencies go into a log-linear histogram (HDR-style: 64 linear sub-buckets per power
+of two, a relative error of at most 1/64) kept in ten slices of ``window / 10``; the
+delay is recomputed when a slice turns over. See rfc/0009, "Adaptive hedging".
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+from ._duration import to_seconds
+from ._untrusted import show
+
+__all__ = ["RELATIVE_ERROR", "LatencyQuantile"]
+
+_SUB = 64  # linear sub-buckets per power of two
+_TWO_SUB = 2 * _SUB
+#: The most a reported latency exceeds the true one, relative to it: a bucket's upper
+#: bound over its lower bound, minus one.
+RELATIVE_ERROR = 1.0 / _SUB
+_E0 = -19  # math.frexp's exponent for 2**-20 s (about 0.95 us), the lowest bucket
+_OCTAVES = 32  # 2**-20 s to 2**12 s (68 minutes)
+_TOP = _OCTAVES * _SUB - 1
+_LOW = math.ldexp(1.0, _E0 - 1)
+_HIGH = math.ldexp(1.0, _E0 - 1 + _OCTAVES)
+_SLICES = 10  # the window moves by a tenth of itself (Finagle: 30 s in 3 s buckets)
+_MIN_WINDOW = 1.0
+_MAX_WINDOW = 86400.0
+_MAX_SAMPLES = 2**31 - 1
+
+
+def _bucket(seconds: float) -> int:
+    if seconds < _LOW:
+        return 0
+    if seconds >= _HIGH:
+        return _TOP
+    mantissa, exponent = math.frexp(seconds)  # mantissa in [0.5, 1)
+    return (exponent - _E0) * _SUB + int((mantissa - 0.5) * _TWO_SUB)
+
+
+def _upper(bucket: int) -> float:
+    """The highest latency bucket ``bucket`` holds (HdrHistogram's highest equivalent value)."""
+    exponent, sub = divmod(bucket, _SUB)
+    return math.ldexp(0.5 + (sub + 1) / _TWO_SUB, exponent + _E0)
+
+
+class LatencyQuantile:
+    """The latency below which ``1 - max_extra_load`` of recent requests answered.
+
+    Give it as ``HedgePolicy(delay=LatencyQuantile(...))``: each hedged request then
+    sends its next copy after :attr:`current_delay`, and records the latency of its copies
+    here (as Finagle does: every copy that answered, and every copy cut because another
+    won, at the time it was cut). One instance per endpoint or method, shared by every
+    request to it.
+
+    * ``max_extra_load``: the fraction of requests allowed to need a hedge (0.01: the
+      delay is the p99 latency). Greater than 0, less than 1.
+    * ``window``: how long latencies are remembered (1 s to 1 day; 30 s as Finagle). They
+      leave in tenths (after between 0.9 and 1 ``window``), and the delay is recomputed
+      whenever a tenth turns over (every 3 s by default, Finagle's refresh).
+    * ``min_delay``: the delay is never shorter (default 1 ms, Finagle's floor: a p99 of
+      0 ms would hedge every request at once).
+    * ``max_delay``: the delay is never longer (default None: no bound).
+    * ``min_samples``: no delay, and so no hedge sent for latency, until the window
+      holds this many latencies (default 100: below ``1 / max_extra_load`` samples the
+      p99 is just the slowest one seen).
+    * ``clock``: seconds, monotonic (default ``time.monotonic``); it only ages latencies.
+
+    The quantile is the nearest rank: the smallest recorded latency with at least
+    ``1 - max_extra_load`` of the window at or below it, reported as the upper bound of
+    its histogram bucket (at most :data:`RELATIVE_ERROR`, 1/64, above the true value:
+    never below, so hedges never exceed ``max_extra_load`` for lack of precision).
+    Latencies from about 1 us to 68 minutes are told apart; shorter and longer ones
+    count as the bounds. Thread-safe; fixed memory (at most 2048 counts per tenth);
+    :meth:`record` is O(1).
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_clock",
+        "_count",
+        "_delay",
+        "_extra",
+        "_index",
+        "_lock",
+        "_max_delay",
+        "_min_delay",
+        "_min_samples",
+        "_per_slice",
+        "_sizes",
+        "_slice_end",
+        "_slices",
+        "_window",
+    )
+
+    def __init__(
+        self,
+        max_extra_load: float = 0.01,
+        *,
+        window: timedelta | float = timedelta(seconds=30),
+        min_delay: timedelta | float = timedelta(milliseconds=1),
+        max_delay: timedelta | float | None = None,
+        min_samples: int = 100,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        what = "LatencyQuantile"
+        allowed = "a number greater than 0 and less than 1 (0.01: hedge at the p99 latency)"
+        if isinstance(max_extra_load, bool) or not isinstance(max_extra_load, (int, float)):
+            raise TypeError(
+                f"{what}(max_extra_load) must be {allowed}, got {show(max_extra_load)} "
+                f"({type(max_extra_load).__name__})"
+            )
+        try:
+            extra = float(max_extra_load)
+        except OverflowError:
+            extra = math.inf
+        if not 0.0 < extra < 1.0:  # NaN fails too
+            raise ValueError(
+                f"{what}(max_extra_load) must be {allowed}, got {show(max_extra_load)}"
+            )
+        seconds = to_seconds(window, f"{what}(window)")
+        if not _MIN_WINDOW <= seconds <= _MAX_WINDOW:
+            raise ValueError(
+                f"{what}(window) must be between 1 second and 1 day (Finagle keeps 30 s), "
+                f"got {show(window)}"
+            )
+        low = to_seconds(min_delay, f"{what}(min_delay)")
+        high: float | None = None
+        if max_delay is not None:
+            high = to_seconds(max_delay, f"{what}(max_delay)", allow_zero=False)
+            if high < low:
+                raise ValueError(
+                    f"{what}(max_delay) must be None or at least min_delay ({low:g} s), "
+                    f"got {show(max_delay)}"
+                )
+        if isinstance(min_samples, bool) or not isinstance(min_samples, int):
+            raise TypeError(
+                f"{what}(min_samples) must be an integer >= 1, got {show(min_samples)} "
+                f"({type(min_samples).__name__})"
+            )
+        if not 1 <= min_samples <= _MAX_SAMPLES:
+            raise ValueError(
+                f"{what}(min_samples) must be an integer from 1 to {_MAX_SAMPLES}, "
+                f"got {show(min_samples)}"
+            )
+        if clock is None:
+            clock = time.monotonic
+        elif not callable(clock):
+            raise TypeError(
+                f"{what}(clock) must be a callable returning seconds or None, got {show(clock)}"
+            )
+        self._extra = extra
+        self._window = seconds
+        self._min_delay = low
+        self._max_delay = high
+        self._min_samples = min_samples
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._per_slice = _SLICES / seconds  # slice number = int(now * per_slice)
+        # Per tenth of the window: bucket -> count (only the buckets used: at most 2048).
+        self._slices: list[dict[int, int]] = [{} for _ in range(_SLICES)]
+        self._sizes = [0] * _SLICES
+        self._count = 0
+        self._delay = math.inf  # seconds; inf: fewer than min_samples latencies
+        self._index = int(clock() * self._per_slice)
+        self._slice_end = (self._index + 1) / self._per_slice
+
+    # -- configuration -----------------------------------------------------------------
+    @property
+    def max_extra_load(self) -> float:
+        return self._extra
+
+    @property
+    def window(self) -> timedelta:
+        return timedelta(seconds=self._window)
+
+    @property
+    def min_delay(self) -> timedelta:
+        return timedelta(seconds=self._min_delay)
+
+    @property
+    def max_delay(self) -> timedelta | None:
+        return None if self._max_delay is None else timedelta(seconds=self._max_delay)
+
+    @property
+    def min_samples(self) -> int:
+        return self._min_samples
+
+    # -- reading -----------------------------------------------------------------------
+    @property
+    def count(self) -> int:
+        """Latencies in the window now."""
+        self._turn(self._clock())
+        return self._count
+
+    @property
+    def delay_seconds(self) -> float:
+        """:attr:`current_delay` in seconds, ``math.inf`` before ``min_samples``."""
+        now = self._clock()
+        if now >= self._slice_end:
+            self._turn(now)
+        return self._delay
+
+    def total_seconds(self) -> float:
+        """:attr:`delay_seconds`, read as ``timedelta.total_seconds()`` reads a fixed delay:
+        code that reads ``HedgePolicy.delay.total_seconds()`` works with either."""
+        return self.delay_seconds
+
+    @property
+    def current_delay(self) -> timedelta | None:
+        """When the next copy of a hedged request goes out; None before ``min_samples``."""
+        delay = self.delay_seconds
+        return None if delay == math.inf else timedelta(seconds=delay)
+
+    # -- recording ---------------------------------------------------------------------
+    def record(self, latency: float | timedelta) -> None:
+        """One request's latency (seconds or a ``timedelta``; finite, >= 0)."""
+        if type(latency) is float and 0.0 <= latency < math.inf:
+            seconds = latency
+        else:  # checked and converted (a timedelta, an int), or a clear error
+            seconds = to_seconds(latency, "LatencyQuantile.record(latency)")
+        bucket = _bucket(seconds)
+        now = self._clock()
+        with self._lock:
+            if now >= self._slice_end:
+                self._roll(int(now * self._per_slice))
+            slot = self._index % _SLICES
+            counts = self._slices[slot]
+            counts[bucket] = counts.get(bucket, 0) + 1
+            self._sizes[slot] += 1
+            self._count += 1
+            if self._delay == math.inf and self._count >= self._min_samples:
+                self._refresh()  # the first delay, without waiting for the next tenth
+
+    # -- the window --------------------------------------------------------------------
+    def _turn(self, now: float) -> None:
+        if now >= self._slice_end:
+            with self._lock:
+                if now >= self._slice_end:
+                    self._roll(int(now * self._per_slice))
+
+    def _roll(self, index: int) -> None:
+        """Move the window to slice ``index`` and recompute the delay (under the lock)."""
+        old = self._index
+        if index <= old:  # a clock that went back stays in the newer slice
+            return
+        slices, sizes = self._slices, self._sizes
+        for i in range(old + 1, min(index, old + _SLICES) + 1):
+            j = i % _SLICES
+            if sizes[j]:
+                self._count -= sizes[j]
+                sizes[j] = 0
+                slices[j] = {}
+        self._index = index
+        self._slice_end = (index + 1) / self._per_slice
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """The delay from the window's histogram (under the lock; O(buckets used))."""
+        count = self._count
+        if count < self._min_samples:
+            self._delay = math.inf
+            return
+        merged: dict[int, int] = {}
+        for counts in self._slices:
+            for bucket, n in counts.items():
+                merged[bucket] = merged.get(bucket, 0) + n
+        # Nearest rank: at most floor(max_extra_load * count) latencies lie above it.
+        rank = count - math.floor(self._extra * count + 1e-9)
+        seen = 0
+        value = _HIGH
+        for bucket in sorted(merged):
+            seen += merged[bucket]
+            if seen >= rank:
+                value = _upper(bucket)
+                break
+        value = max(value, self._min_delay)
+        if self._max_delay is not None:
+            value = min(value, self._max_delay)
+        self._delay = value
+
+    def __repr__(self) -> str:
+        delay = self.current_delay
+        shown = "None" if delay is None else f"{delay.total_seconds() * 1000.0:.3f}ms"
+        return (
+            f"<LatencyQuantile p{(1.0 - self._extra) * 100:g} window={self._window:g}s "
+            f"samples={self._count} current_delay={shown}>"
+        )
