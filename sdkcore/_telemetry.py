@@ -36,6 +36,9 @@ __all__ = ["MAX_NAMES", "MAX_TEXT", "RequestTrace", "Telemetry", "outcome_of"]
 
 T = TypeVar("T")
 
+#: ``Telemetry.begin(span=...)`` not given: the trace starts the request's span itself.
+_OWN_SPAN: Any = object()
+
 #: Distinct request names recorded as themselves; later new names are ``other``.
 MAX_NAMES = 1000
 #: Attribute texts (names, error types) are cut at this many characters.
@@ -283,9 +286,20 @@ class Telemetry:
             names.add(name)
             return name
 
-    def begin(self, request: Any, kind: Any = None, span_name: str | None = None) -> RequestTrace:
-        """The request's trace: its span starts (back-dated to the request's creation)."""
-        trace = RequestTrace(self, request, kind, span_name)
+    def begin(
+        self,
+        request: Any,
+        kind: Any = None,
+        span_name: str | None = None,
+        span: Any = _OWN_SPAN,
+    ) -> RequestTrace:
+        """The request's trace: its span starts (back-dated to the request's creation).
+
+        ``span``: a span the door started itself (a gRPC call's ``Sent.`` span, started
+        with the call; None if it could not start). The trace adopts it as the request's
+        span, records on it as on its own, and leaves ending it to that door.
+        """
+        trace = RequestTrace(self, request, kind, span_name, span)
         request._trace = trace
         return trace
 
@@ -314,20 +328,30 @@ class Telemetry:
 class RequestTrace:
     """One request's span and the attributes of its metrics (made by :meth:`Telemetry.begin`)."""
 
-    __slots__ = ("attributes", "ended", "hedges", "span", "telemetry")
+    __slots__ = ("attributes", "ended", "hedges", "owns_span", "span", "telemetry")
 
     def __init__(
-        self, telemetry: Telemetry, request: Any, kind: Any = None, span_name: str | None = None
+        self,
+        telemetry: Telemetry,
+        request: Any,
+        kind: Any = None,
+        span_name: str | None = None,
+        span: Any = _OWN_SPAN,
     ) -> None:
         self.telemetry = telemetry
         self.ended = False
         self.hedges = 0  # copies after the first: sdkcore.hedges, not retries
         name = telemetry.name(request.name)
         self.attributes = {NAME: name}
+        #: False for a span the door started and ends itself (see Telemetry.begin).
+        self.owns_span = span is _OWN_SPAN
+        if not self.owns_span:
+            self.span: Any = span
+            return
         # Back-dated to the request's creation: its duration metric starts there too.
         started = time.time_ns() - int(request.elapsed.total_seconds() * 1e9)
         trace = telemetry._trace
-        self.span: Any = telemetry._guard(
+        self.span = telemetry._guard(
             "span",
             lambda: telemetry.tracer.start_span(
                 span_name or name,
@@ -458,7 +482,7 @@ class RequestTrace:
         if not request.completed:  # a caller's mistake before anything ran (a bad argument)
             request._trace = None
             span = self.span
-            if span is not None:
+            if span is not None and self.owns_span:
                 telemetry._guard("span", span.end)
             return
         outcome = outcome_of(request)
@@ -501,7 +525,8 @@ class RequestTrace:
                 span.set_attribute("sdkcore.request.retries", retries)
                 if error is not None and outcome != "success":
                     _record_error(telemetry, span, error)
-                span.end()
+                if self.owns_span:
+                    span.end()
 
             telemetry._guard("span", close)
 

@@ -12,6 +12,7 @@ from grpc.aio import _channel as _aio_channel
 
 from .._budget import RetryBudget
 from .._orchestrator import RetryOrchestrator
+from .._telemetry import Telemetry
 from ._hedged_call import _HedgedCall
 from ._interceptors import (
     DEFAULT_CHANNEL_BUFFER_LIMIT,
@@ -74,6 +75,8 @@ class _Channel(_aio_channel.Channel):  # type: ignore[misc]
             method, request_serializer, response_deserializer, _registered_method
         )
         core = self._sdkcore
+        if _registered_method and core._tel is not None:
+            core._tel.register(method)  # a generated stub's method: grpc.method is its name
         if core.service_config is not None:
             hedging = core.hedge_plan(method)
             if hedging is not None:
@@ -82,6 +85,48 @@ class _Channel(_aio_channel.Channel):  # type: ignore[misc]
         if plan is None:  # grpc.aio's own calls, within an outer request's deadline
             return BoundedMultiCallable(inner)
         return DirectMultiCallable(core, plan, inner, method)
+
+    # The streaming shapes only note a generated stub's methods (A66 grpc.method).
+    def unary_stream(
+        self,
+        method: str,
+        request_serializer: Any = None,
+        response_deserializer: Any = None,
+        _registered_method: bool | None = False,
+    ) -> Any:
+        self._registered(method, _registered_method)
+        return super().unary_stream(
+            method, request_serializer, response_deserializer, _registered_method
+        )
+
+    def stream_unary(
+        self,
+        method: str,
+        request_serializer: Any = None,
+        response_deserializer: Any = None,
+        _registered_method: bool | None = False,
+    ) -> Any:
+        self._registered(method, _registered_method)
+        return super().stream_unary(
+            method, request_serializer, response_deserializer, _registered_method
+        )
+
+    def stream_stream(
+        self,
+        method: str,
+        request_serializer: Any = None,
+        response_deserializer: Any = None,
+        _registered_method: bool | None = False,
+    ) -> Any:
+        self._registered(method, _registered_method)
+        return super().stream_stream(
+            method, request_serializer, response_deserializer, _registered_method
+        )
+
+    def _registered(self, method: str, registered: bool | None) -> None:
+        tel = self._sdkcore._tel
+        if registered and tel is not None:
+            tel.register(method)
 
     async def close(self, grace: float | None = None) -> None:
         if grace is None or grace >= 0:  # grpc.aio refuses a negative grace
@@ -108,7 +153,9 @@ def _build(
         if not isinstance(retry_budget, RetryBudget):
             raise TypeError(f"retry_budget must be an sdkcore.RetryBudget, got {retry_budget!r}")
         if orchestrator is None:
-            orchestrator = RetryOrchestrator(retry_budget=retry_budget)
+            orchestrator = RetryOrchestrator(
+                retry_budget=retry_budget, telemetry=retry_options.get("telemetry")
+            )
         elif orchestrator.retry_budget is not retry_budget:
             raise ValueError(
                 "give the retry budget to the orchestrator (RetryOrchestrator(retry_budget=...)) "
@@ -153,6 +200,7 @@ def insecure_channel(
     stats: RetryStats | None = None,
     message_size: Callable[[Any], int] | None = None,
     retry_budget: RetryBudget | None = None,
+    telemetry: Telemetry | None = None,
 ) -> aio.Channel:
     """A ``grpc.aio`` insecure channel whose calls are retried by sdkcore (A6).
 
@@ -164,6 +212,13 @@ def insecure_channel(
     the retry loop, once per attempt. ``retry_budget``: an :class:`sdkcore.RetryBudget`
     shared with other channels and orchestrators (each call's first attempt deposits,
     each retry withdraws; A6 ``retryThrottling`` still applies when the config sets it).
+    ``telemetry``: an :class:`sdkcore.Telemetry`; the channel records gRPC's standard
+    metrics (A66 ``grpc.client.attempt.*``/``grpc.client.call.duration``, A96
+    ``grpc.client.call.retries``/``transparent_retries``/``hedges``/``retry_delay``) and
+    A72 spans (``Sent.<service>.<method>``, one ``Attempt.`` child per attempt) for every
+    call, and its orchestrator the ``sdkcore.*`` ones (rfc/0008). None (the default): the
+    orchestrator's telemetry, if it has one; nothing is recorded without. A telemetry
+    given here and a different one on the orchestrator is a ValueError.
     See :class:`RetryController` for the other options.
     """
     return _build(
@@ -184,6 +239,7 @@ def insecure_channel(
             "transparent_retry_limit": transparent_retry_limit,
             "stats": stats,
             "message_size": message_size,
+            "telemetry": telemetry,
         },
         retry_budget,
     )
@@ -208,6 +264,7 @@ def secure_channel(
     stats: RetryStats | None = None,
     message_size: Callable[[Any], int] | None = None,
     retry_budget: RetryBudget | None = None,
+    telemetry: Telemetry | None = None,
 ) -> aio.Channel:
     """Like :func:`insecure_channel`, with channel ``credentials`` (TLS)."""
     return _build(
@@ -228,6 +285,7 @@ def secure_channel(
             "transparent_retry_limit": transparent_retry_limit,
             "stats": stats,
             "message_size": message_size,
+            "telemetry": telemetry,
         },
         retry_budget,
     )

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._orchestrator import RetryOrchestrator
+from .._telemetry import Telemetry
 from .._untrusted import show as _show
 from ._metadata import (
     DEFAULT_CHANNEL_BUFFER_LIMIT,
@@ -24,6 +25,7 @@ from ._plans import HedgePlan, _method_name, _Plan
 from ._policy import A6RetryStrategy, BackoffJitter
 from ._service_config import DEFAULT_MAX_ATTEMPTS_CAP, ServiceConfig
 from ._stats import RetryStats
+from ._telemetry import ChannelTelemetry
 from ._throttle import RetryThrottler, _nothing
 from ._throttle import _acquire as _acquire_throttler
 
@@ -48,6 +50,9 @@ class _Controller:
       made (needs :meth:`bind_channel`; see rfc/0003).
     * ``stats``: a :class:`RetryStats` to record into (a new one by default).
     * ``message_size``: bytes of a request message (default :func:`default_message_size`).
+    * ``telemetry``: an :class:`sdkcore.Telemetry` for the gRPC metrics and spans (A66,
+      A96, A72; rfc/0008); None: the orchestrator's (``orchestrator.telemetry``), if any.
+      Given with an orchestrator that has another one: ValueError.
     """
 
     def __init__(
@@ -65,6 +70,7 @@ class _Controller:
         transparent_retry_limit: int = 10,
         stats: RetryStats | None = None,
         message_size: Callable[[Any], int] | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         # Every argument is checked before any shared state (the process-wide
         # throttler of the target) is touched: a rejected controller changes nothing.
@@ -97,6 +103,21 @@ class _Controller:
                 "RetryController(message_size=...) must be a callable returning bytes, "
                 f"got {message_size!r}"
             )
+        if telemetry is not None and not isinstance(telemetry, Telemetry):
+            raise TypeError(
+                "RetryController(telemetry=...) must be an sdkcore.Telemetry or None, "
+                f"got {telemetry!r}"
+            )
+        if orchestrator is not None:
+            theirs = getattr(orchestrator, "telemetry", None)
+            if telemetry is None:
+                telemetry = theirs
+            elif theirs is not None and theirs is not telemetry:
+                raise ValueError(
+                    "telemetry: the channel was given one Telemetry and its orchestrator has "
+                    "another; give it to one of them (RetryOrchestrator(telemetry=...) or the "
+                    "channel's telemetry=...), or the same object to both"
+                )
         # max_attempts_cap and transparent_retry_limit, with the strategy's own messages.
         A6RetryStrategy(
             None,
@@ -106,7 +127,14 @@ class _Controller:
         )
         self.target = target
         self.service_config: ServiceConfig | None = service_config
-        self.orchestrator = orchestrator if orchestrator is not None else RetryOrchestrator()
+        self.orchestrator = (
+            orchestrator if orchestrator is not None else RetryOrchestrator(telemetry=telemetry)
+        )
+        #: The telemetry the channel's calls record into (None: nothing is recorded).
+        self.telemetry = telemetry
+        self._tel: ChannelTelemetry | None = (
+            None if telemetry is None else ChannelTelemetry(telemetry, target, service_config)
+        )
         self.enabled = enabled
         self.stats = stats if stats is not None else RetryStats()
         self.per_call_buffer_limit = per_call_buffer_limit
@@ -241,8 +269,11 @@ class _Controller:
         plan: _Plan | None = None
         # With retries off, a method config's timeout / waitForReady still apply; with
         # throttling, every successful call feeds the throttler (A6), policy or not.
+        # With telemetry every call is observed: a method sdkcore would leave to grpc.aio
+        # gets a plan that never retries (nothing else changes for it).
         if (
             policy is not None
+            or self._tel is not None
             or self.transparent_retries
             or self.throttler is not None
             or (mc is not None and (mc.timeout is not None or mc.wait_for_ready is not None))

@@ -22,7 +22,7 @@ from .._request import dispatching
 from ._call import Origin, outer_bound
 from ._controller import _Controller
 from ._finished import _ended_ok, _Readers
-from ._hedging import direct_opener, hedged_unary_unary
+from ._hedging import direct_opener, hedge_trace, hedged_unary_unary
 from ._metadata import _client_trailing, _strip_attempts
 from ._plans import HedgePlan
 
@@ -76,14 +76,39 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         self._waiter: asyncio.Future[None] | None = None
         self._ended = False
         self._cancelled = False
-        self._first = first = inner(
-            message,
-            timeout=timeout,
-            metadata=metadata,
-            credentials=credentials,
-            wait_for_ready=wait_for_ready,
-            compression=compression,
+        self._trace = trace = (
+            None
+            if core._tel is None
+            else hedge_trace(
+                core,
+                method,
+                None if timeout is None else max(timeout, 1e-6),
+                self._started,
+                origin,
+            )
         )
+        if trace is None:
+            self._first = first = inner(
+                message,
+                timeout=timeout,
+                metadata=metadata,
+                credentials=credentials,
+                wait_for_ready=wait_for_ready,
+                compression=compression,
+            )
+        else:  # hedge 0's span is current while its call is made
+            token = trace.enter(trace.attempt(0))
+            try:
+                self._first = first = inner(
+                    message,
+                    timeout=timeout,
+                    metadata=metadata,
+                    credentials=credentials,
+                    wait_for_ready=wait_for_ready,
+                    compression=compression,
+                )
+            finally:
+                trace.leave(token)
         self._timer: asyncio.TimerHandle | None = None
         if plan.policy.effective_max_attempts > 1:
             delay = 0.0 if INSTANT_DELAYS.get() else plan.policy.delay.total_seconds()
@@ -96,6 +121,9 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             return
         if call.cancelled():
             self._stop_timer()
+            trace = self._trace
+            if trace is not None:
+                trace.end(asyncio.CancelledError())
             self._wake()
             return
         if _ended_ok(call):
@@ -105,6 +133,9 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
                 throttler = self._core.throttler
                 if throttler is not None:
                     throttler.record_success()
+                trace = self._trace
+                if trace is not None:
+                    trace.end(None)
             self._wake()
         else:  # a status (or a call the runner has to await to tell): the runner decides
             self._hedge()
@@ -129,6 +160,7 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
                 sent_at=self._sent_at,
                 open_streamed=direct_opener(self._inner, self._message, self._compression),
                 deadline_from=self._deadline_from,
+                trace=self._trace,
             )
         )
         driver.add_done_callback(self._driver_done)
@@ -147,6 +179,9 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
     def _driver_done(self, task: asyncio.Task[Any]) -> None:
         self._core._waiting.discard(self)
         self._ended = True
+        trace = self._trace
+        if trace is not None:  # the call is over: the runner's outcome is the call's
+            trace.end(asyncio.CancelledError() if task.cancelled() else task.exception())
         self._wake()
 
     def _stop_timer(self) -> None:

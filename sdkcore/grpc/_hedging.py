@@ -31,9 +31,10 @@ from ._call import Origin, _Since, answered, outer_bound
 from ._controller import _Controller
 from ._finished import _FinishedUnaryCall
 from ._metadata import _client_trailing, _strip_attempts, _with_attempts
-from ._plans import HedgePlan, _pushback_ms
+from ._plans import HedgePlan, _method_name, _pushback_ms
 from ._policy import PUSHBACK_DONT_RETRY, status_reason
 from ._status import status_name
+from ._telemetry import CallTrace
 
 __all__ = ["HedgePlan", "hedged_unary_unary"]
 
@@ -60,6 +61,77 @@ def _error(err: Any, previous: int) -> Any:
     )
 
 
+def hedge_request(
+    name: str, timeout: float | None, started: float, deadline_from: Origin | None
+) -> Request:
+    """A hedged call's sdkcore Request, dated back to the call's start: one deadline for
+    every hedge. Built with no outer request in view: ``timeout`` holds its bound already
+    (see _Call.request), and ``deadline_from`` names it."""
+    token = _DISPATCHING.set(None)
+    try:
+        request = Request(name=name, idempotent=True, timeout=timeout, clock=_Since(started))
+    finally:
+        _DISPATCHING.reset(token)
+    if deadline_from is not None:  # its error context names the outer request
+        request._deadline_from = deadline_from
+    request._first_dispatch()  # the call's first attempt already paid the retry budget
+    return request
+
+
+def hedge_trace(
+    core: _Controller,
+    method: Any,
+    timeout: float | None,
+    started: float,
+    deadline_from: Origin | None,
+) -> CallTrace:
+    """The telemetry of a hedged call starting now; its Request is made at once."""
+    assert core._tel is not None
+    request = hedge_request(_method_name(method), timeout, started, deadline_from)
+    return core._tel.call(method, request, started)
+
+
+async def traced_hedged_unary_unary(
+    core: _Controller,
+    plan: HedgePlan,
+    continuation: Callable[..., Any],
+    details: Any,
+    message: Any,
+) -> Any:
+    """The interceptor path of a hedged call on a channel with telemetry: the call's
+    trace starts before hedge 0 and ends with the call (:func:`hedged_unary_unary`)."""
+    timeout = details.timeout
+    if plan.timeout is not None and (timeout is None or plan.timeout < timeout):
+        timeout = plan.timeout
+    deadline_from: Origin | None = None
+    outer = dispatching()
+    if outer is not None:  # made inside a request's send: never outlive it
+        timeout, deadline_from = outer_bound(outer, timeout)
+    if timeout is not None:
+        timeout = max(timeout, 1e-6)
+    started = time.monotonic()
+    trace = hedge_trace(core, details.method, timeout, started, deadline_from)
+    details = aio.ClientCallDetails(
+        details.method, timeout, details.metadata, details.credentials, details.wait_for_ready
+    )
+    try:
+        call = await hedged_unary_unary(
+            core,
+            plan,
+            continuation,
+            details,
+            message,
+            started=started,
+            deadline_from=deadline_from,
+            trace=trace,
+        )
+    except BaseException as exc:
+        trace.end(exc)
+        raise
+    trace.end(None)
+    return call
+
+
 async def hedged_unary_unary(
     core: _Controller,
     plan: HedgePlan,
@@ -72,6 +144,7 @@ async def hedged_unary_unary(
     sent_at: float | None = None,
     open_streamed: Callable[[Any], Any] | None = None,
     deadline_from: Origin | None = None,
+    trace: CallTrace | None = None,
 ) -> Any:
     """Run one unary-unary call as A6 hedges; return the committed call or raise its error.
 
@@ -85,13 +158,17 @@ async def hedged_unary_unary(
     ``sent_at`` (the loop time it was sent), ``open_streamed`` (how to open hedges
     as unary-stream RPCs, or None) and ``deadline_from`` (the outer request whose time
     left bounded ``details.timeout``, or None).
+
+    ``trace``: the call's telemetry (its Request is the runner's; rfc/0008); the caller
+    ends it with the call (``_HedgedCall._driver_done``, :func:`traced_hedged_unary_unary`,
+    which bounded ``details.timeout`` already). Here each hedge is an attempt of it.
     """
     method = details.method
     name: str = method.decode() if isinstance(method, bytes) else str(method)
     timeout = details.timeout
     if plan.timeout is not None and (timeout is None or plan.timeout < timeout):
         timeout = plan.timeout
-    if first is None:  # the interceptor path (the direct one bounded it already)
+    if first is None and trace is None:  # the interceptor path (else bounded already)
         outer = dispatching()
         if outer is not None:  # made inside a request's send: never outlive it
             timeout, deadline_from = outer_bound(outer, timeout)
@@ -155,9 +232,18 @@ async def hedged_unary_unary(
     direct = first is not None
     if first is None:
         sent_at = loop.time()
-        first = await continuation(attempt_details(0), message)
+        if trace is None:
+            first = await continuation(attempt_details(0), message)
+        else:  # hedge 0's span is current while its call is made
+            token = trace.enter(trace.attempt(0))
+            try:
+                first = await continuation(attempt_details(0), message)
+            finally:
+                trace.leave(token)
     assert sent_at is not None
     adopted: Any = first
+    #: Each hedge's attempt in the call's telemetry, by index (hedge 0's started first).
+    attempts: dict[int, Any] = {} if trace is None else {0: trace.current}
     try:
         if not first.done() and not direct:
             woken = loop.create_future()
@@ -180,12 +266,16 @@ async def hedged_unary_unary(
             try:
                 response = await first
             except aio.AioRpcError as err:
+                if trace is not None:
+                    trace.attempt_end(attempts[0], err)
                 if err.initial_metadata() or answered(err):  # headers, then a status: final
                     raise committed_failure(err, 0) from None
                 adopted = failed(err, 0)
                 if adopted is err:  # a fatal status
                     raise _error(err, 0) from None
             else:
+                if trace is not None:
+                    trace.attempt_end(attempts[0], None)
                 if throttler is not None:
                     throttler.record_success()
                 md = await first.trailing_metadata()
@@ -215,14 +305,21 @@ async def hedged_unary_unary(
         return out
 
     async def send_hedge(index: int) -> tuple[int, Any, Any]:
+        attempt = None
         if index == 0:  # the attempt sent above
             if isinstance(adopted, RetryableError):
                 raise adopted
             call = adopted
             streamed = False
+            if trace is not None:
+                attempt = attempts[0]
         else:
             stats.record_retry(name, index)  # A6: hedges after the first are retries
             streamed = open_streamed is not None
+            token = None
+            if trace is not None:  # a sibling attempt span, current while its call is made
+                attempt = attempts[index] = trace.attempt(index, hedge=True)
+                token = trace.enter(attempt)
             try:
                 if open_streamed is not None:
                     call = open_streamed(attempt_details(index))
@@ -230,6 +327,9 @@ async def hedged_unary_unary(
                     call = await continuation(attempt_details(index), message)
             except aio.UsageError:
                 raise _ChannelClosed() from None
+            finally:
+                if trace is not None:
+                    trace.leave(token)
         try:
             if streamed:
                 if await call.initial_metadata():
@@ -237,28 +337,28 @@ async def hedged_unary_unary(
                 response = await call.read()  # the response message commits too
             else:
                 response = await call
+                if trace is not None:
+                    trace.attempt_end(attempt, None)
             return index, call, response
         except aio.AioRpcError as err:
+            if trace is not None:
+                trace.attempt_end(attempt, err)
             if err.initial_metadata() or answered(err):
                 return index, call, _PENDING  # headers, then a status: this hedge is final
             failure = failed(err, index)
             if failure is err:  # a fatal status
                 raise
             raise failure  # noqa: B904 - its cause is the status (set by failed)
-        except BaseException:
+        except BaseException as exc:
             call.cancel()
+            if trace is not None:
+                trace.attempt_end(attempt, exc)
             raise
 
-    # The runner's Request, dated back to the call's start: one deadline for every hedge.
-    # No outer request in view: ``timeout`` holds its bound already (see _Call.request).
-    token = _DISPATCHING.set(None)
-    try:
-        request = Request(name=name, idempotent=True, timeout=timeout, clock=_Since(started))
-    finally:
-        _DISPATCHING.reset(token)
-    if deadline_from is not None:  # its error context names the outer request
-        request._deadline_from = deadline_from
-    request._first_dispatch()  # the call's first attempt already paid the retry budget
+    # The runner's Request (the call's own, with telemetry: made when the call started).
+    request = (
+        hedge_request(name, timeout, started, deadline_from) if trace is None else trace.request
+    )
     winner: Any = None
     try:
         index, winner, response = await run_hedged(
@@ -319,10 +419,14 @@ async def hedged_unary_unary(
         elif response is _PENDING:
             response = await call
     except aio.AioRpcError as err:
+        if trace is not None:
+            trace.attempt_end(attempts.get(index), err)
         raise committed_failure(err, index) from None
     except BaseException:
         call.cancel()
         raise
+    if trace is not None:  # the committed hedge's attempt ends with the call, OK
+        trace.attempt_end(attempts.get(index), None)
     if throttler is not None:
         throttler.record_success()
     if streamed:

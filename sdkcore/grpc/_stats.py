@@ -70,15 +70,14 @@ class _Counters:
 class RetryStats:
     """Per-method retry statistics for one or more channels.
 
-    Read with :meth:`for_method` / :meth:`snapshot`. When an OpenTelemetry meter
-    is attached (:meth:`export_to_opentelemetry`), every recording is also sent
-    there.
+    Read with :meth:`for_method` / :meth:`snapshot`. For OpenTelemetry, give the
+    channel a telemetry instead (``insecure_channel(..., telemetry=sdkcore.Telemetry())``):
+    it records gRPC's standard A66/A96 metrics (rfc/0008).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._methods: dict[str, _Counters] = {}
-        self._otel: Any = None
 
     def _get(self, method: str) -> _Counters:
         c = self._methods.get(method)
@@ -93,21 +92,15 @@ class RetryStats:
             c = self._get(method)
             c.retries += 1
             c.hist[bucket] += 1
-        if self._otel is not None:
-            self._otel.record_retry(method, bucket)
 
     def record_failed_retry(self, method: str) -> None:
         """A retry attempt ended with a non-OK status."""
         with self._lock:
             self._get(method).failed += 1
-        if self._otel is not None:
-            self._otel.record_failed_retry(method)
 
     def record_transparent_retry(self, method: str) -> None:
         with self._lock:
             self._get(method).transparent += 1
-        if self._otel is not None:
-            self._otel.record_transparent_retry(method)
 
     def for_method(self, method: str) -> MethodRetryStats:
         """A snapshot for ``"/pkg.Service/Method"`` (all zero if never seen)."""
@@ -139,13 +132,17 @@ class RetryStats:
         return f"<RetryStats methods={len(items)}{' ' if shown else ''}{shown}{tail}>"
 
     def export_to_opentelemetry(self, meter: Any = None) -> None:
-        """Also record into OpenTelemetry metrics (needs the ``sdkcore[otel]`` extra).
+        """Removed: its ``grpc.client.retry.*`` counters matched no standard.
 
-        ``meter`` defaults to ``opentelemetry.metrics.get_meter("sdkcore.grpc")``.
-        Instruments: ``grpc.client.retry.attempts`` (counter, attributes
-        ``grpc.method`` and ``grpc.retry.bucket``), ``grpc.client.retry.failed_attempts``
-        and ``grpc.client.retry.transparent`` (counters, ``grpc.method``).
+        Raises AttributeError saying what replaces it: a channel made with
+        ``telemetry=sdkcore.Telemetry(meter_provider=...)`` records gRPC's standard
+        metrics (A66, A96) for every call and attempt (rfc/0008).
         """
-        from ._otel import OtelRecorder
-
-        self._otel = OtelRecorder(meter)
+        raise AttributeError(
+            "RetryStats.export_to_opentelemetry() was removed: its grpc.client.retry.* "
+            "counters matched no standard. Give the channel an sdkcore.Telemetry instead: "
+            "sdkcore.grpc.insecure_channel(target, ..., telemetry=sdkcore.Telemetry("
+            "meter_provider=provider)) records gRPC's A66/A96 metrics "
+            "(grpc.client.attempt.started, grpc.client.call.retries, "
+            "grpc.client.call.transparent_retries, ...; rfc/0008)"
+        )

@@ -81,8 +81,11 @@ class _RetryingCall:
                 if replay is not None and replay.error is not None:
                     raise self._source_failed()
                 source = self._request if replay is None else replay.attempt_messages()
+                details = c.next_details()
+                trace = c.trace
+                token = None if trace is None else trace.enter(trace.current)
                 try:
-                    call = await self._continuation(c.next_details(), source)
+                    call = await self._continuation(details, source)
                 except aio.UsageError:
                     if not c._retried():
                         raise  # the first attempt: as grpc.aio, on a closed channel
@@ -90,6 +93,9 @@ class _RetryingCall:
                     c.request.cancel()
                     self._cancelled = True
                     raise asyncio.CancelledError() from None
+                finally:
+                    if trace is not None:  # the attempt's span was current while it was made
+                        trace.leave(token)
                 self._current = call
                 self._started.set()
                 try:
@@ -123,9 +129,10 @@ class _RetryingCall:
             if replay is not None and replay.error is not None:
                 raise self._source_failed() from None
             return _Outcome(error=err)
-        except BaseException:
+        except BaseException as exc:
             if self._current is not None:
                 self._current.cancel()
+            c.ended(exc)  # cancelled before it committed (failures ended it in c.failed)
             raise
         finally:
             if replay is not None and (self._current is None or self._current.done()):
@@ -370,6 +377,7 @@ def _account_end(
         c.request.cancel()
     elif error is not None:
         c.core.orchestrator.fail(c.request, error)
+    c.ended(error if error is not None else asyncio.CancelledError())
     if c.state.attempts > 1:
         c.core.stats.record_failed_retry(c.name)
     policy = c.strategy.policy

@@ -21,7 +21,7 @@ from .._request import dispatching
 from ._call import _Call, outer_details, within_outer
 from ._controller import _Controller
 from ._finished import _ended_ok, _FinishedUnaryCall, _Readers
-from ._hedging import hedged_unary_unary
+from ._hedging import hedged_unary_unary, traced_hedged_unary_unary
 from ._metadata import _client_trailing
 from ._plans import _Plan
 
@@ -41,6 +41,10 @@ async def unary_unary_call(
             budget = core.orchestrator.retry_budget
             if budget is not None:  # the call's first attempt pays into the retry budget
                 budget.deposit()
+            if core._tel is not None:
+                return await traced_hedged_unary_unary(
+                    core, hedging, continuation, details, request
+                )
             return await hedged_unary_unary(core, hedging, continuation, details, request)
     plan = core.plan(details.method)
     if plan is None:
@@ -53,16 +57,22 @@ async def unary_unary_call(
         c.buffer_unary(request)
     try:
         while True:
-            if c.state.attempts == 0:
-                call = await continuation(c.next_details(), request)
-            else:
-                try:
-                    call = await continuation(c.next_details(), request)
-                except aio.UsageError:
-                    # The channel was closed during the wait: the call ends cancelled,
-                    # as grpc.aio ends the calls in flight then.
-                    c.request.cancel()
-                    raise asyncio.CancelledError() from None
+            first = c.state.attempts == 0
+            attempt_details = c.next_details()
+            trace = c.trace
+            token = None if trace is None else trace.enter(trace.current)
+            try:
+                call = await continuation(attempt_details, request)
+            except aio.UsageError:
+                if first:
+                    raise
+                # The channel was closed during the wait: the call ends cancelled,
+                # as grpc.aio ends the calls in flight then.
+                c.request.cancel()
+                raise asyncio.CancelledError() from None
+            finally:
+                if trace is not None:  # the attempt's span was current while it was made
+                    trace.leave(token)
             try:
                 await call
             except aio.AioRpcError as err:
@@ -75,6 +85,9 @@ async def unary_unary_call(
                 if _client_trailing(md, 0) is md:
                     return call  # nothing to correct: the call as grpc.aio made it
             return _FinishedUnaryCall(call, previous)
+    except BaseException as exc:
+        c.ended(exc)  # cancelled in flight (the failures ended it in c.failed)
+        raise
     finally:
         c.release()
 
@@ -125,6 +138,20 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
     def _attempt(self) -> Any:
         c = self._c
         md = c.next_attempt()
+        trace = c.trace
+        if trace is not None:  # the attempt's span is current while its call is made
+            token = trace.enter(trace.current)
+            try:
+                return self._inner(
+                    self._message,
+                    timeout=c.time_left(),
+                    metadata=md,
+                    credentials=c.credentials,
+                    wait_for_ready=c.wait_for_ready,
+                    compression=self._compression,
+                )
+            finally:
+                trace.leave(token)
         return self._inner(
             self._message,
             timeout=c.time_left(),
@@ -147,7 +174,10 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         return self._driver is not None or self._inline is not None
 
     def _first_done(self, call: Any) -> None:
-        if self._driving() or self._ended or call.cancelled():
+        if self._driving() or self._ended:
+            return
+        if call.cancelled():
+            self._c.ended(asyncio.CancelledError())  # its telemetry, if any
             return
         ok = _ended_ok(call)
         if ok:
@@ -187,6 +217,9 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
                     continue
                 c.succeeded()
                 return call
+        except BaseException as exc:
+            c.ended(exc)  # cancelled in flight (the failures ended it in c.failed)
+            raise
         finally:
             self._ended = True
             c.release()
@@ -206,8 +239,9 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
                 response = yield from self._call.__await__()
             except aio.AioRpcError as err:
                 failure = err
-            except BaseException:
+            except BaseException as exc:
                 self._ended = True
+                self._c.ended(exc)
                 self._c.release()
                 raise
             if failure is None:
