@@ -349,7 +349,8 @@ class RequestTrace:
             self.span: Any = span
             return
         # Back-dated to the request's creation: its duration metric starts there too.
-        started = time.time_ns() - int(request.elapsed.total_seconds() * 1e9)
+        # (request.elapsed builds a timedelta: 1.3 us against 0.1 us, bench/bench_telemetry.py)
+        started = time.time_ns() - int((request.clock() - request._start) * 1e9)
         trace = telemetry._trace
         self.span = telemetry._guard(
             "span",
@@ -493,7 +494,7 @@ class RequestTrace:
         if outcome != "success":
             cls = type(error).__name__ if error is not None else "RequestCanceledException"
             attributes[ERROR_TYPE] = _cut(cls)
-        elapsed = request.elapsed.total_seconds()
+        elapsed = request.clock() - request._start  # request.elapsed, without its timedelta
         telemetry._guard("request.duration", telemetry.request_duration.record, elapsed, attributes)
         reporter = telemetry.threshold_reporter
         if reporter is not None:
@@ -515,7 +516,7 @@ class RequestTrace:
             "request.retries",
             telemetry.request_retries.record,
             retries,
-            {NAME: self.attributes[NAME]},
+            self.attributes,
         )
         span = self.span
         if span is not None:

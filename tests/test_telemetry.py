@@ -496,6 +496,19 @@ async def test_hedge_deadline_with_copies_in_flight_is_a_timeout(otel: Otel) -> 
     assert got["sdkcore.hedges"].points == [({NAME: "kv.get"}, 2)]
 
 
+@pytest.mark.anyio
+async def test_hedge_refused_by_the_budget_counts_a_rejection_not_a_hedge(otel: Otel) -> None:
+    budget = RetryBudget(min_retries_per_sec=0, retry_ratio=0, name="kv")
+    orchestrator = otel.orchestrator(retry_budget=budget)
+    send = Copies({0: (0.05, "r0")})
+    request = Request(name="kv.get", idempotent=True)
+    with anyio.fail_after(SAFETY):
+        assert await orchestrator.hedge(request, send, HedgePolicy(3, delay=0.0)) == "r0"
+    got = check_finished(otel, "kv.get", "success", None, retries=0)
+    assert "sdkcore.hedges" not in got
+    assert got["sdkcore.retry_budget.rejections"].points == [({ENDPOINT: "kv"}, 1)]
+
+
 # -- the sync door ----------------------------------------------------------------------------
 
 
