@@ -14,8 +14,10 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import Counter, deque
 from collections.abc import Callable
 from datetime import timedelta
+from itertools import islice
 
 from ._duration import to_seconds
 from ._untrusted import show
@@ -32,6 +34,10 @@ _OCTAVES = 32  # 2**-20 s to 2**12 s (68 minutes)
 _TOP = _OCTAVES * _SUB - 1
 _LOW = math.ldexp(1.0, _E0 - 1)
 _HIGH = math.ldexp(1.0, _E0 - 1 + _OCTAVES)
+_OFFSET = _E0 * _SUB + _SUB  # bucket = exponent * _SUB + int(mantissa * _TWO_SUB) - _OFFSET
+_INF = math.inf
+_frexp = math.frexp
+_FOLD = 256  # lock-free latencies waiting to be counted, at most (about)
 _SLICES = 10  # the window moves by a tenth of itself (Finagle: 30 s in 3 s buckets)
 _MIN_WINDOW = 1.0
 _MAX_WINDOW = 86400.0
@@ -87,6 +93,7 @@ class LatencyQuantile:
     __slots__ = (
         "__weakref__",
         "_clock",
+        "_cold",
         "_count",
         "_delay",
         "_extra",
@@ -95,6 +102,7 @@ class LatencyQuantile:
         "_max_delay",
         "_min_delay",
         "_min_samples",
+        "_pending",
         "_per_slice",
         "_sizes",
         "_slice_end",
@@ -167,10 +175,15 @@ class LatencyQuantile:
         self._lock = threading.Lock()
         self._per_slice = _SLICES / seconds  # slice number = int(now * per_slice)
         # Per tenth of the window: bucket -> count (only the buckets used: at most 2048).
-        self._slices: list[dict[int, int]] = [{} for _ in range(_SLICES)]
+        self._slices: list[Counter[int]] = [Counter() for _ in range(_SLICES)]
         self._sizes = [0] * _SLICES
-        self._count = 0
+        self._count = 0  # in the slices; the pending ones aside
+        # Once there is a delay, record() appends the bucket here (deque.append is atomic
+        # in CPython: no lock) and the lock holder counts them in the current slice
+        # (_fold), every _FOLD latencies and whenever the window is read or moves.
+        self._pending: deque[int] = deque()
         self._delay = math.inf  # seconds; inf: fewer than min_samples latencies
+        self._cold = True  # self._delay is math.inf
         self._index = int(clock() * self._per_slice)
         self._slice_end = (self._index + 1) / self._per_slice
 
@@ -199,8 +212,12 @@ class LatencyQuantile:
     @property
     def count(self) -> int:
         """Latencies in the window now."""
-        self._turn(self._clock())
-        return self._count
+        now = self._clock()
+        with self._lock:
+            self._fold()
+            if now >= self._slice_end:
+                self._roll(int(now * self._per_slice))
+            return self._count
 
     @property
     def delay_seconds(self) -> float:
@@ -213,7 +230,10 @@ class LatencyQuantile:
     def total_seconds(self) -> float:
         """:attr:`delay_seconds`, read as ``timedelta.total_seconds()`` reads a fixed delay:
         code that reads ``HedgePolicy.delay.total_seconds()`` works with either."""
-        return self.delay_seconds
+        now = self._clock()
+        if now >= self._slice_end:
+            self._turn(now)
+        return self._delay
 
     @property
     def current_delay(self) -> timedelta | None:
@@ -224,32 +244,60 @@ class LatencyQuantile:
     # -- recording ---------------------------------------------------------------------
     def record(self, latency: float | timedelta) -> None:
         """One request's latency (seconds or a ``timedelta``; finite, >= 0)."""
-        if type(latency) is float and 0.0 <= latency < math.inf:
+        if type(latency) is float and 0.0 <= latency < _INF:
             seconds = latency
         else:  # checked and converted (a timedelta, an int), or a clear error
             seconds = to_seconds(latency, "LatencyQuantile.record(latency)")
-        bucket = _bucket(seconds)
+        if seconds < _LOW:
+            bucket = 0
+        elif seconds >= _HIGH:
+            bucket = _TOP
+        else:  # _bucket(), inlined: (exponent - _E0) * 64 + int((mantissa - 0.5) * 128)
+            mantissa, exponent = _frexp(seconds)
+            bucket = exponent * _SUB + int(mantissa * _TWO_SUB) - _OFFSET
         now = self._clock()
+        if now < self._slice_end and not self._cold:  # the hot path: no lock
+            pending = self._pending
+            pending.append(bucket)
+            if len(pending) >= _FOLD:
+                with self._lock:
+                    self._fold()
+            return
         with self._lock:
+            self._fold()
             if now >= self._slice_end:
                 self._roll(int(now * self._per_slice))
             slot = self._index % _SLICES
-            counts = self._slices[slot]
-            counts[bucket] = counts.get(bucket, 0) + 1
+            self._slices[slot][bucket] += 1
             self._sizes[slot] += 1
             self._count += 1
-            if self._delay == math.inf and self._count >= self._min_samples:
+            if self._cold and self._count >= self._min_samples:
                 self._refresh()  # the first delay, without waiting for the next tenth
 
     # -- the window --------------------------------------------------------------------
     def _turn(self, now: float) -> None:
-        if now >= self._slice_end:
-            with self._lock:
-                if now >= self._slice_end:
-                    self._roll(int(now * self._per_slice))
+        with self._lock:
+            if now >= self._slice_end:
+                self._fold()
+                self._roll(int(now * self._per_slice))
+
+    def _fold(self) -> None:
+        """Count the lock-free latencies in the current slice (under the lock).
+
+        One that raced with a change of slice may be counted in the newer one: it then
+        leaves the window up to a tenth later (the sloppiness RetryBudget accepts).
+        """
+        pending = self._pending
+        n = len(pending)  # only the lock holder takes from it: n are there
+        if n:
+            slot = self._index % _SLICES
+            self._slices[slot].update(islice(iter(pending.popleft, None), n))
+            self._sizes[slot] += n
+            self._count += n
 
     def _roll(self, index: int) -> None:
-        """Move the window to slice ``index`` and recompute the delay (under the lock)."""
+        """Move the window to slice ``index`` and recompute the delay (under the lock,
+        the pending latencies folded)."""
         old = self._index
         if index <= old:  # a clock that went back stays in the newer slice
             return
@@ -259,7 +307,7 @@ class LatencyQuantile:
             if sizes[j]:
                 self._count -= sizes[j]
                 sizes[j] = 0
-                slices[j] = {}
+                slices[j] = Counter()
         self._index = index
         self._slice_end = (index + 1) / self._per_slice
         self._refresh()
@@ -269,11 +317,11 @@ class LatencyQuantile:
         count = self._count
         if count < self._min_samples:
             self._delay = math.inf
+            self._cold = True
             return
-        merged: dict[int, int] = {}
+        merged: Counter[int] = Counter()
         for counts in self._slices:
-            for bucket, n in counts.items():
-                merged[bucket] = merged.get(bucket, 0) + n
+            merged.update(counts)
         # Nearest rank: at most floor(max_extra_load * count) latencies lie above it.
         rank = count - math.floor(self._extra * count + 1e-9)
         seen = 0
@@ -287,11 +335,12 @@ class LatencyQuantile:
         if self._max_delay is not None:
             value = min(value, self._max_delay)
         self._delay = value
+        self._cold = False
 
     def __repr__(self) -> str:
         delay = self.current_delay
         shown = "None" if delay is None else f"{delay.total_seconds() * 1000.0:.3f}ms"
         return (
             f"<LatencyQuantile p{(1.0 - self._extra) * 100:g} window={self._window:g}s "
-            f"samples={self._count} current_delay={shown}>"
+            f"samples={self.count} current_delay={shown}>"
         )
