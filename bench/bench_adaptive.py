@@ -97,22 +97,22 @@ def hedge_bookkeeping_variants() -> dict[str, Callable[[], str]]:
         return bare_call()
 
     def with_fixed() -> str:
-        delay = fixed.delay.total_seconds()
+        due = started + fixed.delay.total_seconds()  # the chain's next_at
         latency = fixed.latency
         result = bare_call()
         if latency is not None:
             latency.record(clock() - started)
-        return result
+        return result if due > 0.0 else ""
 
     started = clock() - 0.001  # the chain has the copy's start already (attempt.started)
 
     def with_learned() -> str:
-        delay = learned.delay.total_seconds()
+        due = started + learned.delay.total_seconds()  # the chain's next_at
         latency = learned.latency
         result = bare_call()
         if latency is not None:
             latency.record(clock() - started)
-        return result
+        return result if due > 0.0 else ""
 
     return {"bare": bare, "fixed delay": with_fixed, "LatencyQuantile": with_learned}
 
