@@ -1,0 +1,430 @@
+"""A concurrency limit that follows the endpoint's latency (rfc/0009, "Adaptive limiter").
+
+Netflix concurrency-limits' ``Gradient2Limit`` (the version with ``rttTolerance``)
+behind its ``WindowedLimit``, with their parameters. Gradient2: smoothing 0.2, RTT
+tolerance 1.5, a long-term RTT averaged over 600 windows after 10 warm-up windows,
+a gradient clamped to [0.5, 1], a window with a drop counted as gradient 0.5, no
+growth while fewer than half the permits are used. WindowedLimit: a window is the
+average round trip of at least 10 samples, and lasts twice the smallest round trip
+seen in it, bounded to [0.1 s, 1 s] (its floor is WindowedLimit's lowest allowed
+``minWindowTime`` and Envoy's ``concurrency_update_interval``; its own default is
+1 s). The headroom added while latency is flat is ``max(4, sqrt(limit))``
+(concurrency-limits' ``SquareRootFunction.create(4)``; Gradient2's default is 4).
+
+One change, measured in rfc/0009: the long-term RTT does not learn from a window
+that may include the queue this client built (the permits were used and its
+latency is above the baseline), and a baseline that no unloaded window confirmed
+for 600 windows is re-measured by a probe at half the limit, as Envoy's
+adaptive_concurrency re-measures its minimum RTT (every 60 s by default; 600
+windows of 0.1 s). Upstream, the long-term RTT follows a steady overload up and the
+limit drifts up with it to ``max_limit``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from types import TracebackType
+
+from ._breaker import _cut_at_deadline, default_is_failure
+from ._context import DEFAULT_EFFECT, AttemptEffect
+from ._errors import RetryableError
+from ._permits import Permits, permits, text
+from ._request import dispatching
+
+__all__ = ["AdaptiveConcurrencyLimiter", "AdaptivePermit"]
+
+SMOOTHING = 0.2  # Gradient2 ``smoothing``
+TOLERANCE = 1.5  # Gradient2 ``rttTolerance``
+LONG_WINDOW = 600  # Gradient2 ``longWindow``: the long-term RTT's EWMA, 2 / (600 + 1)
+WARMUP = 10  # ExpAvgMeasurement's warm-up: a plain average of the first 10 windows
+MIN_GRADIENT = 0.5  # Gradient2's clamp; also the gradient of a window with a drop
+MIN_HEADROOM = 4.0  # SquareRootFunction.create(4)
+WINDOW_SAMPLES = 10  # WindowedLimit ``windowSize``: fewer, and the window is dropped
+MIN_WINDOW = 0.1  # seconds: the floor of a window (see the module's docstring)
+MAX_WINDOW = 1.0  # WindowedLimit ``maxWindowTime``
+PROBE_INTERVAL = 30  # saturated windows without an unloaded one before the baseline is re-measured
+PROBE_SAMPLES = 50  # samples at half the limit that make the new baseline (Envoy's request_count)
+
+_FACTOR = 2.0 / (LONG_WINDOW + 1)
+_KEEP = 1.0 - SMOOTHING
+_NOT_SENT = AttemptEffect.NOT_SENT
+_CAUSES = 4  # how far down ``raise ... from`` chains a timeout is looked for
+
+# What a dispatch's end says about the endpoint's latency.
+_IGNORE = 0  # nothing: not sent, not answered (refused, reset), or cancelled from elsewhere
+_SAMPLE = 1  # an answer (a success, or an error the endpoint answered with): its RTT
+_DROP = 2  # a timeout, or the request's deadline cutting the dispatch: overload
+
+
+def _timed_out(error: BaseException) -> bool:
+    for _ in range(_CAUSES):
+        if isinstance(error, TimeoutError):
+            return True
+        if sys.version_info < (3, 11):  # pragma: no cover - asyncio.TimeoutError is separate
+            asyncio = sys.modules.get("asyncio")
+            if asyncio is not None and isinstance(error, asyncio.TimeoutError):
+                return True
+        cause = error.__cause__
+        if cause is None:
+            return False
+        error = cause
+    return False
+
+
+def _judge(error: BaseException) -> int:
+    """What a dispatch that ended with ``error`` says (see ``_IGNORE``, ``_SAMPLE``, ``_DROP``)."""
+    if not isinstance(error, Exception):  # a cancellation, KeyboardInterrupt
+        return _IGNORE if _cut_at_deadline(dispatching(), error) is None else _DROP
+    if (
+        isinstance(error, RetryableError)
+        and (error.effect or DEFAULT_EFFECT[error.reason]) is _NOT_SENT
+    ):
+        return _IGNORE  # refused before the write (a breaker, no connection)
+    if _timed_out(error):
+        return _DROP
+    if default_is_failure(error):
+        return _IGNORE  # refused, reset, unreachable: the breaker's business, not latency
+    return _SAMPLE
+
+
+class AdaptiveConcurrencyLimiter(Permits):
+    """A concurrency limit between ``min_limit`` and ``max_limit`` that follows latency.
+
+    The interface of :class:`ConcurrencyLimiter` (``guard()``, ``acquire()``,
+    ``limit``, ``in_flight``, ``queued``, ``max_queued``, ``name``); ``limit`` starts
+    at ``initial_limit`` and moves once per window of at least 10 dispatches (about
+    two round trips, 0.1 s to 1 s): up while their average latency stays within 1.5
+    times the endpoint's unloaded round trip and the permits are used, down when it
+    rises past that or a dispatch times out. So it grows to what the endpoint serves
+    without queueing (and up to half as much again) and shrinks when concurrency
+    makes the endpoint slower. The algorithm and its parameters: rfc/0009.
+
+    What a dispatch's end counts for: an answer (the block returned, or raised an
+    error the endpoint answered with) is a round-trip sample; a timeout (a
+    ``TimeoutError`` in the error or its ``__cause__`` chain, or the request's
+    deadline cutting the block) is a drop; a refusal before anything was sent
+    (``RetryableError`` with effect ``NOT_SENT``), a connection refused, reset or
+    unreachable, and a cancellation from elsewhere count for nothing.
+
+    A refusal's ``retry_after`` is the last measured round trip (about when the
+    dispatches in flight start to end). Memory and work per dispatch are O(1);
+    thread-safe (one lock, never held while the dispatch runs); ``clock`` (seconds,
+    monotonic; default ``time.monotonic``) is injectable for tests.
+    """
+
+    __slots__ = (
+        "_baseline",
+        "_before",
+        "_clock",
+        "_estimate",
+        "_last_rtt",
+        "_max",
+        "_min",
+        "_probe_n",
+        "_probe_open",
+        "_probe_out",
+        "_probe_sum",
+        "_probing",
+        "_stale",
+        "_warm",
+        "_warm_sum",
+        "_window_drop",
+        "_window_end",
+        "_window_held",
+        "_window_least",
+        "_window_n",
+        "_window_sum",
+    )
+
+    def __init__(
+        self,
+        initial_limit: int = 20,
+        min_limit: int = 1,
+        max_limit: int = 200,
+        *,
+        max_queued: int = 0,
+        name: str = "",
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        what = "AdaptiveConcurrencyLimiter"
+        initial = permits(initial_limit, f"{what}(initial_limit)", 1)
+        low = permits(min_limit, f"{what}(min_limit)", 1)
+        high = permits(max_limit, f"{what}(max_limit)", 1)
+        if low > high:
+            raise ValueError(
+                f"{what}(min_limit) must be <= max_limit, got min_limit={low}, max_limit={high}"
+            )
+        if not low <= initial <= high:
+            raise ValueError(
+                f"{what}(initial_limit) must be between min_limit and max_limit "
+                f"({low} to {high}), got {initial}"
+            )
+        queue = permits(max_queued, f"{what}(max_queued)", 0)
+        if clock is not None and not callable(clock):
+            raise TypeError(
+                f"{what}(clock) must be a callable returning seconds or None, got {clock!r}"
+            )
+        Permits.__init__(self, initial, queue, text(name, f"{what}(name)"))
+        self._clock: Callable[[], float] = time.monotonic if clock is None else clock
+        self._min = low
+        self._max = high
+        self._estimate = float(initial)  # Gradient2's estimatedLimit; _cap = int(it)
+        self._baseline = 0.0  # the long-term RTT: the endpoint's latency without our queue
+        self._warm = 0  # warm-up windows so far
+        self._warm_sum = 0.0
+        self._last_rtt: float | None = None
+        self._stale = 0  # saturated windows since an unloaded one confirmed the baseline
+        self._probing = False
+        self._before = 0.0  # the estimate a probe restores
+        self._probe_out = 0  # the probe's dispatches let through so far
+        self._probe_open = 0  # ... and not ended yet
+        self._probe_n = 0  # ... ended with a round trip
+        self._probe_sum = 0.0
+        # the current window (WindowedLimit's AverageSampleWindow)
+        self._window_end = -math.inf  # the first sample opens the first window
+        self._window_n = 0
+        self._window_sum = 0.0
+        self._window_least = math.inf
+        self._window_held = 0  # the most permits held when one of its samples was let through
+        self._window_drop = False
+
+    # -- reading --------------------------------------------------------------------
+    @property
+    def limit(self) -> int:
+        """The current limit: permits that may be in flight now."""
+        return self._cap
+
+    @property
+    def min_limit(self) -> int:
+        return self._min
+
+    @property
+    def max_limit(self) -> int:
+        return self._max
+
+    @property
+    def baseline_rtt(self) -> float | None:
+        """The long-term round trip (seconds) the latency is compared with; None before any."""
+        return self._baseline if self._warm else None
+
+    def __repr__(self) -> str:
+        label = f" {self._name!r}" if self._name else ""
+        return (
+            f"<AdaptiveConcurrencyLimiter{label} limit={self._cap} in_flight={self._in_flight} "
+            f"queued={len(self._waiters)} min_limit={self._min} max_limit={self._max}>"
+        )
+
+    # -- the dispatch side ----------------------------------------------------------
+    def guard(self) -> AdaptivePermit:
+        """``with limiter.guard():``: a permit now, or a refusal (no queue)."""
+        return AdaptivePermit(self)
+
+    def acquire(self) -> AdaptivePermit:
+        """``async with limiter.acquire():``: a permit, waiting in line if ``max_queued`` allows."""
+        return AdaptivePermit(self)
+
+    def _hint(self) -> float | None:
+        return self._last_rtt
+
+    # -- under the lock ---------------------------------------------------------------
+    def _sample(self, now: float, rtt: float, held: int, drop: bool) -> None:
+        """A dispatch ended at ``now`` after ``rtt`` s; ``held`` permits when it went out."""
+        if self._probing:
+            return  # only the probe's own dispatches count (``_probed``)
+        if drop:
+            self._window_drop = True
+        else:
+            self._last_rtt = rtt
+            self._window_n += 1
+            self._window_sum += rtt
+            if rtt < self._window_least:
+                self._window_least = rtt
+        if held > self._window_held:
+            self._window_held = held
+        if now >= self._window_end:
+            self._close_window(now)
+
+    def _close_window(self, now: float) -> None:
+        """WindowedLimit: a window of enough samples updates the limit; a new one starts."""
+        n = self._window_n
+        least = self._window_least
+        length = 2.0 * least if least != math.inf else MIN_WINDOW
+        self._window_end = now + (
+            MIN_WINDOW if length < MIN_WINDOW else MAX_WINDOW if length > MAX_WINDOW else length
+        )
+        if n >= WINDOW_SAMPLES or (self._window_drop and self._warm):
+            self._update(self._window_sum / n if n else 0.0, self._window_held, self._window_drop)
+        self._window_n = self._window_held = 0
+        self._window_sum = 0.0
+        self._window_least = math.inf
+        self._window_drop = False
+
+    def _update(self, rtt: float, held: int, drop: bool) -> None:
+        """Gradient2: one window's average round trip ``rtt``, most permits ``held``."""
+        estimate = self._estimate
+        saturated = 2 * held >= estimate  # Gradient2: not app-limited
+        if drop:
+            gradient = MIN_GRADIENT
+        else:
+            warm = self._warm
+            if warm < WARMUP:
+                warm = self._warm = warm + 1
+                self._warm_sum += rtt
+                baseline = self._warm_sum / warm
+            else:
+                baseline = self._baseline
+                if rtt <= baseline or not saturated:
+                    self._stale = 0  # a window without our queue in it confirms the baseline
+                else:  # may include the queue this client built
+                    self._stale += 1
+                    if self._stale >= PROBE_INTERVAL:
+                        self._probe()
+                        return
+                baseline += (rtt - baseline) * _FACTOR
+            if baseline > 2.0 * rtt:  # Gradient2: latency is back to normal, catch up
+                baseline *= 0.95
+            self._baseline = baseline
+            gradient = TOLERANCE * baseline / rtt
+        if gradient >= 1.0:
+            if not saturated:
+                return  # app-limited: no evidence the endpoint takes more
+            headroom = math.sqrt(estimate)
+            estimate += SMOOTHING * (headroom if headroom > MIN_HEADROOM else MIN_HEADROOM)
+            if estimate > self._max:
+                estimate = self._max
+        else:
+            if gradient < MIN_GRADIENT:
+                gradient = MIN_GRADIENT
+            estimate *= _KEEP + SMOOTHING * gradient
+            if estimate < self._min:
+                estimate = self._min
+        self._estimate = estimate
+        self._cap = int(estimate)
+
+    def _probe(self) -> None:
+        """Re-measure the baseline: the limit is held at half while ``PROBE_SAMPLES``
+        dispatches let through at that concurrency go out and all come back."""
+        self._stale = 0
+        self._probing = True
+        self._before = self._estimate
+        self._probe_out = self._probe_open = self._probe_n = 0
+        self._probe_sum = 0.0
+        half = int(self._estimate / 2)
+        self._cap = half if half > self._min else self._min
+
+    def _tag(self) -> bool:
+        """A dispatch let through while probing: is it one of the probe's?"""
+        if self._probe_out < PROBE_SAMPLES:
+            self._probe_out += 1
+            self._probe_open += 1
+            return True
+        return False
+
+    def _probed(self, rtt: float, outcome: int) -> None:
+        """One of the probe's dispatches ended; the last one ends the probe.
+
+        The average is over every one of them, slow ones included: ending at the first
+        ``PROBE_SAMPLES`` to come back would measure the fast ones only.
+        """
+        self._probe_open -= 1
+        if outcome and 0.0 < rtt < math.inf:
+            self._probe_sum += rtt
+            self._probe_n += 1
+        if self._probe_open or self._probe_out < PROBE_SAMPLES:
+            return
+        if self._probe_n:
+            self._baseline = self._probe_sum / self._probe_n
+        self._probing = False
+        self._estimate = self._before
+        self._cap = int(self._before)
+        self._window_end = -math.inf  # a fresh window from the next sample
+        self._window_n = self._window_held = 0
+        self._window_sum = 0.0
+        self._window_least = math.inf
+        self._window_drop = False
+
+
+class AdaptivePermit:
+    """One dispatch's permit (``guard()`` or ``acquire()``): it times the dispatch."""
+
+    __slots__ = ("_held", "_limiter", "_start", "_tagged")
+
+    def __init__(self, limiter: AdaptiveConcurrencyLimiter) -> None:
+        self._limiter = limiter
+        self._held = 0  # permits in flight once this one was taken (itself included)
+        self._tagged = False  # one of a probe's dispatches
+
+    def __enter__(self) -> None:
+        limiter = self._limiter
+        self._start = limiter._clock()  # before the permit: a clock that raises takes none
+        with limiter._lock:
+            held = limiter._in_flight
+            if held < limiter._cap and not limiter._waiters:
+                self._held = limiter._in_flight = held + 1
+                if limiter._probing:
+                    self._tagged = limiter._tag()
+                return
+        raise limiter._full()
+
+    async def __aenter__(self) -> None:
+        limiter = self._limiter
+        self._start = limiter._clock()
+        with limiter._lock:
+            held = limiter._in_flight
+            if held < limiter._cap and not limiter._waiters:
+                self._held = limiter._in_flight = held + 1
+                if limiter._probing:
+                    self._tagged = limiter._tag()
+                return
+        held = await limiter._queue()  # the permit is ours from here: no await until held
+        try:
+            self._start = limiter._clock()  # the round trip starts with the permit
+        except BaseException:
+            limiter._give_back()
+            raise
+        self._held = held
+        if limiter._probing:
+            with limiter._lock:
+                if limiter._probing:
+                    self._tagged = limiter._tag()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        limiter = self._limiter
+        held = self._held
+        if not held:
+            return  # never entered, or already ended
+        self._held = 0
+        try:
+            rtt = limiter._clock() - self._start
+            outcome = _SAMPLE if exc is None else _judge(exc)
+        except Exception:  # a clock or an error's __cause__ that raises: no sample
+            rtt, outcome = 0.0, _IGNORE
+        with limiter._lock:
+            limiter._in_flight -= 1
+            if self._tagged:
+                self._tagged = False
+                limiter._probed(rtt, outcome)
+            elif outcome == _SAMPLE:
+                if 0.0 < rtt < math.inf:  # also refuses NaN (a broken clock)
+                    limiter._sample(self._start + rtt, rtt, held, False)
+            elif outcome == _DROP and rtt == rtt:
+                limiter._sample(self._start + rtt, rtt, held, True)
+            woken = limiter._hand_over() if limiter._waiters else None
+        if woken is not None:
+            limiter._wake(woken)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.__exit__(exc_type, exc, tb)

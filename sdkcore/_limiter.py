@@ -1,0 +1,133 @@
+"""A fixed concurrency limit per endpoint: a bulkhead (rfc/0009, "Concurrency limiter").
+
+resilience4j's ``Bulkhead`` and Polly's concurrency limiter: at most ``limit``
+dispatches in flight; the next one is refused at once (``guard()``) or waits in a
+FIFO queue of at most ``max_queued`` callers (``acquire()``), never past the
+deadline of the request being sent. A refusal is a ``RetryableError`` raised before
+anything is written: the attempt was not sent, so a retry is safe even for a
+non-idempotent request.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+from ._permits import Permits, permits, text
+
+__all__ = ["ConcurrencyLimiter", "LimiterGuard"]
+
+
+class ConcurrencyLimiter(Permits):
+    """At most ``limit`` dispatches in flight to one endpoint.
+
+    * ``with limiter.guard():`` around a dispatch (sync or async code, any thread):
+      a permit if one is free and nobody is queued for one, else
+      ``RetryableError(CONCURRENCY_LIMITED)`` at once, effect ``NOT_SENT``.
+    * ``async with limiter.acquire():`` (asyncio or trio): the same, but when every
+      permit is held the caller waits in a FIFO queue of at most ``max_queued``
+      callers (0, the default: refused at once, as ``guard()``). The wait ends with
+      the permit, or with a refusal a moment (1 ms) before the deadline of the
+      request being sent (inside ``execute``, ``hedge``, ``attempt()``), or with the
+      caller's cancellation, which is re-raised. A caller that leaves the queue
+      never takes a permit with it nor holds up the ones behind.
+
+    The permit is given back when the block ends, however it ends (an exception,
+    a cancellation, ``KeyboardInterrupt``). ``limit``, ``in_flight`` and ``queued``
+    are read without a lock (gauges). Thread-safe and loop-agnostic: one limiter per
+    endpoint, shared by every door, thread and event loop. ``name`` (e.g.
+    ``"10.0.0.1:11210"``) is in the refusal's message.
+    """
+
+    __slots__ = ("_acquirer", "_guard")
+
+    def __init__(self, limit: int, *, max_queued: int = 0, name: str = "") -> None:
+        what = "ConcurrencyLimiter"
+        cap = permits(limit, f"{what}(limit)", 1)
+        queue = permits(max_queued, f"{what}(max_queued)", 0)
+        Permits.__init__(self, cap, queue, text(name, f"{what}(name)"))
+        # One guard and one acquirer per limiter, shared by every dispatch: a fixed
+        # limit keeps nothing per dispatch (no allocation per call).
+        self._guard = LimiterGuard(self)
+        self._acquirer = LimiterAcquire(self)
+
+    @property
+    def limit(self) -> int:
+        return self._cap
+
+    def guard(self) -> LimiterGuard:
+        """``with limiter.guard():``: a permit now, or a refusal (no queue)."""
+        return self._guard
+
+    def acquire(self) -> LimiterAcquire:
+        """``async with limiter.acquire():``: a permit, waiting in line if ``max_queued`` allows."""
+        return self._acquirer
+
+    def __repr__(self) -> str:
+        label = f" {self._name!r}" if self._name else ""
+        return (
+            f"<ConcurrencyLimiter{label} limit={self._cap} in_flight={self._in_flight} "
+            f"queued={len(self._waiters)} max_queued={self._max_queued}>"
+        )
+
+
+class LimiterGuard:
+    """What :meth:`ConcurrencyLimiter.guard` returns: a permit on enter, given back on exit."""
+
+    __slots__ = ("_limiter",)
+
+    def __init__(self, limiter: ConcurrencyLimiter) -> None:
+        self._limiter = limiter
+
+    def __enter__(self) -> None:
+        limiter = self._limiter
+        with limiter._lock:
+            if limiter._in_flight < limiter._cap and not limiter._waiters:
+                limiter._in_flight += 1
+                return
+        raise limiter._full()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        limiter = self._limiter
+        with limiter._lock:
+            if not limiter._waiters:
+                limiter._in_flight -= 1
+                return
+            limiter._in_flight -= 1
+            woken = limiter._hand_over()
+        if woken is not None:
+            limiter._wake(woken)
+
+
+class LimiterAcquire:
+    """What :meth:`ConcurrencyLimiter.acquire` returns: ``async with`` waits in line."""
+
+    __slots__ = ("_limiter",)
+
+    def __init__(self, limiter: ConcurrencyLimiter) -> None:
+        self._limiter = limiter
+
+    async def __aenter__(self) -> None:
+        limiter = self._limiter
+        with limiter._lock:
+            if limiter._in_flight < limiter._cap and not limiter._waiters:
+                limiter._in_flight += 1
+                return
+        await limiter._queue()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        limiter = self._limiter
+        with limiter._lock:
+            limiter._in_flight -= 1
+            woken = limiter._hand_over() if limiter._waiters else None
+        if woken is not None:
+            limiter._wake(woken)
