@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import random as _random
 import threading
 import time
 from collections.abc import Callable
@@ -216,7 +215,9 @@ class AdaptiveThrottle:
                 f"{what}(clock) must be a callable returning seconds or None, got {show(clock)}"
             )
         if random is None:
-            random = _random.random
+            import random as stdlib_random  # on first use: `import sdkcore` does not load it
+
+            random = stdlib_random.random
         elif not callable(random):
             raise TypeError(
                 f"{what}(random) must be a callable returning a float in [0, 1) or None, "
