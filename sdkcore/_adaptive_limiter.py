@@ -1,23 +1,26 @@
 """A concurrency limit that follows the endpoint's latency (rfc/0009, "Adaptive limiter").
 
 Netflix concurrency-limits' ``Gradient2Limit`` (the version with ``rttTolerance``)
-behind its ``WindowedLimit``, with their parameters. Gradient2: smoothing 0.2, RTT
-tolerance 1.5, a long-term RTT averaged over 600 windows after 10 warm-up windows,
-a gradient clamped to [0.5, 1], a window with a drop counted as gradient 0.5, no
-growth while fewer than half the permits are used. WindowedLimit: a window is the
-average round trip of at least 10 samples, and lasts twice the smallest round trip
-seen in it, bounded to [0.1 s, 1 s] (its floor is WindowedLimit's lowest allowed
-``minWindowTime`` and Envoy's ``concurrency_update_interval``; its own default is
-1 s). The headroom added while latency is flat is ``max(4, sqrt(limit))``
-(concurrency-limits' ``SquareRootFunction.create(4)``; Gradient2's default is 4).
+fed by windows as its ``WindowedLimit`` feeds it, with their parameters. Gradient2:
+smoothing 0.2, RTT tolerance 1.5, a long-term RTT averaged over 600 windows after
+10 warm-up windows, a gradient clamped to [0.5, 1], a window with a drop counted as
+gradient 0.5, no growth while fewer than half the permits were used. A window is
+the average round trip of at least 10 samples (WindowedLimit's ``windowSize``; a
+window waits for them, as failsafe-go's AdaptiveLimiter does, rather than being
+dropped) and lasts twice the smallest round trip of the one before, bounded to
+[0.1 s, 1 s] (the floor is WindowedLimit's lowest allowed ``minWindowTime`` and
+Envoy's ``concurrency_update_interval``; the ceiling WindowedLimit's default). The
+headroom added while latency is flat is ``max(4, sqrt(limit))`` (concurrency-limits'
+``SquareRootFunction.create(4)``; Gradient2's own default is 4).
 
-One change, measured in rfc/0009: the long-term RTT does not learn from a window
-that may include the queue this client built (the permits were used and its
-latency is above the baseline), and a baseline that no unloaded window confirmed
-for 600 windows is re-measured by a probe at half the limit, as Envoy's
-adaptive_concurrency re-measures its minimum RTT (every 60 s by default; 600
-windows of 0.1 s). Upstream, the long-term RTT follows a steady overload up and the
-limit drifts up with it to ``max_limit``.
+One addition, measured in rfc/0009: upstream, a steady overload teaches the
+long-term RTT its own queue, and the limit drifts up with it to ``max_limit``. Here
+a baseline that no unloaded window confirmed for 30 windows in a row (saturated,
+above the baseline) is re-measured by a probe, as Envoy's adaptive_concurrency
+re-measures its minimum RTT: the limit is held at half while 50 dispatches (Envoy's
+``request_count``) go out at that concurrency, and their average, once every one of
+them has ended, is the new baseline. A probe that finds it 10 % lower probes again
+at half as much; warm-up windows that were all saturated end with a probe.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from ._context import DEFAULT_EFFECT, AttemptEffect
 from ._errors import RetryableError
 from ._permits import Permits, permits, text
 from ._request import dispatching
+from ._untrusted import show
 
 __all__ = ["AdaptiveConcurrencyLimiter", "AdaptivePermit"]
 
@@ -42,11 +46,12 @@ LONG_WINDOW = 600  # Gradient2 ``longWindow``: the long-term RTT's EWMA, 2 / (60
 WARMUP = 10  # ExpAvgMeasurement's warm-up: a plain average of the first 10 windows
 MIN_GRADIENT = 0.5  # Gradient2's clamp; also the gradient of a window with a drop
 MIN_HEADROOM = 4.0  # SquareRootFunction.create(4)
-WINDOW_SAMPLES = 10  # WindowedLimit ``windowSize``: fewer, and the window is dropped
+WINDOW_SAMPLES = 10  # WindowedLimit ``windowSize``: a window waits for this many samples
 MIN_WINDOW = 0.1  # seconds: the floor of a window (see the module's docstring)
 MAX_WINDOW = 1.0  # WindowedLimit ``maxWindowTime``
 PROBE_INTERVAL = 30  # saturated windows without an unloaded one before the baseline is re-measured
 PROBE_SAMPLES = 50  # samples at half the limit that make the new baseline (Envoy's request_count)
+PROBE_AGAIN = 0.9  # a probe that finds the baseline this much lower probes again at half
 
 _FACTOR = 2.0 / (LONG_WINDOW + 1)
 _KEEP = 1.0 - SMOOTHING
@@ -165,7 +170,7 @@ class AdaptiveConcurrencyLimiter(Permits):
         queue = permits(max_queued, f"{what}(max_queued)", 0)
         if clock is not None and not callable(clock):
             raise TypeError(
-                f"{what}(clock) must be a callable returning seconds or None, got {clock!r}"
+                f"{what}(clock) must be a callable returning seconds or None, got {show(clock)}"
             )
         Permits.__init__(self, initial, queue, text(name, f"{what}(name)"))
         self._clock: Callable[[], float] = time.monotonic if clock is None else clock
@@ -244,19 +249,20 @@ class AdaptiveConcurrencyLimiter(Permits):
                 self._window_least = rtt
         if held > self._window_held:
             self._window_held = held
-        if now >= self._window_end:
+        if now >= self._window_end and (
+            self._window_n >= WINDOW_SAMPLES or (self._window_drop and self._warm)
+        ):
             self._close_window(now)
 
     def _close_window(self, now: float) -> None:
-        """WindowedLimit: a window of enough samples updates the limit; a new one starts."""
+        """The window is over and holds enough samples (or a drop): update the limit."""
         n = self._window_n
         least = self._window_least
         length = 2.0 * least if least != math.inf else MIN_WINDOW
         self._window_end = now + (
             MIN_WINDOW if length < MIN_WINDOW else MAX_WINDOW if length > MAX_WINDOW else length
         )
-        if n >= WINDOW_SAMPLES or (self._window_drop and self._warm):
-            self._update(self._window_sum / n if n else 0.0, self._window_held, self._window_drop)
+        self._update(self._window_sum / n if n else 0.0, self._window_held, self._window_drop)
         self._window_n = self._window_held = 0
         self._window_sum = 0.0
         self._window_least = math.inf
@@ -274,6 +280,12 @@ class AdaptiveConcurrencyLimiter(Permits):
                 warm = self._warm = warm + 1
                 self._warm_sum += rtt
                 baseline = self._warm_sum / warm
+                self._stale = self._stale + 1 if saturated else 0
+                if warm == WARMUP and self._stale >= WARMUP:
+                    # learned while every permit was used: it may be our own queue
+                    self._baseline = baseline
+                    self._probe()
+                    return
             else:
                 baseline = self._baseline
                 if rtt <= baseline or not saturated:
@@ -336,7 +348,16 @@ class AdaptiveConcurrencyLimiter(Permits):
         if self._probe_open or self._probe_out < PROBE_SAMPLES:
             return
         if self._probe_n:
-            self._baseline = self._probe_sum / self._probe_n
+            baseline = self._probe_sum / self._probe_n
+            lower = baseline < PROBE_AGAIN * self._baseline
+            self._baseline = baseline
+            if lower and self._cap > self._min:
+                # the old baseline held a queue: there may be more of it at half as much
+                self._probe_out = self._probe_open = self._probe_n = 0
+                self._probe_sum = 0.0
+                half = self._cap // 2
+                self._cap = half if half > self._min else self._min
+                return
         self._probing = False
         self._estimate = self._before
         self._cap = int(self._before)
