@@ -400,7 +400,10 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
     now = request.clock()
     left = request.deadline - now
     if left <= 0.0:  # expired before the attempt: nothing is sent
-        raise _failing.timed_out(request, request.last_reason, _strategy_of(self, request), now)
+        expired = _failing.timed_out(request, request.last_reason, _strategy_of(self, request), now)
+        if self._telemetry is not None:
+            (request._trace or self._telemetry.begin(request)).end(request, expired)
+        raise expired
     request._begin_attempt(now)
     self._deposit(request)  # once, on the request's first attempt
     trace = request._trace
@@ -411,7 +414,11 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
     error: BaseException | None = None
     try:
         if left == _INF:
-            yield
+            try:
+                yield
+            except BaseException as exc:
+                error = exc
+                raise
             return
         rt = _runtime.current()
         scope = rt.Scope(rt.now() + left)
@@ -429,6 +436,8 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
         scope.exit(None)
     finally:
         Request._dispatched_done(token)
+        if error is not None and not isinstance(error, Exception):
+            request._finish_by(error)  # the caller's cancellation ends the request (never retried)
         if trace is not None:
             trace.attempt_end(handle, error)
             if request.completed:  # the deadline or Request.cancel() ended it here

@@ -64,8 +64,11 @@ class RetryOrchestrator(OrchestratorCore):
 
         A completed request cannot be retried; this does nothing if it already completed.
         """
+        pending = request.state is RequestState.PENDING
         request._succeeded()
         trace = request._trace
+        if trace is None and pending and self._telemetry is not None:
+            trace = self._telemetry.begin(request)  # a loop without attempt() that never failed
         if trace is not None:
             trace.end(request, None)
 
@@ -79,12 +82,15 @@ class RetryOrchestrator(OrchestratorCore):
         """
         if not isinstance(error, BaseException):
             raise TypeError(f"fail(request, error): error must be an exception, got {error!r}")
-        if request.state is RequestState.PENDING:
+        pending = request.state is RequestState.PENDING
+        if pending:
             request._attempt_failed(None, AttemptEffect.MAYBE_APPLIED, error, request.clock())
             request._finish(RequestState.FAILED)
         if isinstance(error, CouchbaseException) and error.context is None:
             error.context = request.error_context(request.last_reason)
         trace = request._trace
+        if trace is None and pending and self._telemetry is not None:
+            trace = self._telemetry.begin(request)  # a loop without attempt() or a retry
         if trace is not None:
             trace.end(request, error)
         return error

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import json
 import math
 import threading
 from collections.abc import Callable
@@ -267,6 +266,10 @@ class Sample:
 
 def _line(report: dict[str, Any]) -> str:
     """The report as one line of compact JSON (RFC 67: non-pretty)."""
+    # Imported here: ``import sdkcore`` loads no json (tests/test_first_call.py). A report
+    # is built after its requests ended, never on a request's clock.
+    import json
+
     return json.dumps(report, separators=(",", ":"))
 
 

@@ -322,17 +322,8 @@ async def test_request_cancel_is_cancelled(otel: Otel, door: str) -> None:
     check_finished(otel, "kv.get", "cancelled", "RequestCanceledException", retries=0)
 
 
-DOOR_GAP_CANCEL = pytest.mark.xfail(
-    reason="door gap (report of issue 22's tests): attempt() lets the caller's cancellation "
-    "through without finishing the request, so its trace never ends",
-    strict=True,
-)
-
-
 @pytest.mark.anyio
-@pytest.mark.parametrize(
-    "door", ["execute", pytest.param("hand_wired", marks=DOOR_GAP_CANCEL), "hedge"]
-)
+@pytest.mark.parametrize("door", ["execute", "hand_wired", "hedge"])
 async def test_callers_cancellation_is_cancelled(otel: Otel, door: str) -> None:
     request = Request(name="kv.get", idempotent=True, timeout=30.0)
     with anyio.fail_after(SAFETY):
@@ -374,11 +365,6 @@ async def test_loop_without_attempt_records_from_its_first_failure(otel: Otel) -
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    reason="door gap (report of issue 22's tests): succeed()/fail() never begin a trace, so a "
-    "loop without attempt() records nothing for a request that never failed",
-    strict=True,
-)
 async def test_loop_without_attempt_records_a_first_time_success(otel: Otel) -> None:
     orchestrator = otel.orchestrator()
     request = Request(name="kv.get", idempotent=True)
@@ -387,11 +373,6 @@ async def test_loop_without_attempt_records_a_first_time_success(otel: Otel) -> 
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    reason="door gap (report of issue 22's tests): attempt() refusing an expired request "
-    "completes it as timed out without ending its trace",
-    strict=True,
-)
 async def test_loop_whose_deadline_passes_between_attempts_is_a_timeout(otel: Otel) -> None:
     clock = VirtualClock()
     orchestrator = otel.orchestrator(BestEffortRetryStrategy(), sleep=clock.sleep)

@@ -321,11 +321,6 @@ async def test_timeout_cuts_the_attempt_span_too(otel: Otel, door: str) -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    reason="door gap (report of issue 22's tests): attempt() without a deadline never notes "
-    "the error, so a failed attempt's span ends without error status",
-    strict=True,
-)
 async def test_hand_wired_attempt_without_deadline_records_its_error(otel: Otel) -> None:
     request = Request(name="kv.get", idempotent=True, timeout=None)
     with pytest.raises(Fatal):
