@@ -138,6 +138,9 @@ class Telemetry:
         #: Every finished request is also recorded there (Couchbase threshold logging).
         self.threshold_reporter = threshold_reporter
         self._trace = trace
+        self._client = trace.SpanKind.CLIENT
+        # The success attributes of request.duration, per request name (bounded by MAX_NAMES).
+        self._success: dict[str, dict[str, str]] = {}
         self._context = otel_context
         self.meter: Any = (
             metrics.get_meter(SCOPE, __version__)
@@ -286,6 +289,13 @@ class Telemetry:
             names.add(name)
             return name
 
+    def _succeeded(self, name: str) -> dict[str, str]:
+        """The attributes of a successful request's duration, made once per name."""
+        attributes = self._success.get(name)
+        if attributes is None:
+            attributes = self._success[name] = {NAME: name, OUTCOME: "success"}
+        return attributes
+
     def begin(
         self,
         request: Any,
@@ -351,16 +361,18 @@ class RequestTrace:
         # Back-dated to the request's creation: its duration metric starts there too.
         # (request.elapsed builds a timedelta: 1.3 us against 0.1 us, bench/bench_telemetry.py)
         started = time.time_ns() - int((request.clock() - request._start) * 1e9)
-        trace = telemetry._trace
-        self.span = telemetry._guard(
-            "span",
-            lambda: telemetry.tracer.start_span(
+        # One try per hook, not a guarded closure per OpenTelemetry call: the hooks run on
+        # every request (bench/README, "bench_telemetry.py").
+        try:
+            self.span = telemetry.tracer.start_span(
                 span_name or name,
-                kind=trace.SpanKind.CLIENT if kind is None else kind,
+                kind=telemetry._client if kind is None else kind,
                 attributes={NAME: name, "sdkcore.request.id": request.id},
                 start_time=started,
-            ),
-        )
+            )
+        except Exception as exc:
+            telemetry._failure("span", exc)
+            self.span = None
 
     # -- attempts --------------------------------------------------------------------
     def traced(self, send: Callable[[Any], Awaitable[T]]) -> Callable[[Any], Awaitable[T]]:
@@ -415,39 +427,42 @@ class RequestTrace:
 
         Returns a handle for :meth:`attempt_end`, or None when the span could not start.
         """
-        telemetry = self.telemetry
         parent = self.span
         if parent is None:
             return None
-
-        def start() -> Any:
-            trace = telemetry._trace
-            attributes: dict[str, Any] = {ATTEMPT_NUMBER: number}
-            if hedge is not None:
-                attributes[HEDGE_INDEX] = hedge
+        telemetry = self.telemetry
+        trace = telemetry._trace
+        attributes: dict[str, Any] = {ATTEMPT_NUMBER: number}
+        if hedge is not None:
+            attributes[HEDGE_INDEX] = hedge
+        try:
             span = telemetry.tracer.start_span(
                 name, context=trace.set_span_in_context(parent), attributes=attributes
             )
-            token = telemetry._context.attach(trace.set_span_in_context(span))
-            return span, token
-
-        return telemetry._guard("span", start)
+        except Exception as exc:
+            telemetry._failure("span", exc)
+            return None
+        try:
+            return span, telemetry._context.attach(trace.set_span_in_context(span))
+        except Exception as exc:
+            telemetry._failure("span", exc)
+            span.end()
+            return None
 
     def attempt_end(self, handle: Any, error: BaseException | None) -> None:
         if handle is None:
             return
         telemetry = self.telemetry
         span, token = handle
-
-        def end() -> None:
+        try:
             try:
                 telemetry._context.detach(token)
             finally:
                 if error is not None:
                     _record_error(telemetry, span, error)
                 span.end()
-
-        telemetry._guard("span", end)
+        except Exception as exc:
+            telemetry._failure("span", exc)
 
     # -- the request's events ---------------------------------------------------------
     def retry(self, reason: RetryReason, delay: float) -> None:
@@ -490,12 +505,17 @@ class RequestTrace:
         # Request.retry_attempts counts hedged copies too (RFC 0049): they are reported
         # by sdkcore.hedges, so a retry ratio never mistakes a hedge for a retry.
         retries = request.retry_attempts - self.hedges
-        attributes: dict[str, Any] = {NAME: self.attributes[NAME], OUTCOME: outcome}
-        if outcome != "success":
+        name = self.attributes[NAME]
+        if outcome == "success":
+            attributes = telemetry._succeeded(name)
+        else:
             cls = type(error).__name__ if error is not None else "RequestCanceledException"
-            attributes[ERROR_TYPE] = _cut(cls)
+            attributes = {NAME: name, OUTCOME: outcome, ERROR_TYPE: _cut(cls)}
         elapsed = request.clock() - request._start  # request.elapsed, without its timedelta
-        telemetry._guard("request.duration", telemetry.request_duration.record, elapsed, attributes)
+        try:
+            telemetry.request_duration.record(elapsed, attributes)
+        except Exception as exc:
+            telemetry._failure("request.duration", exc)
         reporter = telemetry.threshold_reporter
         if reporter is not None:
             # The service from the request's client_context["service"] (e.g. "kv"), else
@@ -512,24 +532,21 @@ class RequestTrace:
                     timeout=None if timeout is None else timeout.total_seconds(),
                 ),
             )
-        telemetry._guard(
-            "request.retries",
-            telemetry.request_retries.record,
-            retries,
-            self.attributes,
-        )
+        try:
+            telemetry.request_retries.record(retries, self.attributes)
+        except Exception as exc:
+            telemetry._failure("request.retries", exc)
         span = self.span
         if span is not None:
-
-            def close() -> None:
+            try:
                 span.set_attribute(OUTCOME, outcome)
                 span.set_attribute("sdkcore.request.retries", retries)
                 if error is not None and outcome != "success":
                     _record_error(telemetry, span, error)
                 if self.owns_span:
                     span.end()
-
-            telemetry._guard("span", close)
+            except Exception as exc:
+                telemetry._failure("span", exc)
 
 
 def _record_error(telemetry: Telemetry, span: Any, error: BaseException) -> None:
