@@ -28,13 +28,15 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 from ._breaker import _cut_at_deadline, default_is_failure
 from ._context import DEFAULT_EFFECT, AttemptEffect
 from ._errors import RetryableError
-from ._permits import Permits, permits, text
+from ._permits import TOKEN, Permits, permits, text
 from ._request import dispatching
 from ._untrusted import show
 
@@ -52,6 +54,10 @@ MAX_WINDOW = 1.0  # WindowedLimit ``maxWindowTime``
 PROBE_INTERVAL = 30  # saturated windows without an unloaded one before the baseline is re-measured
 PROBE_SAMPLES = 50  # samples at half the limit that make the new baseline (Envoy's request_count)
 PROBE_AGAIN = 0.9  # a probe that finds the baseline this much lower probes again at half
+
+#: Samples waiting to be counted (appended without the lock) before the next caller
+#: counts them: memory stays bounded whatever the rate.
+PENDING = 256
 
 _FACTOR = 2.0 / (LONG_WINDOW + 1)
 _KEEP = 1.0 - SMOOTHING
@@ -128,6 +134,7 @@ class AdaptiveConcurrencyLimiter(Permits):
         "_last_rtt",
         "_max",
         "_min",
+        "_pending",
         "_probe_n",
         "_probe_open",
         "_probe_out",
@@ -188,6 +195,8 @@ class AdaptiveConcurrencyLimiter(Permits):
         self._probe_open = 0  # ... and not ended yet
         self._probe_n = 0  # ... ended with a round trip
         self._probe_sum = 0.0
+        # (ended at, round trip or -1.0 for a drop, permits held): appended lock-free
+        self._pending: deque[tuple[float, float, int]] = deque()
         # the current window (WindowedLimit's AverageSampleWindow)
         self._window_end = -math.inf  # the first sample opens the first window
         self._window_n = 0
@@ -218,41 +227,67 @@ class AdaptiveConcurrencyLimiter(Permits):
     def __repr__(self) -> str:
         label = f" {self._name!r}" if self._name else ""
         return (
-            f"<AdaptiveConcurrencyLimiter{label} limit={self._cap} in_flight={self._in_flight} "
+            f"<AdaptiveConcurrencyLimiter{label} limit={self._cap} in_flight={self.in_flight} "
             f"queued={len(self._waiters)} min_limit={self._min} max_limit={self._max}>"
         )
 
     # -- the dispatch side ----------------------------------------------------------
     def guard(self) -> AdaptivePermit:
         """``with limiter.guard():``: a permit now, or a refusal (no queue)."""
-        return AdaptivePermit(self)
+        permit = _new_permit(AdaptivePermit)  # no __init__ frame: one per dispatch
+        permit._limiter = self
+        return permit
 
     def acquire(self) -> AdaptivePermit:
         """``async with limiter.acquire():``: a permit, waiting in line if ``max_queued`` allows."""
-        return AdaptivePermit(self)
+        permit = _new_permit(AdaptivePermit)
+        permit._limiter = self
+        return permit
 
     def _hint(self) -> float | None:
         return self._last_rtt
 
-    # -- under the lock ---------------------------------------------------------------
-    def _sample(self, now: float, rtt: float, held: int, drop: bool) -> None:
-        """A dispatch ended at ``now`` after ``rtt`` s; ``held`` permits when it went out."""
+    # -- counting samples (under the lock) ------------------------------------------------
+    def _count(self) -> list[Any] | None:
+        """Count the pending samples into windows; the waiters a higher limit lets in."""
+        pending = self._pending
         if self._probing:
-            return  # only the probe's own dispatches count (``_probed``)
-        if drop:
-            self._window_drop = True
+            pending.clear()  # only the probe's own dispatches count (``_probed``)
+            return None
+        cap = self._cap
+        popleft = pending.popleft
+        # the window in locals: this loop runs once per sample
+        n, total, least = self._window_n, self._window_sum, self._window_least
+        most, drop, end = self._window_held, self._window_drop, self._window_end
+        rtt = -1.0
+        while pending:
+            now, rtt, held = popleft()
+            if rtt < 0.0:
+                drop = True
+            else:
+                n += 1
+                total += rtt
+                if rtt < least:
+                    least = rtt
+            if held > most:
+                most = held
+            if now >= end and (n >= WINDOW_SAMPLES or (drop and self._warm)):
+                self._window_n, self._window_sum, self._window_least = n, total, least
+                self._window_held, self._window_drop = most, drop
+                self._close_window(now)  # may start a probe: the rest is not counted
+                if self._probing:
+                    pending.clear()
+                    break
+                n, total, least, most, drop = 0, 0.0, math.inf, 0, False
+                end = self._window_end
         else:
+            self._window_n, self._window_sum, self._window_least = n, total, least
+            self._window_held, self._window_drop = most, drop
+        if rtt >= 0.0:
             self._last_rtt = rtt
-            self._window_n += 1
-            self._window_sum += rtt
-            if rtt < self._window_least:
-                self._window_least = rtt
-        if held > self._window_held:
-            self._window_held = held
-        if now >= self._window_end and (
-            self._window_n >= WINDOW_SAMPLES or (self._window_drop and self._warm)
-        ):
-            self._close_window(now)
+        if self._cap > cap and self._waiters:
+            return self._settle_locked()
+        return None
 
     def _close_window(self, now: float) -> None:
         """The window is over and holds enough samples (or a drop): update the limit."""
@@ -314,7 +349,8 @@ class AdaptiveConcurrencyLimiter(Permits):
             if estimate < self._min:
                 estimate = self._min
         self._estimate = estimate
-        self._cap = int(estimate)
+        if int(estimate) != self._cap:
+            self._resize(int(estimate))
 
     def _probe(self) -> None:
         """Re-measure the baseline: the limit is held at half while ``PROBE_SAMPLES``
@@ -325,7 +361,7 @@ class AdaptiveConcurrencyLimiter(Permits):
         self._probe_out = self._probe_open = self._probe_n = 0
         self._probe_sum = 0.0
         half = int(self._estimate / 2)
-        self._cap = half if half > self._min else self._min
+        self._resize(half if half > self._min else self._min)
 
     def _tag(self) -> bool:
         """A dispatch let through while probing: is it one of the probe's?"""
@@ -335,7 +371,7 @@ class AdaptiveConcurrencyLimiter(Permits):
             return True
         return False
 
-    def _probed(self, rtt: float, outcome: int) -> None:
+    def _probed(self, rtt: float, outcome: int) -> list[Any] | None:
         """One of the probe's dispatches ended; the last one ends the probe.
 
         The average is over every one of them, slow ones included: ending at the first
@@ -346,7 +382,7 @@ class AdaptiveConcurrencyLimiter(Permits):
             self._probe_sum += rtt
             self._probe_n += 1
         if self._probe_open or self._probe_out < PROBE_SAMPLES:
-            return
+            return None
         if self._probe_n:
             baseline = self._probe_sum / self._probe_n
             lower = baseline < PROBE_AGAIN * self._baseline
@@ -356,61 +392,87 @@ class AdaptiveConcurrencyLimiter(Permits):
                 self._probe_out = self._probe_open = self._probe_n = 0
                 self._probe_sum = 0.0
                 half = self._cap // 2
-                self._cap = half if half > self._min else self._min
-                return
+                self._resize(half if half > self._min else self._min)
+                return None
         self._probing = False
         self._estimate = self._before
-        self._cap = int(self._before)
+        self._resize(int(self._before))
+        self._pending.clear()  # what ended during the probe says nothing
         self._window_end = -math.inf  # a fresh window from the next sample
         self._window_n = self._window_held = 0
         self._window_sum = 0.0
         self._window_least = math.inf
         self._window_drop = False
+        return self._settle_locked() if self._waiters else None
 
 
 class AdaptivePermit:
-    """One dispatch's permit (``guard()`` or ``acquire()``): it times the dispatch."""
+    """One dispatch's permit (``guard()`` or ``acquire()``): it times the dispatch.
 
-    __slots__ = ("_held", "_limiter", "_start", "_tagged")
+    The common path takes no lock: a token popped on enter, appended on exit, and the
+    round trip appended to the limiter's pending samples, counted by whoever next
+    finds a window over or ``PENDING`` samples waiting. Built without ``__init__``
+    (``guard()`` sets ``_limiter``); ``_held`` is set once the permit is held: the
+    permits in flight then, this one included, negative for one of a probe's.
+    """
 
-    def __init__(self, limiter: AdaptiveConcurrencyLimiter) -> None:
-        self._limiter = limiter
-        self._held = 0  # permits in flight once this one was taken (itself included)
-        self._tagged = False  # one of a probe's dispatches
+    __slots__ = ("_held", "_limiter", "_start")
+
+    _limiter: AdaptiveConcurrencyLimiter
+    _held: int
+    _start: float
 
     def __enter__(self) -> None:
         limiter = self._limiter
         self._start = limiter._clock()  # before the permit: a clock that raises takes none
+        if limiter._waiters or limiter._debt or limiter._probing:
+            if limiter._waiters or not self._take_slow():
+                raise limiter._full()
+            return
+        tokens = limiter._tokens
+        try:
+            tokens.pop()
+        except IndexError:
+            raise limiter._full() from None
+        self._held = limiter._cap - len(tokens)
+
+    def _take_slow(self) -> bool:
+        """A permit while a debt is owed or a probe runs (under the lock)."""
+        limiter = self._limiter
         with limiter._lock:
-            held = limiter._in_flight
-            if held < limiter._cap and not limiter._waiters:
-                self._held = limiter._in_flight = held + 1
-                if limiter._probing:
-                    self._tagged = limiter._tag()
-                return
-        raise limiter._full()
+            if not limiter._take_locked():
+                return False
+            self._hold_locked()
+        return True
+
+    def _hold_locked(self) -> None:
+        limiter = self._limiter
+        held = limiter._cap + limiter._debt - len(limiter._tokens)
+        held = held if held > 0 else 1
+        self._held = -held if limiter._probing and limiter._tag() else held
 
     async def __aenter__(self) -> None:
         limiter = self._limiter
         self._start = limiter._clock()
-        with limiter._lock:
-            held = limiter._in_flight
-            if held < limiter._cap and not limiter._waiters:
-                self._held = limiter._in_flight = held + 1
-                if limiter._probing:
-                    self._tagged = limiter._tag()
+        if not limiter._waiters and not limiter._debt and not limiter._probing:
+            tokens = limiter._tokens
+            try:
+                tokens.pop()
+            except IndexError:
+                pass
+            else:
+                self._held = limiter._cap - len(tokens)
                 return
-        held = await limiter._queue()  # the permit is ours from here: no await until held
+        elif not limiter._waiters and self._take_slow():
+            return
+        await limiter._queue()  # the permit is ours from here: no await until held
         try:
             self._start = limiter._clock()  # the round trip starts with the permit
         except BaseException:
             limiter._give_back()
             raise
-        self._held = held
-        if limiter._probing:
-            with limiter._lock:
-                if limiter._probing:
-                    self._tagged = limiter._tag()
+        with limiter._lock:
+            self._hold_locked()
 
     def __exit__(
         self,
@@ -418,29 +480,43 @@ class AdaptivePermit:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        limiter = self._limiter
-        held = self._held
-        if not held:
-            return  # never entered, or already ended
-        self._held = 0
         try:
-            rtt = limiter._clock() - self._start
+            held = self._held
+        except AttributeError:
+            return  # never entered
+        if not held:
+            return  # already ended
+        self._held = 0
+        limiter = self._limiter
+        try:
+            end = limiter._clock()
+            rtt = end - self._start
             outcome = _SAMPLE if exc is None else _judge(exc)
         except Exception:  # a clock or an error's __cause__ that raises: no sample
-            rtt, outcome = 0.0, _IGNORE
-        with limiter._lock:
-            limiter._in_flight -= 1
-            if self._tagged:
-                self._tagged = False
-                limiter._probed(rtt, outcome)
-            elif outcome == _SAMPLE:
-                if 0.0 < rtt < math.inf:  # also refuses NaN (a broken clock)
-                    limiter._sample(self._start + rtt, rtt, held, False)
-            elif outcome == _DROP and rtt == rtt:
-                limiter._sample(self._start + rtt, rtt, held, True)
-            woken = limiter._hand_over() if limiter._waiters else None
-        if woken is not None:
-            limiter._wake(woken)
+            end = rtt = 0.0
+            outcome = _IGNORE
+        limiter._tokens.append(TOKEN)
+        if held < 0:  # one of a probe's
+            with limiter._lock:
+                woken = limiter._probed(rtt, outcome)
+            if woken is not None:
+                limiter._wake(woken)
+        elif outcome:
+            if outcome == _SAMPLE:
+                counted = 0.0 < rtt < math.inf  # also refuses NaN (a broken clock)
+            else:
+                counted = rtt == rtt
+                rtt = -1.0  # a drop
+            if counted:
+                pending = limiter._pending
+                pending.append((end, rtt, held))
+                if end >= limiter._window_end or len(pending) >= PENDING:
+                    with limiter._lock:
+                        woken = limiter._count()
+                    if woken is not None:
+                        limiter._wake(woken)
+        if limiter._waiters or limiter._debt:
+            limiter._settle()
 
     async def __aexit__(
         self,
@@ -449,3 +525,6 @@ class AdaptivePermit:
         tb: TracebackType | None,
     ) -> None:
         self.__exit__(exc_type, exc, tb)
+
+
+_new_permit = object.__new__

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from types import TracebackType
 
-from ._permits import Permits, permits, text
+from ._permits import TOKEN, Permits, permits, text
 
 __all__ = ["ConcurrencyLimiter", "LimiterGuard"]
 
@@ -65,26 +65,34 @@ class ConcurrencyLimiter(Permits):
     def __repr__(self) -> str:
         label = f" {self._name!r}" if self._name else ""
         return (
-            f"<ConcurrencyLimiter{label} limit={self._cap} in_flight={self._in_flight} "
+            f"<ConcurrencyLimiter{label} limit={self._cap} in_flight={self.in_flight} "
             f"queued={len(self._waiters)} max_queued={self._max_queued}>"
         )
 
 
 class LimiterGuard:
-    """What :meth:`ConcurrencyLimiter.guard` returns: a permit on enter, given back on exit."""
+    """What :meth:`ConcurrencyLimiter.guard` returns: a permit on enter, given back on exit.
 
-    __slots__ = ("_limiter",)
+    A plain class holding the limiter's token list and queue (never replaced): taking
+    a permit is one ``list.pop()``, giving it back one ``list.append()``.
+    """
+
+    __slots__ = ("_limiter", "_tokens", "_waiters")
 
     def __init__(self, limiter: ConcurrencyLimiter) -> None:
         self._limiter = limiter
+        self._tokens = limiter._tokens
+        self._waiters = limiter._waiters
 
     def __enter__(self) -> None:
-        limiter = self._limiter
-        with limiter._lock:
-            if limiter._in_flight < limiter._cap and not limiter._waiters:
-                limiter._in_flight += 1
+        if not self._waiters:  # never ahead of a queued caller
+            try:
+                self._tokens.pop()
+            except IndexError:
+                pass
+            else:
                 return
-        raise limiter._full()
+        raise self._limiter._full()
 
     def __exit__(
         self,
@@ -92,32 +100,30 @@ class LimiterGuard:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        limiter = self._limiter
-        with limiter._lock:
-            if not limiter._waiters:
-                limiter._in_flight -= 1
-                return
-            limiter._in_flight -= 1
-            woken = limiter._hand_over()
-        if woken is not None:
-            limiter._wake(woken)
+        self._tokens.append(TOKEN)
+        if self._waiters:  # after the append: a caller queued before it is served now
+            self._limiter._settle()
 
 
 class LimiterAcquire:
     """What :meth:`ConcurrencyLimiter.acquire` returns: ``async with`` waits in line."""
 
-    __slots__ = ("_limiter",)
+    __slots__ = ("_limiter", "_tokens", "_waiters")
 
     def __init__(self, limiter: ConcurrencyLimiter) -> None:
         self._limiter = limiter
+        self._tokens = limiter._tokens
+        self._waiters = limiter._waiters
 
     async def __aenter__(self) -> None:
-        limiter = self._limiter
-        with limiter._lock:
-            if limiter._in_flight < limiter._cap and not limiter._waiters:
-                limiter._in_flight += 1
+        if not self._waiters:
+            try:
+                self._tokens.pop()
+            except IndexError:
+                pass
+            else:
                 return
-        await limiter._queue()
+        await self._limiter._queue()
 
     async def __aexit__(
         self,
@@ -125,9 +131,6 @@ class LimiterAcquire:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        limiter = self._limiter
-        with limiter._lock:
-            limiter._in_flight -= 1
-            woken = limiter._hand_over() if limiter._waiters else None
-        if woken is not None:
-            limiter._wake(woken)
+        self._tokens.append(TOKEN)
+        if self._waiters:
+            self._limiter._settle()

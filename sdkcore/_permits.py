@@ -1,15 +1,19 @@
-"""What both concurrency limiters share: the count, the FIFO queue and the wait (rfc/0009).
+"""What both concurrency limiters share: the permits, the FIFO queue and the wait (rfc/0009).
 
-A :class:`Permits` counts the dispatches in flight against a cap and keeps the
-callers of ``acquire()`` that wait for a permit in arrival order. A permit that is
-given back while callers wait is handed to the first of them (the count does not
-drop), so nobody barges past the queue and a ``guard()`` never takes a permit that
-a queued caller is owed.
+The free permits are tokens in a list: taking one is ``list.pop()`` and giving one
+back ``list.append()``, each a single atomic operation in CPython (one call, under
+the GIL; free-threaded builds lock the list for it), so the path of a dispatch that
+finds a permit and never waits takes no lock (bench/README, "bench_limiter.py").
+A lock serialises everything else: the queue of ``acquire()`` callers, a limit
+that moves (an adaptive one), and handing a returned permit to the first caller in
+line. Whoever returns a permit appends it first and looks at the queue second, and
+a caller that joins the queue looks for a token again once it is in line, so a
+permit is never left free while someone waits for it.
 
 Waiting is the only part that knows the event loop: one small waiter per backend
 (an asyncio future, a trio event), woken from any thread, bounded by the runtime
 layer's deadline scope (``sdkcore._runtime``). Nothing here imports asyncio or
-trio until a caller actually waits on one of them.
+trio; a waiter finds its loop's module loaded.
 """
 
 from __future__ import annotations
@@ -38,13 +42,20 @@ LIMITED: RetryReason = getattr(
 )
 _NOT_SENT = AttemptEffect.NOT_SENT
 
-#: The most permits (or queued callers) a limiter takes: far past any endpoint.
-MAX_PERMITS = 1_000_000_000
+#: The most permits (or queued callers) a limiter takes. A permit is one slot of a
+#: list (8 bytes): a million is 8 MB, far past any endpoint's concurrency.
+MAX_PERMITS = 1_000_000
+TOKEN = True  # what the token list holds
 
-#: A queued caller gives up this long before its request's deadline, so the door's
-#: own deadline scope never finds it waiting: the attempt ends as a refusal (nothing
-#: sent), not as a dispatch cut at the deadline (which may have been applied).
-SLACK = max(0.001, time.get_clock_info("monotonic").resolution)
+#: A queued caller gives up a tenth of its request's time left before the deadline,
+#: at least ``SLACK`` and at most ``MAX_SLACK`` seconds, so that the door's own
+#: deadline scope does not find it waiting: the attempt ends as a refusal (nothing
+#: sent, an unambiguous timeout), not as a dispatch cut at the deadline (which may
+#: have been applied). Both are timers of the same loop: the door's wins only on a
+#: loop stalled for longer than the margin (rfc/0009 has the door change that makes
+#: it exact).
+SLACK = max(0.002, time.get_clock_info("monotonic").resolution)
+MAX_SLACK = 0.02
 
 
 def permits(value: object, what: str, minimum: int) -> int:
@@ -64,29 +75,33 @@ def text(value: object, what: str) -> str:
 
 
 class Permits:
-    """The count of dispatches in flight, its cap, and the queue of ``acquire()`` callers.
+    """The permits of one endpoint: free tokens, a debt, and the queue of ``acquire()`` callers.
 
-    Subclasses set ``_cap`` (the current limit) and build the context managers; every
-    field is read and written under ``_lock``, which is never held while a caller's
-    code runs or while a waiter is woken.
+    ``_tokens`` holds one token per free permit. ``_debt`` counts permits to destroy
+    when they come back, after the limit fell below what was in flight; so
+    ``in_flight = _cap + _debt - len(_tokens)``. ``_waiters`` holds the queued
+    callers in arrival order. Everything but a token's pop and append is done under
+    ``_lock``, which is never held while a caller's code runs or a waiter is woken.
     """
 
     __slots__ = (
         "__weakref__",  # a telemetry watch may hold it weakly, as it does breakers
         "_cap",
-        "_in_flight",
+        "_debt",
         "_lock",
         "_max_queued",
         "_name",
         "_telemetry",
+        "_tokens",
         "_waiters",
     )
 
     def __init__(self, cap: int, max_queued: int, name: str) -> None:
         self._cap = cap
+        self._tokens = [TOKEN] * cap
+        self._debt = 0
         self._max_queued = max_queued
         self._name = name
-        self._in_flight = 0
         self._lock = threading.Lock()
         # arrival order; O(1) removal of a waiter that gives up (cancelled, deadline)
         self._waiters: OrderedDict[Any, None] = OrderedDict()
@@ -98,8 +113,9 @@ class Permits:
 
     @property
     def in_flight(self) -> int:
-        """Permits held now (dispatches let through and not yet ended)."""
-        return self._in_flight
+        """Permits held now (dispatches let through and not yet ended): a gauge."""
+        held = self._cap + self._debt - len(self._tokens)
+        return held if held > 0 else 0
 
     @property
     def queued(self) -> int:
@@ -110,35 +126,68 @@ class Permits:
     def max_queued(self) -> int:
         return self._max_queued
 
-    # -- under the lock ---------------------------------------------------------------
-    def _hand_over(self) -> list[Any] | None:
-        """Give the free permits to the first waiters (under the lock); they are woken after."""
+    # -- giving permits back ------------------------------------------------------------
+    def _give_back(self) -> None:
+        """Return one permit (and settle the queue and the debt, if any)."""
+        self._tokens.append(TOKEN)
+        if self._waiters or self._debt:
+            self._settle()
+
+    def _settle(self) -> None:
+        """A token came back while someone waits or a debt is owed."""
+        with self._lock:
+            woken = self._settle_locked()
+        if woken is not None:
+            self._wake(woken)
+
+    def _settle_locked(self) -> list[Any] | None:
+        """Pay the debt, then hand free tokens to the first waiters (under the lock)."""
+        tokens = self._tokens
+        while self._debt:
+            try:
+                tokens.pop()
+            except IndexError:
+                return None  # still owed: no token to give a waiter either
+            self._debt -= 1
         waiters = self._waiters
         woken: list[Any] | None = None
-        while waiters and self._in_flight < self._cap:
+        while waiters:
+            try:
+                tokens.pop()
+            except IndexError:
+                break
             waiter = waiters.popitem(last=False)[0]
             waiter.granted = True
-            self._in_flight += 1
             if woken is None:
                 woken = [waiter]
             else:
                 woken.append(waiter)
         return woken
 
-    # -- outside the lock -------------------------------------------------------------
+    def _resize(self, cap: int) -> None:
+        """The limit becomes ``cap`` (under the lock; then ``_settle_locked`` for waiters)."""
+        change = cap - self._cap
+        self._cap = cap
+        if change > 0:
+            paid = change if change < self._debt else self._debt
+            self._debt -= paid
+            if change > paid:
+                self._tokens.extend([TOKEN] * (change - paid))
+            return
+        tokens = self._tokens
+        for taken in range(-change):
+            try:
+                tokens.pop()
+            except IndexError:
+                self._debt += -change - taken  # in flight: destroyed as they come back
+                return
+
     def _wake(self, woken: list[Any]) -> None:
         for waiter in woken:
             if not waiter.wake():  # its event loop is gone: the permit comes back
                 self._give_back()
 
-    def _give_back(self) -> None:
-        """Return one permit that no dispatch will use (and pass it on to a waiter)."""
-        with self._lock:
-            self._in_flight -= 1
-            woken = self._hand_over() if self._waiters else None
-        if woken is not None:
-            self._wake(woken)
-
+    # -- refusals ------------------------------------------------------------------------
     def _hint(self) -> float | None:
         """``retry_after`` of a refusal: None (nothing measured) unless a subclass knows."""
         return None
@@ -153,13 +202,28 @@ class Permits:
         )
 
     def _full(self) -> RetryableError:
-        return self._refused(f"{self._in_flight} in flight, limit {self._cap}")
+        queued = len(self._waiters)
+        ahead = f", {queued} queued" if queued else ""
+        return self._refused(f"{self.in_flight} in flight, limit {self._cap}{ahead}")
 
-    async def _queue(self) -> int:
-        """``acquire()``'s slow path: wait in line for a permit; the in-flight count once held.
+    # -- waiting -------------------------------------------------------------------------
+    def _take_locked(self) -> bool:
+        """A permit for a caller nobody is queued ahead of (under the lock)."""
+        if self._debt:
+            self._settle_locked()  # pay what is owed before anyone takes a token
+            if self._debt:
+                return False
+        try:
+            self._tokens.pop()
+        except IndexError:
+            return False
+        return True
+
+    async def _queue(self) -> None:
+        """``acquire()``'s slow path: a permit, waiting in line for it if need be.
 
         Refused at once when the queue is full or the dispatching request has no time
-        left; a wait ends ``SLACK`` before that request's deadline (a refusal) and on
+        left; a wait ends just before that request's deadline (a refusal) and on
         any cancellation (re-raised). Either way the waiter leaves the queue, and a
         permit handed to it meanwhile goes on to the next in line.
         """
@@ -168,33 +232,44 @@ class Permits:
         rt = _runtime.current()
         why = None
         with self._lock:
-            if self._in_flight < self._cap and not self._waiters:  # freed meanwhile
-                self._in_flight += 1
-                return self._in_flight
+            if not self._waiters and self._take_locked():  # freed meanwhile
+                return
             if len(self._waiters) >= self._max_queued:
                 why = (
-                    f"{self._in_flight} in flight, limit {self._cap}, "
+                    f"{self.in_flight} in flight, limit {self._cap}, "
                     f"{len(self._waiters)} queued (max_queued {self._max_queued})"
                 )
-            elif left <= SLACK:
-                why = f"{self._in_flight} in flight, limit {self._cap}, no time left to queue"
+            elif left <= SLACK:  # too late to wait for anything
+                why = f"{self.in_flight} in flight, limit {self._cap}, no time left to queue"
             else:
                 waiter = _TrioWaiter() if rt.__name__.endswith("_trio") else _AsyncioWaiter()
                 self._waiters[waiter] = None
+                # in line now: a permit returned before this (its giver saw no queue) is
+                # still a token, so take it (and the turn of whoever was before us)
+                woken = self._settle_locked()
         if why is not None:
             raise self._refused(why)
-        scope = None if left == math.inf else rt.Scope(rt.now() + (left - SLACK))
+        if woken is not None:
+            self._wake(woken)
+        if waiter.granted:
+            return
+        if left == math.inf:
+            scope = None
+        else:
+            margin = 0.1 * left
+            margin = SLACK if margin < SLACK else MAX_SLACK if margin > MAX_SLACK else margin
+            scope = rt.Scope(rt.now() + (left - margin))
         try:
             await waiter.wait()
         except BaseException as exc:
             cut = scope is not None and scope.exit(exc)
+            woken = None
             with self._lock:
                 if waiter.granted:  # handed a permit as the wait ended: pass it on
-                    self._in_flight -= 1
-                    woken = self._hand_over() if self._waiters else None
+                    self._tokens.append(TOKEN)
+                    woken = self._settle_locked()
                 else:
-                    self._waiters.pop(waiter, None)
-                    woken = None
+                    del self._waiters[waiter]
             if woken is not None:
                 self._wake(woken)
             if cut:
@@ -205,7 +280,6 @@ class Permits:
         if scope is not None and scope.exit(None):  # granted as the deadline passed
             self._give_back()
             raise self._refused(f"no permit within the request's deadline (limit {self._cap})")
-        return self._in_flight
 
 
 def _resolve(future: Any) -> None:

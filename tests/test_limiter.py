@@ -28,7 +28,7 @@ from sdkcore import (
     UnambiguousTimeoutException,
 )
 from sdkcore._limiter import ConcurrencyLimiter
-from sdkcore._permits import LIMITED, MAX_PERMITS, SLACK
+from sdkcore._permits import LIMITED, MAX_PERMITS, MAX_SLACK
 from sdkcore.testing import VirtualClock
 
 
@@ -415,7 +415,7 @@ async def test_queueing_never_outlasts_the_request_and_the_timeout_is_unambiguou
         waited = time.monotonic() - began
         assert limiter.queued == 0
         release.set()
-    assert 0.2 - SLACK - 0.01 <= waited < 1.0  # ends at the deadline, not at the release
+    assert 0.2 - MAX_SLACK - 0.01 <= waited < 1.0  # ends at the deadline, not at the release
     assert not request.maybe_applied
     assert caught.value.context is not None
     assert caught.value.context.reason is LIMITED
