@@ -461,6 +461,58 @@ def test_32_threads_adapting_keep_the_count_exact() -> None:
     assert 1 <= limiter.limit <= 64
 
 
+def test_a_limit_that_falls_below_what_is_in_flight_is_paid_back_as_permits_return() -> None:
+    clock = VirtualClock(0.0)
+    limiter = AdaptiveConcurrencyLimiter(10, 1, 10, clock=clock.clock)
+    permits = [limiter.guard() for _ in range(10)]
+    for permit in permits:
+        permit.__enter__()
+    assert (limiter.in_flight, limiter.limit) == (10, 10)
+    with limiter._lock:
+        limiter._resize(4)  # what a window with a drop does, six permits below
+    assert (limiter.in_flight, limiter.limit) == (10, 4)
+    for permit in permits[:6]:
+        permit.__exit__(None, None, None)  # destroyed as they come back
+        with pytest.raises(RetryableError):
+            limiter.guard().__enter__()
+    assert limiter.in_flight == 4
+    permits[6].__exit__(None, None, None)
+    with limiter.guard():  # below the limit again: one goes
+        assert limiter.in_flight == 4
+    for permit in permits[7:]:
+        permit.__exit__(None, None, None)
+    assert limiter.in_flight == 0
+    assert len(limiter._tokens) == 4
+
+
+@pytest.mark.anyio
+async def test_a_limit_that_rises_lets_the_queue_in() -> None:
+    limiter = AdaptiveConcurrencyLimiter(1, 1, 10, max_queued=4)
+    got: list[int] = []
+    done = anyio.Event()
+
+    async def waiter(i: int) -> None:
+        async with limiter.acquire():
+            got.append(i)
+            await done.wait()
+
+    with limiter.guard():
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(waiter, i)
+                await wait_until(lambda i=i: limiter.queued == i + 1)  # type: ignore[misc]
+            with limiter._lock:
+                limiter._resize(3)  # what a window of flat latency does, in steps
+                woken = limiter._settle_locked()
+            assert woken is not None
+            limiter._wake(woken)
+            await wait_until(lambda: len(got) == 2)
+            assert (limiter.in_flight, limiter.queued) == (3, 1)
+            done.set()
+    assert got == [0, 1, 2]
+    assert (limiter.in_flight, limiter.queued) == (0, 0)
+
+
 # -- end to end on an event loop ---------------------------------------------------------------
 
 

@@ -545,6 +545,44 @@ def test_guard_from_32_threads_never_lets_more_than_the_limit_through() -> None:
     assert limiter.in_flight == 0
 
 
+@pytest.mark.anyio
+async def test_tasks_queued_behind_8_threads_all_get_through() -> None:
+    # permits taken and given back on threads while tasks queue for them on the loop:
+    # a permit returned as a task joins the line is never left free while it waits
+    limiter = ConcurrencyLimiter(2, max_queued=64)
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            try:
+                with limiter.guard():
+                    time.sleep(0.0002)
+            except RetryableError:
+                time.sleep(0.0001)
+
+    threads = [threading.Thread(target=churn) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    got = [0]
+    try:
+
+        async def task() -> None:
+            for _ in range(20):
+                async with limiter.acquire():
+                    got[0] += 1
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for _ in range(16):
+                    tg.start_soon(task)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+    assert got[0] == 16 * 20
+    assert (limiter.in_flight, limiter.queued) == (0, 0)
+
+
 # -- helpers ------------------------------------------------------------------------------
 
 
