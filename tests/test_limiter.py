@@ -22,8 +22,10 @@ from bad_numbers import judge
 from sdkcore import (
     AttemptEffect,
     BestEffortRetryStrategy,
+    HedgePolicy,
     Request,
     RetryableError,
+    RetryBudget,
     RetryOrchestrator,
     UnambiguousTimeoutException,
 )
@@ -473,6 +475,60 @@ async def test_execute_retries_a_refused_non_idempotent_request_until_a_permit_f
     assert sent == ["kv.set"]  # refusals sent nothing
     assert request.retry_attempts >= 1
     assert set(request.retry_reasons) == {LIMITED}
+    assert limiter.in_flight == 0
+
+
+@pytest.mark.anyio
+async def test_a_hedge_copy_the_limiter_refuses_is_not_sent_and_costs_no_budget() -> None:
+    # one permit, held by copy 0 while it waits for its slow answer: copies 1 and 2 are
+    # refused (nothing sent), the budget gets their withdrawals back, copy 0 wins
+    limiter = ConcurrencyLimiter(1, name="replica")
+    budget = RetryBudget()
+    orchestrator = RetryOrchestrator(retry_budget=budget)
+    sent: list[int] = []
+
+    async def send(request: Request, index: int) -> bytes:
+        with limiter.guard():
+            sent.append(index)
+            await anyio.sleep(0.1)
+            return b"value"
+
+    before = budget.balance
+    request = Request(name="kv.get", idempotent=True, timeout=5.0)
+    result = await orchestrator.hedge(request, send, HedgePolicy(3, delay=0.01))
+    assert result == b"value"
+    assert sent == [0]
+    assert budget.balance == before
+    # the failed copies (the winner is not a failed attempt): both refused, not sent
+    assert [a.effect for a in request.attempts] == [AttemptEffect.NOT_SENT] * 2
+    assert limiter.in_flight == 0
+
+
+@pytest.mark.anyio
+async def test_a_hand_wired_loop_retries_a_refusal() -> None:
+    clock = VirtualClock()
+    limiter = ConcurrencyLimiter(1)
+    orchestrator = RetryOrchestrator(BestEffortRetryStrategy(), sleep=clock.sleep)
+    request = Request(name="kv.set", idempotent=False, timeout=2.5, clock=clock.clock)
+    holder = limiter.guard()
+    holder.__enter__()
+    tries = 0
+    while True:
+        tries += 1
+        if tries == 3:
+            holder.__exit__(None, None, None)  # the permit frees before the third try
+        try:
+            with orchestrator.attempt(request), limiter.guard():
+                reply = b"stored"
+        except RetryableError as failure:
+            await orchestrator.maybe_retry(request, failure.reason, cause=failure)
+            continue
+        orchestrator.succeed(request)
+        break
+    assert reply == b"stored"
+    assert request.retry_attempts == 2
+    assert set(request.retry_reasons) == {LIMITED}
+    assert not request.maybe_applied
     assert limiter.in_flight == 0
 
 
