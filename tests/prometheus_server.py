@@ -1,8 +1,9 @@
 """A real Prometheus server for the tests: 127.0.0.1, a free port, a temp config and storage.
 
-Its scrape targets come from a file (``file_sd_configs``) that :meth:`Prometheus.set_targets`
-rewrites; Prometheus watches it and scrapes new targets at once. Queries go through the
-HTTP API (``/api/v1/query``). Without the ``prometheus`` binary the tests skip locally and
+Its scrape targets are fixed when it starts (``static_configs``): once
+:meth:`Prometheus.wait_scraping` returns, a target that comes up is scraped from its
+first second. Queries go through the HTTP API
+(``/api/v1/query``). Without the ``prometheus`` binary the tests skip locally and
 fail under ``CI=true`` (``.ci/run`` installs it), as the memcached tests do.
 """
 
@@ -49,12 +50,14 @@ def free_port() -> int:
 class Prometheus:
     """One Prometheus on 127.0.0.1, scraping job :data:`JOB` every ``interval``."""
 
-    def __init__(self, binary: str, workdir: Path, interval: str = "1s") -> None:
+    def __init__(
+        self, binary: str, workdir: Path, targets: list[str], interval: str = "1s"
+    ) -> None:
         self.binary = binary
         self.workdir = workdir
+        self.targets = targets
         self.interval = interval
         self.port = free_port()
-        self.targets_file = workdir / "targets.json"
         self.log_file = workdir / "prometheus.log"
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -63,7 +66,6 @@ class Prometheus:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> Prometheus:
-        self.set_targets([])
         config = self.workdir / "prometheus.yml"
         # JSON is YAML: no YAML library needed.
         config.write_text(
@@ -77,7 +79,7 @@ class Prometheus:
                     "scrape_configs": [
                         {
                             "job_name": JOB,
-                            "file_sd_configs": [{"files": [str(self.targets_file)]}],
+                            "static_configs": [{"targets": self.targets}],
                         }
                     ],
                 }
@@ -102,27 +104,26 @@ class Prometheus:
             )
         return self
 
-    def wait_ready(self) -> None:
-        """Wait until the server answers ``/-/ready`` (it starts while the demos start)."""
+    def wait_scraping(self) -> None:
+        """Wait until every target is being scraped (``up`` exists for each, 0 while down).
+
+        Prometheus answers ``/-/ready`` seconds before it scrapes: its discovery hands the
+        scrape loops their targets on a 5 s tick, static targets included.
+        """
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             if self.process is None or self.process.poll() is not None:
                 raise RuntimeError(f"prometheus exited at start: {self.log()}")
             try:
-                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1.0) as answer:
-                    if answer.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
+                if len(self.query(f'up{{job="{JOB}"}}')) == len(self.targets):
+                    return
+            except (urllib.error.URLError, OSError, ValueError):
+                pass  # not listening yet, or starting (503, not JSON)
             if time.monotonic() > deadline:
-                raise RuntimeError(f"prometheus was not ready in {START_TIMEOUT} s: {self.log()}")
+                raise RuntimeError(
+                    f"prometheus did not scrape its targets in {START_TIMEOUT} s: {self.log()}"
+                )
             time.sleep(0.05)
-
-    def set_targets(self, targets: list[str]) -> None:
-        """Scrape exactly ``targets`` (``host:port``); written atomically, seen at once."""
-        temp = self.targets_file.with_suffix(".tmp")
-        temp.write_text(json.dumps([{"targets": targets}]), encoding="utf-8")
-        temp.replace(self.targets_file)
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         """The instant vector ``expr`` evaluates to now (``result`` of /api/v1/query)."""

@@ -53,7 +53,7 @@ _ENTERED = {
 class Counts:
     """The demo's tally of sdkcore's decisions (``--json``: ``counts``)."""
 
-    #: Requests its orchestrators ran to an end (``execute`` and ``hedge``).
+    #: Requests the demo's own orchestrators ran to an end (``execute`` and ``hedge``).
     requests: int = 0
     #: Retries of the requests run by ``execute`` (each one's ``retry_attempts``).
     retries: int = 0
@@ -64,8 +64,13 @@ class Counts:
     breaker_transitions: Counter[str] = attrs.field(factory=Counter)
     #: Withdrawals the retry budgets refused.
     budget_rejections: int = 0
-    #: Retries the gRPC channels made themselves (A6 retryPolicy, pushback), warm-ups included.
+    #: The sdkcore.grpc channels (each call is an sdkcore request of the channel's own
+    #: orchestrator): calls made, retries (A6 retryPolicy, pushback), hedges (A6
+    #: hedgingPolicy: copies after the first) and transparent retries; warm-ups included.
+    channel_calls: int = 0
     channel_retries: int = 0
+    channel_hedges: int = 0
+    channel_transparent_retries: int = 0
     #: The breakers and budgets the telemetry watches (it holds them weakly): kept here
     #: so that their gauges stay in the scrapes until the demo ends, --linger included.
     watched: list[Any] = attrs.field(factory=list, repr=False, eq=False)
@@ -81,7 +86,12 @@ class Counts:
                 for state in ("open", "half_open", "closed")
             },
             "budget_rejections": self.budget_rejections,
-            "channel_retries": self.channel_retries,
+            "channel": {
+                "calls": self.channel_calls,
+                "retries": self.channel_retries,
+                "hedges": self.channel_hedges,
+                "transparent_retries": self.channel_transparent_retries,
+            },
         }
 
 

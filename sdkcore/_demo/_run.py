@@ -91,7 +91,6 @@ async def run(
                     emit(render_row(scenario.name, table[scenario.name]))
                     every += results
                     a6_total += a6["retries"]
-                    report.counts.channel_retries += a6["retries"]
                     writes_ok += sum(r.ok and r.write for r in results)
                     for r in results:  # the shortest message of each kind reads best
                         if r.error is not None and r.message is not None:

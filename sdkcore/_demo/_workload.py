@@ -107,9 +107,8 @@ HEDGED_METHOD_CONFIG: dict[str, Any] = {
 }
 
 
-import inspect  # noqa: E402  TEMP
-
-_CHANNEL_TELEMETRY = "telemetry" in inspect.signature(sdkcore.grpc.insecure_channel).parameters
+#: The method the channel hedges (its hedgingPolicy).
+_HEDGED = f"{SERVICE}/GetAnyReplica"
 
 SERVICE_CONFIG = json.dumps({"methodConfig": [*_METHOD_CONFIGS, HEDGED_METHOD_CONFIG]})
 
@@ -201,9 +200,12 @@ class OpResult:
 class _Client:
     """The demo's tiny SDK: one channel, one orchestrator, the mapping in ``send``."""
 
-    def __init__(self, channel: aio.Channel, orchestrator: RetryOrchestrator) -> None:
+    def __init__(
+        self, channel: aio.Channel, orchestrator: RetryOrchestrator, counts: Counts
+    ) -> None:
         self.channel = channel
         self.orchestrator = orchestrator
+        self.counts = counts
         self._calls = {
             name: channel.unary_unary(f"/{SERVICE}/{name}")
             for name in ("Get", "Upsert", "GetReplica", "GetAnyReplica")
@@ -214,8 +216,10 @@ class _Client:
     ) -> Callable[[Request], Awaitable[dict[str, Any]]]:
         call = self._calls[method]
         payload = json.dumps(body).encode()
+        counts = self.counts
 
         async def send(request: Request) -> dict[str, Any]:
+            counts.channel_calls += 1  # one channel call per attempt (per hedged copy)
             left = request.time_left
             # The orchestrator's deadline fires first; the call's own is a backstop.
             timeout = None if left is None else left.total_seconds() + 0.25
@@ -317,22 +321,22 @@ async def run_scenario(
     """Run one scenario's operations under ``strategy``.
 
     Returns each operation's outcome and the channel's A6 retry counters
-    (``{"retries": n, "transparent": m}``). Every request (the warm-up's too) is
-    added to ``counts``; ``telemetry`` (an :class:`sdkcore.Telemetry`, or None)
-    records the orchestrator's requests and the channel's calls.
+    (``{"retries": n, "hedges": h, "transparent": m}``; ``retries`` counts the
+    hedging policy's copies too, as :class:`sdkcore.grpc.RetryStats` does). Every
+    request (the warm-up's too) and channel call is added to ``counts``;
+    ``telemetry`` (an :class:`sdkcore.Telemetry`, or None) records the
+    orchestrator's requests and the channel's calls.
     """
     stats = sdkcore.grpc.RetryStats()
     results: list[OpResult] = []
+    counts = Counts() if counts is None else counts
     orchestrator: RetryOrchestrator = CountingOrchestrator(
-        Counts() if counts is None else counts, default_strategy=strategy, telemetry=telemetry
+        counts, default_strategy=strategy, telemetry=telemetry
     )
-    channel_options: dict[str, Any] = {}
-    if telemetry is not None and _CHANNEL_TELEMETRY:  # TEMP until the channels take it
-        channel_options["telemetry"] = telemetry
     async with sdkcore.grpc.insecure_channel(
-        cluster.target, service_config=SERVICE_CONFIG, stats=stats, **channel_options
+        cluster.target, service_config=SERVICE_CONFIG, stats=stats, telemetry=telemetry
     ) as channel:
-        client = _Client(channel, orchestrator)
+        client = _Client(channel, orchestrator, counts)
         await channel.channel_ready()
         cluster.begin("warm-up")  # one untroubled call: connection and first-call costs
         await client.get(kv_request(KvOpcode.GET, timeout=OP_TIMEOUT), "warm_up", "travel")
@@ -366,9 +370,15 @@ async def run_scenario(
         async with anyio.create_task_group() as tg:
             for i in range(scenario.ops):
                 tg.start_soon(one, i)
-    counters = stats.snapshot().values()
+    snapshot = stats.snapshot()
+    counters = snapshot.values()
     a6 = {
         "retries": sum(s.retry_attempts for s in counters),
+        # The hedged method's "retries" are its hedges (it has no retryPolicy).
+        "hedges": sum(s.retry_attempts for m, s in snapshot.items() if m.endswith(_HEDGED)),
         "transparent": sum(s.transparent_retries for s in counters),
     }
+    counts.channel_retries += a6["retries"] - a6["hedges"]
+    counts.channel_hedges += a6["hedges"]
+    counts.channel_transparent_retries += a6["transparent"]
     return results, a6
