@@ -126,7 +126,7 @@ def _first_sh_block() -> list[str]:
 
 def test_the_first_commands_are_the_demo_without_dev_tools_then_the_tests() -> None:
     demo, tests = _first_sh_block()
-    assert demo == "uv run --no-dev --extra grpc sdkcore demo"
+    assert demo == "uv run --no-dev --extra demo sdkcore demo"
     assert tests == "uv run pytest"  # the CI script runs this exact command
 
 
@@ -137,9 +137,11 @@ def test_the_extras_the_first_command_names_exist() -> None:
     ]
     demo = _first_sh_block()[0].split()
     named = [demo[i + 1] for i, word in enumerate(demo) if word == "--extra"]
-    assert named == ["grpc"]
+    assert named == ["demo"]
     assert all(name in extras for name in named)
     assert [dep.split(">")[0] for dep in extras["grpc"]] == ["grpcio"]
+    # the demo's extra: grpcio (through 'grpc'), and what --metrics-port needs
+    assert "sdkcore[grpc]" in extras["demo"]
 
 
 def test_the_demo_runs_with_only_the_core_dependencies_and_grpcio() -> None:
