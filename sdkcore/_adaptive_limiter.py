@@ -60,6 +60,8 @@ PROBE_AGAIN = 0.9  # a probe that finds the baseline this much lower probes agai
 PENDING = 256
 
 _FACTOR = 2.0 / (LONG_WINDOW + 1)
+_INF = math.inf
+_NAN = math.nan
 _KEEP = 1.0 - SMOOTHING
 _NOT_SENT = AttemptEffect.NOT_SENT
 _CAUSES = 4  # how far down ``raise ... from`` chains a timeout is looked for
@@ -248,6 +250,12 @@ class AdaptiveConcurrencyLimiter(Permits):
         return self._last_rtt
 
     # -- counting samples (under the lock) ------------------------------------------------
+    def _count_now(self) -> None:
+        with self._lock:
+            woken = self._count()
+        if woken is not None:
+            self._wake(woken)
+
     def _count(self) -> list[Any] | None:
         """Count the pending samples into windows; the waiters a higher limit lets in."""
         pending = self._pending
@@ -484,6 +492,28 @@ class AdaptivePermit:
             held = self._held
         except AttributeError:
             return  # never entered
+        limiter = self._limiter
+        if exc is not None or held <= 0:
+            self._end(exc, held)
+            return
+        # an answer (the common case), written out: this runs once per dispatch
+        self._held = 0
+        try:
+            end = limiter._clock()
+        except Exception:  # a clock that raises: no sample, the permit still comes back
+            end = _NAN
+        limiter._tokens.append(True)
+        rtt = end - self._start
+        if 0.0 < rtt < _INF:  # also refuses NaN (a broken clock)
+            pending = limiter._pending
+            pending.append((end, rtt, held))
+            if end >= limiter._window_end or len(pending) >= PENDING:
+                limiter._count_now()
+        if limiter._waiters or limiter._debt:
+            limiter._settle()
+
+    def _end(self, exc: BaseException | None, held: int) -> None:
+        """``__exit__`` of a dispatch that raised, or of one of a probe's."""
         if not held:
             return  # already ended
         self._held = 0
@@ -501,20 +531,16 @@ class AdaptivePermit:
                 woken = limiter._probed(rtt, outcome)
             if woken is not None:
                 limiter._wake(woken)
-        elif outcome:
-            if outcome == _SAMPLE:
-                counted = 0.0 < rtt < math.inf  # also refuses NaN (a broken clock)
-            else:
-                counted = rtt == rtt
-                rtt = -1.0  # a drop
-            if counted:
-                pending = limiter._pending
-                pending.append((end, rtt, held))
-                if end >= limiter._window_end or len(pending) >= PENDING:
-                    with limiter._lock:
-                        woken = limiter._count()
-                    if woken is not None:
-                        limiter._wake(woken)
+        elif outcome == _DROP and rtt == rtt:
+            pending = limiter._pending
+            pending.append((end, -1.0, held))
+            if end >= limiter._window_end or len(pending) >= PENDING:
+                limiter._count_now()
+        elif outcome == _SAMPLE and 0.0 < rtt < _INF:
+            pending = limiter._pending
+            pending.append((end, rtt, held))
+            if end >= limiter._window_end or len(pending) >= PENDING:
+                limiter._count_now()
         if limiter._waiters or limiter._debt:
             limiter._settle()
 
