@@ -442,7 +442,8 @@ class AdaptivePermit:
             tokens.pop()
         except IndexError:
             raise limiter._full() from None
-        self._held = limiter._cap - len(tokens)
+        held = limiter._cap - len(tokens)
+        self._held = held if held > 0 else 1  # racing a falling limit: never 0 (ended)
 
     def _take_slow(self) -> bool:
         """A permit while a debt is owed or a probe runs (under the lock)."""
@@ -469,7 +470,8 @@ class AdaptivePermit:
             except IndexError:
                 pass
             else:
-                self._held = limiter._cap - len(tokens)
+                held = limiter._cap - len(tokens)
+                self._held = held if held > 0 else 1
                 return
         elif not limiter._waiters and self._take_slow():
             return
