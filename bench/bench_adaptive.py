@@ -1,6 +1,7 @@
 """What the adaptive throttle and the learned hedging delay add per request.
 
 Run:  uv run python bench/bench_adaptive.py [--calls N] [--rounds R] [--hedged N]
+      uv run python bench/bench_adaptive.py --instructions   # valgrind's counts
 
 Throttle: a successful call through ``with throttle.guard():`` (and through
 ``admit()`` + ``record_success()``) against the bare call, while nothing is rejected
@@ -13,6 +14,12 @@ either policy, side by side on asyncio. Every variant runs in the same process,
 interleaved round by round; the figure is the median over rounds of (variant - bare)
 per call. Targets (issue "Shed load before it breaks"): throttle <= 1 us, adaptive
 hedge delay bookkeeping <= 1 us per request.
+
+``--instructions`` counts what each case executes instead (``valgrind --tool=callgrind``,
+``N`` and ``3N`` calls in fresh interpreters, the difference over ``2N``; the method of
+bench_instructions.py): the same figure whatever else the shared machine does. The
+breaker's ``guard()`` with a budget deposit (0.47 us in bench_protect.py) is counted
+too, as the yardstick from instructions to time.
 """
 
 from __future__ import annotations
@@ -20,13 +27,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import re
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
 
-from sdkcore import HedgePolicy, Request, RetryableError, RetryOrchestrator, RetryReason
+from sdkcore import (
+    CircuitBreaker,
+    HedgePolicy,
+    Request,
+    RetryableError,
+    RetryBudget,
+    RetryOrchestrator,
+    RetryReason,
+)
 from sdkcore._latency import LatencyQuantile
 from sdkcore._throttle import AdaptiveThrottle
 
@@ -187,13 +205,91 @@ async def hedged_rounds(calls: int, rounds: int) -> None:
     print(f"{'learned - fixed':<24} {statistics.median(diffs):>15.3f}")
 
 
+CASES = ("bare", "breaker guard()+budget", "throttle guard()", "fixed delay", "LatencyQuantile")
+HEDGE_CASES = ("hedge() fixed delay", "hedge() LatencyQuantile")
+
+
+def run_case(case: str, calls: int) -> None:
+    """``calls`` calls of one case, for valgrind to count (``--count``)."""
+    if case in HEDGE_CASES:
+        quantile = LatencyQuantile(min_samples=1)
+        policy = HedgePolicy(
+            2, delay=quantile if case.endswith("LatencyQuantile") else timedelta(milliseconds=10)
+        )
+        orchestrator = RetryOrchestrator()
+
+        async def send(request: Request, index: int) -> str:
+            return "ok"
+
+        async def hedge(n: int) -> None:
+            for _ in range(n):
+                await orchestrator.hedge(Request(name="get", idempotent=True), send, policy)
+
+        asyncio.run(hedge(200))  # warm up (and give the quantile its delay)
+        asyncio.run(hedge(calls))
+        return
+    if case == "breaker guard()+budget":
+        breaker, budget = CircuitBreaker(name="bench:11210"), RetryBudget()
+        guard, deposit = breaker.guard, budget.deposit
+
+        def fn() -> str:
+            deposit()
+            with guard():
+                return bare_call()
+    elif case == "throttle guard()":
+        fn = throttle_variants()["throttle guard()"]
+    else:
+        fn = hedge_bookkeeping_variants()["bare" if case == "bare" else case]
+    for _ in range(calls):
+        fn()
+
+
+def count(case: str, calls: int) -> int:
+    out = subprocess.run(
+        [
+            "valgrind",
+            "--tool=callgrind",
+            "--callgrind-out-file=/dev/null",
+            sys.executable,
+            __file__,
+            "--count",
+            case,
+            str(calls),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    found = re.search(r"Collected : (\d+)", out.stderr)
+    if found is None:
+        raise RuntimeError(f"no instruction count from valgrind: {out.stderr[-500:]}")
+    return int(found.group(1))
+
+
+def instructions() -> None:
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind (Debian: apt-get install valgrind)")
+    print("instructions per call (valgrind, 3N - N calls over 2N)")
+    for case, n in [(c, 20_000) for c in CASES] + [(c, 2_000) for c in HEDGE_CASES]:
+        per_call = (count(case, 3 * n) - count(case, n)) / (2 * n)
+        print(f"{case:<24} {per_call:>10,.0f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=200_000)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--hedged", type=int, default=2_000, help="hedge() calls per round")
     parser.add_argument("--hedged-rounds", type=int, default=41)
+    parser.add_argument("--instructions", action="store_true", help="valgrind's counts")
+    parser.add_argument("--count", nargs=2, metavar=("CASE", "CALLS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.count is not None:
+        run_case(args.count[0], int(args.count[1]))
+        return
+    if args.instructions:
+        instructions()
+        return
     print(f"python {sys.version.split()[0]}, {args.calls} calls x {args.rounds} rounds")
     print("\n# AdaptiveThrottle, successful call")
     measure(throttle_variants(), args.calls, args.rounds)

@@ -267,7 +267,7 @@ class _Chain:
         elapsed = self.clock() - attempt.started
         if attempt.index == 0:
             elapsed += self.first_elapsed
-        return max(elapsed, 0.0)
+        return elapsed if elapsed > 0.0 else 0.0
 
     def unsent(self, attempt: _Attempt) -> None:
         """``attempt`` was cut before its :meth:`run` began (asyncio can cancel a task

@@ -115,14 +115,16 @@ class HedgePolicy:
     max_attempts_cap: int = attrs.field(
         default=DEFAULT_HEDGE_ATTEMPTS_CAP, validator=_check_attempts
     )
+    #: The :class:`LatencyQuantile` the delay is learned from, or None for a fixed delay
+    #: (set from ``delay``: a hedged request reads it once, without a type check).
+    latency: LatencyQuantile | None = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        delay = self.delay
+        learned = delay if isinstance(delay, LatencyQuantile) else None
+        object.__setattr__(self, "latency", learned)  # frozen: attrs' documented way
 
     @property
     def effective_max_attempts(self) -> int:
         """``min(max_attempts, max_attempts_cap)``."""
         return min(self.max_attempts, self.max_attempts_cap)
-
-    @property
-    def latency(self) -> LatencyQuantile | None:
-        """The :class:`LatencyQuantile` the delay is learned from, or None for a fixed delay."""
-        delay = self.delay
-        return delay if isinstance(delay, LatencyQuantile) else None

@@ -244,7 +244,7 @@ class LatencyQuantile:
     # -- recording ---------------------------------------------------------------------
     def record(self, latency: float | timedelta) -> None:
         """One request's latency (seconds or a ``timedelta``; finite, >= 0)."""
-        if type(latency) is float and 0.0 <= latency < _INF:
+        if latency.__class__ is float and 0.0 <= latency < _INF:
             seconds = latency
         else:  # checked and converted (a timedelta, an int), or a clear error
             seconds = to_seconds(latency, "LatencyQuantile.record(latency)")
