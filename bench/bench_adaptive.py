@@ -5,7 +5,7 @@ Run:  uv run python bench/bench_adaptive.py [--calls N] [--rounds R] [--hedged N
 
 Throttle: a successful call through ``with throttle.guard():`` (and through
 ``admit()`` + ``record_success()``) against the bare call, while nothing is rejected
-(the common case) and while the backend rejects a third of the requests (the
+(the common case) and while the backend rejects two requests in three (the
 throttle is shedding; the random source admits every request so each call is
 measured alike). Hedging: the bookkeeping a hedged request does for its delay, with
 a fixed ``timedelta`` and with a ``LatencyQuantile`` (read the delay, record the
