@@ -29,16 +29,25 @@ from ._errors import (
 from ._reason import RetryReason
 from ._untrusted import show
 
-__all__ = ["EVENT_THROTTLE_REFUSING", "AdaptiveThrottle", "ThrottleGuard", "default_is_rejection"]
+__all__ = [
+    "EVENT_THROTTLE_REFUSING",
+    "REFUSAL_REASON",
+    "AdaptiveThrottle",
+    "ThrottleGuard",
+    "default_is_rejection",
+]
 
 #: info: the throttle refused a request after a time without refusals (fields: throttle,
 #: rejection_probability, requests, accepts, k).
 EVENT_THROTTLE_REFUSING = "throttle.refusing"
 
-#: The reason of a local refusal. Nothing was sent; gRPC's own client-side throttler
-#: (grpc-go's RLS adaptive throttler) and Envoy's admission control answer a request
-#: they shed with UNAVAILABLE / 503, the service being, for this request, not available.
-REFUSAL_REASON = RetryReason.SERVICE_NOT_AVAILABLE
+#: The reason of a local refusal: ``RetryReason.CLIENT_THROTTLED`` (rfc/0009: allows
+#: non-idempotent retry, not always retried, not after dispatch) once ``_reason.py`` has
+#: it; until then SERVICE_NOT_AVAILABLE, the existing reason with those flags (and what
+#: grpc-go's RLS throttler and Envoy's admission control answer: UNAVAILABLE, 503).
+REFUSAL_REASON: RetryReason = getattr(
+    RetryReason, "CLIENT_THROTTLED", RetryReason.SERVICE_NOT_AVAILABLE
+)
 
 _SLICES = 10  # the window moves by a tenth of itself
 _CAUSES = 4  # how far down ``raise ... from`` chains the default rule looks
@@ -140,8 +149,8 @@ class AdaptiveThrottle:
       accept the request (default :func:`default_is_rejection`: overload answers).
 
     ``with throttle.guard(): reply = await send()`` admits or refuses the request, then
-    records its outcome. Refused: ``RetryableError(SERVICE_NOT_AVAILABLE,
-    effect=NOT_SENT)`` before anything is sent, counted as a request. Admitted and ended
+    records its outcome. Refused: ``RetryableError(REFUSAL_REASON, effect=NOT_SENT)``
+    before anything is sent, counted as a request. Admitted and ended
     without error: a request and an accept. Ended with an :class:`Exception`: a request,
     and an accept unless ``is_rejection`` says otherwise; a ``RetryableError`` that says
     nothing was sent (``NOT_SENT``: another guard refused it) records nothing. A
@@ -299,8 +308,8 @@ class AdaptiveThrottle:
     def guard(self) -> ThrottleGuard:
         """``with throttle.guard(): reply = await send()``: admit or refuse, then record.
 
-        Refused: raises ``RetryableError(SERVICE_NOT_AVAILABLE, effect=NOT_SENT)``
-        before the block runs. The same guard object serves every request.
+        Refused: raises ``RetryableError(REFUSAL_REASON, effect=NOT_SENT)`` before the
+        block runs. The same guard object serves every request.
         """
         return self._guard
 

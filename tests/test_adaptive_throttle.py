@@ -27,7 +27,12 @@ from sdkcore import (
     TemporaryFailureException,
     UnambiguousTimeoutException,
 )
-from sdkcore._throttle import EVENT_THROTTLE_REFUSING, AdaptiveThrottle, default_is_rejection
+from sdkcore._throttle import (
+    EVENT_THROTTLE_REFUSING,
+    REFUSAL_REASON,
+    AdaptiveThrottle,
+    default_is_rejection,
+)
 from sdkcore.mapping import KvStatus, grpc_failure, kv_failure
 from sdkcore.testing import VirtualClock, capture_retry_events
 
@@ -112,7 +117,12 @@ def test_a_local_refusal_counts_as_a_request_and_raises_before_the_block() -> No
         ran = True
     assert not ran
     error = caught.value
-    assert error.reason is RetryReason.SERVICE_NOT_AVAILABLE
+    assert error.reason is REFUSAL_REASON
+    assert REFUSAL_REASON.name in ("CLIENT_THROTTLED", "SERVICE_NOT_AVAILABLE")
+    # nothing was sent: unambiguous, retryable even when not idempotent, never "always"
+    assert REFUSAL_REASON.allows_non_idempotent_retry
+    assert not REFUSAL_REASON.always_retry
+    assert not REFUSAL_REASON.after_dispatch
     assert error.effect is AttemptEffect.NOT_SENT
     assert error.retry_after is None
     assert "nothing was sent" in str(error)
