@@ -165,7 +165,6 @@ class _Call:
         "state",
         "strategy",
         "timeout",
-        "trace",
         "wait_for_ready",
     )
     # Slots left unset unless they apply (read with getattr): nothing to store per call.
@@ -174,6 +173,9 @@ class _Call:
     owner: Any
     #: The outer request whose time left bounded ``timeout`` (see outer_bound).
     deadline_from: Origin
+    #: The call's telemetry: None here, a slot of :class:`_TracedCall` (a channel with
+    #: telemetry). A class attribute, so a call without telemetry stores nothing.
+    trace: CallTrace | None = None
 
     def __init__(
         self,
@@ -211,11 +213,6 @@ class _Call:
         #: Whether the channel was READY (or unknown) when the current attempt started.
         self.ready_at_start = True
         self._request: Request | None = None
-        tel = core._tel
-        #: The call's telemetry (rfc/0008), None without: then its Request stays lazy.
-        self.trace: CallTrace | None = (
-            None if tel is None else tel.call(method, self.request, self.started)
-        )
 
     @classmethod
     def from_details(cls, core: _Controller, plan: _Plan, details: Any) -> _Call:
@@ -282,17 +279,13 @@ class _Call:
     def next_attempt(self) -> Any:
         """Count the next attempt; its metadata (with the previous-attempts header)."""
         st = self.state
-        transparent = st.transparent is not None
-        st.attempts += 0 if transparent else 1
+        st.attempts += 0 if st.transparent is not None else 1
         st.transparent = None
         previous = st.attempts - 1
         core = self.core
         if core.transparent_retries and core._channel is not None:
             state = core._connectivity()
             self.ready_at_start = state is None or state is _READY
-        trace = self.trace
-        if trace is not None:
-            trace.attempt(previous, transparent)
         return self.base_md if previous == 0 else _with_attempts(self.base_md, previous)
 
     def next_details(self) -> Any:
@@ -316,6 +309,13 @@ class _Call:
             self.core._release(self.buffered)
             self.buffered = 0
 
+    def ended(self, error: BaseException | None) -> None:
+        """The call ended in flight (cancelled, or its stream failed): for telemetry only.
+
+        The call shapes call it on the endings :meth:`failed` never sees; it does nothing
+        here (see :class:`_TracedCall`).
+        """
+
     def succeeded(self) -> None:
         request = self._request
         if request is not None:
@@ -323,129 +323,107 @@ class _Call:
         throttler = self.core.throttler
         if throttler is not None:
             throttler.record_success()
-        trace = self.trace
-        if trace is not None:
-            trace.end(None)
-
-    def ended(self, error: BaseException | None) -> None:
-        """The call ended in flight (cancelled, or its stream failed): its telemetry ends.
-
-        The attempts' failures and the final errors of :meth:`failed` end it there; this
-        is for the endings that never reach it. A no-op without telemetry or once ended.
-        """
-        trace = self.trace
-        if trace is not None:
-            trace.end(error)
 
     async def failed(self, err: Any) -> None:
         """Decide on a failed attempt: return to retry after the delay, or raise the final error."""
-        trace = self.trace
-        if trace is not None:  # the attempt is over, whatever comes next
-            trace.attempt_end(trace.current, err)
+        st = self.state
+        core = self.core
+        code = err.code()
+        st.code = code.value[0]
+        if err.initial_metadata():
+            st.committed = True
+        elif not st.committed and answered(err):
+            st.committed = True
+            st.commit_why = ANSWERED
+        trailing = err.trailing_metadata()
+        st.pushback = parse_pushback(trailing.get_all(PUSHBACK_KEY)) if trailing else None
+        kind = None
+        if (
+            not self.ready_at_start
+            and not st.committed
+            and code is _UNAVAILABLE
+            and not trailing
+            and core._connectivity() is _TRANSIENT_FAILURE
+        ):
+            # A6 case 1, from facts the server cannot set: the channel had no connection
+            # when the attempt started and is failing to connect now, and nothing at all
+            # came back (no headers, no trailers). grpc C-core fails such an RPC at once
+            # without wait_for_ready; it never reached a transport.
+            kind = TransparentKind.NEVER_SENT
+        request = self.request
+        # A failed retry attempt is counted once, when it is over: a transparent
+        # re-send continues the same A6 attempt.
+        if kind is None:
+            self._attempt_failed()
+            policy = self.strategy.policy
+            if policy is None or st.code not in policy.retryable_status_codes:
+                # An ordinary answer, not a retry decision: the call fails with it and
+                # the orchestrator (and its retry log) never sees it.
+                if st.pushback == PUSHBACK_DONT_RETRY and policy is not None:
+                    throttler = core.throttler
+                    if throttler is not None:  # A6: counts for throttling whatever the status
+                        throttler.record_failure()
+                final = self._final(err)
+                core.orchestrator.fail(request, final)
+                if self._retried():
+                    # The channel's own attempts, for an outer request's context (rfc/0003).
+                    if final is err:
+                        final = self._final(err, copy=True)
+                    raise final from self._answer_context(request, err)
+                raise final
+        st.transparent = kind
+        committed = st.committed
+        if kind is None:
+            # The server answered: whatever the status, it may have applied the call.
+            reason, effect = status_reason(st.code), AttemptEffect.MAYBE_APPLIED
+        else:
+            reason, effect = REASON_TRANSPARENT, AttemptEffect.NOT_SENT
+        owner = getattr(self, "owner", None)
+        if owner is not None:
+            if core._closing:
+                # The channel is closing: it takes no new attempt. The call ends as
+                # grpc.aio ends the calls in flight, cancelled, without waiting.
+                if kind is not None:
+                    self._attempt_failed()
+                request.cancel()
+                owner.cancel()
+                raise asyncio.CancelledError()
+            core._waiting.add(owner)
+        self.in_backoff = True
         try:
-            st = self.state
-            core = self.core
-            code = err.code()
-            st.code = code.value[0]
-            if err.initial_metadata():
-                st.committed = True
-            elif not st.committed and answered(err):
-                st.committed = True
-                st.commit_why = ANSWERED
-            trailing = err.trailing_metadata()
-            st.pushback = parse_pushback(trailing.get_all(PUSHBACK_KEY)) if trailing else None
-            kind = None
-            if (
-                not self.ready_at_start
-                and not st.committed
-                and code is _UNAVAILABLE
-                and not trailing
-                and core._connectivity() is _TRANSIENT_FAILURE
-            ):
-                # A6 case 1, from facts the server cannot set: the channel had no connection
-                # when the attempt started and is failing to connect now, and nothing at all
-                # came back (no headers, no trailers). grpc C-core fails such an RPC at once
-                # without wait_for_ready; it never reached a transport.
-                kind = TransparentKind.NEVER_SENT
-            request = self.request
-            # A failed retry attempt is counted once, when it is over: a transparent
-            # re-send continues the same A6 attempt.
-            if kind is None:
+            # The attempt's AioRpcError is the cause: logged as caused_by, the context's
+            # last_error, and the __cause__ of the orchestrator's refusal.
+            pushback = st.pushback  # A6 server pushback, the same hint as any server's
+            await core.orchestrator.maybe_retry(
+                request,
+                reason,
+                cause=err,
+                effect=effect,
+                retry_after=None if pushback is None or pushback < 0 else pushback / 1000.0,
+            )
+        except TimeoutException as exc:
+            if kind is not None:
                 self._attempt_failed()
-                policy = self.strategy.policy
-                if policy is None or st.code not in policy.retryable_status_codes:
-                    # An ordinary answer, not a retry decision: the call fails with it and
-                    # the orchestrator (and its retry log) never sees it.
-                    if st.pushback == PUSHBACK_DONT_RETRY and policy is not None:
-                        throttler = core.throttler
-                        if throttler is not None:  # A6: counts for throttling whatever the status
-                            throttler.record_failure()
-                    final = self._final(err)
-                    core.orchestrator.fail(request, final)
-                    if self._retried():
-                        # The channel's own attempts, for an outer request's context (rfc/0003).
-                        if final is err:
-                            final = self._final(err, copy=True)
-                        raise final from self._answer_context(request, err)
-                    raise final
-            st.transparent = kind
-            committed = st.committed
-            if kind is None:
-                # The server answered: whatever the status, it may have applied the call.
-                reason, effect = status_reason(st.code), AttemptEffect.MAYBE_APPLIED
-            else:
-                reason, effect = REASON_TRANSPARENT, AttemptEffect.NOT_SENT
-            owner = getattr(self, "owner", None)
+            raise self._deadline(err) from exc
+        except CouchbaseException as exc:
+            if kind is not None:
+                self._attempt_failed()
+            if st.committed and not committed:
+                raise self._final(err, copy=True) from self._committed_while_waiting(exc, reason)
+            raise self._final(err, copy=True) from exc
+        finally:
+            self.in_backoff = False
             if owner is not None:
-                if core._closing:
-                    # The channel is closing: it takes no new attempt. The call ends as
-                    # grpc.aio ends the calls in flight, cancelled, without waiting.
-                    if kind is not None:
-                        self._attempt_failed()
-                    request.cancel()
-                    owner.cancel()
-                    raise asyncio.CancelledError()
-                core._waiting.add(owner)
-            self.in_backoff = True
-            try:
-                # The attempt's AioRpcError is the cause: logged as caused_by, the context's
-                # last_error, and the __cause__ of the orchestrator's refusal.
-                pushback = st.pushback  # A6 server pushback, the same hint as any server's
-                await core.orchestrator.maybe_retry(
-                    request,
-                    reason,
-                    cause=err,
-                    effect=effect,
-                    retry_after=None if pushback is None or pushback < 0 else pushback / 1000.0,
-                )
-            except TimeoutException as exc:
-                if kind is not None:
-                    self._attempt_failed()
-                raise self._deadline(err) from exc
-            except CouchbaseException as exc:
-                if kind is not None:
-                    self._attempt_failed()
-                if st.committed and not committed:
-                    why = self._committed_while_waiting(exc, reason)
-                    raise self._final(err, copy=True) from why
-                raise self._final(err, copy=True) from exc
-            finally:
-                self.in_backoff = False
-                if owner is not None:
-                    core._waiting.discard(owner)
-            if st.committed:
-                # Committed while waiting (replay buffer overflow): A6 allows no more attempts.
-                if kind is not None:
-                    self._attempt_failed()
-                raise self._final(err, copy=True) from self._committed_while_waiting(err, reason)
-            if st.transparent is None:  # the strategy may hand a transparent case to the policy
-                core.stats.record_retry(self.name, st.attempts)
-            else:
-                core.stats.record_transparent_retry(self.name)
-        except BaseException as exc:
-            if trace is not None:  # the call is over: exc is what the application gets
-                trace.end(exc)
-            raise
+                core._waiting.discard(owner)
+        if st.committed:
+            # Committed while waiting (replay buffer overflow): A6 allows no more attempts.
+            if kind is not None:
+                self._attempt_failed()
+            raise self._final(err, copy=True) from self._committed_while_waiting(err, reason)
+        if st.transparent is None:  # the strategy may hand a transparent case to the policy
+            core.stats.record_retry(self.name, st.attempts)
+        else:
+            core.stats.record_transparent_retry(self.name)
 
     def _retried(self) -> bool:
         st = self.state
@@ -520,3 +498,52 @@ class _Call:
             f"{self._note()}deadline reached while waiting to retry after {err.code().name}: "
             f"{err.details()}",
         )
+
+
+class _TracedCall(_Call):
+    """A call on a channel with telemetry (rfc/0008, "gRPC metrics and spans").
+
+    Its Request is built when the call starts (the call's span is that request's), and
+    its :class:`CallTrace` sees each attempt start and end and the call end. A channel
+    without telemetry makes plain :class:`_Call` objects: none of this costs them anything.
+    """
+
+    __slots__ = ("trace",)
+    trace: CallTrace
+
+    def __init__(
+        self,
+        core: _Controller,
+        plan: _Plan,
+        method: Any,
+        timeout: float | None,
+        metadata: Any,
+        credentials: Any,
+        wait_for_ready: bool | None,
+    ) -> None:
+        super().__init__(core, plan, method, timeout, metadata, credentials, wait_for_ready)
+        tel = core._tel
+        assert tel is not None
+        self.trace = tel.call(method, self.request, self.started)
+
+    def next_attempt(self) -> Any:
+        transparent = self.state.transparent is not None
+        md = super().next_attempt()
+        self.trace.attempt(self.state.attempts - 1, transparent)
+        return md
+
+    def succeeded(self) -> None:
+        super().succeeded()
+        self.trace.end(None)
+
+    def ended(self, error: BaseException | None) -> None:
+        self.trace.end(error)
+
+    async def failed(self, err: Any) -> None:
+        trace = self.trace
+        trace.attempt_end(trace.current, err)  # the attempt is over, whatever comes next
+        try:
+            await super().failed(err)
+        except BaseException as exc:
+            trace.end(exc)  # the call is over: exc is what the application gets
+            raise

@@ -13,7 +13,7 @@ from grpc.aio import _channel as _aio_channel
 from .._budget import RetryBudget
 from .._orchestrator import RetryOrchestrator
 from .._telemetry import Telemetry
-from ._hedged_call import _HedgedCall
+from ._hedged_call import _HedgedCall, _TracedHedgedCall
 from ._interceptors import (
     DEFAULT_CHANNEL_BUFFER_LIMIT,
     DEFAULT_PER_CALL_BUFFER_LIMIT,
@@ -25,7 +25,7 @@ from ._interceptors import (
 from ._policy import BackoffJitter
 from ._service_config import DEFAULT_MAX_ATTEMPTS_CAP, ServiceConfig
 from ._stats import RetryStats
-from ._unary import BoundedMultiCallable, DirectMultiCallable
+from ._unary import BoundedMultiCallable, DirectMultiCallable, _TracedUnaryCall
 
 __all__ = ["insecure_channel", "retry_controller", "retry_stats", "secure_channel"]
 
@@ -80,10 +80,13 @@ class _Channel(_aio_channel.Channel):  # type: ignore[misc]
         if core.service_config is not None:
             hedging = core.hedge_plan(method)
             if hedging is not None:
-                return DirectMultiCallable(core, hedging, inner, method, _HedgedCall)
+                hedged = _HedgedCall if core._tel is None else _TracedHedgedCall
+                return DirectMultiCallable(core, hedging, inner, method, hedged)
         plan = core.plan(method)
         if plan is None:  # grpc.aio's own calls, within an outer request's deadline
             return BoundedMultiCallable(inner)
+        if core._tel is not None:  # the telemetry of every call (rfc/0008)
+            return DirectMultiCallable(core, plan, inner, method, _TracedUnaryCall)
         return DirectMultiCallable(core, plan, inner, method)
 
     # The streaming shapes only note a generated stub's methods (A66 grpc.method).

@@ -25,6 +25,7 @@ from ._finished import _ended_ok, _Readers
 from ._hedging import direct_opener, hedge_trace, hedged_unary_unary
 from ._metadata import _client_trailing, _strip_attempts
 from ._plans import HedgePlan
+from ._telemetry import CallTrace
 
 __all__: list[str] = []
 
@@ -33,6 +34,9 @@ _CANCELLED = grpc.StatusCode.CANCELLED
 
 class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
     """One hedged unary-unary call (see the module docstring)."""
+
+    #: The call's telemetry: None here; set by :class:`_TracedHedgedCall`.
+    _trace: CallTrace | None = None
 
     def __init__(
         self,
@@ -46,6 +50,7 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         credentials: Any,
         wait_for_ready: bool | None,
         compression: Any,
+        traced: bool = False,
     ) -> None:
         if plan.timeout is not None and (timeout is None or plan.timeout < timeout):
             timeout = plan.timeout
@@ -76,30 +81,13 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         self._waiter: asyncio.Future[None] | None = None
         self._ended = False
         self._cancelled = False
-        self._trace = trace = (
-            None
-            if core._tel is None
-            else hedge_trace(
-                core,
-                method,
-                None if timeout is None else max(timeout, 1e-6),
-                self._started,
-                origin,
+        if traced:  # a _TracedHedgedCall: its Request and trace start with hedge 0
+            self._trace = trace = hedge_trace(
+                core, method, None if timeout is None else max(timeout, 1e-6), self._started, origin
             )
-        )
-        if trace is None:
-            self._first = first = inner(
-                message,
-                timeout=timeout,
-                metadata=metadata,
-                credentials=credentials,
-                wait_for_ready=wait_for_ready,
-                compression=compression,
-            )
-        else:  # hedge 0's span is current while its call is made
-            token = trace.enter(trace.attempt(0))
+            token = trace.enter(trace.attempt(0))  # hedge 0's span is current while it is made
             try:
-                self._first = first = inner(
+                first = inner(
                     message,
                     timeout=timeout,
                     metadata=metadata,
@@ -109,6 +97,16 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
                 )
             finally:
                 trace.leave(token)
+        else:
+            first = inner(
+                message,
+                timeout=timeout,
+                metadata=metadata,
+                credentials=credentials,
+                wait_for_ready=wait_for_ready,
+                compression=compression,
+            )
+        self._first = first
         self._timer: asyncio.TimerHandle | None = None
         if plan.policy.effective_max_attempts > 1:
             delay = 0.0 if INSTANT_DELAYS.get() else plan.policy.delay.total_seconds()
@@ -121,9 +119,6 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             return
         if call.cancelled():
             self._stop_timer()
-            trace = self._trace
-            if trace is not None:
-                trace.end(asyncio.CancelledError())
             self._wake()
             return
         if _ended_ok(call):
@@ -133,9 +128,6 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
                 throttler = self._core.throttler
                 if throttler is not None:
                     throttler.record_success()
-                trace = self._trace
-                if trace is not None:
-                    trace.end(None)
             self._wake()
         else:  # a status (or a call the runner has to await to tell): the runner decides
             self._hedge()
@@ -179,9 +171,6 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
     def _driver_done(self, task: asyncio.Task[Any]) -> None:
         self._core._waiting.discard(self)
         self._ended = True
-        trace = self._trace
-        if trace is not None:  # the call is over: the runner's outcome is the call's
-            trace.end(asyncio.CancelledError() if task.cancelled() else task.exception())
         self._wake()
 
     def _stop_timer(self) -> None:
@@ -295,3 +284,52 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             callback(self)
         else:
             self._wait().add_done_callback(lambda _: callback(self))
+
+
+class _TracedHedgedCall(_HedgedCall):
+    """A :class:`_HedgedCall` on a channel with telemetry (rfc/0008): the call's trace
+    starts with hedge 0 and ends with the call, whichever way it ends."""
+
+    _trace: CallTrace
+
+    def __init__(
+        self,
+        core: _Controller,
+        plan: HedgePlan,
+        inner: Any,
+        method: Any,
+        message: Any,
+        timeout: float | None,
+        metadata: Any,
+        credentials: Any,
+        wait_for_ready: bool | None,
+        compression: Any,
+    ) -> None:
+        super().__init__(
+            core,
+            plan,
+            inner,
+            method,
+            message,
+            timeout,
+            metadata,
+            credentials,
+            wait_for_ready,
+            compression,
+            traced=True,
+        )
+
+    def _first_done(self, call: Any) -> None:
+        ended = self._ended
+        super()._first_done(call)
+        if self._driver is not None:
+            return  # the runner took over: _driver_done ends the trace
+        if call.cancelled() or self._cancelled:
+            self._trace.end(asyncio.CancelledError())
+        elif self._ended and not ended:  # hedge 0 ended OK before the delay
+            self._trace.end(None)
+
+    def _driver_done(self, task: asyncio.Task[Any]) -> None:
+        # The call is over: the runner's outcome is the call's.
+        self._trace.end(asyncio.CancelledError() if task.cancelled() else task.exception())
+        super()._driver_done(task)

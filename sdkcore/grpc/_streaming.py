@@ -15,7 +15,7 @@ from grpc import aio
 from grpc.aio import _base_call
 
 from .._request import dispatching
-from ._call import _Call, outer_details
+from ._call import _Call, _TracedCall, outer_details
 from ._controller import _Controller
 from ._metadata import _client_trailing
 from ._policy import PUSHBACK_DONT_RETRY, PUSHBACK_KEY, parse_pushback
@@ -407,7 +407,7 @@ async def streaming_call(
             details = outer_details(outer, details)
         return await continuation(details, request)
     return call_class(
-        _Call.from_details(core, plan, details),
+        (_Call if core._tel is None else _TracedCall).from_details(core, plan, details),
         continuation,
         request,
         request_streaming=request_streaming,

@@ -18,7 +18,7 @@ from grpc import aio
 from grpc.aio import _base_call
 
 from .._request import dispatching
-from ._call import _Call, outer_details, within_outer
+from ._call import _Call, _TracedCall, outer_details, within_outer
 from ._controller import _Controller
 from ._finished import _ended_ok, _FinishedUnaryCall, _Readers
 from ._hedging import hedged_unary_unary, traced_hedged_unary_unary
@@ -52,7 +52,7 @@ async def unary_unary_call(
         if outer is not None:  # made inside a request's send: never outlive it
             details = outer_details(outer, details)
         return await continuation(details, request)
-    c = _Call.from_details(core, plan, details)
+    c = (_Call if core._tel is None else _TracedCall).from_details(core, plan, details)
     if plan.strategy.policy is not None:
         c.buffer_unary(request)
     try:
@@ -113,8 +113,10 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         credentials: Any,
         wait_for_ready: bool | None,
         compression: Any,
+        state: type[_Call] = _Call,
     ) -> None:
-        c = self._c = _Call(core, plan, method, timeout, metadata, credentials, wait_for_ready)
+        # ``state``: the call's state, a _TracedCall on a channel with telemetry.
+        c = self._c = state(core, plan, method, timeout, metadata, credentials, wait_for_ready)
         c.owner = self
         if plan.strategy.policy is not None:
             c.buffer_unary(message)
@@ -138,20 +140,6 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
     def _attempt(self) -> Any:
         c = self._c
         md = c.next_attempt()
-        trace = c.trace
-        if trace is not None:  # the attempt's span is current while its call is made
-            token = trace.enter(trace.current)
-            try:
-                return self._inner(
-                    self._message,
-                    timeout=c.time_left(),
-                    metadata=md,
-                    credentials=c.credentials,
-                    wait_for_ready=c.wait_for_ready,
-                    compression=self._compression,
-                )
-            finally:
-                trace.leave(token)
         return self._inner(
             self._message,
             timeout=c.time_left(),
@@ -390,6 +378,57 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             self._watch().add_done_callback(settled)
         else:
             self._driver.add_done_callback(settled)
+
+
+class _TracedUnaryCall(_UnaryCall):
+    """A :class:`_UnaryCall` on a channel with telemetry (rfc/0008): a :class:`_TracedCall`,
+    and each attempt's span current while its grpc.aio call is made (the call's task and
+    the application's interceptors run under it)."""
+
+    def __init__(
+        self,
+        core: _Controller,
+        plan: _Plan,
+        inner: Any,
+        method: Any,
+        message: Any,
+        timeout: float | None,
+        metadata: Any,
+        credentials: Any,
+        wait_for_ready: bool | None,
+        compression: Any,
+    ) -> None:
+        super().__init__(
+            core,
+            plan,
+            inner,
+            method,
+            message,
+            timeout,
+            metadata,
+            credentials,
+            wait_for_ready,
+            compression,
+            _TracedCall,
+        )
+
+    def _attempt(self) -> Any:
+        c = self._c
+        md = c.next_attempt()  # starts the attempt's span
+        trace = c.trace
+        assert trace is not None
+        token = trace.enter(trace.current)
+        try:
+            return self._inner(
+                self._message,
+                timeout=c.time_left(),
+                metadata=md,
+                credentials=c.credentials,
+                wait_for_ready=c.wait_for_ready,
+                compression=self._compression,
+            )
+        finally:
+            trace.leave(token)
 
 
 class BoundedMultiCallable(aio.UnaryUnaryMultiCallable):  # type: ignore[misc]

@@ -698,3 +698,85 @@ async def test_export_to_opentelemetry_says_what_replaces_it() -> None:
     with pytest.raises(AttributeError, match=r"telemetry=sdkcore\.Telemetry") as info:
         RetryStats().export_to_opentelemetry()
     assert "grpc.client.call.retries" in str(info.value)
+
+
+async def test_a_hedged_call_on_the_interceptor_path(server: Server, otel: Otel) -> None:
+    """RetryController(telemetry=...).interceptors() on a plain grpc.aio channel: the same."""
+    script = HedgeScript(server, "M", {0: block(), 1: ok(body=b"from 1")})
+    controller = RetryController(
+        server.target, hedging_config(max_attempts=3, delay="0.2s"), telemetry=otel.telemetry
+    )
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with aio.insecure_channel(
+            server.target,
+            options=controller.channel_options(),
+            interceptors=controller.interceptors(),
+        ) as ch:
+            assert await ch.unary_unary(script.method)(b"x") == b"from 1"
+            await wait_until(lambda: script.cancelled() == {0})
+    points = otel.grpc()
+    assert value(points["grpc.client.call.hedges"]).sum == 1
+    assert value(points["grpc.client.attempt.started"]).value == 2
+    assert value(points["grpc.client.call.duration"], grpc_status="OK").count == 1
+    spans = otel.finished()
+    (sent,) = by_name(spans, "Sent.test.Svc.M")
+    copies = by_name(spans, "Attempt.test.Svc.M")
+    assert sorted((s.attributes or {})["previous-rpc-attempts"] for s in copies) == [0, 1]
+    assert {parent_id(s) for s in copies} == {sent.context.span_id}
+
+
+async def test_a_stream_that_fails_after_it_committed(server: Server, otel: Otel) -> None:
+    """A response stream commits on its first message: its later status is the call's."""
+
+    async def fn(request: bytes, context: Any, attempt: int) -> Any:
+        yield b"a"
+        await abort(context, UNAVAILABLE)
+
+    method = server.unary_stream("S", fn)
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=retry_config(), telemetry=otel.telemetry
+        ) as ch:
+            got: list[bytes] = []
+
+            async def read_all() -> None:
+                async for m in ch.unary_stream(method)(b"x"):
+                    got.append(m)
+
+            with pytest.raises(aio.AioRpcError) as info:
+                await read_all()
+            await wait_until(lambda: bool(by_name(otel.finished(), "Sent.test.Svc.S")))
+    assert (got, info.value.code()) == ([b"a"], UNAVAILABLE)
+    points = otel.grpc()
+    assert value(points["grpc.client.attempt.started"]).value == 1
+    assert value(points["grpc.client.attempt.duration"], grpc_status="UNAVAILABLE").count == 1
+    assert value(points["grpc.client.call.duration"], grpc_status="UNAVAILABLE").count == 1
+    assert "grpc.client.call.retries" not in points
+
+
+@pytest.mark.parametrize("how", ["call.cancel()", "channel.close()"])
+async def test_a_call_ended_while_waiting_to_retry_is_cancelled(
+    server: Server, otel: Otel, how: str
+) -> None:
+    method = server.unary_unary("M", fail_then_ok(99))
+    cfg = retry_config(initial="20s", maximum="20s")
+    with anyio.fail_after(TEST_TIMEOUT):
+        ch = insecure_channel(server.target, service_config=cfg, telemetry=otel.telemetry)
+        orchestrator = retry_controller(ch).orchestrator
+        call = ch.unary_unary(method)(b"x")
+        pending = asyncio.ensure_future(call)
+        await wait_until(lambda: orchestrator.requests_in_retry == 1)
+        if how == "call.cancel()":
+            assert call.cancel()
+        else:
+            await ch.close()
+        with pytest.raises(asyncio.CancelledError):
+            await pending
+        await ch.close()
+    points = otel.grpc()
+    assert value(points["grpc.client.attempt.duration"], grpc_status="ABORTED").count == 1
+    assert value(points["grpc.client.call.duration"], grpc_status="CANCELLED").count == 1
+    outcomes = otel.metrics()["sdkcore.request.duration"].data.data_points
+    assert [p.attributes["sdkcore.request.outcome"] for p in outcomes] == ["cancelled"]
+    (sent,) = by_name(otel.finished(), "Sent.test.Svc.M")
+    assert (sent.attributes or {})["grpc.status"] == "CANCELLED"
