@@ -9,11 +9,17 @@ counts what reaches the endpoint; knobs (set from the test's thread) make it:
 * :meth:`black_hole_open`: swallow every reply on the connections open now, while
   new connections work (a connection stuck somewhere on the way);
 * ``cut_opcodes`` / ``cut_every``: cut the connection in the middle of every
-  ``cut_every``-th reply to one of these opcodes (the request did reach memcached).
+  ``cut_every``-th reply to one of these opcodes (the request did reach memcached);
+* :meth:`limit_capacity`: a server with a fixed capacity: at most ``capacity`` requests
+  in service at a time, each for ``service_time`` seconds before it goes on to
+  memcached; the others wait in a FIFO queue (work cut by the client is still done,
+  as a real server does) or, with ``reject=True``, are answered at once with TMPFAIL
+  (status 0x86, what memcached answers when it cannot take a request).
 
 Counters: ``connections`` (accepted), ``refused`` (memcached was not there),
 ``requests`` (request frames that reached the proxy, by opcode: forwarded, or
-read and left unanswered while memcached was not there), ``cuts``.
+read and left unanswered while memcached was not there), ``cuts``; with a capacity,
+``served``, ``rejected`` (TMPFAIL answers) and ``peak_busy`` (the most in service at once).
 """
 
 from __future__ import annotations
@@ -27,6 +33,16 @@ from typing import Any
 
 _HEADER = 24
 _BODY = struct.Struct(">I")
+_RESPONSE = struct.Struct(">BBHBBHIIQ")
+TMPFAIL = 0x86
+_TMPFAIL_TEXT = b"Temporary failure"
+
+
+def tmpfail_reply(request: bytes) -> bytes:
+    """A TMPFAIL response to ``request`` (same opcode and opaque)."""
+    (opaque,) = _BODY.unpack_from(request, 12)
+    header = _RESPONSE.pack(0x81, request[1], 0, 0, 0, TMPFAIL, len(_TMPFAIL_TEXT), opaque, 0)
+    return header + _TMPFAIL_TEXT
 
 
 async def _frame(reader: asyncio.StreamReader) -> bytes:
@@ -55,6 +71,13 @@ class FaultProxy:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self.capacity = 0  # 0: no limit (set through limit_capacity)
+        self.service_time = 0.0
+        self.reject = False
+        self.served = self.rejected = self.peak_busy = 0
+        self._busy = 0
+        self._slots: asyncio.Semaphore | None = None
+        self._serving: set[asyncio.Future[None]] = set()
 
     # -- lifecycle (called from the test's thread) ---------------------------------------
     def _call(self, coro: Coroutine[Any, Any, Any]) -> Any:
@@ -101,8 +124,20 @@ class FaultProxy:
         with self._lock:
             self._black_holed |= self._open
 
+    def limit_capacity(self, capacity: int, service_time: float, *, reject: bool = False) -> None:
+        """Serve at most ``capacity`` requests at a time, each ``service_time`` s (0: no limit)."""
+
+        async def apply() -> None:
+            self.capacity = capacity
+            self.service_time = service_time
+            self.reject = reject
+            self._slots = asyncio.Semaphore(capacity) if capacity else None
+
+        self._call(apply())
+
     def reset_counts(self) -> None:
         with self._lock:
+            self.served = self.rejected = self.peak_busy = 0
             self.connections = self.refused = self.cuts = 0
             self.requests.clear()
             self._replies.clear()
@@ -132,7 +167,7 @@ class FaultProxy:
                 return
             self._writers.add(up_writer)
             tasks = [
-                asyncio.ensure_future(self._requests(reader, up_writer)),
+                asyncio.ensure_future(self._requests(reader, up_writer, writer)),
                 asyncio.ensure_future(self._replies_to(up_reader, writer, number)),
             ]
             try:
@@ -169,16 +204,49 @@ class FaultProxy:
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, OSError):
             return
 
-    async def _requests(self, reader: asyncio.StreamReader, up: asyncio.StreamWriter) -> None:
+    async def _requests(
+        self,
+        reader: asyncio.StreamReader,
+        up: asyncio.StreamWriter,
+        writer: asyncio.StreamWriter | None = None,
+    ) -> None:
         try:
             while True:
                 frame = await _frame(reader)
                 with self._lock:
                     self.requests[frame[1]] += 1
+                slots = self._slots
+                if slots is not None and writer is not None:
+                    if self.reject and self._busy >= self.capacity:
+                        with self._lock:
+                            self.rejected += 1
+                        writer.write(tmpfail_reply(frame))
+                        continue
+                    task = asyncio.ensure_future(self._serve(slots, frame, up))
+                    self._serving.add(task)
+                    task.add_done_callback(self._serving.discard)
+                    continue
                 up.write(frame)
                 await up.drain()
         except (asyncio.IncompleteReadError, OSError):
             return
+
+    async def _serve(
+        self, slots: asyncio.Semaphore, frame: bytes, up: asyncio.StreamWriter
+    ) -> None:
+        """One request through the fixed capacity: a slot, the service time, then memcached."""
+        self._busy += 1  # counted from here: a request waiting for a slot makes the server busy
+        try:
+            async with slots:
+                with self._lock:
+                    self.peak_busy = max(self.peak_busy, min(self._busy, self.capacity))
+                await asyncio.sleep(self.service_time)
+                if not up.is_closing():
+                    up.write(frame)  # a whole frame per write: never interleaved
+                with self._lock:
+                    self.served += 1
+        finally:
+            self._busy -= 1
 
     async def _replies_to(
         self, up: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int

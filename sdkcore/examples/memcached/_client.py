@@ -27,7 +27,10 @@ from sdkcore import (
     RetryReason,
     RetryStrategy,
 )
+from sdkcore._adaptive_limiter import AdaptiveConcurrencyLimiter
+from sdkcore._limiter import ConcurrencyLimiter
 from sdkcore._orphans import OrphanReporter  # sdkcore.OrphanReporter
+from sdkcore._throttle import AdaptiveThrottle
 from sdkcore.mapping import KvOpcode, kv_request
 
 from . import _protocol as proto
@@ -204,10 +207,19 @@ class _Connection:
 class _Endpoint:
     """One memcached server: its breaker and its (single, lazily opened) connection."""
 
-    def __init__(self, address: Address, breaker: CircuitBreaker, client: MemcachedClient) -> None:
+    def __init__(
+        self,
+        address: Address,
+        breaker: CircuitBreaker,
+        client: MemcachedClient,
+        limiter: Limiter | None = None,
+        throttle: AdaptiveThrottle | None = None,
+    ) -> None:
         self.address = address
         self.name = f"{address[0]}:{address[1]}"
         self.breaker = breaker
+        self.limiter = limiter
+        self.throttle = throttle
         self._client = client
         self._connection: _Connection | None = None
         self._connect_lock = anyio.Lock()
@@ -232,6 +244,35 @@ class _Endpoint:
         if refuse_if_open(self.breaker):
             await self._canary(request)
         return await self._attempt(request, opcode, build)
+
+    async def send(
+        self, request: Request, opcode: KvOpcode, build: Callable[[int], bytes]
+    ) -> proto.Response:
+        """One attempt in rfc/0009's order: throttle, limiter, breaker, then the dispatch.
+
+        The server's status is mapped inside the guards, so the throttle counts a
+        TMPFAIL as a rejection and the adaptive limiter times the answer.
+        """
+        throttle = self.throttle
+        limiter = self.limiter
+        if throttle is None:
+            if limiter is None:
+                response = await self.dispatch(request, opcode, build)
+                raise_for_status(response, opcode)
+                return response
+            async with limiter.acquire():
+                response = await self.dispatch(request, opcode, build)
+                raise_for_status(response, opcode)
+                return response
+        with throttle.guard():
+            if limiter is None:
+                response = await self.dispatch(request, opcode, build)
+                raise_for_status(response, opcode)
+                return response
+            async with limiter.acquire():
+                response = await self.dispatch(request, opcode, build)
+                raise_for_status(response, opcode)
+                return response
 
     async def _canary(self, request: Request) -> None:
         until = anyio.current_time() + canary_bound(self.breaker, request.dispatch_info().time_left)
@@ -297,6 +338,39 @@ class _Endpoint:
             await connection.drop(f"client closed the connection to {self.name}")
 
 
+Limiter = ConcurrencyLimiter | AdaptiveConcurrencyLimiter
+_LIMITERS = (ConcurrencyLimiter, AdaptiveConcurrencyLimiter)
+
+
+def _per_endpoint(given: Any, kind: Any, field: str, name: str, count: int) -> Any:
+    """The guard of endpoint ``name``: ``given`` itself, or what ``given(name)`` makes."""
+    if given is None:
+        return None
+    what = (
+        "a ConcurrencyLimiter or AdaptiveConcurrencyLimiter"
+        if field == "limiter"
+        else ("an AdaptiveThrottle")
+    )
+    if isinstance(given, kind):
+        if count > 1:
+            raise ValueError(
+                f"MemcachedClient({field}) is one {type(given).__name__} for {count} endpoints; "
+                f"give a callable making one per endpoint name, e.g. lambda name: ...(name=name)"
+            )
+        return given
+    if callable(given):
+        made = given(name)
+        if not isinstance(made, kind):
+            raise TypeError(
+                f"MemcachedClient({field}) made {made!r} for {name}; it must make {what}"
+            )
+        return made
+    raise TypeError(
+        f"MemcachedClient({field}) must be {what}, a callable making one from the endpoint's "
+        f"name, or None; got {given!r}"
+    )
+
+
 def _only(group: BaseException, error: BaseException) -> bool:
     """True when ``group`` is an exception group of ``error`` and, besides it, cancellations."""
     if getattr(group, "exceptions", None) is None:
@@ -328,6 +402,17 @@ class MemcachedClient:
     * ``timeout`` and ``retry_strategy``: for every :class:`~sdkcore.Request`.
     * ``breaker``: makes the breaker of an endpoint from its name ``"host:port"``
       (default :func:`make_breaker`).
+    * ``limiter``: a :class:`~sdkcore.ConcurrencyLimiter` or
+      :class:`~sdkcore.AdaptiveConcurrencyLimiter` per endpoint, or a callable making
+      one from the endpoint's name ``"host:port"`` (a limiter object is taken only
+      with a single endpoint). Each dispatch holds a permit (``acquire()``: it waits
+      in the limiter's queue if ``max_queued`` allows); a refusal is ``NOT_SENT`` and
+      retried by the strategy. Default: none.
+    * ``throttle``: an :class:`~sdkcore.AdaptiveThrottle` per endpoint (or a callable
+      making one from the name, as ``limiter``): requests are refused locally while
+      the server answers TMPFAIL (rfc/0009). Default: none.
+
+      Per dispatch the order is rfc/0009's: throttle, limiter, breaker, send.
     * ``orphan_reporter``: a :class:`~sdkcore.OrphanReporter` that gets every answer
       arriving for an attempt that was cut (timed out or cancelled) while its
       connection stayed open (rfc/0008).
@@ -347,6 +432,8 @@ class MemcachedClient:
         breaker: BreakerFactory = make_breaker,
         clock: Callable[[], float] | None = None,
         orphan_reporter: OrphanReporter | None = None,
+        limiter: Limiter | Callable[[str], Limiter] | None = None,
+        throttle: AdaptiveThrottle | Callable[[str], AdaptiveThrottle] | None = None,
     ) -> None:
         if orphan_reporter is not None and not isinstance(orphan_reporter, OrphanReporter):
             raise TypeError(
@@ -361,10 +448,19 @@ class MemcachedClient:
         if clock is not None:
             self._request_kwargs["clock"] = clock
         kv_request(KvOpcode.NOOP, **self._request_kwargs)  # check the settings now
-        self._endpoints = [
-            _Endpoint(address, breaker(f"{address[0]}:{address[1]}"), self)
-            for address in endpoints_of(endpoints)
-        ]
+        addresses = endpoints_of(endpoints)
+        self._endpoints = []
+        for address in addresses:
+            name = f"{address[0]}:{address[1]}"
+            self._endpoints.append(
+                _Endpoint(
+                    address,
+                    breaker(name),
+                    self,
+                    _per_endpoint(limiter, _LIMITERS, "limiter", name, len(addresses)),
+                    _per_endpoint(throttle, AdaptiveThrottle, "throttle", name, len(addresses)),
+                )
+            )
         self._opaques = itertools.count(1)
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -372,6 +468,16 @@ class MemcachedClient:
     def breakers(self) -> list[CircuitBreaker]:
         """The breaker of each endpoint, in the order given (for diagnostics)."""
         return [endpoint.breaker for endpoint in self._endpoints]
+
+    @property
+    def limiters(self) -> list[Limiter | None]:
+        """The concurrency limiter of each endpoint (None without one), in the order given."""
+        return [endpoint.limiter for endpoint in self._endpoints]
+
+    @property
+    def throttles(self) -> list[AdaptiveThrottle | None]:
+        """The throttle of each endpoint (None without one), in the order given."""
+        return [endpoint.throttle for endpoint in self._endpoints]
 
     async def __aenter__(self) -> MemcachedClient:
         self._tg = anyio.create_task_group()
@@ -412,9 +518,7 @@ class MemcachedClient:
         request = kv_request(opcode, **self._request_kwargs)
 
         async def send(request: Request) -> proto.Response:
-            response = await endpoint.dispatch(request, opcode, build)
-            raise_for_status(response, opcode)
-            return response
+            return await endpoint.send(request, opcode, build)
 
         return await self._orchestrator.execute(request, send)
 
@@ -455,7 +559,6 @@ class MemcachedClient:
         request = kv_request(KvOpcode.NOOP, **self._request_kwargs)
 
         async def send(request: Request) -> None:
-            response = await target.dispatch(request, KvOpcode.NOOP, proto.noop_frame)
-            raise_for_status(response, KvOpcode.NOOP)
+            await target.send(request, KvOpcode.NOOP, proto.noop_frame)
 
         await self._orchestrator.execute(request, send)
