@@ -5,6 +5,7 @@ names live here; everything in ``sdkcore._*`` is private.
 """
 
 from ._action import ExceptionFactory, RetryAction
+from ._adaptive_limiter import AdaptiveConcurrencyLimiter
 from ._backoff import Backoff, best_effort_backoff, controlled_backoff, exponential_backoff
 from ._breaker import CircuitBreaker, CircuitState
 from ._budget import RetryBudget
@@ -38,6 +39,8 @@ from ._errors import (
     UnambiguousTimeoutException,
 )
 from ._hedge import HedgePolicy, HedgeThrottler
+from ._latency import LatencyQuantile
+from ._limiter import ConcurrencyLimiter
 from ._orchestrator import DEFAULT_MAX_REQUESTS_IN_RETRY, RetryOrchestrator
 from ._orphans import OrphanReporter
 from ._reason import RetryReason
@@ -52,11 +55,14 @@ from ._strategy import (
 )
 from ._telemetry import Telemetry
 from ._threshold import ThresholdReporter
+from ._throttle import AdaptiveThrottle
 from ._version import __version__
 
 __all__ = [
     "DEFAULT_MAX_REQUESTS_IN_RETRY",
     "DEFAULT_TIMEOUT",
+    "AdaptiveConcurrencyLimiter",
+    "AdaptiveThrottle",
     "AmbiguousTimeoutException",
     "AttemptEffect",
     "AttemptRecord",
@@ -68,6 +74,7 @@ __all__ = [
     "CircuitBreaker",
     "CircuitState",
     "CollectionNotFoundException",
+    "ConcurrencyLimiter",
     "CouchbaseException",
     "DispatchInfo",
     "DocumentExistsException",
@@ -81,6 +88,7 @@ __all__ = [
     "HedgeThrottler",
     "InternalServerFailureException",
     "InvalidArgumentException",
+    "LatencyQuantile",
     "OrphanReporter",
     "QuotaLimitedException",
     "RateLimitedException",

@@ -145,11 +145,20 @@ def timed_out(
 def _hint_source(request: Request, reason: RetryReason | None) -> str:
     """Who asked for the wait: a circuit breaker (quoting its refusal, which names it) or
     the server."""
-    if reason is RetryReason.CIRCUIT_BREAKER_OPEN:
+    who = _HINTED_BY.get(reason)  # type: ignore[arg-type]
+    if who is not None:
         error = request.last_error
         said = error.args[0] if error is not None and error.args else ""
-        return f"the circuit breaker: {said!r}" if said else "a circuit breaker"
+        return f"the {who}: {said!r}" if said else f"a {who}"
     return "the server"
+
+
+#: The local refusals whose retry_after is the client's own, not the server's.
+_HINTED_BY = {
+    RetryReason.CIRCUIT_BREAKER_OPEN: "circuit breaker",
+    RetryReason.CONCURRENCY_LIMITED: "concurrency limiter",
+    RetryReason.CLIENT_THROTTLED: "client-side throttle",
+}
 
 
 def refused(

@@ -34,12 +34,9 @@ from ._untrusted import show
 
 __all__ = ["LIMITED", "MAX_PERMITS", "Permits", "permits", "text"]
 
-#: The reason of a refusal. ``RetryReason.CONCURRENCY_LIMITED`` (rfc/0009: allows
-#: non-idempotent retry, not always retried, not after dispatch) once ``_reason.py``
-#: has it; until then SERVICE_NOT_AVAILABLE, the existing reason with those flags.
-LIMITED: RetryReason = getattr(
-    RetryReason, "CONCURRENCY_LIMITED", RetryReason.SERVICE_NOT_AVAILABLE
-)
+#: The reason of a refusal (rfc/0009: allows non-idempotent retry, not always retried,
+#: not after dispatch).
+LIMITED = RetryReason.CONCURRENCY_LIMITED
 _NOT_SENT = AttemptEffect.NOT_SENT
 
 #: The most permits (or queued callers) a limiter takes. A permit is one slot of a

@@ -55,6 +55,10 @@ class RetryReason(enum.Enum):
     BUCKET_ACCESS_ERROR = (25, True, False, False)
     SCOPE_NOT_FOUND = (26, True, False, False)
     COLLECTION_NOT_FOUND = (27, True, False, False)
+    # sdkcore's own load shedding (rfc/0009): refused by the client before anything was
+    # written, so any request may retry (after the refusal's retry_after, if any).
+    CONCURRENCY_LIMITED = (28, True, False, False)
+    CLIENT_THROTTLED = (29, True, False, False)
 
     allows_non_idempotent_retry: bool
     always_retry: bool

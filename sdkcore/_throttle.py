@@ -41,13 +41,9 @@ __all__ = [
 #: rejection_probability, requests, accepts, k).
 EVENT_THROTTLE_REFUSING = "throttle.refusing"
 
-#: The reason of a local refusal: ``RetryReason.CLIENT_THROTTLED`` (rfc/0009: allows
-#: non-idempotent retry, not always retried, not after dispatch) once ``_reason.py`` has
-#: it; until then SERVICE_NOT_AVAILABLE, the existing reason with those flags (and what
-#: grpc-go's RLS throttler and Envoy's admission control answer: UNAVAILABLE, 503).
-REFUSAL_REASON: RetryReason = getattr(
-    RetryReason, "CLIENT_THROTTLED", RetryReason.SERVICE_NOT_AVAILABLE
-)
+#: The reason of a local refusal (rfc/0009: allows non-idempotent retry, not always
+#: retried, not after dispatch).
+REFUSAL_REASON = RetryReason.CLIENT_THROTTLED
 
 _SLICES = 10  # the window moves by a tenth of itself
 _CAUSES = 4  # how far down ``raise ... from`` chains the default rule looks

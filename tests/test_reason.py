@@ -40,6 +40,9 @@ RFC_TABLE: list[tuple[str, bool, bool]] = [
     # Query reasons added by the issue
     ("QUERY_ERROR_RETRYABLE", True, False),
     ("QUERY_TRANSACTION_BUFFER_FULL", True, False),
+    # sdkcore's load shedding (rfc/0009): refused before sending
+    ("CONCURRENCY_LIMITED", True, False),
+    ("CLIENT_THROTTLED", True, False),
 ]
 
 TERMINAL = [
@@ -53,7 +56,7 @@ TERMINAL = [
 
 def test_table_has_no_duplicate_rows() -> None:
     names = [name for name, _, _ in RFC_TABLE]
-    assert len(names) == len(set(names)) == 27
+    assert len(names) == len(set(names)) == 29
 
 
 def test_no_reason_missing_or_extra() -> None:
