@@ -190,6 +190,9 @@ class Permits:
         return None
 
     def _refused(self, why: str) -> RetryableError:
+        telemetry = self._telemetry
+        if telemetry is not None:
+            telemetry.limiter_rejected(self)
         label = f" {self._name}" if self._name else ""
         return RetryableError(
             LIMITED,

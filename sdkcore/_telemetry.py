@@ -28,9 +28,12 @@ from . import _log
 from ._breaker import CircuitBreaker
 from ._budget import RetryBudget
 from ._context import CancellationReason
+from ._latency import LatencyQuantile
+from ._permits import Permits
 from ._reason import RetryReason
 from ._retry_state import RequestState
 from ._threshold import ThresholdReporter
+from ._throttle import AdaptiveThrottle
 
 __all__ = ["MAX_NAMES", "MAX_TEXT", "RequestTrace", "Telemetry", "outcome_of"]
 
@@ -157,6 +160,11 @@ class Telemetry:
         self._failed: set[str] = set()
         self._breakers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._budgets: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._limiters: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._throttles: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._quantiles: weakref.WeakSet[Any] = weakref.WeakSet()
+        # a LatencyQuantile has no name: the one it was watched with
+        self._quantile_names: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         m = self.meter
         self.request_duration = m.create_histogram(
             "sdkcore.request.duration",
@@ -202,6 +210,47 @@ class Telemetry:
             unit="{retry}",
             description="Retries a retry budget refused",
         )
+        self.limiter_rejections = m.create_counter(
+            "sdkcore.concurrency_limiter.rejections",
+            unit="{dispatch}",
+            description="Dispatches a concurrency limiter refused (nothing was sent)",
+        )
+        m.create_observable_gauge(
+            "sdkcore.concurrency_limiter.limit",
+            callbacks=[self._observe_limiters(lambda limiter: limiter.limit)],
+            unit="{dispatch}",
+            description="A concurrency limiter's current limit (an adaptive one's moves)",
+        )
+        m.create_observable_gauge(
+            "sdkcore.concurrency_limiter.in_flight",
+            callbacks=[self._observe_limiters(lambda limiter: limiter.in_flight)],
+            unit="{dispatch}",
+            description="Dispatches a concurrency limiter holds a permit for now",
+        )
+        m.create_observable_gauge(
+            "sdkcore.concurrency_limiter.queued",
+            callbacks=[self._observe_limiters(lambda limiter: limiter.queued)],
+            unit="{dispatch}",
+            description="Callers waiting in a concurrency limiter's queue now",
+        )
+        m.create_observable_gauge(
+            "sdkcore.throttle.rejection_probability",
+            callbacks=[self._observe_throttles(lambda throttle: throttle.rejection_probability)],
+            unit="1",
+            description="The probability a client-side throttle refuses a new request now",
+        )
+        m.create_observable_counter(
+            "sdkcore.throttle.rejections",
+            callbacks=[self._observe_throttles(lambda throttle: throttle.refused)],
+            unit="{request}",
+            description="Requests a client-side throttle refused locally",
+        )
+        m.create_observable_gauge(
+            "sdkcore.hedge.delay",
+            callbacks=[self._observe_quantiles],
+            unit="s",
+            description="The learned hedging delay (LatencyQuantile), once it has one",
+        )
         m.create_observable_gauge(
             "sdkcore.circuit_breaker.state",
             callbacks=[self._observe_breakers],
@@ -219,28 +268,84 @@ class Telemetry:
         return f"<Telemetry meter={self.meter!r} tracer={self.tracer!r}>"
 
     # -- breakers and budgets ---------------------------------------------------------
-    def watch(self, target: Any) -> Any:
-        """Report a :class:`CircuitBreaker` or :class:`RetryBudget` through this telemetry.
+    def watch(self, target: Any, *, name: str | None = None) -> Any:
+        """Report a breaker, budget, limiter, throttle or hedge delay through this telemetry.
 
-        Returns ``target``. A breaker or budget reports to one telemetry at a time
-        (the last that watched it). Its gauges are read at each collection; it is held
-        weakly.
+        ``target``: a :class:`CircuitBreaker`, :class:`RetryBudget`,
+        :class:`ConcurrencyLimiter` / :class:`AdaptiveConcurrencyLimiter`,
+        :class:`AdaptiveThrottle` or :class:`LatencyQuantile`. Returns ``target``. It
+        reports to one telemetry at a time (the last that watched it), which holds it
+        weakly; its gauges are read at each collection. ``name``: the
+        ``sdkcore.endpoint`` attribute when the target has no name of its own (a
+        LatencyQuantile); else the target's name.
         """
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"Telemetry.watch(name=...) must be a str or None, got {name!r}")
         if isinstance(target, CircuitBreaker):
-            watched = "_breakers"
+            watched: weakref.WeakSet[Any] = self._breakers
         elif isinstance(target, RetryBudget):
-            watched = "_budgets"
+            watched = self._budgets
+        elif isinstance(target, Permits):
+            watched = self._limiters
+        elif isinstance(target, AdaptiveThrottle):
+            watched = self._throttles
+        elif isinstance(target, LatencyQuantile):
+            watched = self._quantiles
+            self._quantile_names[target] = _cut(name or "")
         else:
             raise TypeError(
-                "Telemetry.watch(target): target must be an sdkcore.CircuitBreaker or "
-                f"sdkcore.RetryBudget, got {target!r}"
+                "Telemetry.watch(target): target must be an sdkcore.CircuitBreaker, "
+                "RetryBudget, ConcurrencyLimiter, AdaptiveConcurrencyLimiter, AdaptiveThrottle "
+                f"or LatencyQuantile, got {target!r}"
             )
-        previous = target._telemetry
-        if previous is not None and previous is not self:  # its gauge moves here too
-            getattr(previous, watched).discard(target)
-        getattr(self, watched).add(target)
-        target._telemetry = self
+        previous = getattr(target, "_telemetry", None)
+        if previous is not None and previous is not self:
+            for group in previous._groups():
+                group.discard(target)
+        watched.add(target)
+        if not isinstance(target, (AdaptiveThrottle, LatencyQuantile)):
+            target._telemetry = self  # it calls back on its transitions and refusals
         return target
+
+    def _groups(self) -> tuple[weakref.WeakSet[Any], ...]:
+        return self._breakers, self._budgets, self._limiters, self._throttles, self._quantiles
+
+    def _observe_limiters(self, read: Callable[[Any], float]) -> Callable[[Any], Iterable[Any]]:
+        def observe(options: Any) -> Iterable[Any]:
+            from opentelemetry.metrics import Observation
+
+            return [
+                Observation(read(limiter), {ENDPOINT: _cut(limiter.name)})
+                for limiter in list(self._limiters)
+            ]
+
+        return observe
+
+    def _observe_throttles(self, read: Callable[[Any], float]) -> Callable[[Any], Iterable[Any]]:
+        def observe(options: Any) -> Iterable[Any]:
+            from opentelemetry.metrics import Observation
+
+            return [
+                Observation(read(throttle), {ENDPOINT: _cut(throttle.name)})
+                for throttle in list(self._throttles)
+            ]
+
+        return observe
+
+    def _observe_quantiles(self, options: Any) -> Iterable[Any]:
+        from opentelemetry.metrics import Observation
+
+        out = []
+        for quantile in list(self._quantiles):
+            delay = quantile.current_delay
+            if delay is not None:
+                name = self._quantile_names.get(quantile, "")
+                out.append(Observation(delay.total_seconds(), {ENDPOINT: name}))
+        return out
+
+    def limiter_rejected(self, limiter: Any) -> None:
+        attributes = {ENDPOINT: _cut(limiter.name)}
+        self._guard("concurrency_limiter.rejections", self.limiter_rejections.add, 1, attributes)
 
     def _observe_breakers(self, options: Any) -> Iterable[Any]:
         from opentelemetry.metrics import Observation

@@ -137,6 +137,9 @@ class Broken:
     def create_observable_gauge(self, *args: Any, **kwargs: Any) -> Any:
         return None
 
+    def create_observable_counter(self, *args: Any, **kwargs: Any) -> Any:
+        return None
+
     def add(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError("exporter queue full")
 
