@@ -67,6 +67,8 @@ class RetryController(_Controller):
       made (needs :meth:`bind_channel`; see rfc/0003).
     * ``stats``: a :class:`RetryStats` to record into (a new one by default).
     * ``message_size``: bytes of a request message (default :func:`default_message_size`).
+    * ``telemetry``: an :class:`sdkcore.Telemetry` for gRPC's standard metrics and spans
+      (A66, A96, A72; rfc/0008); None: the orchestrator's, if any.
     """
 
     def interceptors(self) -> list[aio.ClientInterceptor]:
