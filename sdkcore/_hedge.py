@@ -210,7 +210,7 @@ class _Chain:
             request._hedge_sent()
             trace = request._trace
             if trace is not None:
-                trace.hedge_sent()
+                trace.hedge_booked()
         self.next_at = now + self.delay - (self.first_elapsed if index == 0 else 0.0)
         self.next_trigger = "delay"
         log = _log.enabled(_log.DEBUG)
@@ -227,6 +227,11 @@ class _Chain:
 
     async def run(self, attempt: _Attempt) -> None:
         """Send one copy and book its outcome. Raises only the copy's cancellation."""
+        trace = self.request._trace
+        if trace is not None and attempt.index > 0:
+            # Counted here, where the copy is really sent: a copy booked and then cut before
+            # its task ran (the winner answered in the same turn) is not a hedge sent.
+            trace.hedge_sent()
         mark = self.request._dispatching()  # requests made inside send keep within its deadline
         try:
             result = await self.send(self.request, attempt.index)

@@ -585,8 +585,12 @@ class RequestTrace:
                 {REASON: reason.name, "sdkcore.retry.delay": delay},
             )
 
-    def hedge_sent(self) -> None:
+    def hedge_booked(self) -> None:
+        """A copy after the first was booked: it is not a retry (``sdkcore.request.retries``)."""
         self.hedges += 1
+
+    def hedge_sent(self) -> None:
+        """A copy after the first went out (``sdkcore.hedges``)."""
         telemetry = self.telemetry
         telemetry._guard("hedges", telemetry.hedges.add, 1, self.attributes)
 
