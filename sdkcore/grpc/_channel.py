@@ -11,6 +11,7 @@ from grpc import aio
 from grpc.aio import _channel as _aio_channel
 
 from .._budget import RetryBudget
+from .._latency import LatencyQuantile
 from .._orchestrator import RetryOrchestrator
 from .._telemetry import Telemetry
 from ._hedged_call import _HedgedCall, _TracedHedgedCall
@@ -204,6 +205,7 @@ def insecure_channel(
     message_size: Callable[[Any], int] | None = None,
     retry_budget: RetryBudget | None = None,
     telemetry: Telemetry | None = None,
+    hedge_delay: Callable[[str], LatencyQuantile | None] | None = None,
 ) -> aio.Channel:
     """A ``grpc.aio`` insecure channel whose calls are retried by sdkcore (A6).
 
@@ -222,6 +224,10 @@ def insecure_channel(
     call, and its orchestrator the ``sdkcore.*`` ones (rfc/0008). None (the default): the
     orchestrator's telemetry, if it has one; nothing is recorded without. A telemetry
     given here and a different one on the orchestrator is a ValueError.
+    ``hedge_delay``: ``(method) -> LatencyQuantile | None``, an sdkcore option beside
+    A6's fixed ``hedgingDelay``: a hedged method whose function gives a
+    :class:`sdkcore.LatencyQuantile` sends its next copy at the learned delay (none
+    before the quantile has ``min_samples``), and every call feeds it (rfc/0009).
     See :class:`RetryController` for the other options.
     """
     return _build(
@@ -243,6 +249,7 @@ def insecure_channel(
             "stats": stats,
             "message_size": message_size,
             "telemetry": telemetry,
+            "hedge_delay": hedge_delay,
         },
         retry_budget,
     )
@@ -268,6 +275,7 @@ def secure_channel(
     message_size: Callable[[Any], int] | None = None,
     retry_budget: RetryBudget | None = None,
     telemetry: Telemetry | None = None,
+    hedge_delay: Callable[[str], LatencyQuantile | None] | None = None,
 ) -> aio.Channel:
     """Like :func:`insecure_channel`, with channel ``credentials`` (TLS)."""
     return _build(
@@ -289,6 +297,7 @@ def secure_channel(
             "stats": stats,
             "message_size": message_size,
             "telemetry": telemetry,
+            "hedge_delay": hedge_delay,
         },
         retry_budget,
     )

@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._latency import LatencyQuantile
 from .._orchestrator import RetryOrchestrator
 from .._telemetry import Telemetry
 from .._untrusted import show as _show
@@ -71,6 +72,7 @@ class _Controller:
         stats: RetryStats | None = None,
         message_size: Callable[[Any], int] | None = None,
         telemetry: Telemetry | None = None,
+        hedge_delay: Callable[[str], LatencyQuantile | None] | None = None,
     ) -> None:
         # Every argument is checked before any shared state (the process-wide
         # throttler of the target) is touched: a rejected controller changes nothing.
@@ -102,6 +104,11 @@ class _Controller:
             raise TypeError(
                 "RetryController(message_size=...) must be a callable returning bytes, "
                 f"got {message_size!r}"
+            )
+        if hedge_delay is not None and not callable(hedge_delay):
+            raise TypeError(
+                "RetryController(hedge_delay=...) must be a callable (method name) -> "
+                f"LatencyQuantile | None, or None, got {_show(hedge_delay)}"
             )
         if telemetry is not None and not isinstance(telemetry, Telemetry):
             raise TypeError(
@@ -158,6 +165,7 @@ class _Controller:
         }
         self._plans: dict[Any, _Plan | None] = {}
         self._hedge_plans: dict[Any, HedgePlan | None] = {}
+        self._hedge_delay = hedge_delay
         self._channel: weakref.ref[Any] | None = None
         #: The calls waiting between attempts (sdkcore's backoff, a transparent retry's
         #: delay, a hedged call's later copies): objects whose ``cancel()`` ends them
@@ -293,11 +301,18 @@ class _Controller:
         mc = None if config is None or not self.enabled else config.method_config(name)
         plan = None
         if mc is not None and mc.hedging_policy is not None:
+            learned = None if self._hedge_delay is None else self._hedge_delay(name)
+            if learned is not None and not isinstance(learned, LatencyQuantile):
+                raise TypeError(
+                    f"RetryController(hedge_delay=...) returned {_show(learned)} for {name}: "
+                    "a LatencyQuantile or None (the service config's hedgingDelay) is needed"
+                )
             plan = HedgePlan(
                 mc,
                 max_attempts_cap=self._strategy_args["max_attempts_cap"],
                 throttler=self.throttler,
                 name=name,
+                delay=learned,
             )
         self._hedge_plans[method] = plan
         return plan

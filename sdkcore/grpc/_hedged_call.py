@@ -9,6 +9,7 @@ before the delay (the common case, nothing more is done), or the runner
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Generator
 from typing import Any
@@ -108,9 +109,9 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             )
         self._first = first
         self._timer: asyncio.TimerHandle | None = None
-        if plan.policy.effective_max_attempts > 1:
-            delay = 0.0 if INSTANT_DELAYS.get() else plan.policy.delay.total_seconds()
-            self._timer = loop.call_later(delay, self._hedge)
+        delay = plan.policy.delay.total_seconds()  # a LatencyQuantile's: inf before min_samples
+        if plan.policy.effective_max_attempts > 1 and delay != math.inf:
+            self._timer = loop.call_later(0.0 if INSTANT_DELAYS.get() else delay, self._hedge)
         first.add_done_callback(self._first_done)
 
     # -- hedge 0, the timer, the runner ------------------------------------------------
@@ -125,6 +126,9 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             self._stop_timer()
             if not self._ended:
                 self._ended = True
+                latency = self._plan.policy.latency
+                if latency is not None:  # hedge 0 answered before the delay (rfc/0009)
+                    latency.record(max(self._loop.time() - self._sent_at, 0.0))
                 throttler = self._core.throttler
                 if throttler is not None:
                     throttler.record_success()

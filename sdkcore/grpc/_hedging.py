@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import time
 from collections.abc import Callable, Generator
 from typing import Any
@@ -253,10 +254,10 @@ async def hedged_unary_unary(
                     woken.set_result(None)
 
             first.add_done_callback(wake)
-            delay = 0.0 if INSTANT_DELAYS.get() else plan.policy.delay.total_seconds()
+            delay = plan.policy.delay.total_seconds()  # inf: a LatencyQuantile before min_samples
             timer = None
-            if plan.policy.effective_max_attempts > 1:
-                timer = loop.call_later(delay, wake)
+            if plan.policy.effective_max_attempts > 1 and delay != math.inf:
+                timer = loop.call_later(0.0 if INSTANT_DELAYS.get() else delay, wake)
             try:
                 await woken
             finally:
@@ -276,6 +277,9 @@ async def hedged_unary_unary(
             else:
                 if trace is not None:
                     trace.attempt_end(attempts[0], None)
+                latency = plan.policy.latency
+                if latency is not None:  # hedge 0 answered before the delay (rfc/0009)
+                    latency.record(max(loop.time() - sent_at, 0.0))
                 if throttler is not None:
                     throttler.record_success()
                 md = await first.trailing_metadata()

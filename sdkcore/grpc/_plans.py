@@ -9,6 +9,7 @@ from typing import Any
 
 from .._errors import RetryableError
 from .._hedge import HedgePolicy
+from .._latency import LatencyQuantile
 from ._policy import PUSHBACK_DONT_RETRY, PUSHBACK_KEY, A6RetryStrategy, parse_pushback
 from ._service_config import MethodConfig
 from ._throttle import RetryThrottler
@@ -44,13 +45,14 @@ class HedgePlan:
         max_attempts_cap: int,
         throttler: RetryThrottler | None,
         name: str = "",
+        delay: LatencyQuantile | None = None,
     ) -> None:
         hp = method_config.hedging_policy
         self.name = name
         self.non_fatal: frozenset[int] = hp.non_fatal_status_codes
         self.policy = HedgePolicy(
             hp.max_attempts,
-            delay=hp.hedging_delay,
+            delay=hp.hedging_delay if delay is None else delay,  # sdkcore's hedge_delay option
             pushback=_pushback_seconds,
             max_attempts_cap=max_attempts_cap,
         )
