@@ -125,9 +125,14 @@ class FaultProxy:
             self._black_holed |= self._open
 
     def limit_capacity(self, capacity: int, service_time: float, *, reject: bool = False) -> None:
-        """Serve at most ``capacity`` requests at a time, each ``service_time`` s (0: no limit)."""
+        """Serve at most ``capacity`` requests at a time, each ``service_time`` s (0: no limit).
+
+        Requests still queued for (or in) the previous capacity are dropped unanswered.
+        """
 
         async def apply() -> None:
+            for task in list(self._serving):  # requests still waiting are dropped, unanswered
+                task.cancel()
             self.capacity = capacity
             self.service_time = service_time
             self.reject = reject

@@ -188,3 +188,83 @@ def test_a_limiter_object_serves_one_endpoint_only_and_the_errors_name_the_field
         "127.0.0.1:2",
     ]
     assert len({id(t) for t in client.throttles}) == 2
+
+
+# -- 2x overload on a server of fixed capacity (qualitative outcomes, no timings) ----------
+
+CAPACITY = 2  # requests in service at a time
+SERVICE = 0.01  # seconds each: the server answers 200 requests/s
+TIMEOUT = 0.1  # ten service times
+
+
+async def overload(
+    proxy: FaultProxy, seconds: float, **guards: Any
+) -> tuple[dict[str, int], MemcachedClient]:
+    """GETs open loop at twice the capacity for ``seconds``; outcomes counted."""
+    outcomes = {"ok": 0, "cut": 0, "late": 0}
+    rate = 2 * CAPACITY / SERVICE
+    async with MemcachedClient(
+        f"127.0.0.1:{proxy.port}",
+        orchestrator=RetryOrchestrator(BestEffortRetryStrategy()),
+        timeout=TIMEOUT,
+        **guards,
+    ) as client:
+        await client.set("k", b"v")
+        proxy.reset_counts()
+
+        async def one() -> None:
+            try:
+                await client.get("k")
+            except TimeoutException as exc:
+                cut = exc.context is not None and exc.context.in_flight
+                outcomes["cut" if cut else "late"] += 1
+            else:
+                outcomes["ok"] += 1
+
+        sent = 0
+        async with anyio.create_task_group() as tg:
+            start = anyio.current_time()
+            while (now := anyio.current_time()) < start + seconds:
+                while sent < int((now - start) * rate) + 1:
+                    tg.start_soon(one)
+                    sent += 1
+                await anyio.sleep(1 / rate)
+    return outcomes, client
+
+
+async def test_under_2x_load_the_adaptive_limiter_answers_more_and_cuts_fewer(
+    memcached: Memcached, proxy: FaultProxy
+) -> None:
+    proxy.limit_capacity(CAPACITY, SERVICE)
+    without, _ = await overload(proxy, 2.0)
+    proxy.limit_capacity(CAPACITY, SERVICE)  # drops what the first run left queued
+    limiter = AdaptiveConcurrencyLimiter(1, name="m")
+    with_limiter, client = await overload(proxy, 2.0, limiter=limiter)
+    # without a limiter the queue outgrows the timeout: most requests are cut in flight
+    # (sent, unanswered: the server did the work for nothing); the limiter keeps the queue
+    # short, so what is sent is answered and the rest is refused before it is sent
+    assert with_limiter["ok"] > 2 * without["ok"], (without, with_limiter)
+    assert with_limiter["cut"] < without["cut"] + without["late"], (without, with_limiter)
+    assert client.limiters == [limiter]
+    assert limiter.in_flight == 0
+    assert limiter.queued == 0
+
+
+async def test_against_a_server_answering_tmpfail_the_throttle_bounds_attempts_per_accept(
+    memcached: Memcached, proxy: FaultProxy
+) -> None:
+    def frames_per_served(throttle: AdaptiveThrottle | None) -> float:
+        _, _, requests = proxy.counts()
+        return sum(requests.values()) / max(proxy.served, 1)
+
+    proxy.limit_capacity(CAPACITY, SERVICE, reject=True)
+    await overload(proxy, 2.0)
+    without = frames_per_served(None)
+    proxy.limit_capacity(CAPACITY, SERVICE, reject=True)
+    throttle = AdaptiveThrottle(2.0, window=1.0, name="m")
+    await overload(proxy, 2.0, throttle=throttle)
+    with_throttle = frames_per_served(throttle)
+    # BestEffort re-sends every TMPFAIL: several frames per accepted request; the
+    # throttle keeps what is sent near K = 2 per accept (the SRE bound), with slack
+    assert with_throttle < without, (without, with_throttle)
+    assert with_throttle <= 2.0 + 1.0, (without, with_throttle)
