@@ -20,6 +20,7 @@ from .._errors import CouchbaseException, RequestCanceledException, TimeoutExcep
 from .._reason import RetryReason
 from .._request import _DISPATCHING, Request, dispatching
 from ._controller import _Controller
+from ._gate import LocalRefusal
 from ._metadata import _client_trailing, _strip_attempts, _with_attempts
 from ._plans import _Plan
 from ._policy import (
@@ -338,7 +339,11 @@ class _Call:
         trailing = err.trailing_metadata()
         st.pushback = parse_pushback(trailing.get_all(PUSHBACK_KEY)) if trailing else None
         kind = None
-        if (
+        if isinstance(err, LocalRefusal):
+            # The channel's limiter or throttle refused the attempt: nothing was sent,
+            # as when no connection could be made (A6 case 1; rfc/0009).
+            kind = TransparentKind.NEVER_SENT
+        elif (
             not self.ready_at_start
             and not st.committed
             and code is _UNAVAILABLE

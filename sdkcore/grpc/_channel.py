@@ -10,10 +10,14 @@ import grpc
 from grpc import aio
 from grpc.aio import _channel as _aio_channel
 
+from .._adaptive_limiter import AdaptiveConcurrencyLimiter
 from .._budget import RetryBudget
 from .._latency import LatencyQuantile
+from .._limiter import ConcurrencyLimiter
 from .._orchestrator import RetryOrchestrator
 from .._telemetry import Telemetry
+from .._throttle import AdaptiveThrottle
+from ._gate import GatedMultiCallable
 from ._hedged_call import _HedgedCall, _TracedHedgedCall
 from ._interceptors import (
     DEFAULT_CHANNEL_BUFFER_LIMIT,
@@ -76,6 +80,8 @@ class _Channel(_aio_channel.Channel):  # type: ignore[misc]
             method, request_serializer, response_deserializer, _registered_method
         )
         core = self._sdkcore
+        if core.gate is not None:  # the channel's limiter / throttle around every attempt
+            inner = GatedMultiCallable(core.gate, inner)
         if _registered_method and core._tel is not None:
             core._tel.register(method)  # a generated stub's method: grpc.method is its name
         if core.service_config is not None:
@@ -206,6 +212,8 @@ def insecure_channel(
     retry_budget: RetryBudget | None = None,
     telemetry: Telemetry | None = None,
     hedge_delay: Callable[[str], LatencyQuantile | None] | None = None,
+    limiter: ConcurrencyLimiter | AdaptiveConcurrencyLimiter | None = None,
+    throttle: AdaptiveThrottle | None = None,
 ) -> aio.Channel:
     """A ``grpc.aio`` insecure channel whose calls are retried by sdkcore (A6).
 
@@ -228,6 +236,13 @@ def insecure_channel(
     A6's fixed ``hedgingDelay``: a hedged method whose function gives a
     :class:`sdkcore.LatencyQuantile` sends its next copy at the learned delay (none
     before the quantile has ``min_samples``), and every call feeds it (rfc/0009).
+    ``limiter`` (a :class:`sdkcore.ConcurrencyLimiter` or
+    :class:`sdkcore.AdaptiveConcurrencyLimiter`) and ``throttle`` (an
+    :class:`sdkcore.AdaptiveThrottle`): taken, throttle first, around every unary-unary
+    attempt the channel sends (retries and hedged copies included) and held until it
+    ends; a refusal sends nothing and is retried like A6's "no connection could be
+    made" (backoff, NOT_SENT); a call still refused at the end fails UNAVAILABLE
+    (rfc/0009, "On gRPC channels").
     See :class:`RetryController` for the other options.
     """
     return _build(
@@ -250,6 +265,8 @@ def insecure_channel(
             "message_size": message_size,
             "telemetry": telemetry,
             "hedge_delay": hedge_delay,
+            "limiter": limiter,
+            "throttle": throttle,
         },
         retry_budget,
     )
@@ -276,6 +293,8 @@ def secure_channel(
     retry_budget: RetryBudget | None = None,
     telemetry: Telemetry | None = None,
     hedge_delay: Callable[[str], LatencyQuantile | None] | None = None,
+    limiter: ConcurrencyLimiter | AdaptiveConcurrencyLimiter | None = None,
+    throttle: AdaptiveThrottle | None = None,
 ) -> aio.Channel:
     """Like :func:`insecure_channel`, with channel ``credentials`` (TLS)."""
     return _build(
@@ -298,6 +317,8 @@ def secure_channel(
             "message_size": message_size,
             "telemetry": telemetry,
             "hedge_delay": hedge_delay,
+            "limiter": limiter,
+            "throttle": throttle,
         },
         retry_budget,
     )

@@ -16,6 +16,7 @@ from .._latency import LatencyQuantile
 from .._orchestrator import RetryOrchestrator
 from .._telemetry import Telemetry
 from .._untrusted import show as _show
+from ._gate import Gate
 from ._metadata import (
     DEFAULT_CHANNEL_BUFFER_LIMIT,
     DEFAULT_PER_CALL_BUFFER_LIMIT,
@@ -51,6 +52,9 @@ class _Controller:
       made (needs :meth:`bind_channel`; see rfc/0003).
     * ``stats``: a :class:`RetryStats` to record into (a new one by default).
     * ``message_size``: bytes of a request message (default :func:`default_message_size`).
+    * ``limiter`` / ``throttle``: an :class:`sdkcore.ConcurrencyLimiter` (or
+      :class:`sdkcore.AdaptiveConcurrencyLimiter`) / :class:`sdkcore.AdaptiveThrottle`
+      for the channel's target, taken around every unary-unary attempt (rfc/0009).
     * ``telemetry``: an :class:`sdkcore.Telemetry` for the gRPC metrics and spans (A66,
       A96, A72; rfc/0008); None: the orchestrator's (``orchestrator.telemetry``), if any.
       Given with an orchestrator that has another one: ValueError.
@@ -73,6 +77,8 @@ class _Controller:
         message_size: Callable[[Any], int] | None = None,
         telemetry: Telemetry | None = None,
         hedge_delay: Callable[[str], LatencyQuantile | None] | None = None,
+        limiter: Any = None,
+        throttle: Any = None,
     ) -> None:
         # Every argument is checked before any shared state (the process-wide
         # throttler of the target) is touched: a rejected controller changes nothing.
@@ -110,6 +116,8 @@ class _Controller:
                 "RetryController(hedge_delay=...) must be a callable (method name) -> "
                 f"LatencyQuantile | None, or None, got {_show(hedge_delay)}"
             )
+        #: The channel's limiter and throttle (None: neither), around every attempt.
+        gate = None if limiter is None and throttle is None else Gate(limiter, throttle)
         if telemetry is not None and not isinstance(telemetry, Telemetry):
             raise TypeError(
                 "RetryController(telemetry=...) must be an sdkcore.Telemetry or None, "
@@ -166,6 +174,7 @@ class _Controller:
         self._plans: dict[Any, _Plan | None] = {}
         self._hedge_plans: dict[Any, HedgePlan | None] = {}
         self._hedge_delay = hedge_delay
+        self.gate: Gate | None = gate
         self._channel: weakref.ref[Any] | None = None
         #: The calls waiting between attempts (sdkcore's backoff, a transparent retry's
         #: delay, a hedged call's later copies): objects whose ``cancel()`` ends them
@@ -284,6 +293,7 @@ class _Controller:
             or self._tel is not None
             or self.transparent_retries
             or self.throttler is not None
+            or self.gate is not None
             or (mc is not None and (mc.timeout is not None or mc.wait_for_ready is not None))
         ):
             plan = _Plan(A6RetryStrategy(policy, **self._strategy_args), mc, name)

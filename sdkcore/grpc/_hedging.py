@@ -31,6 +31,7 @@ from .._request import _DISPATCHING, Request, dispatching
 from ._call import Origin, _Since, answered, outer_bound
 from ._controller import _Controller
 from ._finished import _FinishedUnaryCall
+from ._gate import LocalRefusal
 from ._metadata import _client_trailing, _strip_attempts, _with_attempts
 from ._plans import HedgePlan, _method_name, _pushback_ms
 from ._policy import PUSHBACK_DONT_RETRY, status_reason
@@ -205,6 +206,19 @@ async def hedged_unary_unary(
         last[0] = index
         code = err.code().value[0]
         last_status[0] = status_name(code)
+        if isinstance(err, LocalRefusal):
+            # The channel's limiter or throttle refused this copy: nothing was sent
+            # (its cause is their RetryableError, effect NOT_SENT; rfc/0009).
+            refusal = err.__cause__
+            if isinstance(refusal, RetryableError):
+                # Caused by the refusal's UNAVAILABLE: the call's status if it is the last.
+                return RetryableError(
+                    refusal.reason,
+                    str(err.details()),
+                    cause=err,
+                    effect=AttemptEffect.NOT_SENT,
+                    retry_after=refusal.retry_after,
+                )
         if code in non_fatal:
             # The server answered: whatever the status, it may have applied the call.
             failure = RetryableError(

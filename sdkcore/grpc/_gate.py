@@ -1,0 +1,208 @@
+"""Load shedding on an sdkcore channel: one limiter and/or throttle around every attempt.
+
+:class:`Gate` holds the channel's :class:`sdkcore.AdaptiveThrottle` and its
+:class:`sdkcore.ConcurrencyLimiter` (or :class:`sdkcore.AdaptiveConcurrencyLimiter`),
+taken in the documented order, throttle then limiter (rfc/0009). :class:`GatedMultiCallable`
+wraps grpc.aio's unary-unary multi-callable: every attempt sdkcore makes through it
+(first attempts, retries, transparent re-sends, hedged copies) takes a permit first
+and gives it back when grpc.aio's call is done (answered, failed, cancelled, its
+deadline reached or its channel closed). A refusal sends nothing: the attempt is a
+finished call that failed UNAVAILABLE with :class:`LocalRefusal` as its error, which
+the retry loop treats as A6's "no connection could be made" (transparent retry with
+backoff, effect NOT_SENT; rfc/0009 "On gRPC channels").
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Generator
+from typing import Any
+
+import grpc
+from grpc import aio
+from grpc._common import CYGRPC_STATUS_CODE_TO_STATUS_CODE
+from grpc.aio import _base_call
+
+from .._adaptive_limiter import AdaptiveConcurrencyLimiter
+from .._limiter import ConcurrencyLimiter
+from .._throttle import AdaptiveThrottle
+from .._untrusted import show as _show
+
+__all__: list[str] = []
+
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+_EMPTY = aio.Metadata()
+
+
+class LocalRefusal(aio.AioRpcError):  # type: ignore[misc]
+    """An attempt the channel's limiter or throttle refused: nothing was sent.
+
+    A ``grpc.aio.AioRpcError`` with status UNAVAILABLE; its ``details()`` name the
+    limiter or throttle, and ``__cause__`` is sdkcore's ``RetryableError``.
+    """
+
+
+class _Outcome(Exception):
+    """How an admitted attempt ended, for the throttle's ``is_rejection`` (its ``code()``)."""
+
+    def __init__(self, code: grpc.StatusCode) -> None:
+        super().__init__(code.name)
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+
+def _ended(call: Any) -> BaseException | None:
+    """None (OK), CancelledError, or an :class:`_Outcome` with the status of a done call."""
+    cython = getattr(call, "_cython_call", None)
+    if cython is None:
+        return None  # not grpc.aio's own call (an application interceptor's): an accept
+    if cython.is_ok():
+        return None
+    if cython.cancelled():
+        return asyncio.CancelledError()
+    try:
+        code = CYGRPC_STATUS_CODE_TO_STATUS_CODE[cython._status.code()]
+    except Exception:  # no status readable: counted as an accept by the throttle
+        code = grpc.StatusCode.UNKNOWN
+    return _Outcome(code)
+
+
+class Gate:
+    """The channel's throttle and limiter, in that order (rfc/0009)."""
+
+    __slots__ = ("limiter", "throttle")
+
+    def __init__(self, limiter: Any, throttle: Any) -> None:
+        if limiter is not None and not isinstance(
+            limiter, (ConcurrencyLimiter, AdaptiveConcurrencyLimiter)
+        ):
+            raise TypeError(
+                "RetryController(limiter=...) must be an sdkcore.ConcurrencyLimiter or "
+                "AdaptiveConcurrencyLimiter (one per channel target), or None, "
+                f"got {_show(limiter)}"
+            )
+        if throttle is not None and not isinstance(throttle, AdaptiveThrottle):
+            raise TypeError(
+                "RetryController(throttle=...) must be an sdkcore.AdaptiveThrottle, or None, "
+                f"got {_show(throttle)}"
+            )
+        self.limiter = limiter
+        self.throttle = throttle
+
+    def enter(self) -> tuple[Any, Any]:
+        """(throttle guard, permit) taken for one attempt; raises the refusal (RetryableError)."""
+        throttle = self.throttle
+        tguard = None
+        if throttle is not None:
+            tguard = throttle.guard()
+            tguard.__enter__()
+        limiter = self.limiter
+        permit = None
+        if limiter is not None:
+            permit = limiter.guard()
+            try:
+                permit.__enter__()
+            except BaseException as exc:
+                if tguard is not None:  # refused locally: NOT_SENT, the throttle records nothing
+                    tguard.__exit__(type(exc), exc, None)
+                raise
+        return tguard, permit
+
+    @staticmethod
+    def exit(held: tuple[Any, Any], exc: BaseException | None) -> None:
+        """Give back what :meth:`enter` took: the permit first, then the throttle's record."""
+        tguard, permit = held
+        try:
+            if permit is not None:
+                permit.__exit__(None if exc is None else type(exc), exc, None)
+        finally:
+            if tguard is not None:
+                tguard.__exit__(None if exc is None else type(exc), exc, None)
+
+
+class _RefusedCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
+    """An attempt refused locally: a finished grpc.aio-like call that failed UNAVAILABLE."""
+
+    def __init__(self, error: LocalRefusal) -> None:
+        self._error = error
+
+    def cancel(self) -> bool:
+        return False
+
+    def cancelled(self) -> bool:
+        return False
+
+    def done(self) -> bool:
+        return True
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        # As grpc.aio's: never inside the caller's frame.
+        asyncio.get_running_loop().call_soon(callback, self)
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    async def initial_metadata(self) -> Any:
+        return _EMPTY
+
+    async def trailing_metadata(self) -> Any:
+        return _EMPTY
+
+    async def code(self) -> Any:
+        return _UNAVAILABLE
+
+    async def details(self) -> str:
+        return str(self._error.details())
+
+    async def debug_error_string(self) -> str | None:
+        return str(self._error.debug_error_string())
+
+    async def wait_for_connection(self) -> None:
+        return None
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        raise self._error
+        yield  # pragma: no cover - makes this a generator
+
+
+def _refused(exc: BaseException) -> _RefusedCall:
+    error = LocalRefusal(
+        _UNAVAILABLE,
+        _EMPTY,
+        _EMPTY,
+        f"sdkcore: refused locally, nothing was sent: {exc}",
+        f"sdkcore: {type(exc).__name__}: {exc}",
+    )
+    error.__cause__ = exc
+    return _RefusedCall(error)
+
+
+class GatedMultiCallable:
+    """grpc.aio's unary-unary multi-callable ``inner`` with the channel's :class:`Gate`
+    around every call it makes (each one attempt of sdkcore's)."""
+
+    __slots__ = ("_gate", "_inner")
+
+    def __init__(self, gate: Gate, inner: Any) -> None:
+        self._gate = gate
+        self._inner = inner
+
+    def __call__(self, request: Any, **kwargs: Any) -> Any:
+        gate = self._gate
+        try:
+            held = gate.enter()
+        except Exception as exc:  # the limiter's or throttle's RetryableError
+            return _refused(exc)
+        try:
+            call = self._inner(request, **kwargs)
+        except BaseException as exc:  # nothing sent (a closed channel's UsageError)
+            Gate.exit(held, exc)
+            raise
+
+        def done(finished: Any) -> None:
+            Gate.exit(held, _ended(finished))
+
+        call.add_done_callback(done)
+        return call

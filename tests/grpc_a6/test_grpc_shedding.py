@@ -1,0 +1,211 @@
+"""Load shedding on sdkcore gRPC channels: limiter= and throttle= around every attempt (rfc/0009).
+
+grpc.aio runs on asyncio only, so these tests have no trio variant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import anyio
+import pytest
+
+grpc = pytest.importorskip("grpc")
+from grpc import aio  # noqa: E402
+from grpc_server import TEST_TIMEOUT, Server, abort  # noqa: E402
+
+from sdkcore import AdaptiveConcurrencyLimiter, AdaptiveThrottle, ConcurrencyLimiter  # noqa: E402
+from sdkcore.grpc import RetryController, insecure_channel, secure_channel  # noqa: E402
+
+pytestmark = pytest.mark.asyncio
+
+
+def _held(server: Server, name: str) -> tuple[str, asyncio.Event, asyncio.Event]:
+    """A method whose first call waits for ``release``; ``entered`` is set when it started."""
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def fn(request: bytes, context: Any, n: int) -> bytes:
+        if n == 1:
+            entered.set()
+            await release.wait()
+        return b"ok%d" % n
+
+    return server.unary_unary(name, fn), entered, release
+
+
+async def test_limiter_of_one_second_call_waits_then_succeeds(server: Server) -> None:
+    method, entered, release = _held(server, "M")
+    limiter = ConcurrencyLimiter(1, name="svc")
+    async with insecure_channel(server.target, limiter=limiter) as ch:
+        with anyio.fail_after(TEST_TIMEOUT):
+            first = ch.unary_unary(method)(b"a")
+            await entered.wait()
+            assert limiter.in_flight == 1
+            second = asyncio.ensure_future(ch.unary_unary(method)(b"b", timeout=TEST_TIMEOUT))
+            await asyncio.sleep(0.05)  # the second is refused locally and backs off meanwhile
+            assert server.count("M") == 1  # nothing of the second reached the server
+            assert not second.done()
+            release.set()
+            assert await first == b"ok1"
+            assert await second == b"ok2"
+    assert server.count("M") == 2
+    assert limiter.in_flight == 0
+
+
+async def test_limiter_refusal_fails_unavailable_naming_it(server: Server) -> None:
+    method, entered, release = _held(server, "M")
+    limiter = ConcurrencyLimiter(1, name="svc-limit")
+    async with insecure_channel(server.target, limiter=limiter, transparent_retry_limit=0) as ch:
+        with anyio.fail_after(TEST_TIMEOUT):
+            first = ch.unary_unary(method)(b"a")
+            await entered.wait()
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(method)(b"b")
+            err = info.value
+            assert err.code() is grpc.StatusCode.UNAVAILABLE
+            assert "svc-limit" in err.details()
+            assert "nothing was sent" in err.details()
+            release.set()
+            assert await first == b"ok1"
+    assert server.count("M") == 1
+    assert limiter.in_flight == 0
+
+
+async def test_refusal_with_deadline_ends_deadline_exceeded(server: Server) -> None:
+    method, entered, release = _held(server, "M")
+    limiter = ConcurrencyLimiter(1)
+    async with insecure_channel(server.target, limiter=limiter) as ch:
+        with anyio.fail_after(TEST_TIMEOUT):
+            first = ch.unary_unary(method)(b"a")
+            await entered.wait()
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(method)(b"b", timeout=0.1)
+            assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "refused locally" in (info.value.debug_error_string() or "")
+            release.set()
+            await first
+    assert limiter.in_flight == 0
+
+
+async def test_permit_returned_on_cancel_and_close(server: Server) -> None:
+    method, entered, release = _held(server, "M")
+    limiter = AdaptiveConcurrencyLimiter(initial_limit=1, min_limit=1, max_limit=1)
+    ch = insecure_channel(server.target, limiter=limiter)
+    try:
+        with anyio.fail_after(TEST_TIMEOUT):
+            call = ch.unary_unary(method)(b"a")
+            await entered.wait()
+            assert limiter.in_flight == 1
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            await asyncio.sleep(0)
+            assert limiter.in_flight == 0
+            # in flight when the channel closes
+            entered.clear()
+            server.attempts.clear()
+            call = ch.unary_unary(method)(b"b")
+            await entered.wait()
+            assert limiter.in_flight == 1
+    finally:
+        await ch.close()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    await asyncio.sleep(0)
+    assert limiter.in_flight == 0
+    release.set()
+
+
+async def test_throttle_fed_resource_exhausted_refuses_locally(server: Server) -> None:
+    async def fn(request: bytes, context: Any, n: int) -> bytes:
+        await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        return b""
+
+    method = server.unary_unary("M", fn)
+    throttle = AdaptiveThrottle(k=2.0, random=lambda: 0.0, name="svc-throttle")
+    async with insecure_channel(server.target, throttle=throttle, transparent_retry_limit=0) as ch:
+        with anyio.fail_after(TEST_TIMEOUT):
+            codes = []
+            for _ in range(10):
+                with pytest.raises(aio.AioRpcError) as info:
+                    await ch.unary_unary(method)(b"x")
+                codes.append(info.value.code())
+    # The first answer (RESOURCE_EXHAUSTED) makes requests - 2*accepts > 0: from then
+    # on every call is refused locally (random() == 0.0), and nothing reaches the server.
+    assert server.count("M") == 1
+    assert codes[0] is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert codes[1:] == [grpc.StatusCode.UNAVAILABLE] * 9
+    assert throttle.rejection_probability > 0.0
+
+
+async def test_throttle_then_limiter_both_released(server: Server) -> None:
+    method, _entered, release = _held(server, "M")
+    release.set()
+    limiter = ConcurrencyLimiter(2)
+    throttle = AdaptiveThrottle()
+    async with insecure_channel(server.target, limiter=limiter, throttle=throttle) as ch:
+        with anyio.fail_after(TEST_TIMEOUT):
+            results = await asyncio.gather(*(ch.unary_unary(method)(b"x") for _ in range(6)))
+    assert len(results) == 6
+    assert limiter.in_flight == 0
+    assert throttle.rejection_probability == 0.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"limiter": 3}, "limiter"),
+        ({"limiter": AdaptiveThrottle()}, "limiter"),
+        ({"throttle": ConcurrencyLimiter(1)}, "throttle"),
+    ],
+)
+async def test_bad_arguments_name_the_field(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(TypeError, match=rf"\({field}=\.\.\.\)"):
+        insecure_channel("127.0.0.1:1", **kwargs)
+    with pytest.raises(TypeError, match=rf"\({field}=\.\.\.\)"):
+        secure_channel("127.0.0.1:1", grpc.ssl_channel_credentials(), **kwargs)
+    with pytest.raises(TypeError, match=rf"\({field}=\.\.\.\)"):
+        RetryController("127.0.0.1:1", **kwargs)
+
+
+async def test_hedged_copy_refused_is_not_sent_and_call_succeeds(server: Server) -> None:
+    from hedge_server import HedgeScript, hedging_config, ok
+
+    script = HedgeScript(server, "M", {0: ok(0.2, b"slow"), 1: ok(0.0, b"fast")})
+    limiter = ConcurrencyLimiter(1)
+    async with insecure_channel(
+        server.target,
+        service_config=hedging_config(max_attempts=2, delay="0.01s"),
+        limiter=limiter,
+    ) as ch:
+        with anyio.fail_after(TEST_TIMEOUT):
+            # hedge 1 is refused locally (hedge 0 holds the only permit): never sent,
+            # and the call ends with hedge 0's answer instead of failing.
+            assert await ch.unary_unary(script.method)(b"x") == b"slow"
+    assert script.count == 1
+    assert limiter.in_flight == 0
+
+
+async def test_hedged_call_all_refused_fails_unavailable(server: Server) -> None:
+    from hedge_server import HedgeScript, hedging_config, ok
+
+    method, entered, release = _held(server, "H")
+    script = HedgeScript(server, "M", {0: ok(0.0, b"a"), 1: ok(0.0, b"b")})
+    limiter = ConcurrencyLimiter(1, name="hedge-limit")
+    async with insecure_channel(
+        server.target,
+        service_config=hedging_config(max_attempts=2, delay="0.01s"),
+        limiter=limiter,
+    ) as ch:
+        with anyio.fail_after(TEST_TIMEOUT):
+            first = ch.unary_unary(method)(b"a")
+            await entered.wait()
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(script.method)(b"x", timeout=1.0)
+            release.set()
+            await first
+    assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert "hedge-limit" in info.value.details()
+    assert script.count == 0
+    assert limiter.in_flight == 0
