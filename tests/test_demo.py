@@ -323,10 +323,11 @@ def test_without_grpcio_it_names_the_extra_and_exits_2(
 def test_scenario_names_match_the_workload() -> None:
     pytest.importorskip("grpc")
     from sdkcore._demo._memcached_report import NAME
+    from sdkcore._demo._slowdown import NAME as SLOWDOWN
     from sdkcore._demo._workload import SCENARIOS
 
-    # the gRPC cluster's scenarios, then the one on a real memcached
-    assert (*(s.name for s in SCENARIOS), NAME) == SCENARIO_NAMES
+    # the gRPC cluster's scenarios, the in-process slow endpoint, then the one on a real memcached
+    assert (*(s.name for s in SCENARIOS), SLOWDOWN, NAME) == SCENARIO_NAMES
 
 
 def test_a_failure_outside_sdkcore_exceptions_fails_the_run() -> None:

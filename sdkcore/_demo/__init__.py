@@ -5,7 +5,9 @@ does (rebalance, a locked document, a restarting node, overload with pushback,
 wrong credentials, a slow replica); a mixed workload of idempotent reads and
 non-idempotent writes runs against it through ``RetryOrchestrator.execute`` with
 the mapping module, the ``sdkcore.grpc`` channels with a service config, and hedged
-reads, once per retry strategy. When ``memcached`` is installed, a last scenario
+reads, once per retry strategy. A slow in-process endpoint offered twice its capacity
+shows the same load without and with an adaptive concurrency limiter. When
+``memcached`` is installed, a last scenario
 kills and restarts a real one under the example memcached client (circuit
 breakers, a retry budget). This package is the application: it configures
 structlog for its own run (and restores it); the library never does.
@@ -41,6 +43,7 @@ SCENARIO_HELP = {
     "bad-credentials": "bucket 'billing' is opened with a wrong password (UNAUTHENTICATED)",
     "slow-replica": "reads from replica 0, whose tail is long: 1 read in 7 takes 300 ms",
     "hedged-reads": "the same reads, hedged to replica 1 when replica 0 has not answered in 20 ms",
+    "slowdown": "an endpoint serving 4 at a time, offered 2x: without and with an adaptive limiter",
     "memcached-outage": "real memcached killed and restarted: circuit breakers, a retry budget",
 }
 SCENARIO_NAMES = tuple(SCENARIO_HELP)

@@ -17,6 +17,7 @@ import attrs
 from ._memcached_report import Outage
 from ._memcached_text import OutageStream, render_outage
 from ._metrics import Counts
+from ._slowdown import CAPACITY, SECONDS, SERVICE, TIMEOUT, Slowdown, rate
 from ._workload import STRATEGY_IDS, OpResult
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "render_head",
     "render_memcached",
     "render_row",
+    "render_slowdown",
     "render_strategy",
     "render_tail",
     "render_text",
@@ -134,6 +136,8 @@ class Report:
     elapsed_s: float = 0.0
     #: The memcached-outage scenario (None when it was not selected).
     memcached: Outage | None = None
+    #: The slowdown scenario (None when it was not selected).
+    slowdown: Slowdown | None = None
     #: What sdkcore did, as the demo counted it (what ``--metrics-port`` exports).
     counts: Counts = attrs.field(factory=Counts)
 
@@ -190,6 +194,8 @@ def to_json(report: Report) -> dict[str, Any]:
         "counts": report.counts.to_json(),
         "ok": report.ok,
     }
+    if report.slowdown is not None:
+        out["slowdown"] = report.slowdown.to_json()
     if report.memcached is not None:
         out["memcached"] = report.memcached.to_json()
     return out
@@ -252,12 +258,51 @@ def _plain(text: str) -> str:
     return text
 
 
+#: The head's words for the scenarios that run without the gRPC cluster.
+_ALONE = {"slowdown": "a slow endpoint", "memcached-outage": "a memcached outage"}
+
+
+def render_slowdown(report: Report, style: Callable[[str], str] = _plain) -> list[str]:
+    """The slowdown scenario's lines: both runs side by side (none when it did not run)."""
+    result = report.slowdown
+    if result is None:
+        return []
+    out = ["", style("Slowdown: an endpoint past its capacity, without and with a limiter")]
+    out += _wrap(
+        "",
+        f"{CAPACITY} served at a time, {SERVICE * 1000:g} ms each ({CAPACITY / SERVICE:g}/s); "
+        f"offered {rate():g}/s for {SECONDS:g} s; timeout {TIMEOUT * 1000:g} ms; "
+        "the limiter guards each dispatch inside send.",
+        indent=2,
+    )
+    out.append(
+        f"  {'run':<30}{'sent':>6}{'answered':>9}{'goodput/s':>10}{'p50 ms':>8}{'p99 ms':>8}"
+        f"{'timed out':>10}{'shed':>6}{'limit':>6}"
+    )
+    for run in result.runs.values():
+        doc = run.to_json()
+        limit = "-" if run.final_limit is None else str(run.final_limit)
+        out.append(
+            f"  {run.label:<30.30}{run.sent:>6}{run.answered:>9}{run.goodput:>10.0f}"
+            f"{doc['p50_ms']:>8.1f}{doc['p99_ms']:>8.1f}{run.timed_out:>10}{run.shed:>6}{limit:>6}"
+        )
+    out += _wrap(
+        "",
+        "timed out: cut in flight (the endpoint did the work, nobody got the answer); shed: "
+        "ended without being sent (refused by the limiter until the deadline); p50/p99: "
+        "answered requests, from their start; limit: the limiter's limit at the end.",
+        indent=2,
+    )
+    return out
+
+
 def render_head(report: Report, n_ops: int, style: Callable[[str], str] = _plain) -> list[str]:
     """The first lines: what runs where, and the scenario list (known before anything runs)."""
     head = (
         f"sdkcore demo: {n_ops} operations against a troubled cluster at {report.target}"
         if report.target
-        else "sdkcore demo: a memcached outage"
+        else "sdkcore demo: "
+        + " and ".join(_ALONE[n] for n in report.scenario_titles if n in _ALONE)
     )
     out = [style(head), "", "Scenarios"]
     for name, title in report.scenario_titles.items():
@@ -303,6 +348,7 @@ def render_text(report: Report, style: Callable[[str], str] = _plain) -> list[st
         out += render_strategy(label, style)
         for name, summary in table.items():
             out += render_row(name, summary)
+    out += render_slowdown(report, style)
     return out + render_memcached(report, style) + render_tail(report, style)
 
 

@@ -17,10 +17,14 @@ from ._report import (
     memcached_stream,
     render_head,
     render_row,
+    render_slowdown,
     render_strategy,
     summarize,
 )
 from ._server import TroubledCluster
+from ._slowdown import NAME as SLOWDOWN
+from ._slowdown import planned_requests as slowdown_requests
+from ._slowdown import run_slowdown
 from ._workload import SCENARIOS, STRATEGIES, OpResult, run_scenario
 
 __all__ = ["run"]
@@ -56,6 +60,9 @@ async def run(
     report = Report(target="")
     for scenario in runnable:
         report.scenario_titles[scenario.name] = scenario.title
+    slowdown = SLOWDOWN in names
+    if slowdown:
+        report.scenario_titles[SLOWDOWN] = SCENARIO_HELP[SLOWDOWN]
     outage = MEMCACHED in names
     if outage:
         report.scenario_titles[MEMCACHED] = SCENARIO_HELP[MEMCACHED]
@@ -67,7 +74,9 @@ async def run(
             cluster = await stack.enter_async_context(TroubledCluster())
             report.target = cluster.target
         emit(render_head(report, total, style))
-        bar_total = total + (planned_requests() if outage else 0)
+        bar_total = (
+            total + (slowdown_requests() if slowdown else 0) + (planned_requests() if outage else 0)
+        )
         with Progress(bar_total, enabled=progress) as bar:
             for n, (label, make) in enumerate(STRATEGIES):
                 if cluster is None:
@@ -99,6 +108,12 @@ async def run(
                                 report.examples[r.error] = (scenario.name, label, r.message)
                 table["all"] = summarize(every, a6_total)
                 emit(render_row("all", table["all"]))
+            if slowdown:
+                bar.stage(SLOWDOWN)
+                report.slowdown = await run_slowdown(
+                    on_done=bar.advance, counts=report.counts, telemetry=telemetry
+                )
+                emit(render_slowdown(report, style))
             if outage:
                 bar.stage(MEMCACHED)
                 lines = memcached_stream(emit, style)
