@@ -113,7 +113,14 @@ sys.exit(main(["demo", "--scenario", "locked", "--scenario", "hedged-reads", "--
         text = err.read_text()
         found = re.search(r"serving metrics at (http://127\.0\.0\.1:(\d+)/metrics)\n", text)
         assert found, text
-        assert f"still serving {found.group(1)} for {WAIT:g} s (Ctrl-C stops)" in text
+        # The linger's line follows the report's end of file: wait for it (a loaded machine
+        # may run this test between the two).
+        lingering = f"still serving {found.group(1)} for {WAIT:g} s (Ctrl-C stops)"
+        until = time.monotonic() + WAIT
+        while lingering not in text and time.monotonic() < until:
+            time.sleep(0.05)
+            text = err.read_text()
+        assert lingering in text, text
         samples = _metrics(found.group(1))
         counts = report["counts"]
         assert counts["requests"] > 0
