@@ -509,7 +509,10 @@ async def test_a_limit_that_rises_lets_the_queue_in() -> None:
             await wait_until(lambda: len(got) == 2)
             assert (limiter.in_flight, limiter.queued) == (3, 1)
             done.set()
-    assert got == [0, 1, 2]
+    # The permits went in FIFO order (0 and 1 first, 2 still queued above); trio runs the
+    # two woken tasks in either order, so only the set of the first two is fixed.
+    assert sorted(got[:2]) == [0, 1]
+    assert got[2] == 2
     assert (limiter.in_flight, limiter.queued) == (0, 0)
 
 

@@ -119,13 +119,22 @@ class CountingOrchestrator(RetryOrchestrator):
         policy: HedgePolicy,
         **kwargs: Any,
     ) -> T:
+        sent = 0
+
+        async def counted(request: Request, index: int) -> T:
+            nonlocal sent
+            if index > 0:  # a copy after the first, really sent (as sdkcore.hedges counts)
+                sent += 1
+            return await send(request, index)
+
         try:
-            return await super().hedge(request, send, policy, **kwargs)
+            return await super().hedge(request, counted, policy, **kwargs)
         finally:
             counts = self._counts
             counts.requests += 1
             counts.hedged_requests += 1
-            counts.hedges += request.retry_attempts  # a hedge's copies count as its retries
+            # Copies booked and cut before they ran were never sent: not hedges.
+            counts.hedges += sent
 
 
 class CountedBreaker(CircuitBreaker):
