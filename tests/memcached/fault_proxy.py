@@ -102,6 +102,13 @@ class FaultProxy:
                 writer.transport.abort()
             if self._server is not None:
                 await self._server.wait_closed()
+            # Every task still running (a request queued for a capacity slot, a handler)
+            # ends here, on its loop: none is left to be collected after the loop closed.
+            current = asyncio.current_task()
+            pending = [task for task in asyncio.all_tasks() if task is not current]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
         try:
             self._call(close())
