@@ -145,7 +145,7 @@ def timed_out(
 def _hint_source(request: Request, reason: RetryReason | None) -> str:
     """Who asked for the wait: a circuit breaker (quoting its refusal, which names it) or
     the server."""
-    who = _HINTED_BY.get(reason)  # type: ignore[arg-type]
+    who = None if reason is None else _HINTED_BY.get(reason)
     if who is not None:
         error = request.last_error
         said = error.args[0] if error is not None and error.args else ""

@@ -39,6 +39,9 @@ __all__ = ["MAX_NAMES", "MAX_TEXT", "RequestTrace", "Telemetry", "outcome_of"]
 
 T = TypeVar("T")
 
+#: Which telemetry each watched target reports to (the last to watch it).
+_WATCHED_BY: weakref.WeakKeyDictionary[Any, Telemetry] = weakref.WeakKeyDictionary()
+
 #: ``Telemetry.begin(span=...)`` not given: the trace starts the request's span itself.
 _OWN_SPAN: Any = object()
 
@@ -86,6 +89,11 @@ def outcome_of(request: Any) -> str:
         ):
             return "cancelled"
     return "failure"
+
+
+def _seconds(delay: Any) -> float | None:
+    """A timedelta in seconds; None stays None (no point)."""
+    return None if delay is None else float(delay.total_seconds())
 
 
 def _cut(text: str) -> str:
@@ -217,49 +225,65 @@ class Telemetry:
         )
         m.create_observable_gauge(
             "sdkcore.concurrency_limiter.limit",
-            callbacks=[self._observe_limiters(lambda limiter: limiter.limit)],
+            callbacks=[self._observer(self._limiters, lambda limiter: limiter.limit)],
             unit="{dispatch}",
             description="A concurrency limiter's current limit (an adaptive one's moves)",
         )
         m.create_observable_gauge(
             "sdkcore.concurrency_limiter.in_flight",
-            callbacks=[self._observe_limiters(lambda limiter: limiter.in_flight)],
+            callbacks=[self._observer(self._limiters, lambda limiter: limiter.in_flight)],
             unit="{dispatch}",
             description="Dispatches a concurrency limiter holds a permit for now",
         )
         m.create_observable_gauge(
             "sdkcore.concurrency_limiter.queued",
-            callbacks=[self._observe_limiters(lambda limiter: limiter.queued)],
+            callbacks=[self._observer(self._limiters, lambda limiter: limiter.queued)],
             unit="{dispatch}",
             description="Callers waiting in a concurrency limiter's queue now",
         )
         m.create_observable_gauge(
             "sdkcore.throttle.rejection_probability",
-            callbacks=[self._observe_throttles(lambda throttle: throttle.rejection_probability)],
+            callbacks=[
+                self._observer(self._throttles, lambda throttle: throttle.rejection_probability)
+            ],
             unit="1",
             description="The probability a client-side throttle refuses a new request now",
         )
         m.create_observable_counter(
             "sdkcore.throttle.rejections",
-            callbacks=[self._observe_throttles(lambda throttle: throttle.refused)],
+            callbacks=[self._observer(self._throttles, lambda throttle: throttle.refused)],
             unit="{request}",
             description="Requests a client-side throttle refused locally",
         )
         m.create_observable_gauge(
             "sdkcore.hedge.delay",
-            callbacks=[self._observe_quantiles],
+            callbacks=[
+                self._observer(
+                    self._quantiles,
+                    lambda quantile: _seconds(quantile.current_delay),
+                    lambda quantile: self._quantile_names.get(quantile, ""),
+                )
+            ],
             unit="s",
             description="The learned hedging delay (LatencyQuantile), once it has one",
         )
         m.create_observable_gauge(
             "sdkcore.circuit_breaker.state",
-            callbacks=[self._observe_breakers],
+            callbacks=[
+                self._observer(self._breakers, lambda breaker: _STATE_VALUE[breaker.state.value])
+            ],
             unit="1",
             description="Circuit breaker state: 0 closed, 1 open, 2 half-open",
         )
         m.create_observable_gauge(
             "sdkcore.retry_budget.balance",
-            callbacks=[self._observe_budgets],
+            callbacks=[
+                self._observer(
+                    self._budgets,
+                    lambda budget: budget.balance,
+                    lambda budget: budget._name or "",
+                )
+            ],
             unit="{retry}",
             description="Retries a retry budget would allow now",
         )
@@ -298,10 +322,11 @@ class Telemetry:
                 "RetryBudget, ConcurrencyLimiter, AdaptiveConcurrencyLimiter, AdaptiveThrottle "
                 f"or LatencyQuantile, got {target!r}"
             )
-        previous = getattr(target, "_telemetry", None)
+        previous = _WATCHED_BY.get(target)
         if previous is not None and previous is not self:
             for group in previous._groups():
                 group.discard(target)
+        _WATCHED_BY[target] = self
         watched.add(target)
         if not isinstance(target, (AdaptiveThrottle, LatencyQuantile)):
             target._telemetry = self  # it calls back on its transitions and refusals
@@ -310,59 +335,30 @@ class Telemetry:
     def _groups(self) -> tuple[weakref.WeakSet[Any], ...]:
         return self._breakers, self._budgets, self._limiters, self._throttles, self._quantiles
 
-    def _observe_limiters(self, read: Callable[[Any], float]) -> Callable[[Any], Iterable[Any]]:
+    def _observer(
+        self,
+        group: weakref.WeakSet[Any],
+        read: Callable[[Any], float | None],
+        label: Callable[[Any], str] = lambda target: target.name or "",
+    ) -> Callable[[Any], Iterable[Any]]:
+        """An observable instrument's callback: ``read`` of each watched target in ``group``
+        (None: no point), with ``sdkcore.endpoint`` its ``label``."""
+
         def observe(options: Any) -> Iterable[Any]:
             from opentelemetry.metrics import Observation
 
-            return [
-                Observation(read(limiter), {ENDPOINT: _cut(limiter.name)})
-                for limiter in list(self._limiters)
-            ]
+            out = []
+            for target in list(group):
+                value = read(target)
+                if value is not None:
+                    out.append(Observation(value, {ENDPOINT: _cut(label(target))}))
+            return out
 
         return observe
-
-    def _observe_throttles(self, read: Callable[[Any], float]) -> Callable[[Any], Iterable[Any]]:
-        def observe(options: Any) -> Iterable[Any]:
-            from opentelemetry.metrics import Observation
-
-            return [
-                Observation(read(throttle), {ENDPOINT: _cut(throttle.name)})
-                for throttle in list(self._throttles)
-            ]
-
-        return observe
-
-    def _observe_quantiles(self, options: Any) -> Iterable[Any]:
-        from opentelemetry.metrics import Observation
-
-        out = []
-        for quantile in list(self._quantiles):
-            delay = quantile.current_delay
-            if delay is not None:
-                name = self._quantile_names.get(quantile, "")
-                out.append(Observation(delay.total_seconds(), {ENDPOINT: name}))
-        return out
 
     def limiter_rejected(self, limiter: Any) -> None:
         attributes = {ENDPOINT: _cut(limiter.name)}
         self._guard("concurrency_limiter.rejections", self.limiter_rejections.add, 1, attributes)
-
-    def _observe_breakers(self, options: Any) -> Iterable[Any]:
-        from opentelemetry.metrics import Observation
-
-        out = []
-        for breaker in list(self._breakers):
-            state = breaker.state.value
-            out.append(Observation(_STATE_VALUE[state], {ENDPOINT: _cut(breaker.name or "")}))
-        return out
-
-    def _observe_budgets(self, options: Any) -> Iterable[Any]:
-        from opentelemetry.metrics import Observation
-
-        return [
-            Observation(budget.balance, {ENDPOINT: _cut(budget._name or "")})
-            for budget in list(self._budgets)
-        ]
 
     def breaker_transition(self, breaker: Any, state: str) -> None:
         """A watched breaker changed state (``closed``, ``open``, ``half_open``)."""
