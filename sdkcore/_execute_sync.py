@@ -66,14 +66,9 @@ def execute_sync(
     if telemetry is not None and request._trace is None:
         trace = telemetry.begin(request)
         send = trace.traced_sync(send)
-    try:
-        self._deposit(request)
-    except BaseException as exc:  # a broken budget failed the request
-        if trace is not None:
-            trace.end(request, exc)
-        raise
     token = request._dispatching()  # requests made inside send keep within this deadline
     try:
+        self._deposit(request)  # a budget that raises fails the request: recorded below
         result = _loop(self, request, send, sleep)
     except BaseException as exc:
         if trace is not None:
