@@ -3,7 +3,8 @@
 One socket per endpoint, shared by threads under a lock: a request holds the
 connection from its write to its response (no pipelining; the async client
 pipelines). Every socket operation is bounded by the time left until the
-request's deadline, and a socket whose exchange was cut is closed.
+request's deadline, and a socket whose exchange was cut is closed. Each dispatch
+goes through the endpoint's throttle, limiter and breaker in rfc/0009's order.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from sdkcore import (
     RetryReason,
     RetryStrategy,
 )
+from sdkcore._adaptive_limiter import AdaptiveConcurrencyLimiter
+from sdkcore._limiter import ConcurrencyLimiter
+from sdkcore._throttle import AdaptiveThrottle
 from sdkcore.mapping import KvOpcode, kv_request
 
 from . import _protocol as proto
@@ -40,6 +44,9 @@ from ._endpoint import (
 )
 
 __all__ = ["SyncMemcachedClient"]
+
+Limiter = ConcurrencyLimiter | AdaptiveConcurrencyLimiter
+_LIMITERS = (ConcurrencyLimiter, AdaptiveConcurrencyLimiter)
 
 
 def _deadline(request: Request) -> float | None:
@@ -64,12 +71,51 @@ def _left(deadline: float | None) -> float | None:
 
 
 class _SyncEndpoint:
-    def __init__(self, address: Address, breaker: CircuitBreaker) -> None:
+    def __init__(
+        self,
+        address: Address,
+        breaker: CircuitBreaker,
+        limiter: Limiter | None = None,
+        throttle: AdaptiveThrottle | None = None,
+    ) -> None:
         self.address = address
         self.name = f"{address[0]}:{address[1]}"
         self.breaker = breaker
+        self.limiter = limiter
+        self.throttle = throttle
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
+
+    def send(
+        self, request: Request, opcode: KvOpcode, build: Callable[[int], bytes], opaque: int
+    ) -> proto.Response:
+        """One attempt in rfc/0009's order: throttle, limiter, then :meth:`dispatch`.
+
+        :meth:`dispatch` takes the connection, then asks the breaker. The limiter's
+        ``guard()`` never waits (a refusal is ``NOT_SENT``; waiting is the strategy's
+        backoff). The server's status is mapped inside the guards, so the throttle
+        counts a TMPFAIL as a rejection and the adaptive limiter times the answer.
+        The ``with`` blocks give the permit back however the attempt ends.
+        """
+        throttle = self.throttle
+        limiter = self.limiter
+        if throttle is None:
+            if limiter is None:
+                return self._answered(request, opcode, build, opaque)
+            with limiter.guard():
+                return self._answered(request, opcode, build, opaque)
+        with throttle.guard():
+            if limiter is None:
+                return self._answered(request, opcode, build, opaque)
+            with limiter.guard():
+                return self._answered(request, opcode, build, opaque)
+
+    def _answered(
+        self, request: Request, opcode: KvOpcode, build: Callable[[int], bytes], opaque: int
+    ) -> proto.Response:
+        response = self.dispatch(request, opcode, build, opaque)
+        raise_for_status(response, opcode)
+        return response
 
     def _drop(self) -> None:
         sock, self._sock = self._sock, None
@@ -173,11 +219,55 @@ class _SyncEndpoint:
             self._drop()
 
 
+def _per_endpoint(given: Any, kind: Any, field: str, name: str, count: int) -> Any:
+    """The guard of endpoint ``name``: ``given`` itself, or what ``given(name)`` makes."""
+    if given is None:
+        return None
+    what = (
+        "a ConcurrencyLimiter or AdaptiveConcurrencyLimiter"
+        if field == "limiter"
+        else "an AdaptiveThrottle"
+    )
+    if isinstance(given, kind):
+        if count > 1:
+            raise ValueError(
+                f"SyncMemcachedClient({field}) is one {type(given).__name__} for {count} "
+                "endpoints; give a callable making one per endpoint name, e.g. "
+                "lambda name: ...(name=name)"
+            )
+        return given
+    if callable(given):
+        made = given(name)
+        if not isinstance(made, kind):
+            raise TypeError(
+                f"SyncMemcachedClient({field}) made {made!r} for {name}; it must make {what}"
+            )
+        return made
+    raise TypeError(
+        f"SyncMemcachedClient({field}) must be {what}, a callable making one from the "
+        f"endpoint's name, or None; got {given!r}"
+    )
+
+
 class SyncMemcachedClient:
     """:class:`~sdkcore.examples.memcached.MemcachedClient` for threads (``execute_sync``).
 
     Same commands, settings and rules; blocking calls. Close it with :meth:`close`
-    or use it as a context manager.
+    or use it as a context manager. Thread-safe: threads may share one client.
+
+    * ``limiter``: a :class:`~sdkcore.ConcurrencyLimiter` or
+      :class:`~sdkcore.AdaptiveConcurrencyLimiter` per endpoint, or a callable making
+      one from the endpoint's name ``"host:port"`` (a limiter object is taken only
+      with a single endpoint). Each dispatch holds a permit (``guard()``: no queue,
+      the limiter's ``max_queued`` does not apply) from before it waits for the
+      endpoint's connection until its answer is read; a refusal is ``NOT_SENT`` and
+      retried by the strategy. Default: none.
+    * ``throttle``: an :class:`~sdkcore.AdaptiveThrottle` per endpoint (or a callable
+      making one from the name, as ``limiter``): requests are refused locally while
+      the server answers TMPFAIL (rfc/0009). Default: none.
+
+      Per dispatch the order is rfc/0009's: throttle, limiter, (connection,) breaker,
+      send.
     """
 
     def __init__(
@@ -188,22 +278,42 @@ class SyncMemcachedClient:
         timeout: timedelta | float = timedelta(milliseconds=2500),
         retry_strategy: RetryStrategy | None = None,
         breaker: BreakerFactory = make_breaker,
+        limiter: Limiter | Callable[[str], Limiter] | None = None,
+        throttle: AdaptiveThrottle | Callable[[str], AdaptiveThrottle] | None = None,
     ) -> None:
         self._orchestrator = RetryOrchestrator() if orchestrator is None else orchestrator
         self._request_kwargs: dict[str, Any] = {"timeout": timeout}
         if retry_strategy is not None:
             self._request_kwargs["retry_strategy"] = retry_strategy
         kv_request(KvOpcode.NOOP, **self._request_kwargs)  # check the settings now
-        self._endpoints = [
-            _SyncEndpoint(address, breaker(f"{address[0]}:{address[1]}"))
-            for address in endpoints_of(endpoints)
-        ]
+        addresses = endpoints_of(endpoints)
+        self._endpoints: list[_SyncEndpoint] = []
+        for address in addresses:
+            name = f"{address[0]}:{address[1]}"
+            self._endpoints.append(
+                _SyncEndpoint(
+                    address,
+                    breaker(name),
+                    _per_endpoint(limiter, _LIMITERS, "limiter", name, len(addresses)),
+                    _per_endpoint(throttle, AdaptiveThrottle, "throttle", name, len(addresses)),
+                )
+            )
         self._opaques = itertools.count(1)
         self._opaque_lock = threading.Lock()
 
     @property
     def breakers(self) -> list[CircuitBreaker]:
         return [endpoint.breaker for endpoint in self._endpoints]
+
+    @property
+    def limiters(self) -> list[Limiter | None]:
+        """The concurrency limiter of each endpoint (None without one), in the order given."""
+        return [endpoint.limiter for endpoint in self._endpoints]
+
+    @property
+    def throttles(self) -> list[AdaptiveThrottle | None]:
+        """The throttle of each endpoint (None without one), in the order given."""
+        return [endpoint.throttle for endpoint in self._endpoints]
 
     def __enter__(self) -> SyncMemcachedClient:
         return self
@@ -224,9 +334,7 @@ class SyncMemcachedClient:
         def send(request: Request) -> proto.Response:
             with self._opaque_lock:
                 opaque = next(self._opaques) & 0xFFFFFFFF
-            response = endpoint.dispatch(request, opcode, build, opaque)
-            raise_for_status(response, opcode)
-            return response
+            return endpoint.send(request, opcode, build, opaque)
 
         return self._orchestrator.execute_sync(request, send)
 
@@ -257,7 +365,6 @@ class SyncMemcachedClient:
         def send(request: Request) -> None:
             with self._opaque_lock:
                 opaque = next(self._opaques) & 0xFFFFFFFF
-            response = target.dispatch(request, KvOpcode.NOOP, proto.noop_frame, opaque)
-            raise_for_status(response, KvOpcode.NOOP)
+            target.send(request, KvOpcode.NOOP, proto.noop_frame, opaque)
 
         self._orchestrator.execute_sync(request, send)
