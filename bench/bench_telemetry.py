@@ -140,6 +140,78 @@ def by_hand(telemetry: Telemetry) -> tuple[Callable[[], Awaitable[str]], Callabl
     return call, call_sync
 
 
+class Floor:
+    """The least Python a door can run around those calls: the floor of the design.
+
+    An object per request holding its span and its shared attribute dicts, three
+    methods (begin, one attempt around ``send``, end), the two clock reads a
+    back-dated span and a duration need, the request's private fields read directly
+    (its name made known to ``telemetry`` first); no guards, no flags, no hedge or adopted-span
+    cases. sdkcore's hooks do this plus what keeps a request safe from a failing
+    exporter and correct for every door.
+    """
+
+    __slots__ = ("attributes", "span", "success", "telemetry")
+
+    def __init__(self, telemetry: Telemetry, request: Request) -> None:
+        request._trace = None
+        self.telemetry = telemetry
+        self.attributes, self.success = telemetry._named[request._name]
+        self.span = telemetry.tracer.start_span(
+            request._name,
+            kind=telemetry._client,
+            attributes={NAME: request._name, "sdkcore.request.id": request._id},
+            start_time=time.time_ns() - int((request._clock() - request._start) * 1e9),
+        )
+
+    def send_sync(self, send: Callable[[Any], str], request: Request) -> str:
+        telemetry = self.telemetry
+        in_context = trace.set_span_in_context
+        span = telemetry.tracer.start_span(
+            "sdkcore.attempt",
+            context=in_context(self.span),
+            attributes={"sdkcore.attempt.number": request._attempts + 1},
+        )
+        token = otel_context.attach(in_context(span))
+        result = send(request)
+        otel_context.detach(token)
+        span.end()
+        return result
+
+    def end(self, request: Request) -> None:
+        telemetry = self.telemetry
+        retries = request._attempts
+        telemetry.request_duration.record(request._clock() - request._start, self.success)
+        telemetry.request_retries.record(retries, self.attributes)
+        span = self.span
+        span.set_attribute(OUTCOME, "success")
+        span.set_attribute("sdkcore.request.retries", retries)
+        span.end()
+
+
+def floor(telemetry: Telemetry) -> Callable[[], str]:
+    """A successful one-attempt call through :class:`Floor` (no door around it)."""
+    telemetry._named_attributes("kv.get")
+
+    def call_sync() -> str:
+        request = Request(name="kv.get", idempotent=True)
+        hooks = Floor(telemetry, request)
+        result = hooks.send_sync(ok_sync, request)
+        request._succeeded()
+        hooks.end(request)
+        return result
+
+    return call_sync
+
+
+def request_only() -> str:
+    """The same call's request without telemetry: what :func:`floor` adds to it is the floor."""
+    request = Request(name="kv.get", idempotent=True)
+    result = ok_sync(request)
+    request._succeeded()
+    return result
+
+
 Case = Callable[[int], Awaitable[float]]
 
 
@@ -180,6 +252,10 @@ async def timings(calls: int, rounds: int) -> tuple[dict[str, float], dict[str, 
         hand, hand_sync = by_hand(tel)
         cases[f"execute, {label} calls by hand"] = functools.partial(per_call, hand)
         cases[f"execute_sync, {label} calls by hand"] = functools.partial(per_call_sync, hand_sync)
+    cases["floor: request + Floor hooks (no-op API)"] = functools.partial(
+        per_call_sync, floor(noop)
+    )
+    cases["floor: request alone"] = functools.partial(per_call_sync, request_only)
     samples: dict[str, list[float]] = {name: [] for name in cases}
     for run in cases.values():  # warm up
         await run(max(calls // 10, 1))
@@ -257,6 +333,24 @@ async def main_async(calls: int, rounds: int) -> None:
                 f"{share:+.2f} us (rounds {min(shares):+.2f}..{max(shares):+.2f}; "
                 f"target <= 1 us: {verdict})"
             )
+    # The floor: the same calls from the least Python a per-request design can run.
+    hand = samples["execute_sync, no-op API calls by hand"]
+    bare = samples["execute_sync, bare send"]
+    floors = [
+        (f - r) - (h - b)
+        for f, r, h, b in zip(
+            samples["floor: request + Floor hooks (no-op API)"],
+            samples["floor: request alone"],
+            hand,
+            bare,
+            strict=True,
+        )
+    ]
+    print(
+        f"  floor (no-op API): an object per request with three methods and no guards, "
+        f"around the same calls: {statistics.median(floors):+.2f} us beyond the calls "
+        f"(rounds {min(floors):+.2f}..{max(floors):+.2f})"
+    )
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ from ._errors import RetryableError
 from ._hooks import INSTANT_DELAYS
 from ._reason import RetryReason
 from ._request import Request, RequestState
+from ._telemetry import RequestTrace
 
 __all__ = ["execute_sync"]
 
@@ -64,12 +65,11 @@ def execute_sync(
     trace = None
     telemetry = self._telemetry
     if telemetry is not None and request._trace is None:
-        trace = telemetry.begin(request)
-        send = trace.traced_sync(send)
+        trace = RequestTrace(telemetry, request)
     token = request._dispatching()  # requests made inside send keep within this deadline
     try:
         self._deposit(request)  # a budget that raises fails the request: recorded below
-        result = _loop(self, request, send, sleep)
+        result = _loop(self, request, send, sleep, trace)
     except BaseException as exc:
         if trace is not None:
             trace.end(request, exc)
@@ -86,6 +86,7 @@ def _loop(
     request: Request,
     send: Callable[[Request], T],
     sleep: Callable[[float], Any],
+    trace: Any,
 ) -> T:
     clock = request.clock
     deadline = request.deadline
@@ -96,7 +97,8 @@ def _loop(
             ) from _failing.cause(request)
         request._begin_attempt(clock())
         try:
-            result = send(request)
+            # with telemetry, the attempt in its span (rfc/0008)
+            result = send(request) if trace is None else trace.call_sync(send, request)
         except RetryableError as failure:
             reason = failure.reason
             failed = failure.__cause__ or failure

@@ -63,6 +63,9 @@ BREAKER_STATE = "sdkcore.circuit_breaker.state"
 ATTEMPT_NUMBER = "sdkcore.attempt.number"
 HEDGE_INDEX = "sdkcore.hedge.index"
 
+_PENDING = RequestState.PENDING
+_SUCCEEDED = RequestState.SUCCEEDED
+
 _STATE_VALUE = {"closed": 0, "open": 1, "half_open": 2}
 
 # Seconds buckets for durations and delays: 0.1 ms to 60 s (OpenTelemetry's default
@@ -150,8 +153,11 @@ class Telemetry:
         self.threshold_reporter = threshold_reporter
         self._trace = trace
         self._client = trace.SpanKind.CLIENT
-        # The success attributes of request.duration, per request name (bounded by MAX_NAMES).
-        self._success: dict[str, dict[str, str]] = {}
+        # Per request name as given: its metric attributes and request.duration's on
+        # success, made once and shared (bounded: see _named).
+        self._named: dict[str, tuple[dict[str, str], dict[str, str]]] = {}
+        self._distinct = 0  # distinct names recorded as themselves (at most MAX_NAMES)
+        self._other = ({NAME: "other"}, {NAME: "other", OUTCOME: "success"})
         self._context = otel_context
         self.meter: Any = (
             metrics.get_meter(SCOPE, __version__)
@@ -164,7 +170,6 @@ class Telemetry:
             else tracer_provider.get_tracer(SCOPE, __version__)
         )
         self._lock = threading.Lock()
-        self._names: set[str] = set()
         self._failed: set[str] = set()
         self._breakers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._budgets: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -376,26 +381,32 @@ class Telemetry:
     # -- requests -----------------------------------------------------------------------
     def name(self, name: str) -> str:
         """``name`` as an attribute value: cut, and ``other`` past :data:`MAX_NAMES`."""
-        names = self._names
-        if name in names:
-            return name
-        name = _cut(name)  # a long name is kept cut: look that up, past the cap too
-        if name in names:
-            return name
-        with self._lock:
-            if name in names:
-                return name
-            if len(names) >= MAX_NAMES:
-                return "other"
-            names.add(name)
-            return name
+        return self._named_attributes(name)[0][NAME]
 
-    def _succeeded(self, name: str) -> dict[str, str]:
-        """The attributes of a successful request's duration, made once per name."""
-        attributes = self._success.get(name)
-        if attributes is None:
-            attributes = self._success[name] = {NAME: name, OUTCOME: "success"}
-        return attributes
+    def _named_attributes(self, name: str) -> tuple[dict[str, str], dict[str, str]]:
+        """A request name's metric attributes and its success attributes, shared.
+
+        Made once per name: every request of that name records with the same two
+        dicts (OpenTelemetry copies what it keeps). Names are cut at :data:`MAX_TEXT`;
+        past :data:`MAX_NAMES` distinct ones, a new name is ``other``. The map holds at
+        most ``4 * MAX_NAMES`` names as given (long names and late ones map to a
+        shared entry), so it stays bounded whatever names requests carry.
+        """
+        named = self._named.get(name)
+        if named is not None:
+            return named
+        cut = _cut(name)
+        with self._lock:
+            named = self._named.get(cut)
+            if named is None:
+                if self._distinct >= MAX_NAMES:
+                    named = self._other
+                else:
+                    self._distinct += 1
+                    named = self._named[cut] = ({NAME: cut}, {NAME: cut, OUTCOME: "success"})
+            if len(self._named) < 4 * MAX_NAMES:
+                self._named[name] = named
+        return named
 
     def begin(
         self,
@@ -410,9 +421,7 @@ class Telemetry:
         with the call; None if it could not start). The trace adopts it as the request's
         span, records on it as on its own, and leaves ending it to that door.
         """
-        trace = RequestTrace(self, request, kind, span_name, span)
-        request._trace = trace
-        return trace
+        return RequestTrace(self, request, kind, span_name, span)
 
     def _guard(self, kind: str, call: Any, *args: Any) -> Any:
         """Call into OpenTelemetry; an exception is logged once per ``kind``, never raised."""
@@ -437,9 +446,19 @@ class Telemetry:
 
 
 class RequestTrace:
-    """One request's span and the attributes of its metrics (made by :meth:`Telemetry.begin`)."""
+    """One request's span and the attributes of its metrics, kept as ``request._trace``.
 
-    __slots__ = ("attributes", "ended", "hedges", "owns_span", "span", "telemetry")
+    Made by :meth:`Telemetry.begin`, or directly by the doors of the core (one call less
+    per request).
+
+    The doors call it at fixed points: :meth:`attempt` before each attempt is sent and
+    :meth:`attempt_end` when it ends (``execute`` inline in its loop, ``execute_sync``
+    through :meth:`call_sync`, hedges through :meth:`traced_hedge`), :meth:`retry` per
+    scheduled retry, :meth:`end` once when the request ends. Each hook is one ``try``
+    around the OpenTelemetry calls it makes (bench/README, "bench_telemetry.py").
+    """
+
+    __slots__ = ("attributes", "ended", "hedges", "owns_span", "span", "success", "telemetry")
 
     def __init__(
         self,
@@ -449,26 +468,27 @@ class RequestTrace:
         span_name: str | None = None,
         span: Any = _OWN_SPAN,
     ) -> None:
+        request._trace = self
         self.telemetry = telemetry
         self.ended = False
         self.hedges = 0  # copies after the first: sdkcore.hedges, not retries
-        name = telemetry.name(request.name)
-        self.attributes = {NAME: name}
+        named = telemetry._named.get(request._name)  # the lookup inlined: once per request
+        if named is None:
+            named = telemetry._named_attributes(request._name)
+        self.attributes, self.success = named
         #: False for a span the door started and ends itself (see Telemetry.begin).
         self.owns_span = span is _OWN_SPAN
         if not self.owns_span:
             self.span: Any = span
             return
+        name = self.attributes[NAME]
         # Back-dated to the request's creation: its duration metric starts there too.
-        # (request.elapsed builds a timedelta: 1.3 us against 0.1 us, bench/bench_telemetry.py)
-        started = time.time_ns() - int((request.clock() - request._start) * 1e9)
-        # One try per hook, not a guarded closure per OpenTelemetry call: the hooks run on
-        # every request (bench/README, "bench_telemetry.py").
+        started = time.time_ns() - int((request._clock() - request._start) * 1e9)
         try:
             self.span = telemetry.tracer.start_span(
                 span_name or name,
                 kind=telemetry._client if kind is None else kind,
-                attributes={NAME: name, "sdkcore.request.id": request.id},
+                attributes={NAME: name, "sdkcore.request.id": request._id},
                 start_time=started,
             )
         except Exception as exc:
@@ -476,35 +496,42 @@ class RequestTrace:
             self.span = None
 
     # -- attempts --------------------------------------------------------------------
-    def traced(self, send: Callable[[Any], Awaitable[T]]) -> Callable[[Any], Awaitable[T]]:
-        """``send`` with each attempt in its own span, current while it runs."""
+    def call_sync(self, send: Callable[[Any], T], request: Any) -> T:
+        """``send(request)`` as one attempt in its own span (``execute_sync``).
 
-        async def attempt(request: Any) -> T:
-            handle = self.attempt(request.retry_attempts + 1)
+        :meth:`attempt` and :meth:`attempt_end` written out: the two calls were a
+        quarter of sdkcore's share of a traced call (bench/README, "bench_telemetry.py").
+        """
+        telemetry = self.telemetry
+        parent = self.span
+        span = token = None
+        if parent is not None:
+            in_context = telemetry._trace.set_span_in_context
             try:
-                result = await send(request)
-            except BaseException as exc:
-                self.attempt_end(handle, exc)
-                raise
-            self.attempt_end(handle, None)
-            return result
-
-        return attempt
-
-    def traced_sync(self, send: Callable[[Any], T]) -> Callable[[Any], T]:
-        """:meth:`traced` for ``execute_sync``'s blocking ``send``."""
-
-        def attempt(request: Any) -> T:
-            handle = self.attempt(request.retry_attempts + 1)
+                span = telemetry.tracer.start_span(
+                    "sdkcore.attempt",
+                    context=in_context(parent),
+                    attributes={ATTEMPT_NUMBER: request._attempts + 1},
+                )
+                token = telemetry._context.attach(in_context(span))
+            except Exception as exc:
+                telemetry._failure("span", exc)
+                if span is not None:
+                    telemetry._guard("span", span.end)
+                span = None
+        try:
+            result = send(request)
+        except BaseException as exc:
+            if span is not None:
+                self.attempt_end((span, token), exc)
+            raise
+        if span is not None:
             try:
-                result = send(request)
-            except BaseException as exc:
-                self.attempt_end(handle, exc)
-                raise
-            self.attempt_end(handle, None)
-            return result
-
-        return attempt
+                telemetry._context.detach(token)
+                span.end()
+            except Exception as exc:
+                telemetry._failure("span", exc)
+        return result
 
     def traced_hedge(
         self, send: Callable[[Any, int], Awaitable[T]]
@@ -532,22 +559,20 @@ class RequestTrace:
         if parent is None:
             return None
         telemetry = self.telemetry
-        trace = telemetry._trace
+        in_context = telemetry._trace.set_span_in_context
         attributes: dict[str, Any] = {ATTEMPT_NUMBER: number}
         if hedge is not None:
             attributes[HEDGE_INDEX] = hedge
+        span = None
         try:
             span = telemetry.tracer.start_span(
-                name, context=trace.set_span_in_context(parent), attributes=attributes
+                name, context=in_context(parent), attributes=attributes
             )
+            return span, telemetry._context.attach(in_context(span))
         except Exception as exc:
             telemetry._failure("span", exc)
-            return None
-        try:
-            return span, telemetry._context.attach(trace.set_span_in_context(span))
-        except Exception as exc:
-            telemetry._failure("span", exc)
-            span.end()
+            if span is not None:
+                telemetry._guard("span", span.end)
             return None
 
     def attempt_end(self, handle: Any, error: BaseException | None) -> None:
@@ -600,47 +625,34 @@ class RequestTrace:
             return
         self.ended = True
         telemetry = self.telemetry
-        if not request.completed:  # a caller's mistake before anything ran (a bad argument)
+        state = request._state
+        if state is _PENDING:  # a caller's mistake before anything ran (a bad argument)
             request._trace = None
             span = self.span
             if span is not None and self.owns_span:
                 telemetry._guard("span", span.end)
             return
-        outcome = outcome_of(request)
         # Request.retry_attempts counts hedged copies too (RFC 0049): they are reported
         # by sdkcore.hedges, so a retry ratio never mistakes a hedge for a retry.
-        retries = request.retry_attempts - self.hedges
-        name = self.attributes[NAME]
-        if outcome == "success":
-            attributes = telemetry._succeeded(name)
+        retries = request._attempts - self.hedges
+        elapsed = request._clock() - request._start  # request.elapsed, without its timedelta
+        if state is _SUCCEEDED:
+            outcome = "success"
+            attributes = self.success
         else:
+            outcome = outcome_of(request)
             cls = type(error).__name__ if error is not None else "RequestCanceledException"
-            attributes = {NAME: name, OUTCOME: outcome, ERROR_TYPE: _cut(cls)}
-        elapsed = request.clock() - request._start  # request.elapsed, without its timedelta
+            attributes = {NAME: self.attributes[NAME], OUTCOME: outcome, ERROR_TYPE: _cut(cls)}
         try:
             telemetry.request_duration.record(elapsed, attributes)
         except Exception as exc:
             telemetry._failure("request.duration", exc)
-        reporter = telemetry.threshold_reporter
-        if reporter is not None:
-            # The service from the request's client_context["service"] (e.g. "kv"), else
-            # "default": a service without a threshold of its own gets default_threshold.
-            service = request.client_context.get("service", "default")
-            timeout = request.timeout
-            telemetry._guard(
-                "threshold_reporter",
-                lambda: reporter.record(
-                    str(service),
-                    self.attributes[NAME],
-                    elapsed,
-                    operation_id=str(request.id),
-                    timeout=None if timeout is None else timeout.total_seconds(),
-                ),
-            )
         try:
             telemetry.request_retries.record(retries, self.attributes)
         except Exception as exc:
             telemetry._failure("request.retries", exc)
+        if telemetry.threshold_reporter is not None:
+            self._report_threshold(request, elapsed)
         span = self.span
         if span is not None:
             try:
@@ -652,6 +664,26 @@ class RequestTrace:
                     span.end()
             except Exception as exc:
                 telemetry._failure("span", exc)
+
+    def _report_threshold(self, request: Any, elapsed: float) -> None:
+        """Offer the request to the threshold reporter (RFC 67)."""
+        telemetry = self.telemetry
+        reporter = telemetry.threshold_reporter
+        assert reporter is not None
+        # The service from the request's client_context["service"] (e.g. "kv"), else
+        # "default": a service without a threshold of its own gets default_threshold.
+        service = request.client_context.get("service", "default")
+        timeout = request.timeout
+        try:
+            reporter.record(
+                str(service),
+                self.attributes[NAME],
+                elapsed,
+                operation_id=str(request.id),
+                timeout=None if timeout is None else timeout.total_seconds(),
+            )
+        except Exception as exc:
+            telemetry._failure("threshold_reporter", exc)
 
 
 def _record_error(telemetry: Telemetry, span: Any, error: BaseException) -> None:
