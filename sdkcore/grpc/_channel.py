@@ -45,7 +45,10 @@ class _Channel(_aio_channel.Channel):  # type: ignore[misc]
     method with no plan gets grpc.aio's multi-callable behind a thin one that only
     bounds the timeout of a call made inside an sdkcore request's send by that
     request's time left. The streaming shapes go through sdkcore's interceptors,
-    first in the chain. Measured in bench/bench_grpc_cpu.py.
+    first in the chain. The channel's limiter and throttle wrap grpc.aio's unary-unary
+    multi-callable (``GatedMultiCallable``) and the streaming interceptors'
+    continuation (``GatedContinuation``): every attempt of every shape (rfc/0009).
+    Measured in bench/bench_grpc_cpu.py.
 
     ``close()`` (and ``async with``) also cancel the calls waiting between attempts,
     which grpc.aio does not track (see ``_Controller._close_calls``).
@@ -238,11 +241,16 @@ def insecure_channel(
     before the quantile has ``min_samples``), and every call feeds it (rfc/0009).
     ``limiter`` (a :class:`sdkcore.ConcurrencyLimiter` or
     :class:`sdkcore.AdaptiveConcurrencyLimiter`) and ``throttle`` (an
-    :class:`sdkcore.AdaptiveThrottle`): taken, throttle first, around every unary-unary
-    attempt the channel sends (retries and hedged copies included) and held until it
-    ends; a refusal sends nothing and is retried like A6's "no connection could be
-    made" (backoff, NOT_SENT); a call still refused at the end fails UNAVAILABLE
-    (rfc/0009, "On gRPC channels").
+    :class:`sdkcore.AdaptiveThrottle`): taken, throttle first, around every attempt
+    the channel sends, of every call shape (unary-unary, unary-stream, stream-unary,
+    stream-stream; retries, transparent re-sends and hedged copies included), and held
+    until the attempt ends: its status is known (for a stream, once it is read to its
+    end or fails), it is cancelled, its deadline passes or the channel closes. The
+    throttle records that status (RESOURCE_EXHAUSTED and UNAVAILABLE are rejections;
+    a cancelled attempt counts nothing). No permit is held between attempts. A refusal
+    sends nothing and is retried like A6's "no connection could be made" (backoff,
+    NOT_SENT); a call still refused at the end fails UNAVAILABLE (rfc/0009, "On gRPC
+    channels").
     See :class:`RetryController` for the other options.
     """
     return _build(

@@ -2,20 +2,27 @@
 
 :class:`Gate` holds the channel's :class:`sdkcore.AdaptiveThrottle` and its
 :class:`sdkcore.ConcurrencyLimiter` (or :class:`sdkcore.AdaptiveConcurrencyLimiter`),
-taken in the documented order, throttle then limiter (rfc/0009). :class:`GatedMultiCallable`
-wraps grpc.aio's unary-unary multi-callable: every attempt sdkcore makes through it
-(first attempts, retries, transparent re-sends, hedged copies) takes a permit first
-and gives it back when grpc.aio's call is done (answered, failed, cancelled, its
-deadline reached or its channel closed). A refusal sends nothing: the attempt is a
-finished call that failed UNAVAILABLE with :class:`LocalRefusal` as its error, which
-the retry loop treats as A6's "no connection could be made" (transparent retry with
-backoff, effect NOT_SENT; rfc/0009 "On gRPC channels").
+taken in the documented order, throttle then limiter (rfc/0009). Every attempt sdkcore
+makes (first attempts, retries, transparent re-sends, hedged copies), of every call
+shape, takes a permit first and gives it back when grpc.aio's call for the attempt is
+done (answered, failed, cancelled, its deadline reached or its channel closed; for a
+stream: its status known). Two wrappers apply it, one rule:
+
+* :class:`GatedMultiCallable` wraps the channel helper's unary-unary multi-callable;
+* :class:`GatedContinuation` wraps the continuation sdkcore's interceptors call for
+  each attempt: the three streaming shapes, and every shape on a channel built by hand
+  with ``RetryController.interceptors()``.
+
+A refusal sends nothing: the attempt is a finished call of its shape that failed
+UNAVAILABLE with :class:`LocalRefusal` as its error, which the retry loop treats as
+A6's "no connection could be made" (transparent retry with backoff, effect NOT_SENT;
+rfc/0009 "On gRPC channels").
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from typing import Any
 
 import grpc
@@ -122,8 +129,11 @@ class Gate:
                 tguard.__exit__(None if exc is None else type(exc), exc, None)
 
 
-class _RefusedCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
-    """An attempt refused locally: a finished grpc.aio-like call that failed UNAVAILABLE."""
+class RefusedCall:
+    """An attempt refused locally: a finished grpc.aio-like call that failed UNAVAILABLE.
+
+    The part every call shape shares; the classes below add each shape's own methods.
+    """
 
     def __init__(self, error: LocalRefusal) -> None:
         self._error = error
@@ -166,8 +176,45 @@ class _RefusedCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
         raise self._error
         yield  # pragma: no cover - makes this a generator
 
+    # -- the streaming shapes ------------------------------------------------------------
+    async def read(self) -> Any:
+        raise self._error
 
-def _refused(exc: BaseException) -> _RefusedCall:
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._responses()
+
+    async def _responses(self) -> AsyncIterator[Any]:
+        raise self._error
+        yield  # pragma: no cover - makes this an async generator
+
+    async def write(self, request: Any) -> None:
+        raise asyncio.InvalidStateError("RPC already finished.")  # as grpc.aio's
+
+    async def done_writing(self) -> None:
+        return None  # as grpc.aio's on a finished call
+
+    @property
+    def _done_writing_flag(self) -> bool:
+        return False
+
+
+class RefusedUnaryUnaryCall(RefusedCall, _base_call.UnaryUnaryCall):  # type: ignore[misc]
+    pass
+
+
+class RefusedUnaryStreamCall(RefusedCall, _base_call.UnaryStreamCall):  # type: ignore[misc]
+    pass
+
+
+class RefusedStreamUnaryCall(RefusedCall, _base_call.StreamUnaryCall):  # type: ignore[misc]
+    pass
+
+
+class RefusedStreamStreamCall(RefusedCall, _base_call.StreamStreamCall):  # type: ignore[misc]
+    pass
+
+
+def _refusal(exc: BaseException) -> LocalRefusal:
     error = LocalRefusal(
         _UNAVAILABLE,
         _EMPTY,
@@ -176,7 +223,11 @@ def _refused(exc: BaseException) -> _RefusedCall:
         f"sdkcore: {type(exc).__name__}: {exc}",
     )
     error.__cause__ = exc
-    return _RefusedCall(error)
+    return error
+
+
+def _refused(exc: BaseException) -> RefusedUnaryUnaryCall:
+    return RefusedUnaryUnaryCall(_refusal(exc))
 
 
 class GatedMultiCallable:
@@ -205,4 +256,56 @@ class GatedMultiCallable:
             Gate.exit(held, _ended(finished))
 
         call.add_done_callback(done)
+        return call
+
+
+def _hold(held: tuple[Any, Any], call: Any) -> None:
+    """Give ``held`` back when ``call`` is done: at once if it is, or cannot tell us when.
+
+    ``call`` is what the rest of grpc.aio's interceptor chain made: grpc.aio's call,
+    or an application interceptor's object (a finished ``UnaryUnaryCallResponse``
+    takes no callback; an object that fails to take one is given back now rather
+    than never).
+    """
+    try:
+        if not call.done():
+            call.add_done_callback(lambda finished: Gate.exit(held, _ended(finished)))
+            return
+    except Exception:
+        pass
+    Gate.exit(held, _ended(call))
+
+
+class GatedContinuation:
+    """An interceptor's ``continuation`` with the channel's :class:`Gate` around every
+    call made through it (each one attempt of sdkcore's, of any call shape).
+
+    ``refused`` is the call class of the shape (e.g. :class:`RefusedUnaryStreamCall`),
+    made from the :class:`LocalRefusal` when the gate refuses: then the continuation is
+    not called and nothing of the attempt is written (a client-streaming call's messages
+    wait in its replay buffer for the next attempt). Between attempts (sdkcore's
+    backoff) the call holds no permit.
+    """
+
+    __slots__ = ("_gate", "_inner", "_refused")
+
+    def __init__(
+        self, gate: Gate, inner: Callable[..., Awaitable[Any]], refused: type[RefusedCall]
+    ) -> None:
+        self._gate = gate
+        self._inner = inner
+        self._refused = refused
+
+    async def __call__(self, details: Any, request: Any) -> Any:
+        gate = self._gate
+        try:
+            held = gate.enter()
+        except Exception as exc:  # the limiter's or throttle's RetryableError
+            return self._refused(_refusal(exc))
+        try:
+            call = await self._inner(details, request)
+        except BaseException as exc:  # nothing sent (a closed channel), or cancelled
+            Gate.exit(held, exc)
+            raise
+        _hold(held, call)
         return call

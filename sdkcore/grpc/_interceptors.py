@@ -22,6 +22,14 @@ from typing import Any
 from grpc import aio
 
 from ._controller import _Controller
+from ._gate import (
+    GatedContinuation,
+    RefusedCall,
+    RefusedStreamStreamCall,
+    RefusedStreamUnaryCall,
+    RefusedUnaryStreamCall,
+    RefusedUnaryUnaryCall,
+)
 from ._metadata import (
     DEFAULT_CHANNEL_BUFFER_LIMIT,
     DEFAULT_PER_CALL_BUFFER_LIMIT,
@@ -69,6 +77,11 @@ class RetryController(_Controller):
     * ``message_size``: bytes of a request message (default :func:`default_message_size`).
     * ``telemetry``: an :class:`sdkcore.Telemetry` for gRPC's standard metrics and spans
       (A66, A96, A72; rfc/0008); None: the orchestrator's, if any.
+    * ``limiter`` / ``throttle``: the target's :class:`sdkcore.ConcurrencyLimiter` (or
+      :class:`sdkcore.AdaptiveConcurrencyLimiter`) / :class:`sdkcore.AdaptiveThrottle`,
+      taken around every attempt of every call shape (rfc/0009). The interceptors take
+      them around each attempt they make through their ``continuation``, so a channel
+      built by hand with :meth:`interceptors` is covered too.
     """
 
     def interceptors(self) -> list[aio.ClientInterceptor]:
@@ -89,6 +102,19 @@ class _Interceptor:
             )
         self.controller = controller
 
+    def _gated(self, continuation: Callable[..., Any], refused: type[RefusedCall]) -> Any:
+        """``continuation``, with the channel's limiter and throttle around each attempt.
+
+        The one place the streaming shapes (and a hand-built channel's unary-unary calls)
+        are gated: every call sdkcore makes through ``continuation`` is an attempt
+        (rfc/0009). The channel helpers gate their direct unary-unary path themselves
+        (``GatedMultiCallable``): that path never comes through these interceptors.
+        """
+        gate = self.controller.gate
+        if gate is None:
+            return continuation
+        return GatedContinuation(gate, continuation, refused)
+
 
 class RetryUnaryUnaryInterceptor(_Interceptor, aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     """Retries unary-unary calls (A6) through the sdkcore orchestrator."""
@@ -96,7 +122,12 @@ class RetryUnaryUnaryInterceptor(_Interceptor, aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(
         self, continuation: Callable[..., Any], client_call_details: Any, request: Any
     ) -> Any:
-        return await unary_unary_call(self.controller, continuation, client_call_details, request)
+        return await unary_unary_call(
+            self.controller,
+            self._gated(continuation, RefusedUnaryUnaryCall),
+            client_call_details,
+            request,
+        )
 
 
 class RetryUnaryStreamInterceptor(_Interceptor, aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
@@ -108,7 +139,7 @@ class RetryUnaryStreamInterceptor(_Interceptor, aio.UnaryStreamClientInterceptor
         return await streaming_call(
             self.controller,
             _RetryingUnaryStreamCall,
-            continuation,
+            self._gated(continuation, RefusedUnaryStreamCall),
             client_call_details,
             request,
             request_streaming=False,
@@ -125,7 +156,7 @@ class RetryStreamUnaryInterceptor(_Interceptor, aio.StreamUnaryClientInterceptor
         return await streaming_call(
             self.controller,
             _RetryingStreamUnaryCall,
-            continuation,
+            self._gated(continuation, RefusedStreamUnaryCall),
             client_call_details,
             request_iterator,
             request_streaming=True,
@@ -142,7 +173,7 @@ class RetryStreamStreamInterceptor(_Interceptor, aio.StreamStreamClientIntercept
         return await streaming_call(
             self.controller,
             _RetryingStreamStreamCall,
-            continuation,
+            self._gated(continuation, RefusedStreamStreamCall),
             client_call_details,
             request_iterator,
             request_streaming=True,
