@@ -53,6 +53,7 @@ MIN_WINDOW = 0.1  # seconds: the floor of a window (see the module's docstring)
 MAX_WINDOW = 1.0  # WindowedLimit ``maxWindowTime``
 PROBE_INTERVAL = 30  # saturated windows without an unloaded one before the baseline is re-measured
 PROBE_SAMPLES = 50  # samples at half the limit that make the new baseline (Envoy's request_count)
+PROBE_PER_PERMIT = 10  # ... but no more than this many per permit of the probe (10 at 1, 50 from 5)
 PROBE_AGAIN = 0.9  # a probe that finds the baseline this much lower probes again at half
 
 #: Samples waiting to be counted (appended without the lock) before the next caller
@@ -140,6 +141,7 @@ class AdaptiveConcurrencyLimiter(Permits):
         "_probe_n",
         "_probe_open",
         "_probe_out",
+        "_probe_samples",
         "_probe_sum",
         "_probing",
         "_stale",
@@ -194,6 +196,7 @@ class AdaptiveConcurrencyLimiter(Permits):
         self._probing = False
         self._before = 0.0  # the estimate a probe restores
         self._probe_out = 0  # the probe's dispatches let through so far
+        self._probe_samples = PROBE_SAMPLES  # ... of this many
         self._probe_open = 0  # ... and not ended yet
         self._probe_n = 0  # ... ended with a round trip
         self._probe_sum = 0.0
@@ -279,7 +282,7 @@ class AdaptiveConcurrencyLimiter(Permits):
                     least = rtt
             if held > most:
                 most = held
-            if now >= end and (n >= WINDOW_SAMPLES or (drop and self._warm)):
+            if now >= end and (n >= WINDOW_SAMPLES or drop):
                 self._window_n, self._window_sum, self._window_least = n, total, least
                 self._window_held, self._window_drop = most, drop
                 self._close_window(now)  # may start a probe: the rest is not counted
@@ -302,9 +305,17 @@ class AdaptiveConcurrencyLimiter(Permits):
         n = self._window_n
         least = self._window_least
         length = 2.0 * least if least != math.inf else MIN_WINDOW
-        self._window_end = now + (
-            MIN_WINDOW if length < MIN_WINDOW else MAX_WINDOW if length > MAX_WINDOW else length
-        )
+        if self._window_drop:
+            # after a cut, the next verdict comes after one round trip, not the 0.1 s floor:
+            # the dispatches a too-high limit let in time out together, and every 0.1 s
+            # they run on feeds the breaker (rfc/0009, "Under overload")
+            rtt = self._last_rtt
+            length = MIN_WINDOW if rtt is None or rtt > MIN_WINDOW else rtt
+            self._window_end = now + length
+        else:
+            self._window_end = now + (
+                MIN_WINDOW if length < MIN_WINDOW else MAX_WINDOW if length > MAX_WINDOW else length
+            )
         self._update(self._window_sum / n if n else 0.0, self._window_held, self._window_drop)
         self._window_n = self._window_held = 0
         self._window_sum = 0.0
@@ -316,7 +327,20 @@ class AdaptiveConcurrencyLimiter(Permits):
         estimate = self._estimate
         saturated = 2 * held >= estimate  # Gradient2: not app-limited
         if drop:
-            gradient = MIN_GRADIENT
+            # A dispatch waited out its whole timeout: cut at once, unsmoothed (Envoy's
+            # gradient floor, TCP's halving on loss). Gradient2's smoothed 0.9 per window
+            # left 20 permits queueing a timeout deep at a server of 2 until the breaker
+            # opened (rfc/0009, "Under overload").
+            if self._warm < WARMUP:  # the warm-up measured our own queue: start it again
+                self._warm = 0
+                self._warm_sum = 0.0
+            estimate *= MIN_GRADIENT
+            if estimate < self._min:
+                estimate = self._min
+            self._estimate = estimate
+            if int(estimate) != self._cap:
+                self._resize(int(estimate))
+            return
         else:
             warm = self._warm
             if warm < WARMUP:
@@ -324,8 +348,11 @@ class AdaptiveConcurrencyLimiter(Permits):
                 self._warm_sum += rtt
                 baseline = self._warm_sum / warm
                 self._stale = self._stale + 1 if saturated else 0
-                if warm == WARMUP and self._stale >= WARMUP:
-                    # learned while every permit was used: it may be our own queue
+                if warm == WARMUP and saturated:
+                    # learned while the permits were in use: it may be our own queue, so
+                    # it is measured once at half the concurrency, as Envoy measures its
+                    # minimum RTT at start (requiring all ten windows saturated let one
+                    # unsaturated first window skip it: rfc/0009, "Under overload")
                     self._baseline = baseline
                     self._probe()
                     return
@@ -369,11 +396,19 @@ class AdaptiveConcurrencyLimiter(Permits):
         self._probe_out = self._probe_open = self._probe_n = 0
         self._probe_sum = 0.0
         half = int(self._estimate / 2)
-        self._resize(half if half > self._min else self._min)
+        self._probe_at(half if half > self._min else self._min)
+
+    def _probe_at(self, cap: int) -> None:
+        """Hold the limit at ``cap`` for the probe's dispatches: 10 per permit, up to 50
+        (at a limit of 1, fifty round trips one at a time left the endpoint half idle
+        for half a second at 100/s: rfc/0009, "Under overload")."""
+        samples = PROBE_PER_PERMIT * cap
+        self._probe_samples = samples if samples < PROBE_SAMPLES else PROBE_SAMPLES
+        self._resize(cap)
 
     def _tag(self) -> bool:
         """A dispatch let through while probing: is it one of the probe's?"""
-        if self._probe_out < PROBE_SAMPLES:
+        if self._probe_out < self._probe_samples:
             self._probe_out += 1
             self._probe_open += 1
             return True
@@ -389,18 +424,25 @@ class AdaptiveConcurrencyLimiter(Permits):
         if outcome and 0.0 < rtt < math.inf:
             self._probe_sum += rtt
             self._probe_n += 1
-        if self._probe_open or self._probe_out < PROBE_SAMPLES:
+        if self._probe_open or self._probe_out < self._probe_samples:
             return None
         if self._probe_n:
             baseline = self._probe_sum / self._probe_n
-            lower = baseline < PROBE_AGAIN * self._baseline
+            old = self._baseline
+            lower = baseline < PROBE_AGAIN * old
             self._baseline = baseline
+            if lower and old > 0.0:
+                # The limit was learned against a baseline holding our own queue: by
+                # Little's law it is too high by as much (the same throughput at the
+                # lower latency needs that many fewer permits).
+                scaled = self._before * baseline / old
+                self._before = scaled if scaled > self._min else float(self._min)
             if lower and self._cap > self._min:
                 # the old baseline held a queue: there may be more of it at half as much
                 self._probe_out = self._probe_open = self._probe_n = 0
                 self._probe_sum = 0.0
                 half = self._cap // 2
-                self._resize(half if half > self._min else self._min)
+                self._probe_at(half if half > self._min else self._min)
                 return None
         self._probing = False
         self._estimate = self._before
@@ -533,7 +575,9 @@ class AdaptivePermit:
                 woken = limiter._probed(rtt, outcome)
             if woken is not None:
                 limiter._wake(woken)
-        elif outcome == _DROP and rtt == rtt:
+        elif outcome == _DROP and rtt >= TOLERANCE * limiter._baseline:
+            # a cut after less than a tolerable round trip is the request's deadline (a
+            # retry sent with little time left), not the endpoint's latency: nothing
             pending = limiter._pending
             pending.append((end, -1.0, held))
             if end >= limiter._window_end or len(pending) >= PENDING:
