@@ -54,7 +54,7 @@ class _Controller:
     * ``message_size``: bytes of a request message (default :func:`default_message_size`).
     * ``limiter`` / ``throttle``: an :class:`sdkcore.ConcurrencyLimiter` (or
       :class:`sdkcore.AdaptiveConcurrencyLimiter`) / :class:`sdkcore.AdaptiveThrottle`
-      for the channel's target, taken around every unary-unary attempt (rfc/0009).
+      for the channel's target, taken around every attempt of every call shape (rfc/0009).
     * ``telemetry``: an :class:`sdkcore.Telemetry` for the gRPC metrics and spans (A66,
       A96, A72; rfc/0008); None: the orchestrator's (``orchestrator.telemetry``), if any.
       Given with an orchestrator that has another one: ValueError.

@@ -127,12 +127,17 @@ async def test_no_permit_leaks_when_requests_are_cancelled_in_flight_and_queued(
 async def test_a_throttle_refusal_is_not_sent_and_retried(
     memcached: Memcached, proxy: FaultProxy
 ) -> None:
-    draws = iter([0.0] + [0.99] * 100)  # refuse the first admission, then admit
-    throttle = AdaptiveThrottle(2.0, name="m", random=lambda: next(draws))
+    draws: list[float] = []  # queued draws, then 0.99: admit
+
+    def draw() -> float:
+        return draws.pop(0) if draws else 0.99
+
+    throttle = AdaptiveThrottle(2.0, name="m", random=draw)
     for _ in range(10):  # ten TMPFAIL answers: the throttle refuses with p = 10/11
         with pytest.raises(RetryableError), throttle.guard():
             raise RetryableError(RetryReason.KV_TEMPORARY_FAILURE, "tmpfail")
     assert throttle.rejection_probability > 0.5
+    draws.append(0.0)  # armed after the set-up: the client's first admission is refused
     async with MemcachedClient(
         f"127.0.0.1:{proxy.port}",
         orchestrator=RetryOrchestrator(BestEffortRetryStrategy()),
@@ -144,6 +149,7 @@ async def test_a_throttle_refusal_is_not_sent_and_retried(
         await client.set("k", b"v")
         _, _, requests = proxy.counts()
         assert requests == {KvOpcode.SET: 1}  # the refused attempt sent nothing
+        assert draws == []  # ... and it was refused: the SET was retried
         assert await client.get("k") == b"v"
 
 

@@ -41,6 +41,7 @@ from ._endpoint import (
     canary_failed,
     endpoints_of,
     make_breaker,
+    per_endpoint,
     pick,
     raise_for_status,
     refuse_if_open,
@@ -342,35 +343,6 @@ Limiter = ConcurrencyLimiter | AdaptiveConcurrencyLimiter
 _LIMITERS = (ConcurrencyLimiter, AdaptiveConcurrencyLimiter)
 
 
-def _per_endpoint(given: Any, kind: Any, field: str, name: str, count: int) -> Any:
-    """The guard of endpoint ``name``: ``given`` itself, or what ``given(name)`` makes."""
-    if given is None:
-        return None
-    what = (
-        "a ConcurrencyLimiter or AdaptiveConcurrencyLimiter"
-        if field == "limiter"
-        else ("an AdaptiveThrottle")
-    )
-    if isinstance(given, kind):
-        if count > 1:
-            raise ValueError(
-                f"MemcachedClient({field}) is one {type(given).__name__} for {count} endpoints; "
-                f"give a callable making one per endpoint name, e.g. lambda name: ...(name=name)"
-            )
-        return given
-    if callable(given):
-        made = given(name)
-        if not isinstance(made, kind):
-            raise TypeError(
-                f"MemcachedClient({field}) made {made!r} for {name}; it must make {what}"
-            )
-        return made
-    raise TypeError(
-        f"MemcachedClient({field}) must be {what}, a callable making one from the endpoint's "
-        f"name, or None; got {given!r}"
-    )
-
-
 def _only(group: BaseException, error: BaseException) -> bool:
     """True when ``group`` is an exception group of ``error`` and, besides it, cancellations."""
     if getattr(group, "exceptions", None) is None:
@@ -457,8 +429,17 @@ class MemcachedClient:
                     address,
                     breaker(name),
                     self,
-                    _per_endpoint(limiter, _LIMITERS, "limiter", name, len(addresses)),
-                    _per_endpoint(throttle, AdaptiveThrottle, "throttle", name, len(addresses)),
+                    per_endpoint(
+                        "MemcachedClient", limiter, _LIMITERS, "limiter", name, len(addresses)
+                    ),
+                    per_endpoint(
+                        "MemcachedClient",
+                        throttle,
+                        AdaptiveThrottle,
+                        "throttle",
+                        name,
+                        len(addresses),
+                    ),
                 )
             )
         self._opaques = itertools.count(1)

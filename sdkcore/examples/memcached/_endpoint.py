@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from sdkcore import CircuitBreaker, CircuitState, RetryableError, RetryReason, TimeoutException
 from sdkcore.mapping import kv_failure, raise_failure
@@ -22,6 +22,7 @@ __all__ = [
     "endpoint_down",
     "make_breaker",
     "parse_address",
+    "per_endpoint",
     "pick",
     "raise_for_status",
     "refuse_if_open",
@@ -136,3 +137,33 @@ def endpoints_of(
 
 
 BreakerFactory = Callable[[str], CircuitBreaker]
+
+
+def per_endpoint(client: str, given: Any, kind: Any, field: str, name: str, count: int) -> Any:
+    """The guard of endpoint ``name``: ``given`` itself, or what ``given(name)`` makes.
+
+    ``client``: the class named in errors (``MemcachedClient``, ``SyncMemcachedClient``).
+    """
+    if given is None:
+        return None
+    what = (
+        "a ConcurrencyLimiter or AdaptiveConcurrencyLimiter"
+        if field == "limiter"
+        else ("an AdaptiveThrottle")
+    )
+    if isinstance(given, kind):
+        if count > 1:
+            raise ValueError(
+                f"{client}({field}) is one {type(given).__name__} for {count} endpoints; "
+                f"give a callable making one per endpoint name, e.g. lambda name: ...(name=name)"
+            )
+        return given
+    if callable(given):
+        made = given(name)
+        if not isinstance(made, kind):
+            raise TypeError(f"{client}({field}) made {made!r} for {name}; it must make {what}")
+        return made
+    raise TypeError(
+        f"{client}({field}) must be {what}, a callable making one from the endpoint's "
+        f"name, or None; got {given!r}"
+    )

@@ -38,6 +38,7 @@ from ._endpoint import (
     canary_failed,
     endpoints_of,
     make_breaker,
+    per_endpoint,
     pick,
     raise_for_status,
     refuse_if_open,
@@ -219,36 +220,6 @@ class _SyncEndpoint:
             self._drop()
 
 
-def _per_endpoint(given: Any, kind: Any, field: str, name: str, count: int) -> Any:
-    """The guard of endpoint ``name``: ``given`` itself, or what ``given(name)`` makes."""
-    if given is None:
-        return None
-    what = (
-        "a ConcurrencyLimiter or AdaptiveConcurrencyLimiter"
-        if field == "limiter"
-        else "an AdaptiveThrottle"
-    )
-    if isinstance(given, kind):
-        if count > 1:
-            raise ValueError(
-                f"SyncMemcachedClient({field}) is one {type(given).__name__} for {count} "
-                "endpoints; give a callable making one per endpoint name, e.g. "
-                "lambda name: ...(name=name)"
-            )
-        return given
-    if callable(given):
-        made = given(name)
-        if not isinstance(made, kind):
-            raise TypeError(
-                f"SyncMemcachedClient({field}) made {made!r} for {name}; it must make {what}"
-            )
-        return made
-    raise TypeError(
-        f"SyncMemcachedClient({field}) must be {what}, a callable making one from the "
-        f"endpoint's name, or None; got {given!r}"
-    )
-
-
 class SyncMemcachedClient:
     """:class:`~sdkcore.examples.memcached.MemcachedClient` for threads (``execute_sync``).
 
@@ -294,8 +265,17 @@ class SyncMemcachedClient:
                 _SyncEndpoint(
                     address,
                     breaker(name),
-                    _per_endpoint(limiter, _LIMITERS, "limiter", name, len(addresses)),
-                    _per_endpoint(throttle, AdaptiveThrottle, "throttle", name, len(addresses)),
+                    per_endpoint(
+                        "SyncMemcachedClient", limiter, _LIMITERS, "limiter", name, len(addresses)
+                    ),
+                    per_endpoint(
+                        "SyncMemcachedClient",
+                        throttle,
+                        AdaptiveThrottle,
+                        "throttle",
+                        name,
+                        len(addresses),
+                    ),
                 )
             )
         self._opaques = itertools.count(1)
