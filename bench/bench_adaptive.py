@@ -37,7 +37,9 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from sdkcore import (
+    AdaptiveConcurrencyLimiter,
     CircuitBreaker,
+    ConcurrencyLimiter,
     HedgePolicy,
     Request,
     RetryableError,
@@ -205,7 +207,15 @@ async def hedged_rounds(calls: int, rounds: int) -> None:
     print(f"{'learned - fixed':<24} {statistics.median(diffs):>15.3f}")
 
 
-CASES = ("bare", "breaker guard()+budget", "throttle guard()", "fixed delay", "LatencyQuantile")
+CASES = (
+    "bare",
+    "breaker guard()+budget",
+    "throttle guard()",
+    "limiter guard()",
+    "adaptive limiter guard()",
+    "fixed delay",
+    "LatencyQuantile",
+)
 HEDGE_CASES = ("hedge() fixed delay", "hedge() LatencyQuantile")
 
 
@@ -238,6 +248,15 @@ def run_case(case: str, calls: int) -> None:
                 return bare_call()
     elif case == "throttle guard()":
         fn = throttle_variants()["throttle guard()"]
+    elif case in ("limiter guard()", "adaptive limiter guard()"):
+        limiter = (
+            ConcurrencyLimiter(64) if case == "limiter guard()" else AdaptiveConcurrencyLimiter()
+        )
+        permit = limiter.guard
+
+        def fn() -> str:
+            with permit():
+                return bare_call()
     else:
         fn = hedge_bookkeeping_variants()["bare" if case == "bare" else case]
     for _ in range(calls):
