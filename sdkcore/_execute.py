@@ -12,7 +12,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Generator
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from . import _failing, _runtime
 from ._action import RetryAction
@@ -133,7 +133,6 @@ async def execute(
         )
     if request.state is not _PENDING:
         raise _failing.already_completed(request, None)
-    clock = request.clock
     deadline = request.deadline
     rt: Any = None  # the runtime layer, looked up when the call first waits
     scope = previous = token = None
@@ -144,23 +143,20 @@ async def execute(
     if self._telemetry is not None and request._trace is None:
         trace = RequestTrace(self._telemetry, request)
     strategy = decides = debug = None  # resolved at the call's first failure
-    resolved = False
     try:
-        if deadline != _INF:
-            left = deadline - clock()
-            if left <= 0.0:  # expired before the first attempt: nothing is sent
-                raise _failing.timed_out(
-                    request, request.last_reason, _strategy_of(self, request), clock()
-                )
+        if deadline != _INF and deadline - request._clock() <= 0.0:  # expired: nothing is sent
+            raise _failing.timed_out(
+                request, request.last_reason, _strategy_of(self, request), request._clock()
+            )
         if self._budget is not None:  # before the scope: a budget that raises arms nothing
             self._deposit(request)
         if deadline != _INF:
             rt = _runtime.current()
-            scope = rt.Scope(rt.now() + (deadline - clock()))
+            scope = rt.Scope(rt.now() + (deadline - request._clock()))
             previous = request._set_cancel_hook(scope)  # Request.cancel() cuts the attempt
             token = request._dispatching()  # requests made inside send keep within this deadline
         while True:
-            request._begin_attempt(clock())
+            request._begin_attempt(request._clock())
             if trace is not None:
                 handle = trace.attempt(request._attempts + 1)
             pending = send(request)
@@ -182,22 +178,30 @@ async def execute(
                     trace.attempt_end(handle, failure)
                     handle = None
                 reason = failure.reason
-                failed = failure.__cause__ or failure
-                now = clock()
+                now = request._clock()
                 request._attempt_failed(
-                    reason, failure.effect or DEFAULT_EFFECT[reason], failed, now
+                    reason,
+                    failure.effect or DEFAULT_EFFECT[reason],
+                    failure.__cause__ or failure,
+                    now,
                 )
-                if not resolved:  # once per call
-                    strategy, decides, gate = self._resolve(request)
-                    debug = gate(_DEBUG)
+                if strategy is None:  # once per call (a request always has a strategy)
+                    strategy, decides, debug = self._resolve(request)
+                    debug = debug(_DEBUG)  # the log gate, asked once: the logger or None
                     rt = rt or _runtime.current()
-                    resolved = True
                 action = self._ask(request, reason, strategy, decides)
                 if type(action) is not RetryAction and hasattr(action, "__await__"):
                     action = await _awaited(request, reason, action, strategy)
-                    now = clock()
-                verdict, delay = self._settle(
-                    request, reason, action, strategy, debug, failed, failure.retry_after, now
+                    now = request._clock()
+                verdict, delay = self._settle(  # request._last_error: the failure just booked
+                    request,
+                    reason,
+                    action,
+                    strategy,
+                    debug,
+                    request._last_error,
+                    failure.retry_after,
+                    now,
                 )
                 try:  # the wait, written out here: a shared coroutine is one more frame
                     if self._sleep is None and not INSTANT_DELAYS.get():
@@ -213,40 +217,17 @@ async def execute(
                 trace.attempt_end(handle, None)
             break
     except BaseException as exc:
-        in_flight = request.in_flight
         if trace is not None and handle is not None:  # the attempt's failure, or what cut it
             trace.attempt_end(handle, exc)
-        try:
-            if scope is not None:
-                request._set_cancel_hook(previous)
-                if scope.exit(exc):  # our deadline or Request.cancel() cut an attempt or a wait
-                    raise _scope_fired(
-                        self, request, exc if in_flight else None, in_flight=in_flight
-                    ) from _failing.cause(request)
-            if isinstance(exc, Exception) and request.state is _PENDING and in_flight:
-                # a non-retryable answer: the last attempt's failure
-                request._attempt_failed(None, _MAYBE, exc, clock())
-                if isinstance(exc, CouchbaseException):
-                    old = exc.context  # none yet, or built by a mapper for this request
-                    if old is None or old.request_id == request.id:
-                        exc.context = request.error_context(
-                            request.last_reason, extra=None if old is None else old.extra
-                        )
-            raise
-        except BaseException as final:  # the error, our timeout, or what the scope re-raised
-            request._finish_by(final)
-            if trace is not None:
-                trace.end(request, final)
-            raise
+        _failed(self, request, exc, scope, previous, trace)
     else:
         if scope is not None:
             request._set_cancel_hook(previous)
             scope.exit(None)
         if request.state is not _PENDING:  # Request.cancel() while the last attempt was in flight
-            error = _failing.already_completed(request, request.last_reason)
-            if trace is not None:
-                trace.end(request, error)
-            raise error
+            raise _traced_end(
+                trace, request, _failing.already_completed(request, request.last_reason)
+            )
         request._succeeded()
         if trace is not None:
             trace.end(request, None)
@@ -254,6 +235,64 @@ async def execute(
     finally:
         if token is not None:
             Request._dispatched_done(token)
+
+
+def _failed(
+    self: OrchestratorCore,
+    request: Request,
+    exc: BaseException,
+    scope: Any,
+    previous: Any,
+    trace: RequestTrace | None,
+) -> NoReturn:
+    """How ``execute`` ends when its loop raised ``exc``: raises what the caller gets.
+
+    The deadline's scope (if armed) is left first: if it cut an attempt or a wait,
+    the timeout (or Request.cancel()'s error) replaces ``exc``. A non-retryable answer
+    is booked as the last attempt's failure, with the request's error context.
+    Apart from ``execute`` so that its frame, which every request waiting in backoff
+    holds, keeps only the loop's locals (bench/README, "Memory per request in backoff").
+    """
+    in_flight = request.in_flight
+    try:
+        if scope is not None:
+            request._set_cancel_hook(previous)
+            if scope.exit(exc):  # our deadline or Request.cancel() cut an attempt or a wait
+                raise _scope_fired(
+                    self, request, exc if in_flight else None, in_flight=in_flight
+                ) from _failing.cause(request)
+        if isinstance(exc, Exception) and request.state is _PENDING and in_flight:
+            # a non-retryable answer: the last attempt's failure
+            request._attempt_failed(None, _MAYBE, exc, request.clock())
+            if isinstance(exc, CouchbaseException):
+                _give_context(request, exc)
+        raise exc
+    except BaseException as final:  # the error, our timeout, or what the scope re-raised
+        request._finish_by(final)
+        if trace is not None:
+            trace.end(request, final)
+        raise
+
+
+def _give_context(request: Request, error: CouchbaseException) -> None:
+    """The request's error context on ``error``, the final answer of an attempt.
+
+    Kept apart from ``execute``: one local less in its frame (see :func:`_failed`).
+    """
+    old = error.context  # none yet, or built by a mapper for this request
+    if old is None or old.request_id == request.id:
+        error.context = request.error_context(
+            request.last_reason, extra=None if old is None else old.extra
+        )
+
+
+def _traced_end(
+    trace: RequestTrace | None, request: Request, error: BaseException
+) -> BaseException:
+    """``error``, once the request's trace (if any) has recorded the request ending with it."""
+    if trace is not None:
+        trace.end(request, error)
+    return error
 
 
 async def maybe_retry(
