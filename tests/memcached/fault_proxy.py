@@ -5,6 +5,11 @@ can all put it between a client and a memcached. It forwards whole frames and
 counts what reaches the endpoint; knobs (set from the test's thread) make it:
 
 * ``delay``: hold every reply this many seconds;
+* ``request_latency``: a callable given each request frame and returning the
+  seconds it is held before it goes on to memcached, each on its own timer, so a
+  slow request does not hold back the ones behind it (a long-tail server: e.g. 99% of
+  requests in 1-2 ms and 1% in 50 ms, drawn per frame). Called on the proxy's thread;
+  not used with a capacity;
 * ``drop_replies``: swallow every reply (a black hole: the client times out);
 * :meth:`black_hole_open`: swallow every reply on the connections open now, while
   new connections work (a connection stuck somewhere on the way);
@@ -28,7 +33,7 @@ import asyncio
 import collections
 import struct
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 _HEADER = 24
@@ -56,6 +61,7 @@ class FaultProxy:
         self.upstream_port = upstream_port
         self.port = 0
         self.delay = 0.0
+        self.request_latency: Callable[[bytes], float] | None = None
         self.drop_replies = False
         self.cut_opcodes: frozenset[int] = frozenset()
         self.cut_every = 1
@@ -238,10 +244,22 @@ class FaultProxy:
                     self._serving.add(task)
                     task.add_done_callback(self._serving.discard)
                     continue
+                latency = self.request_latency
+                if latency is not None:
+                    hold = latency(frame)
+                    if hold > 0:
+                        asyncio.get_running_loop().call_later(hold, self._forward, up, frame)
+                        continue
                 up.write(frame)
                 await up.drain()
         except (asyncio.IncompleteReadError, OSError):
             return
+
+    @staticmethod
+    def _forward(up: asyncio.StreamWriter, frame: bytes) -> None:
+        """A request held by ``request_latency`` goes on (a whole frame per write)."""
+        if not up.is_closing():
+            up.write(frame)
 
     async def _serve(
         self, slots: asyncio.Semaphore, frame: bytes, up: asyncio.StreamWriter
