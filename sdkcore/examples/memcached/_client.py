@@ -153,6 +153,32 @@ class _Connection:
         with anyio.CancelScope(shield=True):
             await self.stream.aclose()
 
+    async def _write(self, frame: bytes) -> None:
+        """Write ``frame`` whole, or close the connection.
+
+        A caller's cancellation never cuts a frame: a hedge's losing copy, or a request
+        whose deadline came, is cancelled while its frame is being written, and cutting
+        it there would leave half a frame that the next one completes; closing the
+        connection for it instead failed every other request in flight on it (one drop
+        per lost hedge race, bench/bench_hedge_adaptive.py). So the write is shielded
+        from the caller's cancel scopes and bounded by their deadline instead: a peer
+        that stops reading until then gets its connection closed. On asyncio, sdkcore's
+        own deadline cancels the task directly (no scope to shield from); there anyio's
+        ``send`` hands the whole frame to the transport in one call, so that
+        cancellation lands before the frame or after it, never inside.
+        """
+        bound = anyio.current_effective_deadline()
+        try:
+            with anyio.CancelScope(deadline=bound, shield=True) as scope:
+                await self.stream.send(frame)
+        except _LOST as exc:
+            await self.drop(f"write to {self.name} failed: {exc!r}")
+            return
+        if scope.cancelled_caught:
+            # the deadline came while the peer was not reading: part of the frame may be out
+            await self.drop(f"a write to {self.name} was cut mid-frame at the deadline")
+            raise TimeoutError(f"{self.name} did not take a request frame before the deadline")
+
     async def roundtrip(
         self,
         frame: bytes,
@@ -173,16 +199,7 @@ class _Connection:
         try:
             async with self.write_lock:
                 if self.lost is None:  # else closed while this waited: the waiter has the error
-                    written = False
-                    try:
-                        await self.stream.send(frame)
-                        written = True
-                    except _LOST as exc:
-                        await self.drop(f"write to {self.name} failed: {exc!r}")
-                    finally:
-                        if not written and self.lost is None:
-                            # cancelled part way: the rest of the stream would complete this frame
-                            await self.drop(f"a write to {self.name} was cut mid-frame")
+                    await self._write(frame)
             silent_since = self.reads
             sent_at = time.monotonic()
             try:
