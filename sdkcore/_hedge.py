@@ -248,8 +248,10 @@ class _Chain:
         except BaseException:
             self.outstanding -= 1
             latency = self.latency
-            if latency is not None and self.winner is not None:  # superseded: as Finagle
-                latency.record(self._elapsed(attempt))
+            if latency is not None and self.winner is not None:  # superseded: as Finagle,
+                # but known only to be longer (a first copy cut at delay + the hedge's
+                # latency is not placed there: see LatencyQuantile.record)
+                latency.record(self._elapsed(attempt), cut=True)
             attempt.outcome = _CANCELLED
             # cut in flight: it may have reached the server
             self._book(attempt, None, AttemptEffect.MAYBE_APPLIED, None)

@@ -26,7 +26,7 @@ from sdkcore import (
     RetryOrchestrator,
     RetryReason,
 )
-from sdkcore._latency import RELATIVE_ERROR, LatencyQuantile
+from sdkcore._latency import _CUT, RELATIVE_ERROR, LatencyQuantile
 from sdkcore.testing import VirtualClock, instant_retries
 
 SAFETY = 10.0  # every hedging test fails instead of hanging after this long
@@ -89,6 +89,83 @@ def test_p99_of_one_to_a_thousand_ms() -> None:
     # 990 of 1000 at or below 990 ms: the bucket holding 0.990 s ends at 0.9921875
     assert q.delay_seconds == 0.9921875
     assert q.total_seconds() == q.delay_seconds
+
+
+# -- a tail past a gap, cut copies (issue 23) ---------------------------------------------
+
+
+def body_and_tail(body: int, tail: int, *, tail_s: float = 0.050) -> list[float]:
+    """``body`` latencies of 2 ms plus an exponential's quantiles (mean 0.4 ms: the
+    slowest about 5.4 ms), and ``tail`` at ``tail_s``."""
+    return [0.002 + 0.0004 * math.log(body / (body - i)) for i in range(body)] + [tail_s] * tail
+
+
+def window_of(samples: list[float], max_extra_load: float = 0.01, **kw: Any) -> float:
+    q, vc = make(max_extra_load, **kw)
+    for x in samples:
+        q.record(x)
+    vc.advance(3.0)
+    return q.delay_seconds
+
+
+def test_a_tail_the_budget_just_misses_is_hedged_whole() -> None:
+    # 50 of 4,500 (1.1%) at 50 ms past a 2-5 ms body: the p99 is in the tail (the old
+    # delay: 50 ms, no help). Within 40% of the budget again (63 of 4,500), hedge it all.
+    samples = body_and_tail(4450, 50)
+    assert nearest_rank(samples, 0.01) == 0.050
+    delay = window_of(samples)
+    assert delay < 0.005
+    above = sum(x > delay for x in samples)
+    assert 50 < above <= math.floor(0.014 * 4500)  # the tail, and the body's top: 63
+
+
+def test_a_tail_the_budget_just_covers_is_hedged_whole_too() -> None:
+    # 42 of 4,500 (0.93%): q is the body's 3rd slowest; the count drifts across 45 from
+    # one window to the next, so the delay uses the same 40% again as at 46.
+    samples = body_and_tail(4458, 42)
+    exact = nearest_rank(samples, 0.01)
+    assert exact < 0.006
+    delay = window_of(samples)
+    assert delay < exact  # more of the body's top: 63 above in all
+    assert sum(x > delay for x in samples) <= math.floor(0.014 * 4500)
+
+
+def test_a_small_tail_keeps_the_plain_quantile() -> None:
+    samples = body_and_tail(4485, 15)  # 0.33%: well within the budget
+    exact = nearest_rank(samples, 0.01)
+    assert exact <= window_of(samples) <= exact * (1 + RELATIVE_ERROR)
+
+
+def test_a_tail_past_the_slack_is_not_hedged() -> None:
+    samples = body_and_tail(4420, 80)  # 1.8% > 1.4%
+    assert 0.050 <= window_of(samples) <= 0.050 * (1 + RELATIVE_ERROR)
+
+
+def test_two_slow_ones_among_the_first_100_do_not_make_the_first_delay() -> None:
+    q, _ = make(0.01, min_samples=100)
+    for x in body_and_tail(98, 2):
+        q.record(x)
+    delay = q.delay_seconds
+    assert delay < 0.006  # not 50 ms until the window rolls over
+
+
+def test_a_cut_copy_past_the_delay_counts_as_longer_not_where_it_was_cut() -> None:
+    q, vc = make(0.01)
+    for x in body_and_tail(990, 5):
+        q.record(x)
+    vc.advance(3.0)
+    assert q.delay_seconds < 0.006
+    for _ in range(15):  # first copies cut 3 ms after their hedge went out
+        q.record(0.009, cut=True)
+    vc.advance(3.0)
+    # Placed at 9 ms (Finagle's), they would make the p99 9 ms and the delay creep up;
+    # counted above every latency, the 20 past the body are over 1.4% of 1,010: the
+    # delay is in the tail, where it belongs.
+    assert 0.050 <= q.delay_seconds <= 0.050 * (1 + RELATIVE_ERROR)
+    q.record(0.001, cut=True)  # shorter than the delay: a hedge cut early, counted there
+    assert q.count == 1011
+    cut = [n for counts in q._slices for bucket, n in counts.items() if bucket >= _CUT]
+    assert cut == [15]
 
 
 # -- min_samples, refresh, window ----------------------------------------------------------
@@ -433,6 +510,8 @@ async def test_each_copy_records_its_latency_the_superseded_one_too(anyio_backen
     send = Send({0: None, 1: 0.0})
     assert await send.hedge(RetryOrchestrator(), HedgePolicy(2, delay=q)) == 1
     assert q.count == 20 + 2  # the winner (about 0 s) and hedge 0, cut at about 30 ms
+    # hedge 0, cut past the delay, counts as longer than every latency (issue 23)
+    assert [n for counts in q._slices for bucket, n in counts.items() if bucket >= _CUT] == [1]
 
 
 @pytest.mark.anyio
