@@ -137,8 +137,9 @@ async def execute(
     rt: Any = None  # the runtime layer, looked up when the call first waits
     scope = previous = token = None
     # Telemetry (rfc/0008): the request's trace, unless a door around this one keeps it
-    # (a gRPC call's); its hooks are called inline, a wrapping coroutine per attempt
-    # cost 0.5 us of sdkcore's 1 us (bench/README, "bench_telemetry.py").
+    # (a gRPC call's). Its hooks are called here in line: a wrapping coroutine per attempt
+    # and a re-entry of execute were about half of sdkcore's share of a traced call
+    # (bench/README, "bench_telemetry.py", second pass).
     trace = handle = None
     if self._telemetry is not None and request._trace is None:
         trace = RequestTrace(self._telemetry, request)
