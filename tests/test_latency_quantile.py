@@ -143,15 +143,19 @@ def test_a_tail_past_the_slack_is_not_hedged() -> None:
 
 def test_two_slow_ones_among_the_first_100_do_not_make_the_first_delay() -> None:
     q, _ = make(0.01, min_samples=100)
-    for x in body_and_tail(98, 2):
+    samples = body_and_tail(98, 2)
+    for x in samples:
         q.record(x)
     delay = q.delay_seconds
     assert delay < 0.006  # not 50 ms until the window rolls over
+    # The 3 allowed above q2 (k + 2 * sqrt(k + 1)) are for the tail's count: the body
+    # gets at most 1.4 k (1), here less than the tail, so none of it is hedged.
+    assert sum(x > delay for x in samples) == 2
 
 
 def test_a_cut_copy_past_the_delay_counts_as_longer_not_where_it_was_cut() -> None:
     q, vc = make(0.01)
-    for x in body_and_tail(990, 5):
+    for x in body_and_tail(990, 10):
         q.record(x)
     vc.advance(3.0)
     assert q.delay_seconds < 0.006
@@ -159,13 +163,48 @@ def test_a_cut_copy_past_the_delay_counts_as_longer_not_where_it_was_cut() -> No
         q.record(0.009, cut=True)
     vc.advance(3.0)
     # Placed at 9 ms (Finagle's), they would make the p99 9 ms and the delay creep up;
-    # counted above every latency, the 20 past the body are over 1.4% of 1,010: the
-    # delay is in the tail, where it belongs.
+    # counted above every latency, the 25 past the body are over 1.4% of 1,015 and
+    # past the allowance to keep a tail hedged whole (23): the delay is in the tail.
     assert 0.050 <= q.delay_seconds <= 0.050 * (1 + RELATIVE_ERROR)
     q.record(0.001, cut=True)  # shorter than the delay: a hedge cut early, counted there
-    assert q.count == 1011
+    assert q.count == 1016
     cut = [n for counts in q._slices for bucket, n in counts.items() if bucket >= _CUT]
     assert cut == [15]
+
+
+def test_a_tail_hedged_whole_stays_so_within_the_allowance() -> None:
+    # 15 of 1,000 at 50 ms: hedged whole (q2). Then 5 more: 20 of 1,005, past k2 (16)
+    # but within max_extra_load + 0.5% and two standard deviations (15 + 2 * 4 = 23).
+    # Entering and leaving at k2, the delay went into the tail (50 ms, no hedge) until
+    # the count came down; it now stays at the body's top, hedging the 20 and no more.
+    q, vc = make(0.01)
+    samples = body_and_tail(985, 15)
+    for x in samples:
+        q.record(x)
+    vc.advance(3.0)
+    assert q.delay_seconds < 0.006
+    for _ in range(5):
+        q.record(0.050)
+        samples.append(0.050)
+    vc.advance(3.0)
+    delay = q.delay_seconds
+    assert delay < 0.006
+    assert max(x for x in samples if x < 0.050) <= delay  # the body's top: none of it
+    assert sum(x > delay for x in samples) == 20
+    for _ in range(10):  # 30 of 1,015: past the allowance, no longer hedged
+        q.record(0.050)
+    vc.advance(3.0)
+    assert 0.050 <= q.delay_seconds <= 0.050 * (1 + RELATIVE_ERROR)
+    for _ in range(5):  # 35 of 1,020: down to 1.4% is needed to hedge it again
+        q.record(0.002)
+    vc.advance(3.0)
+    assert 0.050 <= q.delay_seconds <= 0.050 * (1 + RELATIVE_ERROR)
+
+
+def test_a_tail_past_k2_is_not_entered_without_the_hysteresis() -> None:
+    # The same 20 of 1,005 in a fresh window: past k2 (16), not hedged (as Finagle's).
+    delay = window_of(body_and_tail(985, 20))
+    assert 0.050 <= delay <= 0.050 * (1 + RELATIVE_ERROR)
 
 
 # -- min_samples, refresh, window ----------------------------------------------------------
