@@ -9,6 +9,7 @@ responses are matched to them by ``opaque``. Each operation is a
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -53,6 +54,7 @@ __all__ = ["MemcachedClient"]
 #: on the request's clock: when it fires, the request's clock may read a hair before the
 #: deadline. A wait cut this close to the deadline was cut by it.
 _AT_DEADLINE = max(0.001, time.get_clock_info("monotonic").resolution)
+_NO_GUARD: contextlib.nullcontext[None] = contextlib.nullcontext()  # no throttle or limiter
 _LOST = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
 _CUTS_KEPT = 1024  # attempts cut per connection whose late answer is still awaited as an orphan
 
@@ -271,23 +273,9 @@ class _Endpoint:
         The server's status is mapped inside the guards, so the throttle counts a
         TMPFAIL as a rejection and the adaptive limiter times the answer.
         """
-        throttle = self.throttle
-        limiter = self.limiter
-        if throttle is None:
-            if limiter is None:
-                response = await self.dispatch(request, opcode, build)
-                raise_for_status(response, opcode)
-                return response
-            async with limiter.acquire():
-                response = await self.dispatch(request, opcode, build)
-                raise_for_status(response, opcode)
-                return response
-        with throttle.guard():
-            if limiter is None:
-                response = await self.dispatch(request, opcode, build)
-                raise_for_status(response, opcode)
-                return response
-            async with limiter.acquire():
+        throttle, limiter = self.throttle, self.limiter
+        with throttle.guard() if throttle is not None else _NO_GUARD:
+            async with limiter.acquire() if limiter is not None else _NO_GUARD:
                 response = await self.dispatch(request, opcode, build)
                 raise_for_status(response, opcode)
                 return response

@@ -9,6 +9,7 @@ goes through the endpoint's throttle, limiter and breaker in rfc/0009's order.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import socket
 import threading
@@ -48,6 +49,9 @@ __all__ = ["SyncMemcachedClient"]
 
 Limiter = ConcurrencyLimiter | AdaptiveConcurrencyLimiter
 _LIMITERS = (ConcurrencyLimiter, AdaptiveConcurrencyLimiter)
+
+
+_NO_GUARD: contextlib.nullcontext[None] = contextlib.nullcontext()  # no throttle or limiter
 
 
 def _deadline(request: Request) -> float | None:
@@ -98,25 +102,14 @@ class _SyncEndpoint:
         counts a TMPFAIL as a rejection and the adaptive limiter times the answer.
         The ``with`` blocks give the permit back however the attempt ends.
         """
-        throttle = self.throttle
-        limiter = self.limiter
-        if throttle is None:
-            if limiter is None:
-                return self._answered(request, opcode, build, opaque)
-            with limiter.guard():
-                return self._answered(request, opcode, build, opaque)
-        with throttle.guard():
-            if limiter is None:
-                return self._answered(request, opcode, build, opaque)
-            with limiter.guard():
-                return self._answered(request, opcode, build, opaque)
-
-    def _answered(
-        self, request: Request, opcode: KvOpcode, build: Callable[[int], bytes], opaque: int
-    ) -> proto.Response:
-        response = self.dispatch(request, opcode, build, opaque)
-        raise_for_status(response, opcode)
-        return response
+        throttle, limiter = self.throttle, self.limiter
+        with (
+            throttle.guard() if throttle is not None else _NO_GUARD,
+            limiter.guard() if limiter is not None else _NO_GUARD,
+        ):
+            response = self.dispatch(request, opcode, build, opaque)
+            raise_for_status(response, opcode)
+            return response
 
     def _drop(self) -> None:
         sock, self._sock = self._sock, None
