@@ -186,30 +186,22 @@ def main() -> None:
         if not args.skip_nolimit:
             proxy.limit_capacity(args.capacity, service)
             row("2x, no limiter", anyio.run(run, proxy, 2 * capacity, args.seconds, timeout))
-        proxy.limit_capacity(args.capacity, service)
-        fast = anyio.run(
-            run,
-            proxy,
-            2 * capacity,
-            args.seconds,
-            timeout,
-            lambda name: AdaptiveConcurrencyLimiter(args.initial_limit, name=name),
-            None,
-            True,
-        )
-        row("2x, adaptive, FailFast", fast)
-        proxy.limit_capacity(args.capacity, service)
-        adaptive = anyio.run(
-            run,
-            proxy,
-            2 * capacity,
-            args.seconds,
-            timeout,
-            lambda name: AdaptiveConcurrencyLimiter(args.initial_limit, name=name),
-        )
-        row("2x, adaptive, BestEffort", adaptive)
+        adaptive: dict[str, dict[str, Any]] = {}
+        for label, fail_fast in (("FailFast", True), ("BestEffort", False)):
+            proxy.limit_capacity(args.capacity, service)
+            adaptive[label] = anyio.run(
+                run,
+                proxy,
+                2 * capacity,
+                args.seconds,
+                timeout,
+                lambda name: AdaptiveConcurrencyLimiter(args.initial_limit, name=name),
+                None,
+                fail_fast,
+            )
+            row(f"2x, adaptive, {label}", adaptive[label])
         print()
-        for label, r in (("FailFast", fast), ("BestEffort", adaptive)):
+        for label, r in adaptive.items():
             good = r["goodput 2nd half"] / capacity
             ratio = r["p99 2nd half"] / unloaded["p99"]
             print(
