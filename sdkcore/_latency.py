@@ -83,6 +83,36 @@ def _stay(extra: float, count: int, above2: int) -> int:
     return max(above2, math.floor(share + _STAY_SD * math.sqrt(share + 1)))
 
 
+def _at_rank(items: list[tuple[int, int]], rank: int) -> int:
+    """The bucket holding the ``rank``-th latency (1-based) of ``items``, sorted (bucket, count)."""
+    seen = 0
+    for bucket, n in items:
+        seen += n
+        if seen >= rank:
+            return bucket
+    return _TOP  # unreachable: the counts add up to the window's count
+
+
+def _past_gap(items: list[tuple[int, int]], count: int, rank: int) -> tuple[int, float, int]:
+    """From the ``rank``-th latency up: its bucket, the highest latency below the first gap
+    above it (an octave or more with nothing in it), and how many latencies lie past that
+    gap (cut copies count as past every gap; 0 when there is no gap)."""
+    seen = 0
+    at = -1
+    top = 0.0
+    for bucket, n in items:
+        seen += n
+        if at < 0:
+            if seen >= rank:
+                at = bucket
+                top = _upper(bucket % _CUT)
+        elif bucket >= _CUT or _upper(bucket) > 2.0 * (1.0 + RELATIVE_ERROR) * top:
+            return at, top, count - seen + n
+        else:
+            top = _upper(bucket)
+    return (_TOP if at < 0 else at), top, 0
+
+
 def _bucket(seconds: float) -> int:
     if seconds < _LOW:
         return 0
@@ -430,38 +460,11 @@ class LatencyQuantile:
         above3 = _stay(extra, count, above2)  # ... past the gap, to keep hedging it
         body = min(_share(extra, count), above2)  # the body's share above q2, at most
         rank, rank2, rank3, rank4 = count - above, count - above2, count - above3, count - body
-        seen = 0
-        first = second = third = fourth = -1
-        beyond = 0  # latencies past the first gap (an octave or more) above q2, cut ones too
-        beyond3 = 0  # ... above q3
-        previous = previous3 = 0.0
-        for bucket in sorted(merged):  # the cut copies last
-            n = merged[bucket]
-            seen += n
-            if third < 0:
-                if seen >= rank3:
-                    third = bucket
-                    previous3 = _upper(bucket % _CUT)
-            elif not beyond3:
-                if bucket >= _CUT or _upper(bucket) > 2.0 * (1.0 + RELATIVE_ERROR) * previous3:
-                    beyond3 = count - seen + n
-                else:
-                    previous3 = _upper(bucket)
-            if second < 0:
-                if seen >= rank2:
-                    second = bucket
-                    previous = _upper(bucket % _CUT)
-            elif not beyond:
-                if bucket >= _CUT or _upper(bucket) > 2.0 * (1.0 + RELATIVE_ERROR) * previous:
-                    beyond = count - seen + n
-                else:
-                    previous = _upper(bucket)
-            if first < 0 and seen >= rank:
-                first = bucket
-            if fourth < 0 and seen >= rank4:
-                fourth = bucket
-        if first < 0 or second < 0:  # unreachable: the counts add up to count
-            first = second = _TOP
+        items = sorted(merged.items())  # the cut copies last
+        first = _at_rank(items, rank)
+        fourth = _at_rank(items, rank4)
+        _, previous, beyond = _past_gap(items, count, rank2)
+        third, previous3, beyond3 = _past_gap(items, count, rank3)
         least = above - 2.0 * math.sqrt(above + 1)
         if self._keep and third < _CUT and beyond3 > above2 and beyond3 >= least:
             # The tail was hedged whole and is past k2 now, but within _stay's allowance
