@@ -380,3 +380,21 @@ async def test_request_span_is_backdated_to_the_request_creation(otel: Otel) -> 
     assert span.start_time is not None
     assert attempt.start_time is not None
     assert attempt.start_time - span.start_time >= 40_000_000  # ns
+
+
+@pytest.mark.anyio
+async def test_a_call_that_fails_its_argument_checks_starts_no_span_and_records_nothing(
+    otel: Otel,
+) -> None:
+    orchestrator = otel.orchestrator()
+    request = Request(name="kv.get", idempotent=True)
+    assert await orchestrator.execute(request, Recorder(otel)) == "v"
+    # a second execute of the completed request, and a send that is not callable
+    with pytest.raises(Exception, match="already"):
+        await orchestrator.execute(request, Recorder(otel))
+    with pytest.raises(TypeError, match="send must be"):
+        await orchestrator.execute(Request(name="kv.bad"), "not callable")  # type: ignore[arg-type]
+    names = [span.name for span in otel.spans()]
+    assert names.count("kv.get") == 1 and "kv.bad" not in names
+    durations = otel.metrics()["sdkcore.request.duration"]
+    assert sum(count for _, (count, _sum) in durations.points) == 1
