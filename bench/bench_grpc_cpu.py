@@ -2,10 +2,14 @@
 
 The server runs in a subprocess; client and server are pinned to separate cores
 (``os.sched_setaffinity``) where the box has two. Every variant runs in the same
-process, interleaved round by round in a shuffled order; each figure is the median
-over the rounds of the client's CPU time (``time.process_time``: every thread of
-the client process, grpc's own included) per successful call. A ratio is taken per
-round against its reference in the same round, then the median is printed.
+process. Each round measures every variant beside its reference, in a shuffled
+order of pairs, as reference, variant, variant, reference (half the calls each), so
+that a change of the machine's speed during the four cancels out; a ratio is the
+median over the rounds of those pairs' ratios. The client's CPU time
+(``time.process_time``: every thread of the client process, grpc's own included)
+per successful call is the median of every measurement of that variant.
+``plain (control)`` is plain grpc.aio on a second channel against plain: how far a
+ratio strays by noise alone.
 
 Variants (all on one loopback server):
 
@@ -25,13 +29,21 @@ Variants (all on one loopback server):
   channel does): a random wait below 10 ms (full jitter). Fixed 10 ms sleeps wake
   the concurrent calls together, in fewer turns of the loop: cheaper per call.
 
-    uv run python bench/bench_grpc_cpu.py [--calls 2000] [--rounds 9] [--concurrency 8]
+Every call also runs a second time with ``timeout=10`` (a deadline, as production
+calls carry), as its own row ``... +timeout`` against ``plain +timeout``; the retried
+rows with a timeout also have ``retried (interceptor)``: the same retry written as a
+15-line grpc.aio ``UnaryUnaryClientInterceptor`` (:class:`HandRetry`) with the same
+backoff (A6's full jitter below 10 ms), the reference of ``retried (sdkcore) +timeout``.
+
+    uv run python bench/bench_grpc_cpu.py [--calls 1200] [--rounds 15] [--concurrency 32]
+                                          [--only TEXT]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -119,6 +131,25 @@ def start_server(core: int | None) -> tuple[subprocess.Popen[str], int]:
 
 
 # -- the client ------------------------------------------------------------------------
+class HandRetry(aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """A hand-written A6-style retry: 2 attempts on UNAVAILABLE, full jitter below 10 ms."""
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        deadline = None if details.timeout is None else time.monotonic() + details.timeout
+        for attempt in (1, 2):
+            call = await continuation(details, request)
+            try:
+                await call
+                return call
+            except aio.AioRpcError as err:
+                if attempt == 2 or err.code() is not grpc.StatusCode.UNAVAILABLE:
+                    raise
+            await asyncio.sleep(0.01 * random.random())
+            if deadline is not None:  # the retry gets the call's time left
+                details = details._replace(timeout=max(deadline - time.monotonic(), 0.0))
+        return None  # pragma: no cover
+
+
 async def run_calls(fn: Callable[[bytes], Any], calls: int, concurrency: int, tag: int) -> None:
     per_worker = calls // concurrency
 
@@ -136,7 +167,9 @@ async def measure(fn: Callable[[bytes], Any], calls: int, concurrency: int, tag:
     return (time.process_time() - t0) / (calls // concurrency * concurrency)
 
 
-async def client(port: int, calls: int, rounds: int, concurrency: int) -> dict[str, Any]:
+async def client(
+    port: int, calls: int, rounds: int, concurrency: int, only: str | None = None
+) -> dict[str, Any]:
     from sdkcore.grpc import insecure_channel
 
     target = f"127.0.0.1:{port}"
@@ -146,6 +179,7 @@ async def client(port: int, calls: int, rounds: int, concurrency: int) -> dict[s
     )
     bare = insecure_channel(target)
     ours = insecure_channel(target, service_config=CONFIG)
+    hand = aio.insecure_channel(target, interceptors=[HandRetry()])
     plain_fail = plain.unary_unary(FAIL_ONCE)
 
     def hand_loop(backoff: Callable[[], float]) -> Callable[[bytes], Any]:
@@ -160,7 +194,7 @@ async def client(port: int, calls: int, rounds: int, concurrency: int) -> dict[s
 
         return call
 
-    variants: dict[str, Callable[[bytes], Any]] = {
+    variants: dict[str, Callable[..., Any]] = {
         "plain": plain.unary_unary(ECHO),
         "no policy": bare.unary_unary(ECHO),
         "retryPolicy": ours.unary_unary(ECHO),
@@ -178,20 +212,57 @@ async def client(port: int, calls: int, rounds: int, concurrency: int) -> dict[s
         "retried (hand loop)": "retried (grpcio)",
         "retried (hand, jitter)": "retried (grpcio)",
     }
+    # Every call again with a deadline, as production calls carry one.
+    for name in ("plain", "no policy", "retryPolicy", "hedgingPolicy", "retried (grpcio)"):
+        variants[f"{name} +timeout"] = functools.partial(variants[name], timeout=10)
+    variants["retried (sdkcore) +timeout"] = functools.partial(
+        ours.unary_unary(FAIL_ONCE), timeout=10
+    )
+    variants["retried (interceptor) +timeout"] = functools.partial(
+        hand.unary_unary(FAIL_ONCE), timeout=10
+    )
+    reference.update(
+        {
+            "no policy +timeout": "plain +timeout",
+            "retryPolicy +timeout": "plain +timeout",
+            "hedgingPolicy +timeout": "plain +timeout",
+            "retried (sdkcore) +timeout": "retried (interceptor) +timeout",
+            "retried (interceptor) +timeout": "retried (grpcio) +timeout",
+        }
+    )
+    # A control: plain grpc.aio on a second channel (its own connection, as every
+    # variant's channel has) against plain: how far a ratio strays by noise alone.
+    control = aio.insecure_channel(target)
+    variants["plain (control)"] = control.unary_unary(ECHO)
+    reference["plain (control)"] = "plain"
+    variants["plain (control) +timeout"] = functools.partial(control.unary_unary(ECHO), timeout=10)
+    reference["plain (control) +timeout"] = "plain +timeout"
+    if only is not None:  # the rows whose name contains ``only``, and their references
+        reference = {k: v for k, v in reference.items() if only in k}
+        keep = set(reference) | set(reference.values())
+        variants = {k: v for k, v in variants.items() if k in keep}
     for fn in variants.values():  # warm up every path
         await run_calls(fn, max(calls // 10, concurrency), concurrency, -1)
     per_call: dict[str, list[float]] = {name: [] for name in variants}
+    pair_ratios: dict[str, list[float]] = {name: [] for name in reference}
+    half = calls // 2
     for r in range(rounds):
-        order = list(variants)
+        # Each variant beside its reference, in the order ref, variant, variant, ref
+        # (a drift of the machine's speed within the four cancels out of the ratio).
+        order = list(reference)
         random.shuffle(order)
         for name in order:
-            per_call[name].append(await measure(variants[name], calls, concurrency, r))
-    for ch in (plain, native, bare, ours):
+            ref = reference[name]
+            a = await measure(variants[ref], half, concurrency, r)
+            b = await measure(variants[name], half, concurrency, r)
+            b += await measure(variants[name], half, concurrency, r)
+            a += await measure(variants[ref], half, concurrency, r)
+            pair_ratios[name].append(b / a)
+            per_call[name].append(b / 2)
+            per_call[ref].append(a / 2)
+    for ch in (plain, native, bare, ours, hand, control):
         await ch.close()
-    ratios = {
-        name: statistics.median(a / b for a, b in zip(per_call[name], per_call[ref], strict=True))
-        for name, ref in reference.items()
-    }
+    ratios = {name: statistics.median(v) for name, v in pair_ratios.items()}
     return {
         "us_per_call": {k: statistics.median(v) * 1e6 for k, v in per_call.items()},
         "ratios": ratios,
@@ -204,6 +275,9 @@ TARGETS = {
     "retryPolicy": 1.12,
     "hedgingPolicy": 1.12,
     "retried (sdkcore)": 1.25,
+    "no policy +timeout": 1.05,
+    "retryPolicy +timeout": 1.08,
+    "retried (sdkcore) +timeout": 1.0,
 }
 
 
@@ -214,9 +288,12 @@ def main() -> None:
         asyncio.run(serve())
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calls", type=int, default=2000, help="calls per variant per round")
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--calls", type=int, default=1200, help="calls per pair and round")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument(
+        "--only", help="only the rows whose name contains this text (and their references)"
+    )
     args = parser.parse_args()
     # An application decides what is logged; per-retry debug events are off here.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
@@ -226,7 +303,7 @@ def main() -> None:
     try:
         if pinned:
             os.sched_setaffinity(0, {cores[0]})
-        out = asyncio.run(client(port, args.calls, args.rounds, args.concurrency))
+        out = asyncio.run(client(port, args.calls, args.rounds, args.concurrency, args.only))
     finally:
         assert proc.stdin is not None
         proc.stdin.close()
@@ -241,7 +318,7 @@ def main() -> None:
         f"concurrency {args.concurrency}, {where}"
     )
     for name, us in out["us_per_call"].items():
-        line = f"  {name:<18} {us:8.1f} us"
+        line = f"  {name:<30} {us:8.1f} us"
         if name in out["ratios"]:
             ratio = out["ratios"][name]
             line += f"   {ratio:.3f}x {out['reference'][name]}"

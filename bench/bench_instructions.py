@@ -13,6 +13,14 @@ Cases (the call of ``bench_doors.py``: 3 retryable failures, zero backoff, succe
 (``asyncio.sleep(0)``), ``execute``, ``execute+deadline`` (``timeout=2.5``),
 ``maybe_retry`` (a hand-wired loop), ``happy+deadline`` (one successful call).
 
+gRPC cases (``--case grpc-...``; not run by default: they import grpcio): sdkcore's
+own work on an sdkcore channel, with grpc.aio's call object replaced by a stand-in
+that is over when awaited. ``grpc-bare`` awaits the stand-in alone; ``grpc-ok`` and
+``grpc-ok-policy`` make an OK call through the channel without and with a
+retryPolicy (``timeout=10``); ``grpc-hand`` retries a failed first attempt by hand
+(catch, sleep below 1 us, call again); ``grpc-retried`` is the same through the
+channel's retryPolicy. The difference to the reference is sdkcore's share.
+
 ``--tree DIR`` (repeatable) runs the cases against the ``sdkcore`` package found in
 DIR (e.g. ``git archive <rev> sdkcore | tar -x -C DIR``), to compare revisions;
 default: this checkout. Needs valgrind (Debian: ``apt-get install valgrind``); about
@@ -83,7 +91,97 @@ async def main(case, calls):
 asyncio.run(main(sys.argv[1], int(sys.argv[2])))
 """
 
+# sdkcore's own work on a gRPC channel: grpc.aio's call replaced by a stand-in that
+# answers at once (OK, or UNAVAILABLE on every other attempt), so that only sdkcore's
+# instructions are counted. The channel is connected to a real (idle) server first, so
+# that it is READY as in production. What a real call costs is bench_grpc_cpu.py's.
+GRPC_WORKLOAD = r"""
+import asyncio, json, random, sys
+import grpc
+from grpc import aio
+from sdkcore.grpc import insecure_channel
+
+random.seed(1)
+POLICY = json.dumps({"methodConfig": [{"name": [{"service": "b.S"}], "retryPolicy": {
+    "maxAttempts": 2, "initialBackoff": "0.000001s", "maxBackoff": "0.000001s",
+    "backoffMultiplier": 1, "retryableStatusCodes": ["UNAVAILABLE"]}}]})
+EMPTY = aio.Metadata()
+
+class Status:  # what sdkcore reads of grpc's Cython call: is_ok()
+    def __init__(self, ok):
+        self.ok = ok
+    def is_ok(self):
+        return self.ok
+
+class StandIn:  # a grpc.aio unary call that is over when awaited
+    def __init__(self, ok):
+        self.callbacks = []
+        self._cython_call = Status(ok)
+    def add_done_callback(self, cb):
+        self.callbacks.append(cb)
+    def cancelled(self):
+        return False
+    def done(self):
+        return True
+    def __await__(self):
+        if False:
+            yield
+        for cb in self.callbacks:
+            cb(self)
+        if not self._cython_call.ok:
+            raise aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, EMPTY, EMPTY, "down")
+        return b"ok"
+
+def inner_for(fail_every_other):
+    sent = [0]
+    def inner(message, timeout=None, metadata=None, credentials=None,
+              wait_for_ready=None, compression=None):
+        sent[0] += 1
+        return StandIn(not fail_every_other or sent[0] % 2 == 0)
+    return inner
+
+async def main(case, calls):
+    retried = case in ("grpc-hand", "grpc-retried")
+    inner = inner_for(retried)
+    policy = POLICY if case in ("grpc-ok-policy", "grpc-retried") else None
+    server = aio.server()  # a real server, so that the channel is READY as in production
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = insecure_channel(f"127.0.0.1:{port}", service_config=policy)
+    await channel.channel_ready()
+    if case == "grpc-bare":
+        for _ in range(calls):
+            await inner(b"x", timeout=10)
+    elif case == "grpc-hand":  # the retry written by hand: catch, sleep, call again
+        for _ in range(calls):
+            for attempt in (1, 2):
+                try:
+                    await inner(b"x", timeout=10)
+                    break
+                except aio.AioRpcError as err:
+                    if attempt == 2 or err.code() is not grpc.StatusCode.UNAVAILABLE:
+                        raise
+                await asyncio.sleep(0.000001 * random.random())
+    else:  # sdkcore's channel: its multi-callable, around the stand-in
+        mc = channel.unary_unary("/b.S/M")  # the multi-callable the channel chose
+        call = type(mc)(mc._core, mc._plan, inner, mc._method)
+        for _ in range(calls):
+            await call(b"x", timeout=10)
+    await channel.close()
+    await server.stop(None)
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+"""
+
 CASES = ["hand", "hand-native", "execute", "execute+deadline", "maybe_retry", "happy+deadline"]
+#: The gRPC cases and the case each is compared with (sdkcore's share: the difference).
+GRPC_CASES = {
+    "grpc-bare": None,
+    "grpc-ok": "grpc-bare",
+    "grpc-ok-policy": "grpc-bare",
+    "grpc-hand": None,
+    "grpc-retried": "grpc-hand",
+}
 
 
 def instructions(tree: Path, case: str, calls: int) -> int:
@@ -97,7 +195,7 @@ def instructions(tree: Path, case: str, calls: int) -> int:
             "--callgrind-out-file=/dev/null",
             sys.executable,
             "-c",
-            WORKLOAD,
+            GRPC_WORKLOAD if case in GRPC_CASES else WORKLOAD,
             case,
             str(calls),
         ],
@@ -116,7 +214,7 @@ def instructions(tree: Path, case: str, calls: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--tree", action="append", type=Path, help="a directory holding sdkcore/")
-    parser.add_argument("--case", action="append", choices=CASES)
+    parser.add_argument("--case", action="append", choices=CASES + list(GRPC_CASES))
     parser.add_argument("--calls", type=int, default=1000)
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
@@ -131,10 +229,19 @@ def main() -> None:
     for tree in trees:
         print(f"tree {tree}")
         reference = None
+        seen: dict[str, int] = {}
         for case in cases:
             per_call = (
                 instructions(tree, case, 3 * args.calls) - instructions(tree, case, args.calls)
             ) // (2 * args.calls)
+            if case in GRPC_CASES:
+                seen[case] = per_call
+                base = GRPC_CASES[case]
+                if base is not None and base in seen:
+                    print(f"  {case:17s} {per_call:8d}  sdkcore's share {per_call - seen[base]:+d}")
+                else:
+                    print(f"  {case:17s} {per_call:8d}")
+                continue
             if case == "hand":
                 reference = per_call
             ratio = (

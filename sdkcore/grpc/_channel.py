@@ -30,7 +30,12 @@ from ._interceptors import (
 from ._policy import BackoffJitter
 from ._service_config import DEFAULT_MAX_ATTEMPTS_CAP, ServiceConfig
 from ._stats import RetryStats
-from ._unary import BoundedMultiCallable, DirectMultiCallable, _TracedUnaryCall
+from ._unary import (
+    BoundedMultiCallable,
+    DirectMultiCallable,
+    FirstAttemptMultiCallable,
+    _TracedUnaryCall,
+)
 
 __all__ = ["insecure_channel", "retry_controller", "retry_stats", "secure_channel"]
 
@@ -97,6 +102,9 @@ class _Channel(_aio_channel.Channel):  # type: ignore[misc]
             return BoundedMultiCallable(inner)
         if core._tel is not None:  # the telemetry of every call (rfc/0008)
             return DirectMultiCallable(core, plan, inner, method, _TracedUnaryCall)
+        if plan.strategy.policy is None and core.gate is None and core.throttler is None:
+            # Retried only transparently, and only when it starts without a connection.
+            return FirstAttemptMultiCallable(core, plan, inner, method)
         return DirectMultiCallable(core, plan, inner, method)
 
     # The streaming shapes only note a generated stub's methods (A66 grpc.method).

@@ -22,13 +22,14 @@ from ._call import _Call, _TracedCall, outer_details, within_outer
 from ._controller import _Controller
 from ._finished import _ended_ok, _FinishedUnaryCall, _Readers
 from ._hedging import hedged_unary_unary, traced_hedged_unary_unary
-from ._metadata import _client_trailing
+from ._metadata import _client_trailing, _strip_attempts
 from ._plans import _Plan
 
 __all__: list[str] = []
 
 _OK = grpc.StatusCode.OK
 _CANCELLED = grpc.StatusCode.CANCELLED
+_READY = grpc.ChannelConnectivity.READY
 
 
 async def unary_unary_call(
@@ -504,4 +505,59 @@ class DirectMultiCallable(aio.UnaryUnaryMultiCallable):  # type: ignore[misc]
             credentials,
             wait_for_ready,
             compression,
+        )
+
+
+class FirstAttemptMultiCallable(DirectMultiCallable):
+    """A method without a retryPolicy, on a channel without a gate, throttling or telemetry.
+
+    Only an A6 transparent retry could send such a call again, and sdkcore makes one
+    only when the channel had no connection as the call started (rfc/0003,
+    "Transparent retries"). A call that starts on a READY channel, or on a channel
+    with transparent retries off, can therefore never be retried: it is grpc.aio's
+    own call, with what sdkcore owes it (the method config's timeout and waitForReady,
+    an outer request's deadline, its first attempt paid into the retry budget, no
+    application-set ``grpc-previous-rpc-attempts``) and nothing wrapped around it
+    (bench/README, "bench_grpc_cpu.py", issue 24). Any other call is a
+    :class:`_UnaryCall`, as on a retried method.
+    """
+
+    def __call__(
+        self,
+        request: Any,
+        *,
+        timeout: float | None = None,
+        metadata: Any = None,
+        credentials: Any = None,
+        wait_for_ready: bool | None = None,
+        compression: Any = None,
+    ) -> Any:
+        core = self._core
+        if core.transparent_retries:
+            state = core._connectivity()
+            if state is not None and state is not _READY:  # a transparent retry may follow
+                return super().__call__(
+                    request,
+                    timeout=timeout,
+                    metadata=metadata,
+                    credentials=credentials,
+                    wait_for_ready=wait_for_ready,
+                    compression=compression,
+                )
+        plan = self._plan
+        if plan.timeout is not None and (timeout is None or plan.timeout < timeout):
+            timeout = plan.timeout
+        outer = dispatching()
+        if outer is not None:  # made inside a request's send: never outlive it
+            timeout = within_outer(outer, timeout)
+        budget = core.orchestrator.retry_budget
+        if budget is not None:  # every call's first attempt pays into the retry budget
+            budget.deposit()
+        return self._inner(
+            request,
+            timeout=None if timeout is None else max(timeout, 1e-6),
+            metadata=_strip_attempts(metadata),
+            credentials=credentials,
+            wait_for_ready=plan.wait_for_ready if wait_for_ready is None else wait_for_ready,
+            compression=compression,
         )
