@@ -52,7 +52,6 @@ class _RetryingCall:
         response_streaming: bool,
     ) -> None:
         self._c = c
-        c.owner = self
         self._continuation = continuation
         self._request = request
         self._response_streaming = response_streaming
@@ -119,7 +118,7 @@ class _RetryingCall:
                             raise self._source_failed() from None
                         if replay.committed:
                             c.state.committed = True
-                    await c.failed(err)
+                    await c.failed(err, self)
                     continue
                 if replay is not None and replay.error is not None:
                     raise self._source_failed()

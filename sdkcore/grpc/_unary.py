@@ -118,7 +118,6 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
     ) -> None:
         # ``state``: the call's state, a _TracedCall on a channel with telemetry.
         c = self._c = state(core, plan, method, timeout, metadata, credentials, wait_for_ready)
-        c.owner = self
         if plan.strategy.policy is not None:
             c.buffer_unary(message)
         self._inner = inner
@@ -194,7 +193,7 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
                     c.succeeded()
                     return self._call
             while True:
-                await c.failed(err)
+                await c.failed(err, self)
                 try:
                     call = self._call = self._attempt()
                 except aio.UsageError:
