@@ -9,7 +9,9 @@ interpreters, interleaved (the order alternates from run to run), one per varian
 * ``import attrs``: the floor;
 * ``import sdkcore``: the whole cost, attrs included;
 * ``import attrs`` first, then ``import sdkcore`` timed alone in the same process: a
-  direct reading of sdkcore's own share.
+  direct reading of sdkcore's own share;
+* ``import attrs, asyncio`` first, then ``import sdkcore`` timed alone: its share in an
+  asyncio application (asyncio imports ``logging``, which sdkcore uses when present).
 
 Each interpreter times its own import with ``time.perf_counter`` (interpreter start-up
 is not counted). The median of the runs is printed for each, and sdkcore's own share
@@ -36,6 +38,7 @@ VARIANTS = {  # name: (imported first, untimed; timed)
     "import attrs": ("", "import attrs"),
     "import sdkcore": ("", "import sdkcore"),
     "import sdkcore after attrs": ("import attrs", "import sdkcore"),
+    "import sdkcore after asyncio": ("import attrs, asyncio", "import sdkcore"),
 }
 TIMED = (
     "{before}\nimport time\nt = time.perf_counter()\n{stmt}\n"

@@ -18,18 +18,19 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from . import _failing, _log
 from ._action import RetryAction
-from ._budget import RetryBudget
 from ._decision import Decision, Verdict, decide, spends_budget
 from ._errors import CouchbaseException
 from ._reason import RetryReason
 from ._request import Request, RequestState
 from ._strategy import BUILTIN_RETRY_AFTER, FastFailOnTerminalErrorRetryStrategy, RetryStrategy
-from ._telemetry import Telemetry
 from ._untrusted import show
+
+if TYPE_CHECKING:  # imported by the constructor, only when given a telemetry
+    from ._telemetry import Telemetry
 
 __all__ = ["DEFAULT_MAX_REQUESTS_IN_RETRY", "OrchestratorCore", "RetryBudgetLike"]
 
@@ -106,14 +107,20 @@ class OrchestratorCore:
                 "RetryOrchestrator(retry_budget=...) must be an sdkcore.RetryBudget (an object "
                 f"with deposit() and try_withdraw() -> bool), got {retry_budget!r}"
             )
-        if telemetry is not None and not isinstance(telemetry, Telemetry):
-            raise TypeError(
-                "RetryOrchestrator(telemetry=...) must be an sdkcore.Telemetry or None, "
-                f"got {telemetry!r}"
-            )
+        if telemetry is not None:
+            # Here, not at import: a request never needs these modules unless the
+            # application made a Telemetry (then they are loaded already).
+            from ._budget import RetryBudget
+            from ._telemetry import Telemetry
+
+            if not isinstance(telemetry, Telemetry):
+                raise TypeError(
+                    "RetryOrchestrator(telemetry=...) must be an sdkcore.Telemetry or None, "
+                    f"got {telemetry!r}"
+                )
+            if isinstance(retry_budget, RetryBudget):
+                telemetry.watch(retry_budget)  # the budget it serves reports through it
         self._telemetry = telemetry
-        if telemetry is not None and isinstance(retry_budget, RetryBudget):
-            telemetry.watch(retry_budget)  # the budget it serves reports through it
         self._budget = retry_budget
         self._default: RetryStrategy = default_strategy
         self._max_in_retry = max_requests_in_retry

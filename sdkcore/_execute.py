@@ -8,11 +8,10 @@ methods of :class:`sdkcore.RetryOrchestrator` (bound there by name).
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 from collections.abc import Awaitable, Callable, Generator
 from datetime import timedelta
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from . import _failing, _runtime
 from ._action import RetryAction
@@ -22,9 +21,12 @@ from ._decision import Verdict
 from ._duration import to_seconds
 from ._errors import CouchbaseException, RetryableError
 from ._hooks import INSTANT_DELAYS
+from ._log import DEBUG as _DEBUG
 from ._reason import RetryReason, suggest_member
 from ._request import Request, RequestState
-from ._telemetry import RequestTrace
+
+if TYPE_CHECKING:  # made through the Telemetry (``import sdkcore`` does not load it)
+    from ._telemetry import RequestTrace
 
 __all__ = ["attempt", "execute", "maybe_retry"]
 
@@ -34,7 +36,6 @@ _PENDING = RequestState.PENDING
 _RETRY = Verdict.RETRY
 _MAYBE = AttemptEffect.MAYBE_APPLIED
 _INF = math.inf
-_DEBUG = logging.DEBUG
 _UNSET: Any = object()
 
 
@@ -142,7 +143,7 @@ async def execute(
     # (bench/README, "bench_telemetry.py", second pass).
     trace = handle = None
     if self._telemetry is not None and request._trace is None:
-        trace = RequestTrace(self._telemetry, request)
+        trace = self._telemetry._request_trace(self._telemetry, request)
     strategy = decides = debug = None  # resolved at the call's first failure
     try:
         if deadline != _INF and deadline - request._clock() <= 0.0:  # expired: nothing is sent

@@ -8,7 +8,6 @@ orchestrator's lock, one increment at a time.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -20,9 +19,9 @@ from ._core import OrchestratorCore
 from ._decision import Verdict
 from ._errors import RetryableError
 from ._hooks import INSTANT_DELAYS
+from ._log import DEBUG
 from ._reason import RetryReason
 from ._request import Request, RequestState
-from ._telemetry import RequestTrace
 
 __all__ = ["execute_sync"]
 
@@ -65,7 +64,7 @@ def execute_sync(
     trace = None
     telemetry = self._telemetry
     if telemetry is not None and request._trace is None:
-        trace = RequestTrace(telemetry, request)
+        trace = telemetry._request_trace(telemetry, request)
     token = request._dispatching()  # requests made inside send keep within this deadline
     try:
         self._deposit(request)  # a budget that raises fails the request: recorded below
@@ -171,7 +170,7 @@ def _retry(
             "instead, or 'await orchestrator.execute(...)'"
         )
     verdict, delay = self._settle(
-        request, reason, action, strategy, gate(logging.DEBUG), failure, hint, now, threads=True
+        request, reason, action, strategy, gate(DEBUG), failure, hint, now, threads=True
     )
     try:
         if delay > 0.0 and not INSTANT_DELAYS.get():

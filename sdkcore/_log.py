@@ -19,15 +19,26 @@ per retry.
 sdkcore never imports structlog itself: an application that never imported it cannot
 have configured it, and ``import structlog`` costs tens of milliseconds (it loads
 rich when installed); sdkcore uses the structlog module the application loaded.
+
+Nor does it import ``logging`` (about 3 ms with ``traceback``, ``string`` and
+``textwrap``): while ``logging`` is not imported, no handler exists that an event
+could reach, so the stdlib path drops it. The ``sdkcore`` logger and its
+``NullHandler`` are attached as soon as ``logging`` is there: at ``import sdkcore``
+if it already was (asyncio and trio import it), else at the first event asked for
+after the application imported it (:func:`_attach`: a lookup in ``sys.modules`` and
+``logging.getLogger``, never an import).
 """
 
 from __future__ import annotations
 
-import logging
 import sys
+import threading
 from collections.abc import Callable, MutableMapping
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import logging
 
 __all__ = [
     "CAPTURE",
@@ -65,9 +76,10 @@ EVENT_BREAKER_CLOSED = "breaker.closed"
 #: info: a retry budget refused a withdrawal (fields: balance, deposits, withdrawals).
 EVENT_BUDGET_EXHAUSTED = "budget.exhausted"
 
-DEBUG = logging.DEBUG
-INFO = logging.INFO
-WARNING = logging.WARNING
+# The stdlib's levels (logging.DEBUG, INFO, WARNING), without importing logging.
+DEBUG = 10
+INFO = 20
+WARNING = 30
 
 #: When set to a list, every sdkcore event (any level) is appended to it as a dict
 #: (``event``, ``log_level`` and the fields) instead of being logged. Set only by
@@ -76,10 +88,32 @@ CAPTURE: ContextVar[list[MutableMapping[str, Any]] | None] = ContextVar(
     "sdkcore_capture", default=None
 )
 
-_stdlib_logger = logging.getLogger(LOGGER_NAME)
-# A library prints nothing by itself: without this, an application that configured no
-# logging at all would see warning-level events on stderr through logging.lastResort.
-_stdlib_logger.addHandler(logging.NullHandler())
+#: The stdlib logger ``sdkcore``, set by :func:`_attach` once ``logging`` is imported.
+_stdlib_logger: logging.Logger
+_attach_lock = threading.Lock()
+
+
+def _attach() -> bool:
+    """The ``sdkcore`` stdlib logger, with its NullHandler, once ``logging`` is imported.
+
+    False while ``logging`` is not imported: then no handler exists anywhere, and an
+    event has nowhere to go. Never imports ``logging`` (it may run inside a request).
+    """
+    global _stdlib_logger, _stdlib_gate
+    if _stdlib_gate is _stdlib_at:
+        return True
+    logging = sys.modules.get("logging")
+    if logging is None:
+        return False
+    with _attach_lock:
+        if _stdlib_gate is not _stdlib_at:
+            _stdlib_logger = logging.getLogger(LOGGER_NAME)
+            # A library prints nothing by itself: without this, an application that
+            # configured no logging at all would see warning-level events on stderr
+            # through logging.lastResort.
+            _stdlib_logger.addHandler(logging.NullHandler())
+            _stdlib_gate = _stdlib_at
+    return True
 
 
 def _stdlib_event(event: str, fields: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -159,6 +193,7 @@ def _structlog_gate(structlog: Any) -> Callable[[int], Any]:
         and _cached is not None
     ):
         return _cached
+    _attach()  # structlog may route to the stdlib logger ``sdkcore``: its NullHandler first
     log = structlog.get_logger(LOGGER_NAME).bind()
     at: Callable[[int], Any]
     level_of = getattr(log, "get_effective_level", None)
@@ -199,12 +234,22 @@ def gate() -> Callable[[int], Any]:
         return _Floor(_Capture(events), 0).at
     structlog = sys.modules.get("structlog")
     if structlog is None or not structlog.is_configured():
-        return _stdlib_at
+        return _stdlib_gate
     return _structlog_gate(structlog)
 
 
 def _stdlib_at(level: int) -> Any:
     return _STDLIB if _stdlib_logger.isEnabledFor(level) else None
+
+
+def _unattached_at(level: int) -> Any:
+    """The stdlib gate before the ``sdkcore`` logger exists (``logging`` not imported yet)."""
+    return _stdlib_at(level) if _attach() else None
+
+
+#: :func:`_stdlib_at` once the ``sdkcore`` logger is attached, :func:`_unattached_at` before.
+_stdlib_gate: Callable[[int], Any] = _unattached_at
+_attach()  # at import, if logging is imported already (asyncio and trio import it)
 
 
 class _Floor:

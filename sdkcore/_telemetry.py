@@ -22,7 +22,7 @@ import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from . import _log
 from ._breaker import CircuitBreaker
@@ -112,6 +112,11 @@ class Telemetry:
     Breakers and budgets report once watched (:meth:`watch`); an orchestrator
     watches its own retry budget.
     """
+
+    #: :class:`RequestTrace`, for the doors of the core: they make a request's trace as
+    #: ``telemetry._request_trace(telemetry, request)``, one call less per request than
+    #: :meth:`begin`, without importing this module (``import sdkcore`` does not load it).
+    _request_trace: ClassVar[type[RequestTrace]]
 
     def __init__(
         self,
@@ -448,8 +453,8 @@ class Telemetry:
 class RequestTrace:
     """One request's span and the attributes of its metrics, kept as ``request._trace``.
 
-    Made by :meth:`Telemetry.begin`, or directly by the doors of the core (one call less
-    per request).
+    Made by :meth:`Telemetry.begin`, or directly by the doors of the core through
+    ``Telemetry._request_trace`` (one call less per request).
 
     The doors call it at fixed points: :meth:`attempt` before each attempt is sent and
     :meth:`attempt_end` when it ends (``execute`` inline in its loop, ``execute_sync``
@@ -684,6 +689,9 @@ class RequestTrace:
             )
         except Exception as exc:
             telemetry._failure("threshold_reporter", exc)
+
+
+Telemetry._request_trace = RequestTrace
 
 
 def _record_error(telemetry: Telemetry, span: Any, error: BaseException) -> None:
