@@ -20,6 +20,11 @@ that is over when awaited. ``grpc-bare`` awaits the stand-in alone; ``grpc-ok`` 
 retryPolicy (``timeout=10``); ``grpc-hand`` retries a failed first attempt by hand
 (catch, sleep below 1 us, call again); ``grpc-retried`` is the same through the
 channel's retryPolicy. The difference to the reference is sdkcore's share.
+``grpc-real-hand``, ``grpc-real-interceptor`` and ``grpc-real-sdkcore`` retry the same
+call on a real loopback server (bench_grpc_cpu.py's, in a subprocess valgrind does not
+follow), counting the whole client process, grpc's threads included: a hand loop, the
+15-line retry interceptor of bench_grpc_cpu.py, and an sdkcore channel (use
+``--calls 150``: each run takes about 20 s under valgrind).
 
 ``--tree DIR`` (repeatable) runs the cases against the ``sdkcore`` package found in
 DIR (e.g. ``git archive <rev> sdkcore | tar -x -C DIR``), to compare revisions;
@@ -173,6 +178,54 @@ async def main(case, calls):
 asyncio.run(main(sys.argv[1], int(sys.argv[2])))
 """
 
+# A retried call on a real loopback server (bench_grpc_cpu.py's, in a subprocess that
+# valgrind does not follow): the whole client process is counted, grpc's threads included.
+# Eight callers; each call's first attempt fails with UNAVAILABLE, its retry succeeds.
+GRPC_REAL_WORKLOAD = r"""
+import asyncio, random, sys
+import grpc
+from grpc import aio
+import bench_grpc_cpu as b
+from sdkcore.grpc import insecure_channel
+
+random.seed(1)
+
+async def main(case, calls, port):
+    target = f"127.0.0.1:{port}"
+    if case == "grpc-real-sdkcore":
+        channel = insecure_channel(target, service_config=b.CONFIG)
+        call = channel.unary_unary(b.FAIL_ONCE)
+    elif case == "grpc-real-interceptor":
+        channel = aio.insecure_channel(target, interceptors=[b.HandRetry()])
+        call = channel.unary_unary(b.FAIL_ONCE)
+    else:  # grpc-real-hand: catch, sleep as A6 does, call again with the time left
+        channel = aio.insecure_channel(target)
+        plain = channel.unary_unary(b.FAIL_ONCE)
+        async def call(request, timeout):
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            try:
+                return await plain(request, timeout=timeout)
+            except aio.AioRpcError as err:
+                if err.code() is not grpc.StatusCode.UNAVAILABLE:
+                    raise
+            await asyncio.sleep(0.01 * random.random())
+            return await plain(request, timeout=deadline - loop.time())
+    await channel.channel_ready()
+    async def caller(k):
+        for i in range(calls // 8):
+            await call(b"%d:%d:%d" % (calls, k, i), timeout=10)
+    await asyncio.gather(*(caller(k) for k in range(8)))
+    await channel.close()
+
+proc, port = b.start_server(None)
+try:
+    asyncio.run(main(sys.argv[1], int(sys.argv[2]), port))
+finally:
+    proc.stdin.close()
+    proc.wait()
+"""
+
 CASES = ["hand", "hand-native", "execute", "execute+deadline", "maybe_retry", "happy+deadline"]
 #: The gRPC cases and the case each is compared with (sdkcore's share: the difference).
 GRPC_CASES = {
@@ -181,6 +234,9 @@ GRPC_CASES = {
     "grpc-ok-policy": "grpc-bare",
     "grpc-hand": None,
     "grpc-retried": "grpc-hand",
+    "grpc-real-hand": None,
+    "grpc-real-interceptor": "grpc-real-hand",
+    "grpc-real-sdkcore": "grpc-real-hand",
 }
 
 
@@ -195,7 +251,11 @@ def instructions(tree: Path, case: str, calls: int) -> int:
             "--callgrind-out-file=/dev/null",
             sys.executable,
             "-c",
-            GRPC_WORKLOAD if case in GRPC_CASES else WORKLOAD,
+            GRPC_REAL_WORKLOAD
+            if case.startswith("grpc-real")
+            else GRPC_WORKLOAD
+            if case in GRPC_CASES
+            else WORKLOAD,
             case,
             str(calls),
         ],
@@ -238,9 +298,9 @@ def main() -> None:
                 seen[case] = per_call
                 base = GRPC_CASES[case]
                 if base is not None and base in seen:
-                    print(f"  {case:17s} {per_call:8d}  sdkcore's share {per_call - seen[base]:+d}")
+                    print(f"  {case:22s} {per_call:8d}  {per_call - seen[base]:+d} over {base}")
                 else:
-                    print(f"  {case:17s} {per_call:8d}")
+                    print(f"  {case:22s} {per_call:8d}")
                 continue
             if case == "hand":
                 reference = per_call
