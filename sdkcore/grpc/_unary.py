@@ -511,8 +511,8 @@ class FirstAttemptMultiCallable(DirectMultiCallable):
     """A method without a retryPolicy, on a channel without a gate, throttling or telemetry.
 
     Only an A6 transparent retry could send such a call again, and sdkcore makes one
-    only when the channel had no connection as the call started (rfc/0003,
-    "Transparent retries"). A call that starts on a READY channel, or on a channel
+    only when the channel had no connection as the call started (A6 case 1; rfc/0003,
+    "The direct path"). A call that starts on a READY channel, or on a channel
     with transparent retries off, can therefore never be retried: it is grpc.aio's
     own call, with what sdkcore owes it (the method config's timeout and waitForReady,
     an outer request's deadline, its first attempt paid into the retry budget, no
