@@ -17,8 +17,9 @@ orchestrator, channel, breaker and budget it makes. Those packages come with the
 
 from __future__ import annotations
 
+import math
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -35,6 +36,16 @@ __all__ = [
     "MetricsUnavailable",
     "serve",
 ]
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """Nearest-rank percentile (0 for no values)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, math.ceil(p / 100.0 * len(ordered)))
+    return ordered[rank - 1]
+
 
 T = TypeVar("T")
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import math
 import os
 import re
 import sys
@@ -16,7 +15,7 @@ import attrs
 
 from ._memcached_report import Outage
 from ._memcached_text import OutageStream, render_outage
-from ._metrics import Counts
+from ._metrics import Counts, percentile
 from ._slowdown import CAPACITY, SECONDS, SERVICE, TIMEOUT, Slowdown, rate
 from ._workload import STRATEGY_IDS, OpResult
 
@@ -43,15 +42,6 @@ __all__ = [
 WIDTH = 100
 #: An example error is cut after this many lines in the text report.
 EXAMPLE_LINES = 8
-
-
-def percentile(values: Sequence[float], p: float) -> float:
-    """Nearest-rank percentile (0 for no values)."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = max(1, math.ceil(p / 100.0 * len(ordered)))
-    return ordered[rank - 1]
 
 
 @attrs.frozen(slots=True)

@@ -36,7 +36,7 @@ from sdkcore import (
 )
 from sdkcore.mapping import KvOpcode, kv_request
 
-from ._metrics import CountingOrchestrator, Counts
+from ._metrics import CountingOrchestrator, Counts, percentile
 
 __all__ = [
     "CAPACITY",
@@ -127,8 +127,6 @@ class Run:
         return self.answered / self.seconds
 
     def to_json(self) -> dict[str, Any]:
-        from ._report import percentile
-
         ms = [x * 1000.0 for x in self.latencies]
         return {
             "label": self.label,
