@@ -52,7 +52,8 @@ class _RetryingCall:
         response_streaming: bool,
     ) -> None:
         self._c = c
-        self._continuation = continuation
+        #: grpc.aio's continuation, until the attempts are over (see _driver_done).
+        self._continuation: Callable[..., Any] | None = continuation
         self._request = request
         self._response_streaming = response_streaming
         self._replay: _ReplayBuffer | None = None
@@ -75,6 +76,8 @@ class _RetryingCall:
     async def _drive(self) -> _Outcome:
         c = self._c
         replay = self._replay
+        continuation = self._continuation
+        assert continuation is not None  # let go only once this task is over
         try:
             while True:
                 if replay is not None and replay.error is not None:
@@ -84,7 +87,7 @@ class _RetryingCall:
                 trace = c.trace
                 token = None if trace is None else trace.enter(trace.current)
                 try:
-                    call = await self._continuation(details, source)
+                    call = await continuation(details, source)
                 except aio.UsageError:
                     if not c._retried():
                         raise  # the first attempt: as grpc.aio, on a closed channel
@@ -175,6 +178,10 @@ class _RetryingCall:
             _account_end(self._c, code, trailing, error, self._cancelled)
 
     def _driver_done(self, task: asyncio.Task[_Outcome]) -> None:
+        # No attempt follows: let go of grpc.aio's continuation. It is bound to grpc's
+        # intercepted call, whose task holds this object as its result: kept, the two
+        # would be a reference cycle, freed only by the garbage collector.
+        self._continuation = None
         self._c.release()
         callbacks, self._callbacks = self._callbacks, []
         for cb in callbacks:
