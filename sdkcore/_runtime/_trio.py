@@ -107,26 +107,32 @@ class Hedges:
     async def _run(self) -> None:
         chain = self.chain
         chain.wake = self._woken
-        async with trio.open_nursery() as nursery:
-            scope = self.scope = nursery.cancel_scope
-            scope.deadline = self.deadline
-            if chain.cut:  # Request.cancel() before the nursery was open
-                scope.cancel()
+        try:
+            async with trio.open_nursery() as nursery:
+                scope = self.scope = nursery.cancel_scope
+                scope.deadline = self.deadline
+                if chain.cut:  # Request.cancel() before the nursery was open
+                    scope.cancel()
 
-            def start(attempt: object) -> None:
-                nursery.start_soon(chain.run, attempt)
+                def start(attempt: object) -> None:
+                    nursery.start_soon(chain.run, attempt)
 
-            while True:
-                when = chain.send_due(start)
-                if chain.over:
-                    if chain.outstanding:
-                        scope.cancel()  # the losers
-                    break
-                if when == math.inf and not chain.outstanding:
-                    break
-                event = self.event = trio.Event()
-                with trio.CancelScope(deadline=when):
-                    await event.wait()
+                while True:
+                    when = chain.send_due(start)
+                    if chain.over:
+                        if chain.outstanding:
+                            scope.cancel()  # the losers
+                        break
+                    if when == math.inf and not chain.outstanding:
+                        break
+                    event = self.event = trio.Event()
+                    with trio.CancelScope(deadline=when):
+                        await event.wait()
+        finally:
+            # Every copy has ended (the nursery waited for them): none wakes the caller
+            # again. Kept, the chain's bound method and this runner would be a reference
+            # cycle, the request and its copies freed only by the garbage collector.
+            chain.wake = None
         self.scope = None
         if scope.cancel_called and not chain.over:  # the deadline or Request.cancel()
             chain.cut = True

@@ -1,0 +1,129 @@
+"""A request that ends well leaves nothing to the garbage collector, on every door.
+
+A failed attempt's traceback holds the frames it passed through, and those hold the
+request, whose history holds the failure: a reference cycle per retried request
+unless the request lets go of the traceback when it gets its answer
+(``Request._succeeded``). Objects in a cycle wait for a collection instead of being
+freed at once: CPU a client pays, and pauses, that a hand-written loop does not cost.
+Only sdkcore's objects are counted (the test runner and the event loops may keep
+garbage of their own).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+
+import anyio
+import pytest
+
+from sdkcore import (
+    BestEffortRetryStrategy,
+    HedgePolicy,
+    Request,
+    RetryableError,
+    RetryOrchestrator,
+    RetryReason,
+)
+
+pytestmark = pytest.mark.anyio
+REASON = RetryReason.KV_TEMPORARY_FAILURE
+CALLS = 20
+
+
+def orchestrator() -> RetryOrchestrator:
+    return RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda attempt: timedelta(0)))
+
+
+def fails_twice() -> Callable[[Request], Awaitable[str]]:
+    sent = [0]
+
+    async def send(request: Request) -> str:
+        sent[0] += 1
+        if sent[0] % 3:
+            raise RetryableError(REASON, "busy")
+        return "ok"
+
+    return send
+
+
+async def sdkcore_garbage(call: Callable[[], Awaitable[object]]) -> list[str]:
+    """The type names of sdkcore's objects that ``CALLS`` calls left in reference cycles."""
+    await call()  # warm: first-use caches are not garbage
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds stays in gc.garbage
+    try:
+        for _ in range(CALLS):
+            await call()
+        gc.collect()
+        return [type(o).__name__ for o in gc.garbage if type(o).__module__.startswith("sdkcore")]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+
+
+@pytest.mark.parametrize("timeout", [None, 5.0], ids=["no deadline", "deadline"])
+async def test_a_retried_execute_leaves_nothing(timeout: float | None) -> None:
+    orch = orchestrator()
+    send = fails_twice()
+
+    async def call() -> object:
+        request = Request(idempotent=True, timeout=timeout)
+        assert await orch.execute(request, send) == "ok"
+        assert request.retry_attempts == 2
+        return request
+
+    assert await sdkcore_garbage(call) == []
+
+
+async def test_a_hand_wired_loop_leaves_nothing() -> None:
+    orch = orchestrator()
+    send = fails_twice()
+
+    async def call() -> object:
+        request = Request(idempotent=True, timeout=5.0)
+        while True:
+            try:
+                with orch.attempt(request):
+                    result = await send(request)
+            except RetryableError as failure:
+                await orch.maybe_retry(request, failure.reason, cause=failure)
+                continue
+            orch.succeed(request)
+            return result
+
+    assert await sdkcore_garbage(call) == []
+
+
+async def test_a_hedged_request_leaves_nothing() -> None:
+    orch = orchestrator()
+
+    async def send(request: Request, index: int) -> int:
+        await anyio.sleep(0.02 if index == 0 else 0.0)  # the hedge answers first
+        return index
+
+    policy = HedgePolicy(delay=timedelta(milliseconds=1), max_attempts=2)
+
+    async def call() -> object:
+        return await orch.hedge(Request(idempotent=True, timeout=5.0), send, policy)
+
+    assert await sdkcore_garbage(call) == []
+
+
+async def test_a_retried_execute_sync_leaves_nothing() -> None:
+    orch = orchestrator()
+    sent = [0]
+
+    def send(request: Request) -> str:
+        sent[0] += 1
+        if sent[0] % 3:
+            raise RetryableError(REASON, "busy")
+        return "ok"
+
+    async def call() -> object:
+        return orch.execute_sync(Request(idempotent=True, timeout=5.0), send)
+
+    assert await sdkcore_garbage(call) == []
