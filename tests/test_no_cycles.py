@@ -65,13 +65,13 @@ async def sdkcore_garbage(call: Callable[[], Awaitable[object]]) -> list[str]:
         gc.enable()
 
 
-@pytest.mark.parametrize("timeout", [None, 5.0], ids=["no deadline", "deadline"])
-async def test_a_retried_execute_leaves_nothing(timeout: float | None) -> None:
+@pytest.mark.parametrize("request_timeout", [None, 5.0], ids=["no deadline", "deadline"])
+async def test_a_retried_execute_leaves_nothing(request_timeout: float | None) -> None:
     orch = orchestrator()
     send = fails_twice()
 
     async def call() -> object:
-        request = Request(idempotent=True, timeout=timeout)
+        request = Request(idempotent=True, timeout=request_timeout)
         assert await orch.execute(request, send) == "ok"
         assert request.retry_attempts == 2
         return request
