@@ -358,7 +358,6 @@ class _Call:
             # came back (no headers, no trailers). grpc C-core fails such an RPC at once
             # without wait_for_ready; it never reached a transport.
             kind = TransparentKind.NEVER_SENT
-        request = self.request
         # A failed retry attempt is counted once, when it is over: a transparent
         # re-send continues the same A6 attempt.
         if kind is None:
@@ -372,13 +371,19 @@ class _Call:
                     if throttler is not None:  # A6: counts for throttling whatever the status
                         throttler.record_failure()
                 final = self._final(err)
-                core.orchestrator.fail(request, final)
+                answered_first = self._request
+                if answered_first is None:
+                    # The first attempt's answer (a NOT_FOUND, say) on a call without
+                    # telemetry: no Request exists, and none is built only to be failed.
+                    raise final
+                core.orchestrator.fail(answered_first, final)
                 if self._retried():
                     # The channel's own attempts, for an outer request's context (rfc/0003).
                     if final is err:
                         final = self._final(err, copy=True)
-                    raise final from self._answer_context(request, err)
+                    raise final from self._answer_context(answered_first, err)
                 raise final
+        request = self.request
         st.transparent = kind
         committed = st.committed
         if kind is None:

@@ -404,8 +404,31 @@ async def test_non_retryable_status_fails_without_a_retry_decision(
     assert info.value.code() is grpc.StatusCode.NOT_FOUND
     assert server.count("M") == 1
     assert events == []
+    # A first attempt's answer needs no Request: none is built only to be failed.
+    assert _Recording.made == []
+
+
+@pytest.mark.asyncio
+async def test_non_retryable_status_after_a_retry_fails_the_request(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_call, "Request", _Recording)
+    _Recording.made = []
+
+    async def unavailable_then_not_found(request: bytes, context: Any, attempt: int) -> bytes:
+        code = grpc.StatusCode.UNAVAILABLE if attempt == 1 else grpc.StatusCode.NOT_FOUND
+        await abort(context, code)
+        return b""
+
+    method = server.unary_unary("M", unavailable_then_not_found)
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=retry_config()) as ch:
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(method)(b"x")
+    assert info.value.code() is grpc.StatusCode.NOT_FOUND
+    assert server.count("M") == 2
     assert [r.state for r in _Recording.made] == [RequestState.FAILED]
-    assert _Recording.made[0].retry_attempts == 0
+    assert _Recording.made[0].retry_attempts == 1
 
 
 @pytest.mark.asyncio
@@ -427,7 +450,7 @@ async def test_non_retryable_status_on_a_streaming_call(
                 _ = [m async for m in call]
     assert info.value.code() is grpc.StatusCode.NOT_FOUND
     assert events == []
-    assert [r.state for r in _Recording.made] == [RequestState.FAILED]
+    assert _Recording.made == []  # a first attempt's answer: no Request is built
 
 
 @pytest.mark.asyncio
