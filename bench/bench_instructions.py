@@ -20,6 +20,8 @@ that is over when awaited. ``grpc-bare`` awaits the stand-in alone; ``grpc-ok`` 
 retryPolicy (``timeout=10``); ``grpc-hand`` retries a failed first attempt by hand
 (catch, sleep below 1 us, call again); ``grpc-retried`` is the same through the
 channel's retryPolicy. The difference to the reference is sdkcore's share.
+``grpc-not-found``: every call's first attempt answers NOT_FOUND, a status the
+method's retryPolicy does not list (an ordinary answer), caught by the caller.
 ``grpc-real-hand``, ``grpc-real-interceptor`` and ``grpc-real-sdkcore`` retry the same
 call on a real loopback server (bench_grpc_cpu.py's, in a subprocess valgrind does not
 follow), counting the whole client process, grpc's threads included: a hand loop, the
@@ -119,6 +121,7 @@ class Status:  # what sdkcore reads of grpc's Cython call: is_ok()
         return self.ok
 
 class StandIn:  # a grpc.aio unary call that is over when awaited
+    code = grpc.StatusCode.UNAVAILABLE
     def __init__(self, ok):
         self.callbacks = []
         self._cython_call = Status(ok)
@@ -134,7 +137,7 @@ class StandIn:  # a grpc.aio unary call that is over when awaited
         for cb in self.callbacks:
             cb(self)
         if not self._cython_call.ok:
-            raise aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, EMPTY, EMPTY, "down")
+            raise aio.AioRpcError(self.code, EMPTY, EMPTY, "down")
         return b"ok"
 
 def inner_for(fail_every_other):
@@ -148,7 +151,12 @@ def inner_for(fail_every_other):
 async def main(case, calls):
     retried = case in ("grpc-hand", "grpc-retried")
     inner = inner_for(retried)
-    policy = POLICY if case in ("grpc-ok-policy", "grpc-retried") else None
+    if case == "grpc-not-found":  # an ordinary answer: a status the policy does not list
+        StandIn.code = grpc.StatusCode.NOT_FOUND
+        def inner(message, timeout=None, metadata=None, credentials=None,
+                  wait_for_ready=None, compression=None):
+            return StandIn(False)
+    policy = POLICY if case in ("grpc-ok-policy", "grpc-retried", "grpc-not-found") else None
     server = aio.server()  # a real server, so that the channel is READY as in production
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -167,6 +175,14 @@ async def main(case, calls):
                     if attempt == 2 or err.code() is not grpc.StatusCode.UNAVAILABLE:
                         raise
                 await asyncio.sleep(0.000001 * random.random())
+    elif case == "grpc-not-found":
+        mc = channel.unary_unary("/b.S/M")
+        call = type(mc)(mc._core, mc._plan, inner, mc._method)
+        for _ in range(calls):
+            try:
+                await call(b"x", timeout=10)
+            except aio.AioRpcError:
+                pass
     else:  # sdkcore's channel: its multi-callable, around the stand-in
         mc = channel.unary_unary("/b.S/M")  # the multi-callable the channel chose
         call = type(mc)(mc._core, mc._plan, inner, mc._method)
@@ -234,6 +250,7 @@ GRPC_CASES = {
     "grpc-ok-policy": "grpc-bare",
     "grpc-hand": None,
     "grpc-retried": "grpc-hand",
+    "grpc-not-found": None,
     "grpc-real-hand": None,
     "grpc-real-interceptor": "grpc-real-hand",
     "grpc-real-sdkcore": "grpc-real-hand",
