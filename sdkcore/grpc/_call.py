@@ -116,6 +116,23 @@ def outer_bound(outer: Request, timeout: float | None) -> tuple[float | None, Or
     return float(left), outer._deadline_from or (outer.id, outer.name, outer._timeout_s)
 
 
+def call_timeout(plan: _Plan, timeout: float | None) -> tuple[float | None, Origin | None]:
+    """A call's timeout in seconds (None: none), and where it came from when an outer
+    request's time left set it (see :func:`outer_bound`; else None).
+
+    The earliest of the call's own ``timeout``, its method config's (grpc C-core applies
+    the same min) and, for a call made inside a request's send, that request's time
+    left; at least 1 us. One rule for every call an sdkcore channel makes.
+    """
+    if plan.timeout is not None and (timeout is None or plan.timeout < timeout):
+        timeout = plan.timeout
+    origin = None
+    outer = dispatching()
+    if outer is not None:  # made inside a request's send: never outlive it
+        timeout, origin = outer_bound(outer, timeout)
+    return (None if timeout is None else max(timeout, 1e-6)), origin
+
+
 def within_outer(outer: Request, timeout: float | None) -> float | None:
     """:func:`outer_bound`'s timeout alone."""
     return outer_bound(outer, timeout)[0]
@@ -187,14 +204,9 @@ class _Call:
         self.core = core
         self.plan = plan
         self.method = method
-        if plan.timeout is not None and (timeout is None or plan.timeout < timeout):
-            timeout = plan.timeout
-        outer = dispatching()
-        if outer is not None:  # made inside a request's send: never outlive it
-            timeout, origin = outer_bound(outer, timeout)
-            if origin is not None:
-                self.deadline_from = origin
-        self.timeout = None if timeout is None else max(timeout, 1e-6)
+        self.timeout, origin = call_timeout(plan, timeout)
+        if origin is not None:
+            self.deadline_from = origin
         self.started = time.monotonic()
         self.state = CallState()
         budget = core.orchestrator.retry_budget

@@ -18,7 +18,7 @@ from grpc import aio
 from grpc.aio import _base_call
 
 from .._request import dispatching
-from ._call import _Call, _TracedCall, outer_details, within_outer
+from ._call import _Call, _TracedCall, call_timeout, outer_details, within_outer
 from ._controller import _Controller
 from ._finished import _ended_ok, _FinishedUnaryCall, _Readers
 from ._hedging import hedged_unary_unary, traced_hedged_unary_unary
@@ -544,17 +544,12 @@ class FirstAttemptMultiCallable(DirectMultiCallable):
                     compression=compression,
                 )
         plan = self._plan
-        if plan.timeout is not None and (timeout is None or plan.timeout < timeout):
-            timeout = plan.timeout
-        outer = dispatching()
-        if outer is not None:  # made inside a request's send: never outlive it
-            timeout = within_outer(outer, timeout)
         budget = core.orchestrator.retry_budget
         if budget is not None:  # every call's first attempt pays into the retry budget
             budget.deposit()
         return self._inner(
             request,
-            timeout=None if timeout is None else max(timeout, 1e-6),
+            timeout=call_timeout(plan, timeout)[0],
             metadata=_strip_attempts(metadata),
             credentials=credentials,
             wait_for_ready=plan.wait_for_ready if wait_for_ready is None else wait_for_ready,
