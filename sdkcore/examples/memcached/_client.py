@@ -28,8 +28,6 @@ from sdkcore import (
     RetryReason,
     RetryStrategy,
 )
-from sdkcore._adaptive_limiter import AdaptiveConcurrencyLimiter
-from sdkcore._limiter import ConcurrencyLimiter
 from sdkcore._orphans import OrphanReporter  # sdkcore.OrphanReporter
 from sdkcore._throttle import AdaptiveThrottle
 from sdkcore.mapping import KvOpcode, kv_request
@@ -38,11 +36,13 @@ from . import _protocol as proto
 from ._endpoint import (
     Address,
     BreakerFactory,
+    EndpointGuards,
+    Limiter,
     canary_bound,
     canary_failed,
+    endpoint_guards,
     endpoints_of,
     make_breaker,
-    per_endpoint,
     pick,
     raise_for_status,
     refuse_if_open,
@@ -344,10 +344,6 @@ class _Endpoint:
             await connection.drop(f"client closed the connection to {self.name}")
 
 
-Limiter = ConcurrencyLimiter | AdaptiveConcurrencyLimiter
-_LIMITERS = (ConcurrencyLimiter, AdaptiveConcurrencyLimiter)
-
-
 def _only(group: BaseException, error: BaseException) -> bool:
     """True when ``group`` is an exception group of ``error`` and, besides it, cancellations."""
     if getattr(group, "exceptions", None) is None:
@@ -364,7 +360,7 @@ def _only(group: BaseException, error: BaseException) -> bool:
     )
 
 
-class MemcachedClient:
+class MemcachedClient(EndpointGuards):
     """GET, SET, ADD, INCR, DELETE and NOOP over the binary protocol, with sdkcore deciding retries.
 
     Use it as an async context manager (it owns one reader task per connection)::
@@ -425,45 +421,14 @@ class MemcachedClient:
         if clock is not None:
             self._request_kwargs["clock"] = clock
         kv_request(KvOpcode.NOOP, **self._request_kwargs)  # check the settings now
-        addresses = endpoints_of(endpoints)
-        self._endpoints = []
-        for address in addresses:
-            name = f"{address[0]}:{address[1]}"
-            self._endpoints.append(
-                _Endpoint(
-                    address,
-                    breaker(name),
-                    self,
-                    per_endpoint(
-                        "MemcachedClient", limiter, _LIMITERS, "limiter", name, len(addresses)
-                    ),
-                    per_endpoint(
-                        "MemcachedClient",
-                        throttle,
-                        AdaptiveThrottle,
-                        "throttle",
-                        name,
-                        len(addresses),
-                    ),
-                )
+        self._endpoints: list[_Endpoint] = [
+            _Endpoint(address, breaker_, self, limiter_, throttle_)
+            for address, breaker_, limiter_, throttle_ in endpoint_guards(
+                "MemcachedClient", endpoints_of(endpoints), breaker, limiter, throttle
             )
+        ]
         self._opaques = itertools.count(1)
         self._tg: anyio.abc.TaskGroup | None = None
-
-    @property
-    def breakers(self) -> list[CircuitBreaker]:
-        """The breaker of each endpoint, in the order given (for diagnostics)."""
-        return [endpoint.breaker for endpoint in self._endpoints]
-
-    @property
-    def limiters(self) -> list[Limiter | None]:
-        """The concurrency limiter of each endpoint (None without one), in the order given."""
-        return [endpoint.limiter for endpoint in self._endpoints]
-
-    @property
-    def throttles(self) -> list[AdaptiveThrottle | None]:
-        """The throttle of each endpoint (None without one), in the order given."""
-        return [endpoint.throttle for endpoint in self._endpoints]
 
     async def __aenter__(self) -> MemcachedClient:
         self._tg = anyio.create_task_group()

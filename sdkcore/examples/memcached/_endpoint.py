@@ -13,13 +13,19 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from sdkcore import CircuitBreaker, CircuitState, RetryableError, RetryReason, TimeoutException
+from sdkcore._adaptive_limiter import AdaptiveConcurrencyLimiter
+from sdkcore._limiter import ConcurrencyLimiter
+from sdkcore._throttle import AdaptiveThrottle
 from sdkcore.mapping import kv_failure, raise_failure
 
 from ._protocol import Response
 
 __all__ = [
     "Address",
+    "EndpointGuards",
+    "Limiter",
     "endpoint_down",
+    "endpoint_guards",
     "make_breaker",
     "parse_address",
     "per_endpoint",
@@ -29,6 +35,8 @@ __all__ = [
 ]
 
 Address = tuple[str, int]
+Limiter = ConcurrencyLimiter | AdaptiveConcurrencyLimiter
+_LIMITERS = (ConcurrencyLimiter, AdaptiveConcurrencyLimiter)
 
 
 def endpoint_down(error: BaseException) -> bool:
@@ -167,3 +175,48 @@ def per_endpoint(client: str, given: Any, kind: Any, field: str, name: str, coun
         f"{client}({field}) must be {what}, a callable making one from the endpoint's "
         f"name, or None; got {given!r}"
     )
+
+
+def endpoint_guards(
+    client: str,
+    addresses: Sequence[Address],
+    breaker: BreakerFactory,
+    limiter: Limiter | Callable[[str], Limiter] | None,
+    throttle: AdaptiveThrottle | Callable[[str], AdaptiveThrottle] | None,
+) -> list[tuple[Address, CircuitBreaker, Limiter | None, AdaptiveThrottle | None]]:
+    """Per address, in the order given: its breaker, limiter and throttle (see
+    :func:`per_endpoint`). ``client``: the class named in errors."""
+    count = len(addresses)
+    guards = []
+    for address in addresses:
+        name = f"{address[0]}:{address[1]}"
+        guards.append(
+            (
+                address,
+                breaker(name),
+                per_endpoint(client, limiter, _LIMITERS, "limiter", name, count),
+                per_endpoint(client, throttle, AdaptiveThrottle, "throttle", name, count),
+            )
+        )
+    return guards
+
+
+class EndpointGuards:
+    """The guards of a client's endpoints, in the order given (for diagnostics)."""
+
+    _endpoints: Sequence[Any]
+
+    @property
+    def breakers(self) -> list[CircuitBreaker]:
+        """The breaker of each endpoint."""
+        return [endpoint.breaker for endpoint in self._endpoints]
+
+    @property
+    def limiters(self) -> list[Limiter | None]:
+        """The concurrency limiter of each endpoint (None without one)."""
+        return [endpoint.limiter for endpoint in self._endpoints]
+
+    @property
+    def throttles(self) -> list[AdaptiveThrottle | None]:
+        """The throttle of each endpoint (None without one)."""
+        return [endpoint.throttle for endpoint in self._endpoints]

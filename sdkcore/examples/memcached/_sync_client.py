@@ -26,8 +26,6 @@ from sdkcore import (
     RetryReason,
     RetryStrategy,
 )
-from sdkcore._adaptive_limiter import AdaptiveConcurrencyLimiter
-from sdkcore._limiter import ConcurrencyLimiter
 from sdkcore._throttle import AdaptiveThrottle
 from sdkcore.mapping import KvOpcode, kv_request
 
@@ -35,20 +33,19 @@ from . import _protocol as proto
 from ._endpoint import (
     Address,
     BreakerFactory,
+    EndpointGuards,
+    Limiter,
     canary_bound,
     canary_failed,
+    endpoint_guards,
     endpoints_of,
     make_breaker,
-    per_endpoint,
     pick,
     raise_for_status,
     refuse_if_open,
 )
 
 __all__ = ["SyncMemcachedClient"]
-
-Limiter = ConcurrencyLimiter | AdaptiveConcurrencyLimiter
-_LIMITERS = (ConcurrencyLimiter, AdaptiveConcurrencyLimiter)
 
 
 _NO_GUARD: contextlib.nullcontext[None] = contextlib.nullcontext()  # no throttle or limiter
@@ -213,7 +210,7 @@ class _SyncEndpoint:
             self._drop()
 
 
-class SyncMemcachedClient:
+class SyncMemcachedClient(EndpointGuards):
     """:class:`~sdkcore.examples.memcached.MemcachedClient` for threads (``execute_sync``).
 
     Same commands, settings and rules; blocking calls. Close it with :meth:`close`
@@ -250,43 +247,14 @@ class SyncMemcachedClient:
         if retry_strategy is not None:
             self._request_kwargs["retry_strategy"] = retry_strategy
         kv_request(KvOpcode.NOOP, **self._request_kwargs)  # check the settings now
-        addresses = endpoints_of(endpoints)
-        self._endpoints: list[_SyncEndpoint] = []
-        for address in addresses:
-            name = f"{address[0]}:{address[1]}"
-            self._endpoints.append(
-                _SyncEndpoint(
-                    address,
-                    breaker(name),
-                    per_endpoint(
-                        "SyncMemcachedClient", limiter, _LIMITERS, "limiter", name, len(addresses)
-                    ),
-                    per_endpoint(
-                        "SyncMemcachedClient",
-                        throttle,
-                        AdaptiveThrottle,
-                        "throttle",
-                        name,
-                        len(addresses),
-                    ),
-                )
+        self._endpoints: list[_SyncEndpoint] = [
+            _SyncEndpoint(address, breaker_, limiter_, throttle_)
+            for address, breaker_, limiter_, throttle_ in endpoint_guards(
+                "SyncMemcachedClient", endpoints_of(endpoints), breaker, limiter, throttle
             )
+        ]
         self._opaques = itertools.count(1)
         self._opaque_lock = threading.Lock()
-
-    @property
-    def breakers(self) -> list[CircuitBreaker]:
-        return [endpoint.breaker for endpoint in self._endpoints]
-
-    @property
-    def limiters(self) -> list[Limiter | None]:
-        """The concurrency limiter of each endpoint (None without one), in the order given."""
-        return [endpoint.limiter for endpoint in self._endpoints]
-
-    @property
-    def throttles(self) -> list[AdaptiveThrottle | None]:
-        """The throttle of each endpoint (None without one), in the order given."""
-        return [endpoint.throttle for endpoint in self._endpoints]
 
     def __enter__(self) -> SyncMemcachedClient:
         return self
