@@ -63,8 +63,7 @@ def _slack(extra: float, count: int, above: int) -> int:
     windows: 3 of the first 100 at 1%, so that two tail latencies among them no longer
     put the first delay in the tail (a quarter of the simulated starts did, for up to
     a window). That term is for the tail: the body's top gets :func:`_share` at most."""
-    share = min(extra * (1.0 + _SLACK), extra + _SLACK_CAP)
-    return max(math.floor(share * count + 1e-9), math.floor(above + 2.0 * math.sqrt(above + 1)))
+    return max(_share(extra, count), math.floor(above + 2.0 * math.sqrt(above + 1)))
 
 
 # Once a tail past a gap is hedged whole, it stays so while it is within issue 23's
