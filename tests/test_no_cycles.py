@@ -11,12 +11,12 @@ garbage of their own).
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 
 import anyio
 import pytest
+from gc_kit import sdkcore_garbage
 
 from sdkcore import (
     BestEffortRetryStrategy,
@@ -48,21 +48,11 @@ def fails_twice() -> Callable[[Request], Awaitable[str]]:
     return send
 
 
-async def sdkcore_garbage(call: Callable[[], Awaitable[object]]) -> list[str]:
-    """The type names of sdkcore's objects that ``CALLS`` calls left in reference cycles."""
-    await call()  # warm: first-use caches are not garbage
-    gc.collect()
-    gc.disable()
-    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds stays in gc.garbage
-    try:
-        for _ in range(CALLS):
-            await call()
-        gc.collect()
-        return [type(o).__name__ for o in gc.garbage if type(o).__module__.startswith("sdkcore")]
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        gc.enable()
+async def left_by(call: Callable[[], Awaitable[object]]) -> list[str]:
+    """sdkcore's objects that ``CALLS`` calls left in reference cycles, after one warm-up
+    call (first-use caches are not garbage)."""
+    await call()
+    return await sdkcore_garbage(lambda i: call(), CALLS)
 
 
 @pytest.mark.parametrize("request_timeout", [None, 5.0], ids=["no deadline", "deadline"])
@@ -76,7 +66,7 @@ async def test_a_retried_execute_leaves_nothing(request_timeout: float | None) -
         assert request.retry_attempts == 2
         return request
 
-    assert await sdkcore_garbage(call) == []
+    assert await left_by(call) == []
 
 
 async def test_a_hand_wired_loop_leaves_nothing() -> None:
@@ -95,7 +85,7 @@ async def test_a_hand_wired_loop_leaves_nothing() -> None:
             orch.succeed(request)
             return result
 
-    assert await sdkcore_garbage(call) == []
+    assert await left_by(call) == []
 
 
 async def test_a_hedged_request_leaves_nothing() -> None:
@@ -110,7 +100,7 @@ async def test_a_hedged_request_leaves_nothing() -> None:
     async def call() -> object:
         return await orch.hedge(Request(idempotent=True, timeout=5.0), send, policy)
 
-    assert await sdkcore_garbage(call) == []
+    assert await left_by(call) == []
 
 
 async def test_a_retried_execute_sync_leaves_nothing() -> None:
@@ -126,4 +116,4 @@ async def test_a_retried_execute_sync_leaves_nothing() -> None:
     async def call() -> object:
         return orch.execute_sync(Request(idempotent=True, timeout=5.0), send)
 
-    assert await sdkcore_garbage(call) == []
+    assert await left_by(call) == []

@@ -7,14 +7,14 @@ this process, so only sdkcore's objects are counted (rfc/0003, "The direct path"
 
 from __future__ import annotations
 
-import gc
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 import pytest
 
 grpc = pytest.importorskip("grpc")
+from gc_kit import sdkcore_garbage  # noqa: E402
 from grpc_server import TEST_TIMEOUT, Server, retry_config  # noqa: E402
 
 from sdkcore.grpc import insecure_channel  # noqa: E402
@@ -49,22 +49,6 @@ async def echo_each(
         yield r
 
 
-async def sdkcore_garbage(make_call: Callable[[int], Awaitable[None]]) -> list[str]:
-    """The type names of sdkcore's objects that ``CALLS`` calls left in reference cycles."""
-    gc.collect()
-    gc.disable()
-    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds stays in gc.garbage
-    try:
-        for i in range(CALLS):
-            await make_call(i)
-        gc.collect()
-        return [type(o).__name__ for o in gc.garbage if type(o).__module__.startswith("sdkcore")]
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        gc.enable()
-
-
 @pytest.mark.parametrize("retried", [False, True], ids=["ok", "retried"])
 async def test_a_unary_call_leaves_nothing_for_the_garbage_collector(
     server: Server, retried: bool
@@ -80,7 +64,7 @@ async def test_a_unary_call_leaves_nothing_for_the_garbage_collector(
             async def call(i: int) -> None:
                 assert await ch.unary_unary(method)(b"%d" % i) == b"ok:%d" % i
 
-            left = await sdkcore_garbage(call)
+            left = await sdkcore_garbage(call, CALLS)
     assert server.count("M") == (2 * CALLS if retried else CALLS)
     assert left == []
 
@@ -106,8 +90,8 @@ async def test_streaming_calls_leave_nothing_for_the_garbage_collector(server: S
                 assert got == [b"a", b"b"]
 
             left = {
-                "unary_stream": await sdkcore_garbage(unary_stream),
-                "stream_unary": await sdkcore_garbage(stream_unary),
-                "stream_stream": await sdkcore_garbage(stream_stream),
+                "unary_stream": await sdkcore_garbage(unary_stream, CALLS),
+                "stream_unary": await sdkcore_garbage(stream_unary, CALLS),
+                "stream_stream": await sdkcore_garbage(stream_stream, CALLS),
             }
     assert left == {"unary_stream": [], "stream_unary": [], "stream_stream": []}
