@@ -383,17 +383,17 @@ class _Call:
                     if throttler is not None:  # A6: counts for throttling whatever the status
                         throttler.record_failure()
                 final = self._final(err)
-                answered_first = self._request
-                if answered_first is None:
+                request = self._request
+                if request is None:
                     # The first attempt's answer (a NOT_FOUND, say) on a call without
                     # telemetry: no Request exists, and none is built only to be failed.
                     raise final
-                core.orchestrator.fail(answered_first, final)
+                core.orchestrator.fail(request, final)
                 if self._retried():
                     # The channel's own attempts, for an outer request's context (rfc/0003).
                     if final is err:
                         final = self._final(err, copy=True)
-                    raise final from self._answer_context(answered_first, err)
+                    raise final from self._answer_context(request, err)
                 raise final
         request = self.request
         st.transparent = kind
