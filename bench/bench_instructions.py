@@ -120,11 +120,11 @@ class Status:  # what sdkcore reads of grpc's Cython call: is_ok()
     def is_ok(self):
         return self.ok
 
-class StandIn:  # a grpc.aio unary call that is over when awaited
-    code = grpc.StatusCode.UNAVAILABLE
-    def __init__(self, ok):
+class StandIn:  # a grpc.aio unary call that is over when awaited: OK, or failed with code
+    def __init__(self, code):
         self.callbacks = []
-        self._cython_call = Status(ok)
+        self.code = code
+        self._cython_call = Status(code is None)
     def add_done_callback(self, cb):
         self.callbacks.append(cb)
     def cancelled(self):
@@ -136,26 +136,27 @@ class StandIn:  # a grpc.aio unary call that is over when awaited
             yield
         for cb in self.callbacks:
             cb(self)
-        if not self._cython_call.ok:
+        if self.code is not None:
             raise aio.AioRpcError(self.code, EMPTY, EMPTY, "down")
         return b"ok"
 
-def inner_for(fail_every_other):
+def inner_for(answers):  # the stand-in's answers in turn: None (OK) or a status code
     sent = [0]
     def inner(message, timeout=None, metadata=None, credentials=None,
               wait_for_ready=None, compression=None):
         sent[0] += 1
-        return StandIn(not fail_every_other or sent[0] % 2 == 0)
+        return StandIn(answers[sent[0] % len(answers)])
     return inner
 
+UNAVAILABLE_THEN_OK = (None, grpc.StatusCode.UNAVAILABLE)  # attempt 1 fails, 2 answers
+ANSWERS = {
+    "grpc-hand": UNAVAILABLE_THEN_OK,
+    "grpc-retried": UNAVAILABLE_THEN_OK,
+    "grpc-not-found": (grpc.StatusCode.NOT_FOUND,),  # an ordinary answer: not retried
+}
+
 async def main(case, calls):
-    retried = case in ("grpc-hand", "grpc-retried")
-    inner = inner_for(retried)
-    if case == "grpc-not-found":  # an ordinary answer: a status the policy does not list
-        StandIn.code = grpc.StatusCode.NOT_FOUND
-        def inner(message, timeout=None, metadata=None, credentials=None,
-                  wait_for_ready=None, compression=None):
-            return StandIn(False)
+    inner = inner_for(ANSWERS.get(case, (None,)))
     policy = POLICY if case in ("grpc-ok-policy", "grpc-retried", "grpc-not-found") else None
     server = aio.server()  # a real server, so that the channel is READY as in production
     port = server.add_insecure_port("127.0.0.1:0")
