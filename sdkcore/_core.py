@@ -42,7 +42,12 @@ _MAX_COUNT = 2**31 - 1  # a limit beyond any process's memory: bigger ones are t
 
 
 class RetryBudgetLike(Protocol):
-    """What the orchestrator needs of a retry budget (``sdkcore.RetryBudget`` is one)."""
+    """What the orchestrator needs of a retry budget (``sdkcore.RetryBudget`` is one).
+
+    A budget may also have ``refund()``: called for a withdrawal whose retry was never
+    sent (a hedge cut before it began, a backoff cut by ``Request.cancel()`` or the
+    caller's cancellation).
+    """
 
     def deposit(self) -> None: ...
 
@@ -219,6 +224,10 @@ class OrchestratorCore:
         gives it back with :meth:`_leave_backoff` once the wait is over (``threads``:
         execute_sync's count, under the lock).
         """
+        if request.state is not _PENDING:
+            # Request.cancel() while the attempt was in flight (execute without a deadline
+            # lets it finish): nothing is booked, counted or paid for a retry never sent.
+            raise _failing.already_completed(request, reason)
         if not reason.always_retry and not isinstance(action, RetryAction):
             name = _failing.strategy_name(strategy)
             error = _failing.bad_action(name, reason, action)
@@ -281,6 +290,15 @@ class OrchestratorCore:
                 self._leave_backoff(threads)
                 raise
         return verdict, delay
+
+    def _unsent(self, request: Request, verdict: Verdict) -> None:
+        """A retry that :meth:`_settle` booked is not sent (its backoff was cut, or the
+        request completed meanwhile): the retry budget gets back what it paid for it."""
+        budget = self._budget
+        if verdict is _RETRY and budget is not None and spends_budget(request.last_effect):
+            refund = getattr(budget, "refund", None)
+            if refund is not None:
+                refund()
 
     def _refusal(
         self,

@@ -36,7 +36,6 @@ _PENDING = RequestState.PENDING
 _RETRY = Verdict.RETRY
 _MAYBE = AttemptEffect.MAYBE_APPLIED
 _INF = math.inf
-_UNSET: Any = object()
 
 
 def _check_request(request: object, door: str) -> None:
@@ -101,6 +100,28 @@ async def _injected_wait(self: OrchestratorCore, request: Request, rt: Any, dela
         self._check_clock(request)
         assert self._sleep is not None
         await self._sleep(delay)
+
+
+async def _cancellable_wait(
+    self: OrchestratorCore, request: Request, rt: Any, delay: float
+) -> None:
+    """``execute``'s backoff when no deadline scope is armed: ``Request.cancel()`` still
+    wakes it (a scope without a deadline, for that wait only; the caller then finds the
+    request cancelled). Kept apart so that ``execute``'s frame holds no more locals."""
+    scope = rt.Scope(_INF)
+    previous = request._set_cancel_hook(scope)
+    try:
+        if self._sleep is None and not INSTANT_DELAYS.get():
+            await rt.sleep(delay)
+        else:
+            await _injected_wait(self, request, rt, delay)
+    except BaseException as exc:
+        request._set_cancel_hook(previous)
+        if not scope.exit(exc):
+            raise  # not ours: the caller's cancellation, or the wait's own error
+    else:
+        request._set_cancel_hook(previous)
+        scope.exit(None)
 
 
 def _resume(request: Request, verdict: Verdict, reason: RetryReason, strategy: Any) -> None:
@@ -206,13 +227,19 @@ async def execute(
                     now,
                 )
                 try:  # the wait, written out here: a shared coroutine is one more frame
-                    if self._sleep is None and not INSTANT_DELAYS.get():
+                    if scope is None and delay > 0.0:
+                        await _cancellable_wait(self, request, rt, delay)
+                    elif self._sleep is None and not INSTANT_DELAYS.get():
                         await rt.sleep(delay)  # zero: one checkpoint
                     else:
                         await _injected_wait(self, request, rt, delay)
+                except BaseException:
+                    self._unsent(request, verdict)
+                    raise
                 finally:
                     self._in_retry -= 1  # counted by _settle (the loop's thread only)
                 if verdict is not _RETRY or request.state is not _PENDING:
+                    self._unsent(request, verdict)
                     _resume(request, verdict, reason, strategy)
                 continue
             if trace is not None:
@@ -332,6 +359,14 @@ async def maybe_retry(
             f"maybe_retry(effect=...) must be an AttemptEffect, got {effect!r}"
             + suggest_member(effect, AttemptEffect)
         )
+    if cause is not None and not isinstance(cause, BaseException):
+        raise TypeError(
+            f"maybe_retry(cause=...) must be the attempt's exception or None, got {cause!r}"
+        )
+    if retry_after is None and isinstance(cause, RetryableError):
+        retry_after = cause.retry_after
+    # Checked before anything is booked: a bad hint leaves the request as it was.
+    hint = None if retry_after is None else to_seconds(retry_after, "maybe_retry(retry_after=...)")
     if request.state is not _PENDING:
         raise _failing.already_completed(request, reason)
     telemetry = self._telemetry
@@ -349,11 +384,6 @@ async def maybe_retry(
             name = _failing.strategy_name(strategy)
             action = await _bounded(self, request, reason, rt, action, name)
             now = request.clock()
-        if retry_after is None and isinstance(cause, RetryableError):
-            retry_after = cause.retry_after
-        hint = (
-            None if retry_after is None else to_seconds(retry_after, "maybe_retry(retry_after=...)")
-        )
         verdict, delay = self._settle(
             request, reason, action, strategy, gate(_DEBUG), cause, hint, now
         )
@@ -366,6 +396,7 @@ async def maybe_retry(
             except BaseException as exc:
                 request._set_cancel_hook(previous)
                 if not scope.exit(exc):
+                    self._unsent(request, verdict)
                     request._finish_by(exc)
                     raise
             else:
@@ -381,11 +412,13 @@ async def maybe_retry(
                 else:
                     await _injected_wait(self, request, rt, delay)
             except BaseException as exc:
+                self._unsent(request, verdict)
                 request._finish_by(exc)
                 raise
             finally:
                 self._in_retry -= 1  # counted by _settle (the loop's thread only)
         if verdict is not _RETRY or request.state is not _PENDING:
+            self._unsent(request, verdict)
             _resume(request, verdict, reason, strategy)
         if type(action) is RetryAction and action.seconds == delay and action.duration is not None:
             return action.duration  # the strategy's own timedelta: nothing to build
@@ -459,15 +492,9 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
     token = request._dispatching()  # requests made in the block keep within this deadline
     error: BaseException | None = None
     try:
-        if left == _INF:
-            try:
-                yield
-            except BaseException as exc:
-                error = exc
-                raise
-            return
         rt = _runtime.current()
-        scope = rt.Scope(rt.now() + left)
+        # Without a deadline too: the scope is what Request.cancel() cuts the attempt with.
+        scope = rt.Scope(_INF if left == _INF else rt.now() + left)
         previous = request._set_cancel_hook(scope)
         try:
             yield

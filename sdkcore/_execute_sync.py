@@ -102,11 +102,11 @@ def _loop(
             reason = failure.reason
             failed = failure.__cause__ or failure
             now = clock()
-            if now >= deadline:  # blocked past the deadline: the timeout, as for any error
-                raise _failing.timed_out(
-                    request, reason, _name(self, request), now, in_flight=True, error=failed
-                ) from failed
             request._attempt_failed(reason, failure.effect or DEFAULT_EFFECT[reason], failed, now)
+            if now >= deadline:  # blocked past the deadline: the timeout, as for any error
+                # The attempt is booked with what it said of itself (a NOT_SENT one stays
+                # unambiguous), as execute books an attempt that failed at its deadline.
+                raise _failing.timed_out(request, reason, _name(self, request), now) from failed
             _retry(self, request, reason, failed, sleep, failure.retry_after, now)
             continue
         except Exception as exc:
@@ -176,11 +176,13 @@ def _retry(
         if delay > 0.0 and not INSTANT_DELAYS.get():
             sleep(delay)
     except BaseException as exc:
+        self._unsent(request, verdict)
         request._finish_by(exc)
         raise
     finally:
         self._leave_backoff(threads=True)
     if request.state is not _PENDING:  # Request.cancel() from another thread
+        self._unsent(request, verdict)
         raise _failing.already_completed(request, reason)
     if verdict is Verdict.TIME_OUT:
         name = _failing.answered_by(reason, strategy)

@@ -195,9 +195,15 @@ class _Chain:
                 if not allowed:
                     self.stop = "throttled"
                     return math.inf
-            if sent > 0 and self.budget is not None and not self.budget.try_withdraw():
-                self.stop = "retry_budget"  # a hedge is a retry: the budget pays for it
-                return math.inf
+            if sent > 0 and self.budget is not None:
+                try:
+                    granted = self.budget.try_withdraw()  # a hedge is a retry: the budget pays
+                except Exception as exc:  # a broken budget ends the chain with its error
+                    self._end_with(exc)
+                    return math.inf
+                if not granted:
+                    self.stop = "retry_budget"
+                    return math.inf
             start(self.begin(sent, now))
 
     def begin(self, index: int, now: float) -> _Attempt:
@@ -519,18 +525,21 @@ async def run_hedged(
     if first_elapsed is not None:
         chain.first_elapsed = first_elapsed
     runner = rt.Hedges(chain, chain.origin + left)
-    request._set_cancel_hook(runner)  # Request.cancel() cuts whatever is in flight
+    previous = request._set_cancel_hook(runner)  # Request.cancel() cuts whatever is in flight
     try:
         try:
             await runner.run()
         finally:
-            request._set_cancel_hook(None)
+            request._set_cancel_hook(previous)
     except BaseException as exc:
         request._finish_by(exc)
         raise
 
     if chain.winner is not None:
-        request._finish(RequestState.SUCCEEDED)
+        if not request._finish(RequestState.SUCCEEDED):
+            # Request.cancel() came after a copy answered, before the caller resumed: a
+            # cancelled request never reports success (rfc/0001, "Application cancel").
+            raise _failing.already_completed(request, request.last_reason)
         trace = request._trace
         if trace is not None and chain.winner > 0:
             trace.hedge_won()

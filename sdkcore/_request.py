@@ -306,11 +306,13 @@ class Request(RetryState):
     def cancel(self) -> None:
         """Cancel the request from the application (on the event loop's thread).
 
-        A request waiting in retry backoff wakes at once, and so does an attempt in
-        flight inside ``execute`` when the request has a timeout; the caller of
-        ``maybe_retry``/``execute`` gets RequestCanceledException
-        (CANCELLED_VIA_CONTEXT). Without a timeout, an attempt in flight runs to its
-        end and its result is discarded. Cancelling a completed request does nothing.
+        A request waiting in retry backoff wakes at once (with or without a timeout),
+        and so does an attempt in flight inside ``attempt()``, and inside ``execute``
+        when the request has a timeout; the caller of ``maybe_retry``/``execute``/
+        ``hedge`` gets RequestCanceledException (CANCELLED_VIA_CONTEXT), even if an
+        answer arrived meanwhile. Without a timeout, an attempt in flight in
+        ``execute`` runs to its end and its result is discarded (no retry is booked
+        for it). Cancelling a completed request does nothing.
         """
         if not self._finish(RequestState.CANCELLED, CancellationReason.CANCELLED_VIA_CONTEXT):
             return  # completed already

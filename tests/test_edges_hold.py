@@ -13,6 +13,7 @@ import pytest
 import sdkcore
 from sdkcore import (
     AmbiguousTimeoutException,
+    AttemptEffect,
     BestEffortRetryStrategy,
     Request,
     RetryableError,
@@ -139,20 +140,30 @@ def test_a_strategy_may_call_execute_sync_on_the_same_orchestrator() -> None:
 # -- item 5: whatever send raises after the deadline is the timeout -------------------------
 
 
-def test_a_retryable_error_raised_after_the_deadline_is_the_timeout() -> None:
+@pytest.mark.parametrize(
+    ("effect", "ambiguous"),
+    [(None, False), (AttemptEffect.NOT_SENT, False), (AttemptEffect.MAYBE_APPLIED, True)],
+    ids=["KV_LOCKED's own effect", "not sent", "maybe applied"],
+)
+def test_a_retryable_error_raised_after_the_deadline_is_the_timeout(
+    effect: AttemptEffect | None, ambiguous: bool
+) -> None:
     orch = RetryOrchestrator()
     req = Request(name="kv.upsert", idempotent=False, timeout=0.05)
 
     def send(_: Request) -> None:
         time.sleep(0.1)  # blocks past the deadline, then fails retryably
-        raise RetryableError(RetryReason.KV_LOCKED) from OSError("locked")
+        raise RetryableError(RetryReason.KV_LOCKED, effect=effect) from OSError("locked")
 
     with pytest.raises(TimeoutException) as info:
         orch.execute_sync(req, send)
-    assert isinstance(info.value, AmbiguousTimeoutException)  # cut in flight, not idempotent
+    # The attempt ended with an answer, booked with the effect it reported (KV_LOCKED: the
+    # server did not apply it), as execute books it: ambiguous only if it may have been applied.
+    assert isinstance(info.value, AmbiguousTimeoutException) is ambiguous
     assert isinstance(info.value.__cause__, OSError)
     assert info.value.context is not None
-    assert info.value.context.in_flight
+    assert not info.value.context.in_flight
+    assert [a.reason for a in req.attempts] == [RetryReason.KV_LOCKED]
 
 
 # -- item 6: a sync refinement of a built-in strategy ---------------------------------------

@@ -1,0 +1,275 @@
+"""Request.cancel(), the retry budget and bad arguments at every door's edges.
+
+A cancelled request never reports success, a backoff wakes on ``Request.cancel()``
+with or without a deadline, a retry that is never sent gives its budget withdrawal
+back, and a refused argument leaves the request as it was.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+
+import anyio
+import pytest
+
+from sdkcore import (
+    AttemptEffect,
+    HedgePolicy,
+    Request,
+    RequestCanceledException,
+    RetryableError,
+    RetryAction,
+    RetryBudget,
+    RetryOrchestrator,
+    RetryReason,
+)
+from sdkcore.testing import capture_retry_events
+
+pytestmark = pytest.mark.anyio
+LOCKED = RetryReason.KV_LOCKED
+BOUND = 10.0  # seconds: a test that hangs fails here instead of hanging the suite
+
+
+class Wait:
+    """A strategy that retries every reason after ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:
+        return RetryAction.with_duration(timedelta(seconds=self.seconds))
+
+
+def reserve(retries: int) -> RetryBudget:
+    """A budget of exactly ``retries`` retries (no deposits count: ratio 0).
+
+    The tests' backoffs (3 s) end before their requests' deadlines (5 s): a backoff that
+    reaches the deadline is a timeout, for which nothing is withdrawn."""
+    return RetryBudget(min_retries_per_sec=retries / 10, retry_ratio=0.0, ttl=10)
+
+
+async def cancel_soon(request: Request, after: float = 0.05) -> None:
+    await anyio.sleep(after)
+    request.cancel()
+
+
+# -- hedge: a cancelled request never reports success ------------------------------------
+
+
+async def test_hedge_raises_when_cancelled_after_a_copy_answered() -> None:
+    orch = RetryOrchestrator()
+    request = Request(idempotent=True, timeout=5.0)
+
+    async def send(r: Request, index: int) -> str:
+        await anyio.sleep(0.01)
+        r.cancel()  # the application cancels while the answer is on its way back
+        return "answer"
+
+    with anyio.fail_after(BOUND), pytest.raises(RequestCanceledException):
+        await orch.hedge(request, send, HedgePolicy(max_attempts=2, delay=timedelta(seconds=5)))
+    assert request.cancelled
+
+
+async def test_hedge_fails_with_the_error_of_a_budget_that_raises() -> None:
+    class Broken:
+        def deposit(self) -> None:
+            pass
+
+        def try_withdraw(self) -> bool:
+            raise OSError("budget store down")
+
+    orch = RetryOrchestrator(retry_budget=Broken())
+    request = Request(idempotent=True, timeout=5.0)
+
+    async def send(r: Request, index: int) -> str:
+        await anyio.sleep(3.0)  # the first copy is slow: the hedge is due after 10 ms
+        return "late"
+
+    policy = HedgePolicy(max_attempts=2, delay=timedelta(milliseconds=10))
+    with anyio.fail_after(BOUND), pytest.raises(OSError, match="budget store down"):
+        await orch.hedge(request, send, policy)
+
+
+async def test_hedge_gives_back_the_cancel_hook_it_found() -> None:
+    orch = RetryOrchestrator()
+    request = Request(idempotent=True, timeout=5.0)
+
+    class Hook:
+        def cancel(self) -> None:
+            pass
+
+    outer = Hook()
+    request._set_cancel_hook(outer)  # as an enclosing door holds it
+
+    async def send(r: Request, index: int) -> str:
+        return "ok"
+
+    assert await orch.hedge(request, send, HedgePolicy(max_attempts=2)) == "ok"
+    assert request._set_cancel_hook(None) is outer
+
+
+# -- attempt() and execute without a deadline ------------------------------------------------
+
+
+async def test_attempt_without_a_timeout_is_cut_by_request_cancel() -> None:
+    orch = RetryOrchestrator()
+    request = Request(idempotent=True, timeout=None)
+    reached_end: list[bool] = []
+
+    async def hand_wired_attempt() -> None:
+        with orch.attempt(request):
+            await anyio.sleep(3.0)  # the attempt in flight
+            reached_end.append(True)
+
+    with anyio.fail_after(BOUND):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cancel_soon, request)
+            with pytest.raises(RequestCanceledException):
+                await hand_wired_attempt()
+    assert not reached_end
+    assert request.cancelled
+
+
+async def test_execute_without_a_timeout_wakes_from_its_backoff_on_cancel() -> None:
+    orch = RetryOrchestrator()
+    request = Request(idempotent=True, timeout=None, retry_strategy=Wait(60.0))
+
+    async def send(_: Request) -> str:
+        raise RetryableError(LOCKED)
+
+    started = time.monotonic()
+    with anyio.fail_after(BOUND):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cancel_soon, request)
+            with pytest.raises(RequestCanceledException):
+                await orch.execute(request, send)
+    assert time.monotonic() - started < BOUND  # not the 60 s backoff
+    assert orch.requests_in_retry == 0
+
+
+async def test_a_request_cancelled_in_flight_books_no_retry() -> None:
+    budget = reserve(3)
+    orch = RetryOrchestrator(retry_budget=budget)
+    request = Request(idempotent=True, timeout=None)
+    sent = 0
+
+    async def send(r: Request) -> str:
+        nonlocal sent
+        sent += 1
+        r.cancel()  # no deadline: the attempt runs to its end, then fails retryably
+        raise RetryableError(LOCKED)
+
+    before = budget.balance
+    with capture_retry_events() as events, pytest.raises(RequestCanceledException):
+        await orch.execute(request, send)
+    assert sent == 1
+    assert budget.balance == before
+    assert request.retry_attempts == 0
+    assert "retry.scheduled" not in [e["event"] for e in events]
+
+
+# -- a retry never sent gives its budget withdrawal back -------------------------------------
+
+
+@pytest.mark.parametrize("request_timeout", [None, 5.0], ids=["no deadline", "deadline"])
+async def test_execute_refunds_a_retry_whose_backoff_request_cancel_cut(
+    request_timeout: float | None,
+) -> None:
+    budget = reserve(2)
+    orch = RetryOrchestrator(retry_budget=budget)
+    before = budget.balance
+    for _ in range(4):  # more requests than the budget holds: each must give its retry back
+        request = Request(idempotent=True, timeout=request_timeout, retry_strategy=Wait(3.0))
+
+        async def send(_: Request) -> str:
+            raise RetryableError(LOCKED)
+
+        with anyio.fail_after(BOUND):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cancel_soon, request)
+                with pytest.raises(RequestCanceledException):
+                    await orch.execute(request, send)
+    assert budget.balance == before
+
+
+async def test_execute_refunds_a_retry_whose_backoff_the_caller_cancelled() -> None:
+    budget = reserve(2)
+    orch = RetryOrchestrator(retry_budget=budget)
+    before = budget.balance
+    request = Request(idempotent=True, timeout=5.0, retry_strategy=Wait(3.0))
+
+    async def send(_: Request) -> str:
+        raise RetryableError(LOCKED)
+
+    with anyio.move_on_after(0.1):
+        await orch.execute(request, send)
+    assert request.cancelled
+    assert budget.balance == before
+
+
+async def test_maybe_retry_refunds_a_retry_whose_backoff_was_cut() -> None:
+    budget = reserve(2)
+    orch = RetryOrchestrator(Wait(3.0), retry_budget=budget)
+    before = budget.balance
+    request = Request(idempotent=True, timeout=5.0)
+    with anyio.fail_after(BOUND):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cancel_soon, request)
+            with pytest.raises(RequestCanceledException):
+                await orch.maybe_retry(request, LOCKED)
+    assert budget.balance == before
+
+
+def test_execute_sync_refunds_a_retry_cancelled_during_its_backoff() -> None:
+    budget = reserve(2)
+    orch = RetryOrchestrator(Wait(0.3), retry_budget=budget)
+    before = budget.balance
+    request = Request(idempotent=True, timeout=5.0)
+
+    def send(_: Request) -> str:
+        raise RetryableError(LOCKED)
+
+    canceller = threading.Timer(0.05, request.cancel)
+    canceller.start()
+    try:
+        with pytest.raises(RequestCanceledException):
+            orch.execute_sync(request, send)
+    finally:
+        canceller.join(BOUND)
+    assert budget.balance == before
+
+
+# -- maybe_retry refuses bad arguments before it books anything -----------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"retry_after": -1}, ValueError, "retry_after"),
+        ({"retry_after": "1s"}, TypeError, "retry_after"),
+        ({"cause": "boom"}, TypeError, "cause"),
+        ({"effect": "NOT_SENT"}, TypeError, "effect"),
+    ],
+    ids=["negative hint", "text hint", "cause not an exception", "effect not an AttemptEffect"],
+)
+async def test_maybe_retry_leaves_the_request_as_it_was_on_a_bad_argument(
+    kwargs: dict[str, object], error: type[Exception], message: str
+) -> None:
+    budget = reserve(2)
+    orch = RetryOrchestrator(retry_budget=budget)
+    before = budget.balance
+    request = Request(idempotent=True, timeout=5.0)
+    call: Callable[..., Awaitable[timedelta]] = orch.maybe_retry
+    with pytest.raises(error, match=message):
+        await call(request, LOCKED, **kwargs)
+    assert request.failed_attempts == 0
+    assert request.last_reason is None
+    assert not request.completed
+    assert budget.balance == before
+    assert orch.requests_in_retry == 0
+    # and the request can still be retried with good arguments
+    await orch.maybe_retry(request, LOCKED, effect=AttemptEffect.NOT_SENT, retry_after=0)
+    assert request.retry_attempts == 1
