@@ -188,7 +188,12 @@ def _seconds(delay: timedelta) -> str:
 
 
 def _codes(codes: frozenset[int]) -> str:
-    return ", ".join(status_name(c) for c in sorted(codes)) or "none"
+    """The codes that take effect: OK never fails, so listing it changes nothing (a warning
+    says so); "none" when no other code is listed."""
+    return ", ".join(status_name(c) for c in sorted(codes) if c != _OK) or "none"
+
+
+_OK = STATUS_BY_NAME["OK"]
 
 
 def _names(names: tuple[MethodName, ...]) -> str:

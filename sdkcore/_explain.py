@@ -50,7 +50,15 @@ from .mapping import (
 )
 from .testing import VirtualClock, capture_retry_events
 
-__all__ = ["KINDS", "Outcome", "add_parser", "explain_outcomes", "explain_reason", "run"]
+__all__ = [
+    "KINDS",
+    "Outcome",
+    "add_parser",
+    "explain_outcomes",
+    "explain_reason",
+    "retry_after_note",
+    "run",
+]
 
 #: How many retries the strategy table plays.
 RETRIES_SHOWN = 5
@@ -80,6 +88,34 @@ _FLAG_HELP = {
         "by default, a failure with this reason never left the client",
     ),
 }
+
+#: What the retry_after of a local refusal is, for the reasons whose refusal may carry one
+#: (the keys of ``sdkcore._failing._HINTED_BY``, checked by tests/test_operator_reports.py):
+#: the orchestrator waits the longer of it and the backoff the table shows.
+_HINTS: dict[RetryReason, str] = {
+    RetryReason.CIRCUIT_BREAKER_OPEN: (
+        "a CircuitBreaker's refusal carries retry_after (the rest of the breaker's sleep "
+        "window, until its probe may go; 5 s by default): each retry waits the longer of it "
+        "and the backoff above, so the real waits follow the sleep window, not these delays; "
+        "a request whose deadline comes before the window ends times out at once"
+    ),
+    RetryReason.CONCURRENCY_LIMITED: (
+        "an AdaptiveConcurrencyLimiter's refusal carries retry_after (its last measured round "
+        "trip; a ConcurrencyLimiter's carries none): each retry waits the longer of it and the "
+        "backoff above"
+    ),
+    RetryReason.CLIENT_THROTTLED: (
+        "an AdaptiveThrottle's refusal carries no retry_after: the retries wait the backoff "
+        "above; a refusal raised with one (RetryableError(CLIENT_THROTTLED, retry_after=...)) "
+        "waits the longer of it and the backoff"
+    ),
+}
+
+
+def retry_after_note(reason: RetryReason) -> str | None:
+    """What the retry_after a refusal for ``reason`` carries does to the delays, or None."""
+    return _HINTS.get(reason)
+
 
 #: The range each numeric input is checked against, as (low, high, how it is shown).
 _RANGES: dict[str, tuple[int, int, str]] = {
@@ -472,6 +508,7 @@ def _to_json(
         out["attempt_effect_source"] = "mapper" if by_mapper else "reason_default"
         out["retries_shown"] = RETRIES_SHOWN
         out["outcomes"] = [o.to_json() for o in explain_outcomes(mapped, effect)]
+        out["retry_after_note"] = retry_after_note(mapped)
     elif isinstance(mapped, CouchbaseException):
         out["exception"] = {"type": type(mapped).__name__, "message": mapped.message}
     return out
@@ -511,6 +548,10 @@ def run(args: argparse.Namespace, out: Output) -> int:
         out.heading(f"What each strategy does (first {RETRIES_SHOWN} retries, no timeout)")
         out.table(_STRATEGY_COLUMNS, explain_reason(mapped, effect))
         out.line()
+        hint = retry_after_note(mapped)
+        if hint is not None:
+            out.line(f"{hint[0].upper()}{hint[1:]}.")
+            out.line()
         out.line(
             "'...': the retries go on until the request's timeout. "
             "With a timeout, a delay that reaches the deadline is cut short and the request "

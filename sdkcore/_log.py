@@ -49,6 +49,8 @@ __all__ = [
     "EVENT_NOT_RETRIED",
     "EVENT_SCHEDULED",
     "EVENT_STRATEGY_FAILED",
+    "EVENT_THROTTLE_ENGAGED",
+    "EVENT_THROTTLE_RELEASED",
     "EVENT_TIMED_OUT",
     "LOGGER_NAME",
     "enabled",
@@ -75,6 +77,13 @@ EVENT_BREAKER_HALF_OPEN = "breaker.half_open"
 EVENT_BREAKER_CLOSED = "breaker.closed"
 #: info: a retry budget refused a withdrawal (fields: balance, deposits, withdrawals).
 EVENT_BUDGET_EXHAUSTED = "budget.exhausted"
+
+# gRPC retryThrottling (rfc/0003). Fields: target, tokens, max_tokens, threshold.
+#: info: a gRPC RetryThrottler's tokens fell to its threshold: retries and hedges stop.
+EVENT_THROTTLE_ENGAGED = "throttle.engaged"
+#: info: its tokens rose above the threshold again (field refused: retries and hedges it
+#: refused while engaged).
+EVENT_THROTTLE_RELEASED = "throttle.released"
 
 # The stdlib's levels (logging.DEBUG, INFO, WARNING), without importing logging.
 DEBUG = 10

@@ -181,8 +181,12 @@ class Telemetry:
         self._limiters: weakref.WeakSet[Any] = weakref.WeakSet()
         self._throttles: weakref.WeakSet[Any] = weakref.WeakSet()
         self._quantiles: weakref.WeakSet[Any] = weakref.WeakSet()
-        # a LatencyQuantile has no name: the one it was watched with
-        self._quantile_names: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        # Each watched target's sdkcore.endpoint value, distinct within its kind (see watch).
+        self._labels: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        # The name each was labelled from ("" for none): watching it again with it keeps it.
+        self._named_as: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        # Per kind (its group's id): how many "unnamed-N" labels were handed out.
+        self._unnamed: dict[int, int] = {}
         m = self.meter
         self.request_duration = m.create_histogram(
             "sdkcore.request.duration",
@@ -271,7 +275,6 @@ class Telemetry:
                 self._observer(
                     self._quantiles,
                     lambda quantile: _seconds(quantile.current_delay),
-                    lambda quantile: self._quantile_names.get(quantile, ""),
                 )
             ],
             unit="s",
@@ -291,7 +294,6 @@ class Telemetry:
                 self._observer(
                     self._budgets,
                     lambda budget: budget.balance,
-                    lambda budget: budget._name or "",
                 )
             ],
             unit="{retry}",
@@ -309,50 +311,106 @@ class Telemetry:
         :class:`ConcurrencyLimiter` / :class:`AdaptiveConcurrencyLimiter`,
         :class:`AdaptiveThrottle` or :class:`LatencyQuantile`. Returns ``target``. It
         reports to one telemetry at a time (the last that watched it), which holds it
-        weakly; its gauges are read at each collection. ``name``: the
-        ``sdkcore.endpoint`` attribute when the target has no name of its own (a
-        LatencyQuantile); else the target's name.
+        weakly; its gauges are read at each collection.
+
+        Its series carry ``sdkcore.endpoint``: the target's own name (cut at
+        :data:`MAX_TEXT` characters), else ``name``. Two watched targets of one kind
+        never share a series, so an open breaker cannot hide behind a closed one:
+
+        * a target with neither (an unnamed breaker, a LatencyQuantile watched without
+          ``name``) is labelled ``unnamed-1``, ``unnamed-2``, ... in the order this
+          telemetry first watched it, counted per kind (breakers, budgets, limiters,
+          throttles, hedge delays); a number is never handed out twice;
+        * a label another live target of the same kind already has here gets ``#2``,
+          ``#3``, ... appended (two breakers both named ``10.0.0.7:11210``).
+
+        The label is kept while the target stays watched here (watching it again
+        changes nothing, unless ``name`` gives an unnamed target a new one). ``name``
+        for a target that has a name of its own must be that name (else ValueError).
         """
         if name is not None and not isinstance(name, str):
             raise TypeError(f"Telemetry.watch(name=...) must be a str or None, got {name!r}")
+        own: str | None
         if isinstance(target, CircuitBreaker):
             watched: weakref.WeakSet[Any] = self._breakers
+            own = target.name
         elif isinstance(target, RetryBudget):
             watched = self._budgets
+            own = target._name
         elif isinstance(target, Permits):
             watched = self._limiters
+            own = target.name
         elif isinstance(target, AdaptiveThrottle):
             watched = self._throttles
+            own = target.name
         elif isinstance(target, LatencyQuantile):
             watched = self._quantiles
-            self._quantile_names[target] = _cut(name or "")
+            own = None
         else:
             raise TypeError(
                 "Telemetry.watch(target): target must be an sdkcore.CircuitBreaker, "
                 "RetryBudget, ConcurrencyLimiter, AdaptiveConcurrencyLimiter, AdaptiveThrottle "
                 f"or LatencyQuantile, got {target!r}"
             )
+        if own and name is not None and name != own:
+            raise ValueError(
+                f"Telemetry.watch(name={name!r}): the {type(target).__name__} is named "
+                f"{own!r}, and its own name labels its series; omit name= or pass that name"
+            )
         previous = _WATCHED_BY.get(target)
         if previous is not None and previous is not self:
             for group in previous._groups():
                 group.discard(target)
         _WATCHED_BY[target] = self
-        watched.add(target)
+        with self._lock:
+            self._label(watched, target, own or name)
+            watched.add(target)
         if not isinstance(target, (AdaptiveThrottle, LatencyQuantile)):
             target._telemetry = self  # it calls back on its transitions and refusals
         return target
+
+    def _label(self, group: weakref.WeakSet[Any], target: Any, name: str | None) -> None:
+        """Give ``target`` its ``sdkcore.endpoint`` value in ``group`` (under the lock)."""
+        labels = self._labels
+        if (
+            target in group
+            and labels.get(target) is not None
+            and (name is None or name == self._named_as.get(target))
+        ):
+            return  # watched here already: its label stays
+        self._named_as[target] = name or ""
+        taken = {labels.get(other) for other in group if other is not target}
+        if not name:
+            kind = id(group)
+            while True:
+                n = self._unnamed.get(kind, 0) + 1
+                self._unnamed[kind] = n
+                label = f"unnamed-{n}"
+                if label not in taken:  # an explicit name could be "unnamed-1"
+                    break
+        else:
+            base = label = _cut(name)
+            n = 1
+            while label in taken:
+                n += 1
+                suffix = f"#{n}"
+                label = base[: MAX_TEXT - len(suffix)] + suffix
+        labels[target] = label
+
+    def label(self, target: Any) -> str:
+        """The ``sdkcore.endpoint`` value ``target``'s series carry here (see :meth:`watch`);
+        ``""`` for a target this telemetry never watched."""
+        return self._labels.get(target, "")
 
     def _groups(self) -> tuple[weakref.WeakSet[Any], ...]:
         return self._breakers, self._budgets, self._limiters, self._throttles, self._quantiles
 
     def _observer(
-        self,
-        group: weakref.WeakSet[Any],
-        read: Callable[[Any], float | None],
-        label: Callable[[Any], str] = lambda target: target.name or "",
+        self, group: weakref.WeakSet[Any], read: Callable[[Any], float | None]
     ) -> Callable[[Any], Iterable[Any]]:
         """An observable instrument's callback: ``read`` of each watched target in ``group``
-        (None: no point), with ``sdkcore.endpoint`` its ``label``."""
+        (None: no point), with ``sdkcore.endpoint`` its label (see :meth:`watch`)."""
+        labels = self._labels
 
         def observe(options: Any) -> Iterable[Any]:
             from opentelemetry.metrics import Observation
@@ -361,26 +419,26 @@ class Telemetry:
             for target in list(group):
                 value = read(target)
                 if value is not None:
-                    out.append(Observation(value, {ENDPOINT: _cut(label(target))}))
+                    out.append(Observation(value, {ENDPOINT: labels.get(target, "")}))
             return out
 
         return observe
 
     def limiter_rejected(self, limiter: Any) -> None:
-        attributes = {ENDPOINT: _cut(limiter.name)}
+        attributes = {ENDPOINT: self._labels.get(limiter, "")}
         self._guard("concurrency_limiter.rejections", self.limiter_rejections.add, 1, attributes)
 
     def breaker_transition(self, breaker: Any, state: str) -> None:
         """A watched breaker changed state (``closed``, ``open``, ``half_open``)."""
-        attributes = {ENDPOINT: _cut(breaker.name or ""), BREAKER_STATE: state}
+        attributes = {ENDPOINT: self._labels.get(breaker, ""), BREAKER_STATE: state}
         self._guard("circuit_breaker.transitions", self.breaker_transitions.add, 1, attributes)
 
     def breaker_rejected(self, breaker: Any) -> None:
-        attributes = {ENDPOINT: _cut(breaker.name or "")}
+        attributes = {ENDPOINT: self._labels.get(breaker, "")}
         self._guard("circuit_breaker.rejections", self.breaker_rejections.add, 1, attributes)
 
     def budget_rejected(self, budget: Any) -> None:
-        attributes = {ENDPOINT: _cut(budget._name or "")}
+        attributes = {ENDPOINT: self._labels.get(budget, "")}
         self._guard("retry_budget.rejections", self.budget_rejections.add, 1, attributes)
 
     # -- requests -----------------------------------------------------------------------

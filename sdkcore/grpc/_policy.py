@@ -308,6 +308,8 @@ class A6RetryStrategy:
         if pushback == PUSHBACK_DONT_RETRY:
             return _refusal("the server's grpc-retry-pushback-ms asked not to retry", state)
         if not allowed:
+            assert throttler is not None  # allowed is False only from its record_failure
+            throttler.note_refusal()
             return _refusal(
                 "retries are throttled (retryThrottling tokens at or below half)", state
             )

@@ -8,6 +8,7 @@ import weakref
 from collections.abc import Callable
 from decimal import Decimal
 
+from .. import _log
 from .._untrusted import show as _show
 
 __all__ = ["RetryThrottler", "throttler_for_target"]
@@ -26,9 +27,25 @@ class RetryThrottler:
     throttler takes over the old one's fill ratio and the old one forwards to
     it (grpc C-core's replacement rule), so calls still holding the old one
     keep counting in the same bucket.
+
+    Logs ``throttle.engaged`` (info) when a failure brings the count to the
+    threshold or below, and ``throttle.released`` (info) when a success lifts it
+    above again, with ``refused``: the retries and hedges refused in between
+    (fields ``target``, ``tokens``, ``max_tokens``, ``threshold``; rfc/0003).
     """
 
-    __slots__ = ("__weakref__", "_lock", "_max", "_milli", "_ratio", "_replaced_by")
+    __slots__ = (
+        "__weakref__",
+        "_engaged",
+        "_engaged_at",
+        "_lock",
+        "_max",
+        "_milli",
+        "_ratio",
+        "_refused",
+        "_replaced_by",
+        "_target",
+    )
 
     def __init__(
         self, max_tokens: int | float, token_ratio: float, *, replaces: RetryThrottler | None = None
@@ -42,6 +59,13 @@ class RetryThrottler:
         self._max = max_milli
         self._ratio = ratio_milli
         self._replaced_by: RetryThrottler | None = None
+        #: The server name it throttles (set by throttler_for_target), for its events.
+        self._target = ""
+        #: True from throttle.engaged to throttle.released.
+        self._engaged = False
+        #: Retries and hedges refused since it was made, and that count at engagement.
+        self._refused = 0
+        self._engaged_at = 0
         if replaces is None:
             self._milli = max_milli
         else:
@@ -49,6 +73,11 @@ class RetryThrottler:
             with old._lock:
                 # Keep the same fill fraction in the new bucket.
                 self._milli = old._milli * max_milli // old._max
+                # ... and the episode it is in: its release is logged by this bucket.
+                self._target = old._target
+                self._engaged = old._engaged
+                self._refused = old._refused
+                self._engaged_at = old._engaged_at
                 old._replaced_by = self
 
     def _current(self) -> RetryThrottler:
@@ -74,6 +103,16 @@ class RetryThrottler:
     def milli_tokens(self) -> int:
         return self._current()._milli
 
+    @property
+    def refused(self) -> int:
+        """Retries and hedges refused since it was made (a counter; see :meth:`note_refusal`)."""
+        return self._current()._refused
+
+    @property
+    def engaged(self) -> bool:
+        """True while it refuses (from ``throttle.engaged`` to ``throttle.released``)."""
+        return self._current()._engaged
+
     def record_failure(self) -> bool:
         """Take one token; True when retries are still allowed afterwards."""
         t = self._current()
@@ -82,19 +121,58 @@ class RetryThrottler:
             if milli < 0:
                 milli = 0
             t._milli = milli
-            return milli * 2 > t._max
+            allowed = milli * 2 > t._max
+            if allowed or t._engaged:
+                return allowed
+            t._engaged = True
+            t._engaged_at = t._refused
+        t._event(_log.EVENT_THROTTLE_ENGAGED, milli, None)
+        return False
 
     def record_success(self) -> None:
         """Add ``token_ratio`` tokens (capped at ``max_tokens``)."""
         t = self._current()
         with t._lock:
             milli = t._milli + t._ratio
-            t._milli = t._max if milli > t._max else milli
+            milli = t._max if milli > t._max else milli
+            t._milli = milli
+            if not t._engaged or milli * 2 <= t._max:
+                return
+            t._engaged = False
+            refused = t._refused - t._engaged_at
+        t._event(_log.EVENT_THROTTLE_RELEASED, milli, refused)
 
     def allows_retry(self) -> bool:
-        """True while the count is above the threshold (``max_tokens / 2``)."""
+        """True while the count is above the threshold (``max_tokens / 2``).
+
+        The gate of a retry or hedge: a False answer counts as one refused (:attr:`refused`).
+        """
         t = self._current()
-        return t._milli * 2 > t._max
+        if t._milli * 2 > t._max:
+            return True
+        with t._lock:
+            t._refused += 1
+        return False
+
+    def note_refusal(self) -> None:
+        """Count a retry refused because :meth:`record_failure` answered False."""
+        t = self._current()
+        with t._lock:
+            t._refused += 1
+
+    def _event(self, event: str, milli: int, refused: int | None) -> None:
+        log = _log.enabled(_log.INFO)
+        if log is None:
+            return
+        fields: dict[str, object] = {
+            "target": self._target,
+            "tokens": milli / 1000,
+            "max_tokens": self._max / 1000,
+            "threshold": self._max / 2000,
+        }
+        if refused is not None:
+            fields["refused"] = refused
+        log.info(event, **fields)
 
     def __repr__(self) -> str:
         return (
@@ -176,6 +254,7 @@ def _acquire(
             return cur, _nothing
         # Built before anything is changed: a bad max_tokens / token_ratio raises here.
         new = RetryThrottler(max_tokens, token_ratio, replaces=cur)
+        new._target = target
         _registry[target] = new
 
     def undo() -> None:

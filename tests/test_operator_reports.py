@@ -1,0 +1,288 @@
+"""An operator review's findings: telemetry labels, check-config's policy, explain's hints.
+
+1. Two unnamed breakers (budgets, limiters, throttles, hedge delays) watched by one
+   Telemetry reported under one ``sdkcore.endpoint=""`` series: one hid the other.
+3. ``check-config`` warned that OK in retryableStatusCodes has no effect, yet printed it
+   in the effective policy.
+5. ``explain reason CIRCUIT_BREAKER_OPEN`` showed 1, 2, 4 ms retries, though a breaker's
+   refusal carries retry_after (its sleep window), which the orchestrator waits out.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("opentelemetry.sdk")
+
+from telemetry_kit import Otel
+
+from sdkcore import (
+    AdaptiveThrottle,
+    CircuitBreaker,
+    ConcurrencyLimiter,
+    LatencyQuantile,
+    Request,
+    RetryableError,
+    RetryBudget,
+    RetryOrchestrator,
+    RetryReason,
+)
+from sdkcore._cli import WIDTH, main
+from sdkcore._failing import _HINTED_BY
+from sdkcore.testing import VirtualClock
+
+ENDPOINT = "sdkcore.endpoint"
+STATE = "sdkcore.circuit_breaker.state"
+
+
+@pytest.fixture
+def otel() -> Any:
+    o = Otel()
+    try:
+        yield o
+    finally:
+        o.shutdown()
+
+
+def _points(otel: Otel, metric: str) -> dict[str, Any]:
+    """endpoint label -> value, failing if two points share a label."""
+    points = otel.metrics()[metric].points
+    labels = [attributes[ENDPOINT] for attributes, _ in points]
+    assert len(labels) == len(set(labels)), points
+    return {attributes[ENDPOINT]: value for attributes, value in points}
+
+
+# -- 1. distinct labels ------------------------------------------------------------------------
+
+
+def test_an_open_unnamed_breaker_is_not_hidden_by_a_closed_one(otel: Otel) -> None:
+    """The reviewer's repro (/tmp/rev_op/unnamed.py): each breaker is its own series."""
+    clock = VirtualClock()
+    a = otel.telemetry.watch(CircuitBreaker(volume_threshold=2, clock=clock.clock))
+    b = otel.telemetry.watch(CircuitBreaker(volume_threshold=2, clock=clock.clock))
+    for _ in range(3):
+        a.record_failure(ConnectionResetError("x"))
+    assert _points(otel, STATE) == {"unnamed-1": 1, "unnamed-2": 0}
+    assert otel.telemetry.label(a) == "unnamed-1"
+    assert otel.telemetry.label(b) == "unnamed-2"
+    # The counters use the same label as the gauge.
+    transitions = otel.metrics()["sdkcore.circuit_breaker.transitions"].points
+    assert transitions == [({ENDPOINT: "unnamed-1", STATE: "open"}, 1)]
+    with pytest.raises(RetryableError), a.guard():
+        pass  # pragma: no cover - refused
+    assert _points(otel, "sdkcore.circuit_breaker.rejections") == {"unnamed-1": 1}
+
+
+def test_labels_are_stable_and_never_reused(otel: Otel) -> None:
+    clock = VirtualClock()
+    telemetry = otel.telemetry
+    first = telemetry.watch(CircuitBreaker(clock=clock.clock))
+    second = telemetry.watch(CircuitBreaker(clock=clock.clock))
+    telemetry.watch(first)  # watching again keeps the label
+    assert telemetry.label(first) == "unnamed-1"
+    del second
+    gc.collect()
+    third = telemetry.watch(CircuitBreaker(clock=clock.clock))
+    assert telemetry.label(third) == "unnamed-3"  # a gone breaker's number is not handed out
+    assert set(_points(otel, STATE)) == {"unnamed-1", "unnamed-3"}
+
+
+def test_unnamed_budgets_limiters_throttles_and_hedge_delays_are_told_apart(otel: Otel) -> None:
+    clock = VirtualClock()
+    telemetry = otel.telemetry
+    budgets = [telemetry.watch(RetryBudget(clock=clock.clock)) for _ in range(2)]
+    limiters = [telemetry.watch(ConcurrencyLimiter(2)) for _ in range(2)]
+    throttles = [telemetry.watch(AdaptiveThrottle(clock=clock.clock)) for _ in range(2)]
+    quantiles = [telemetry.watch(LatencyQuantile(0.01, min_samples=10)) for _ in range(2)]
+    for quantile in quantiles:
+        for _ in range(20):
+            quantile.record(0.02)
+    full = limiters[1]
+    with full.guard(), full.guard(), pytest.raises(RetryableError), full.guard():
+        pass  # pragma: no cover - refused
+    both = {"unnamed-1", "unnamed-2"}  # numbered per kind
+    assert set(_points(otel, "sdkcore.retry_budget.balance")) == both
+    assert set(_points(otel, "sdkcore.concurrency_limiter.limit")) == both
+    assert set(_points(otel, "sdkcore.throttle.rejection_probability")) == both
+    assert set(_points(otel, "sdkcore.hedge.delay")) == both
+    assert _points(otel, "sdkcore.concurrency_limiter.rejections") == {"unnamed-2": 1}
+    assert len(budgets) == len(throttles) == 2
+
+
+def test_an_orchestrators_unnamed_budget_has_a_label(otel: Otel) -> None:
+    clock = VirtualClock()
+    budgets = [RetryBudget(clock=clock.clock, min_retries_per_sec=1, ttl=1) for _ in range(2)]
+    orchestrators = [otel.orchestrator(retry_budget=budget) for budget in budgets]
+    for budget in budgets:
+        while budget.try_withdraw():
+            pass
+    for orchestrator in orchestrators:
+        with pytest.raises(Exception, match="retry budget"):
+            orchestrator.execute_sync(
+                Request(name="get", timeout=1.0, clock=clock.clock),
+                _fails_once,
+            )
+    # one refusal by the drain above, one by the request
+    assert _points(otel, "sdkcore.retry_budget.rejections") == {"unnamed-1": 2, "unnamed-2": 2}
+
+
+def _fails_once(request: Request) -> str:
+    raise RetryableError(RetryReason.KV_LOCKED)
+
+
+def test_two_targets_with_one_name_get_distinct_labels(otel: Otel) -> None:
+    clock = VirtualClock()
+    telemetry = otel.telemetry
+    a = telemetry.watch(CircuitBreaker(name="10.0.0.7:11210", clock=clock.clock))
+    b = telemetry.watch(CircuitBreaker(name="10.0.0.7:11210", clock=clock.clock))
+    c = telemetry.watch(CircuitBreaker(name="unnamed-1", clock=clock.clock))
+    d = telemetry.watch(CircuitBreaker(clock=clock.clock))  # "unnamed-1" is taken
+    long = [telemetry.watch(CircuitBreaker(name="b" * 150, clock=clock.clock)) for _ in range(2)]
+    labels = [telemetry.label(x) for x in (a, b, c, d, *long)]
+    assert labels == [
+        "10.0.0.7:11210",
+        "10.0.0.7:11210#2",
+        "unnamed-1",
+        "unnamed-2",
+        "b" * 100,
+        "b" * 98 + "#2",
+    ]
+    assert set(_points(otel, STATE)) == set(labels)
+
+
+def test_watch_name_labels_an_unnamed_target_and_must_match_a_named_one(otel: Otel) -> None:
+    clock = VirtualClock()
+    telemetry = otel.telemetry
+    breaker = telemetry.watch(CircuitBreaker(clock=clock.clock), name="node-a")
+    assert telemetry.label(breaker) == "node-a"
+    telemetry.watch(breaker)  # again, without a name: it keeps it
+    assert telemetry.label(breaker) == "node-a"
+    named = CircuitBreaker(name="node-b", clock=clock.clock)
+    assert telemetry.label(telemetry.watch(named, name="node-b")) == "node-b"
+    with pytest.raises(ValueError, match=r"watch\(name='other'\).*named 'node-b'"):
+        telemetry.watch(named, name="other")
+
+
+def test_a_target_moved_to_another_telemetry_is_labelled_there(otel: Otel) -> None:
+    other = Otel()
+    try:
+        clock = VirtualClock()
+        kept = otel.telemetry.watch(CircuitBreaker(clock=clock.clock))
+        moved = otel.telemetry.watch(CircuitBreaker(clock=clock.clock))
+        other.telemetry.watch(moved)
+        assert other.telemetry.label(moved) == "unnamed-1"
+        assert set(_points(otel, STATE)) == {otel.telemetry.label(kept)}
+        assert set(_points(other, STATE)) == {"unnamed-1"}
+    finally:
+        other.shutdown()
+
+
+# -- 3. check-config prints the effective codes --------------------------------------------------
+
+
+def _check(tmp_path: Path, capsys: pytest.CaptureFixture[str], config: Any) -> tuple[str, str]:
+    path = tmp_path / "service_config.json"
+    path.write_text(json.dumps(config))
+    assert main(["check-config", str(path)]) == 0
+    captured = capsys.readouterr()
+    return captured.out, " ".join(captured.err.split())
+
+
+def test_check_config_leaves_ok_out_of_the_effective_policy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    retry = {
+        "maxAttempts": 3,
+        "initialBackoff": "0.1s",
+        "maxBackoff": "1s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": ["OK", "UNAVAILABLE"],
+    }
+    hedging = {"maxAttempts": 2, "hedgingDelay": "0.05s", "nonFatalStatusCodes": [0]}
+    config = {
+        "methodConfig": [
+            {"name": [{"service": "pkg.Kv"}], "retryPolicy": retry},
+            {"name": [{"service": "pkg.Query"}], "hedgingPolicy": hedging},
+        ]
+    }
+    out, err = _check(tmp_path, capsys, config)
+    flat = " ".join(out.split())
+    assert "retry on UNAVAILABLE" in flat
+    assert "non-fatal: none" in flat
+    assert "OK" not in out
+    # The warnings stay.
+    assert "methodConfig[0].retryPolicy.retryableStatusCodes[0]: OK is not a failure" in err
+    assert "methodConfig[1].hedgingPolicy.nonFatalStatusCodes[0]: OK is not a failure" in err
+
+
+# -- 5. explain names the retry_after a local refusal carries -------------------------------------
+
+
+def _explain(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    assert main(["explain", *args]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert all(len(line) <= WIDTH for line in captured.out.splitlines())
+    return " ".join(captured.out.split())
+
+
+def test_explain_says_a_breaker_refusal_waits_out_the_sleep_window(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    text = _explain(capsys, "reason", "CIRCUIT_BREAKER_OPEN")
+    assert "retry after 1, 2, 4, 8, 16 ms" in text  # the strategies' backoff, as played
+    assert (
+        "A CircuitBreaker's refusal carries retry_after (the rest of the breaker's sleep window"
+        in text
+    )
+    assert "each retry waits the longer of it and the backoff above" in text
+    assert main(["explain", "reason", "CIRCUIT_BREAKER_OPEN", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert "sleep window" in data["retry_after_note"]
+
+
+@pytest.mark.parametrize(
+    ("reason", "said"),
+    [
+        ("CONCURRENCY_LIMITED", "AdaptiveConcurrencyLimiter's refusal carries retry_after"),
+        ("CLIENT_THROTTLED", "AdaptiveThrottle's refusal carries no retry_after"),
+    ],
+)
+def test_explain_names_the_hint_of_every_local_refusal(
+    capsys: pytest.CaptureFixture[str], reason: str, said: str
+) -> None:
+    assert said in _explain(capsys, "reason", reason)
+
+
+def test_explain_says_nothing_of_retry_after_for_other_reasons(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert "retry_after" not in _explain(capsys, "reason", "KV_LOCKED")
+    main(["explain", "reason", "KV_LOCKED", "--json"])
+    assert json.loads(capsys.readouterr().out)["retry_after_note"] is None
+
+
+def test_explain_covers_every_reason_a_local_refusal_hints() -> None:
+    from sdkcore._explain import retry_after_note
+
+    assert all(retry_after_note(reason) for reason in _HINTED_BY)
+
+
+@pytest.mark.asyncio
+async def test_what_explain_says_of_the_breaker_is_what_the_orchestrator_does() -> None:
+    """The sentence is checked against the core: a breaker's refusal waits its window."""
+    clock = VirtualClock()
+    breaker = CircuitBreaker(volume_threshold=1, sleep_window=0.25, clock=clock.clock)
+    breaker.record_failure(ConnectionResetError("down"))
+    orchestrator = RetryOrchestrator(sleep=clock.sleep)
+    request = Request(name="get", timeout=10.0, clock=clock.clock)
+    with pytest.raises(RetryableError) as info, breaker.guard():
+        pass  # pragma: no cover - refused
+    refusal = info.value
+    delay = await orchestrator.maybe_retry(request, refusal.reason, cause=refusal)
+    assert delay.total_seconds() == pytest.approx(0.25)  # not the 1 ms backoff
