@@ -37,7 +37,6 @@ __all__ = ["DEFAULT_MAX_REQUESTS_IN_RETRY", "OrchestratorCore", "RetryBudgetLike
 #: Per-orchestrator limit of requests waiting in retry (the Java SDK's default).
 DEFAULT_MAX_REQUESTS_IN_RETRY = 32768
 
-_PENDING = RequestState.PENDING
 _MAX_COUNT = 2**31 - 1  # a limit beyond any process's memory: bigger ones are typos
 
 
@@ -224,10 +223,6 @@ class OrchestratorCore:
         gives it back with :meth:`_leave_backoff` once the wait is over (``threads``:
         execute_sync's count, under the lock).
         """
-        if request.state is not _PENDING:
-            # Request.cancel() while the attempt was in flight (execute without a deadline
-            # lets it finish): nothing is booked, counted or paid for a retry never sent.
-            raise _failing.already_completed(request, reason)
         if not reason.always_retry and not isinstance(action, RetryAction):
             name = _failing.strategy_name(strategy)
             error = _failing.bad_action(name, reason, action)

@@ -208,6 +208,10 @@ async def execute(
                     failure.__cause__ or failure,
                     now,
                 )
+                if request._state is not _PENDING:
+                    # Request.cancel() while the attempt was in flight (no deadline: it ran to
+                    # its end): no retry is booked, counted or paid for.
+                    raise _failing.already_completed(request, reason) from _failing.cause(request)
                 if strategy is None:  # once per call (a request always has a strategy)
                     strategy, decides, debug = self._resolve(request)
                     debug = debug(_DEBUG)  # the log gate, asked once: the logger or None
