@@ -33,6 +33,7 @@ from types import TracebackType
 from typing import Any
 
 from . import _log
+from ._context import describe_error
 from ._duration import to_seconds
 from ._errors import RetryableError, TimeoutException
 from ._reason import RetryReason
@@ -263,6 +264,7 @@ class CircuitBreaker:
         "_guard",
         "_is_failure",
         "_last",
+        "_last_error",
         "_lock",
         "_name",
         "_opened_at",
@@ -334,6 +336,10 @@ class CircuitBreaker:
         # adds them to _total (see _flush).
         self._ticks = itertools.count()
         self._last = next(self._ticks)
+        # The last failure counted, as "Type: message" (the events' last_error): described
+        # when counted, outside the lock; the error itself is not kept (its traceback
+        # holds the frames of the dispatch, which may hold this breaker).
+        self._last_error: str | None = None
         self._telemetry: Any = None  # set by Telemetry.watch
 
     # -- configuration and diagnostics -------------------------------------------
@@ -428,7 +434,9 @@ class CircuitBreaker:
                 self._probe_at = now
                 self._token = token = object()
                 granted = _HALF_OPEN
-                events.append(self._event(_log.EVENT_BREAKER_HALF_OPEN, _log.INFO, {}))
+                events.append(
+                    self._event(_log.EVENT_BREAKER_HALF_OPEN, _log.INFO, self._tripped({}))
+                )
         if token is not None:
             _hold(token)  # this task or thread holds the probe
         for event in events:
@@ -489,12 +497,20 @@ class CircuitBreaker:
             if cut is None:
                 return
             error = cut
-        self._record(bool(self._is_failure(error)))
+        if not self._is_failure(error):
+            self._record(False)
+        elif self._state is _OPEN:
+            self._record(True)  # ignored while OPEN: not described
+        else:
+            self._record(True, describe_error(error))
 
-    def _record(self, failed: bool) -> None:
+    def _record(self, failed: bool, error: str | None = None) -> None:
+        """Count an outcome; ``error``: the failure described (the events' ``last_error``)."""
         with self._lock:
             now = self._now()
             if self._state is _CLOSED:
+                if failed:
+                    self._last_error = error
                 self._flush()
                 if now >= self._window_end:  # tumbling: this event starts a new window
                     self._window_end = now + self._rolling_window
@@ -508,7 +524,7 @@ class CircuitBreaker:
                     else None
                 )
             else:
-                event = self._outcome_not_closed(now, failed)
+                event = self._outcome_not_closed(now, failed, error)
         if event is not None:
             _emit(*event)
 
@@ -538,16 +554,19 @@ class CircuitBreaker:
         """Back to CLOSED with counters zero (an endpoint calls it when it reconnects)."""
         with self._lock:
             was = self._state
-            self._state = _CLOSED
             self._flush()
-            self._total = self._failures = 0
-            self._window_end = -float("inf")
-            self._token = None  # a probe still out reports into CLOSED: counted
             event = (
                 None
                 if was is _CLOSED
-                else self._event(_log.EVENT_BREAKER_CLOSED, _log.INFO, {"cause": "reset"})
+                else self._event(
+                    _log.EVENT_BREAKER_CLOSED, _log.INFO, self._tripped({"cause": "reset"})
+                )
             )
+            self._state = _CLOSED
+            self._total = self._failures = 0
+            self._last_error = None
+            self._window_end = -float("inf")
+            self._token = None  # a probe still out reports into CLOSED: counted
         if event is not None:
             _emit(*event)
 
@@ -561,10 +580,17 @@ class CircuitBreaker:
         return self._event(
             _log.EVENT_BREAKER_OPENED,
             _log.WARNING,
-            {"cause": "threshold", "sleep_window_s": self._sleep_window},
+            {
+                "outcomes": self._total,
+                "failures": self._failures,
+                "cause": "threshold",
+                "sleep_window_s": self._sleep_window,
+            },
         )
 
-    def _outcome_not_closed(self, now: float, failed: bool) -> tuple[Any, ...] | None:
+    def _outcome_not_closed(
+        self, now: float, failed: bool, error: str | None
+    ) -> tuple[Any, ...] | None:
         event = self._expire_probe(now)
         if self._state is not _HALF_OPEN:
             return event  # OPEN: a late outcome changes nothing
@@ -576,16 +602,18 @@ class CircuitBreaker:
         if failed:
             self._state = _OPEN
             self._opened_at = now
+            self._last_error = error
             return self._event(
                 _log.EVENT_BREAKER_OPENED,
                 _log.WARNING,
-                {"cause": "probe_failed", "sleep_window_s": self._sleep_window},
+                self._tripped({"cause": "probe_failed", "sleep_window_s": self._sleep_window}),
             )
-        fields = {"cause": "probe_succeeded"}
+        self._flush()
+        fields = self._tripped({"cause": "probe_succeeded"})
         event = self._event(_log.EVENT_BREAKER_CLOSED, _log.INFO, fields)
         self._state = _CLOSED
-        self._flush()
         self._total = self._failures = 0
+        self._last_error = None
         self._window_end = -float("inf")
         return event
 
@@ -601,28 +629,37 @@ class CircuitBreaker:
         return self._event(
             _log.EVENT_BREAKER_OPENED,
             _log.WARNING,
-            {
-                "cause": "canary_timeout",
-                "canary_timeout_s": self._canary_timeout,
-                "sleep_window_s": self._sleep_window,
-            },
+            self._tripped(
+                {
+                    "cause": "canary_timeout",
+                    "canary_timeout_s": self._canary_timeout,
+                    "sleep_window_s": self._sleep_window,
+                }
+            ),
         )
 
+    def _tripped(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """``fields`` after the counts of the window that opened the breaker.
+
+        Every transition after the trip (the probe out, its failure or success, a
+        canary timeout, a reset) comes when the window has stopped counting: its counts
+        are the trip's, named ``trip_outcomes`` and ``trip_failures`` so that they are
+        not read as the endpoint's current failure rate (the trip itself, cause
+        ``threshold``, names them ``outcomes`` and ``failures``).
+        """
+        return {"trip_outcomes": self._total, "trip_failures": self._failures, **fields}
+
     def _event(self, name: str, level: int, fields: dict[str, Any]) -> tuple[Any, ...]:
-        """A transition's log event (every caller changes the state: it is reported too)."""
+        """A transition's log event (every caller changes the state: it is reported too).
+
+        ``fields`` carry the counts (see :meth:`_tripped`); ``last_error`` is added: the
+        last failure counted (the one that tripped the breaker, or the failed probe's),
+        ``"Type: message"``, None if none was.
+        """
         telemetry = self._telemetry
         if telemetry is not None:
             telemetry.breaker_transition(self, _NEW_STATE[name])
-        return (
-            name,
-            level,
-            {
-                "endpoint": self._name,
-                "outcomes": self._total,
-                "failures": self._failures,
-                **fields,
-            },
-        )
+        return (name, level, {"endpoint": self._name, **fields, "last_error": self._last_error})
 
 
 #: The state a transition event announces (telemetry's ``sdkcore.circuit_breaker.state``).

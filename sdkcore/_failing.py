@@ -8,21 +8,24 @@ exception for the door to raise. No waiting and no decisions: those are
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from . import _log
 from ._action import RetryAction
-from ._context import AttemptEffect, CancellationReason, describe_error
+from ._context import AttemptEffect, CancellationReason, ErrorContext, describe_error
 from ._decision import Verdict
 from ._errors import (
     AmbiguousTimeoutException,
     CouchbaseException,
     RequestCanceledException,
+    RetryableError,
     TimeoutException,
     UnambiguousTimeoutException,
 )
 from ._reason import RetryReason
 from ._request import Request, RequestState
+from ._untrusted import show
 
 __all__ = [
     "already_completed",
@@ -102,22 +105,49 @@ def timed_out(
     """Complete ``request`` as timed out; the exception to raise.
 
     ``in_flight``: an attempt was cut at the deadline (recorded as maybe applied;
-    ``error`` is what it raised, unless that was the cancellation itself).
+    ``error`` is what it raised, unless that was the cancellation itself). The cut
+    attempt is what the event, the context and the message report: its reason is
+    ``error``'s when that is a :class:`RetryableError`, else None, and its cause
+    ``error`` or the cut itself. ``reason`` (the doors pass ``request.last_reason``, an
+    earlier attempt's) is not blamed for it: the event keeps the earlier failure as
+    ``previous_reason`` and ``previous_error``.
     ``hint``: (the server's retry-after, the seconds left) when the request times
     out at once because the server asked for a wait past its deadline.
     """
     request._reopen_for_timeout()
     request._finish(RequestState.CANCELLED, CancellationReason.TIMEOUT)
-    if in_flight:
-        request._attempt_failed(None, _MAYBE, error, now)
-    ambiguous = not request.idempotent and request.maybe_applied
     log = _log.enabled(_log.INFO)
+    previous: tuple[RetryReason | None, str | None] | None = None
+    if in_flight:
+        if log is not None:  # the failure before the cut, read before the cut is booked
+            previous = (request.last_reason, describe_error(request.last_error))
+        reason = error.reason if isinstance(error, RetryableError) else None
+        request._attempt_failed(reason, _MAYBE, error, now)
+    ambiguous = not request.idempotent and request.maybe_applied
     if log is not None:
-        fields = event_fields(request, reason, strategy)
-        fields["caused_by"] = describe_error(request.last_error)
+        fields = event_fields(request, reason, strategy)  # caused_by: the last failure
+        if in_flight:  # the cut attempt's: what it raised, or the cut itself
+            fields["caused_by"] = (
+                f"attempt {request.failed_attempts} was cut in flight at the deadline"
+                if error is None
+                else describe_error(error)
+            )
         if hint is not None:
             fields["retry_after_ms"] = round(hint[0] * 1000.0, 3)
-        log.info(_log.EVENT_TIMED_OUT, **fields, in_flight=in_flight, ambiguous=ambiguous)
+        effect = request.last_effect
+        timeout = request.timeout
+        fields.update(
+            in_flight=in_flight,
+            ambiguous=ambiguous,
+            maybe_applied=request.maybe_applied,
+            effect=None if effect is None else effect.name,
+            timeout_ms=None if timeout is None else round(timeout.total_seconds() * 1000.0, 3),
+            elapsed_ms=round(request.elapsed.total_seconds() * 1000.0, 3),
+        )
+        if previous is not None:
+            fields["previous_reason"] = None if previous[0] is None else previous[0].name
+            fields["previous_error"] = previous[1]
+        log.info(_log.EVENT_TIMED_OUT, **fields)
     context = request.error_context(reason, in_flight=in_flight)
     cls = AmbiguousTimeoutException if ambiguous else UnambiguousTimeoutException
     if ambiguous:
@@ -129,17 +159,29 @@ def timed_out(
         )
     else:
         what = "it was not applied on the server (unambiguous)"
+    history = _history(request, in_flight)
     if hint is not None:
         wait, left = hint
         return cls(
-            f"request timed out: the next attempt may go only in {wait:.3f} s (retry_after "
-            f"from {_hint_source(request, reason)}), past the deadline "
+            f"request timed out {history}: the next attempt may go only in {wait:.3f} s "
+            f"(retry_after from {_hint_source(request, reason)}), past the deadline "
             f"({max(left, 0.0):.3f} s left), so it was not retried; {what}",
             context=context,
         )
-    if ambiguous or not request.maybe_applied:
-        return cls(context=context)  # the class's own message says it
-    return cls(f"request timed out; {what}", context=context)
+    # the classes' own messages ("request timed out; <what>"), with the history
+    return cls(f"request timed out {history}; {what}", context=context)
+
+
+def _history(request: Request, in_flight: bool) -> str:
+    """``after 9 retries (last: AUTHENTICATION_ERROR)``, and the attempt cut in flight."""
+    retries = request.retry_attempts
+    text = f"after {retries} {'retry' if retries == 1 else 'retries'}"
+    last = request.last_reason
+    if last is not None:
+        text += f" (last: {last.name})"
+    if in_flight:
+        text += f", attempt {request.failed_attempts} in flight at the deadline"
+    return text
 
 
 def _hint_source(request: Request, reason: RetryReason | None) -> str:
@@ -181,11 +223,14 @@ def refused(
     log = _log.enabled(_log.INFO)
     if log is not None:
         cancellation = request.cancellation_reason
+        effect = request.last_effect
         log.info(
             _log.EVENT_NOT_RETRIED,
             **event_fields(request, reason, strategy),
             why=verdict.value,
             cancellation_reason=None if cancellation is None else cancellation.name,
+            maybe_applied=request.maybe_applied,
+            effect=None if effect is None else effect.name,
         )
     context = request.error_context(reason, strategy=strategy)
     if verdict is Verdict.TOO_MANY:
@@ -202,11 +247,34 @@ def refused(
             context=context,
         )
     if action is not None and action.exception is not None:
-        return action.exception(context)
+        return _built(action.exception, context, strategy, reason)
     if verdict is Verdict.NOT_IDEMPOTENT:
         return RequestCanceledException(_not_idempotent(request, reason, action), context=context)
     return RequestCanceledException(
         f"not retried: {strategy} declined to retry after {reason.name}", context=context
+    )
+
+
+def _built(
+    factory: Callable[[ErrorContext], object],
+    context: ErrorContext,
+    strategy: str,
+    reason: RetryReason,
+) -> BaseException:
+    """What a refusal's exception factory built: an exception instance, or a TypeError
+    naming the strategy and the factory (``raise`` would say only "exceptions must
+    derive from BaseException")."""
+    built = factory(context)
+    if isinstance(built, BaseException):
+        return built
+    name = getattr(factory, "__qualname__", None) or repr(factory)
+    return TypeError(
+        f"{strategy}.retry_after(request, {reason!r}) refused with "
+        f"RetryAction.no_retry(exception={name}), and that factory returned {show(built)} "
+        f"({type(built).__name__}) instead of an exception; the factory is called with the "
+        "request's ErrorContext and must return an exception instance, e.g. "
+        "lambda context: MyException(context=context); or pass a CouchbaseException "
+        "subclass itself: RetryAction.no_retry(exception=MyException)"
     )
 
 

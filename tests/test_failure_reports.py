@@ -6,8 +6,10 @@ complete bug report").
 
 from __future__ import annotations
 
+import asyncio
 import math
 import pickle
+import time
 from typing import Any
 
 import anyio
@@ -419,3 +421,371 @@ async def test_a_retried_call_leaves_no_reference_cycle() -> None:
         assert ref() is None  # freed by reference counting alone
     finally:
         gc.enable()
+
+
+# -- operator review: what retry.timed_out, retry.not_retried and breaker.* say -----------
+# Each test below failed before the change it covers.
+
+
+def _timed_out(events: list[Any]) -> dict[str, Any]:
+    (event,) = [e for e in events if e["event"] == "retry.timed_out"]
+    return dict(event)
+
+
+async def test_a_cut_in_flight_is_not_blamed_on_the_attempt_before_it() -> None:
+    """The demo's ``retry.timed_out in_flight=True reason=CONCURRENCY_LIMITED``: the
+    request timed out at a slow server, but the event named the earlier refusal."""
+    calls = 0
+
+    async def send(request: Request) -> bytes:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RetryableError(RetryReason.CONCURRENCY_LIMITED, "20 in flight, limit 20")
+        await anyio.sleep(10)  # the slow server: the deadline cuts it
+        return b""
+
+    req = Request(name="kv.set", idempotent=False, timeout=0.1)
+    with capture_retry_events() as events, pytest.raises(AmbiguousTimeoutException) as info:
+        await RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda n: 0.0)).execute(req, send)
+    event = _timed_out(events)
+    assert event["in_flight"] is True
+    assert event["reason"] is None  # the cut attempt failed with no reason of its own
+    assert event["caused_by"] == "attempt 2 was cut in flight at the deadline"
+    assert event["attempt"] == 2
+    # the earlier failure is kept, under its own names
+    assert event["previous_reason"] == "CONCURRENCY_LIMITED"
+    assert event["previous_error"] == "RetryableError: CONCURRENCY_LIMITED: 20 in flight, limit 20"
+    assert event["ambiguous"] is True
+    assert event["maybe_applied"] is True
+    assert event["effect"] == "MAYBE_APPLIED"
+    assert event["timeout_ms"] == 100.0
+    assert isinstance(event["elapsed_ms"], float)
+    assert event["elapsed_ms"] > 0.0
+    # the fields dashboards already read are all still there
+    assert {"request_id", "request_name", "idempotent", "strategy"} <= event.keys()
+    # the context does not blame the earlier attempt either: its attempts tell the story
+    ctx = info.value.context
+    assert ctx is not None
+    assert ctx.reason is None
+    assert ctx.in_flight is True
+    assert [(a.reason, a.effect) for a in ctx.attempts] == [
+        (RetryReason.CONCURRENCY_LIMITED, AttemptEffect.NOT_SENT),
+        (None, AttemptEffect.MAYBE_APPLIED),
+    ]
+    # and the headline says what happened
+    assert info.value.message == (
+        "request timed out after 1 retry (last: CONCURRENCY_LIMITED), attempt 2 in flight at "
+        "the deadline; it may have been applied on the server (ambiguous)"
+    )
+
+
+async def test_a_first_attempt_cut_in_flight_has_no_previous_failure() -> None:
+    async def send(request: Request) -> bytes:
+        await anyio.sleep(10)
+        return b""
+
+    req = Request(name="kv.get", idempotent=True, timeout=0.05)
+    with capture_retry_events() as events, pytest.raises(UnambiguousTimeoutException) as info:
+        await RetryOrchestrator().execute(req, send)
+    event = _timed_out(events)
+    assert event["caused_by"] == "attempt 1 was cut in flight at the deadline"
+    assert (event["previous_reason"], event["previous_error"]) == (None, None)
+    assert event["maybe_applied"] is True
+    assert info.value.message == (
+        "request timed out after 0 retries, attempt 1 in flight at the deadline; it may have "
+        "reached the server, but it is idempotent, so it is safe to retry (unambiguous)"
+    )
+
+
+def test_execute_sync_an_error_past_the_deadline_is_the_cause_not_the_reason_before() -> None:
+    """execute_sync: an attempt that raised a plain error past the deadline (a socket
+    timeout) timed out naming the previous attempt's reason."""
+    calls = 0
+
+    def send(request: Request) -> bytes:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RetryableError(RetryReason.KV_LOCKED) from ServerSaid("locked")
+        left = request.time_left
+        assert left is not None
+        time.sleep(left.total_seconds() + 0.01)  # blocked until past the deadline
+        raise TimeoutError("socket timed out")
+
+    req = Request(name="kv.get", idempotent=True, timeout=0.1)
+    strategy = BestEffortRetryStrategy(backoff=lambda n: 0.0)
+    with capture_retry_events() as events, pytest.raises(UnambiguousTimeoutException) as info:
+        RetryOrchestrator(strategy).execute_sync(req, send)
+    event = _timed_out(events)
+    assert event["in_flight"] is True
+    assert event["reason"] is None
+    assert event["caused_by"] == "TimeoutError: socket timed out"
+    assert event["previous_reason"] == "KV_LOCKED"
+    assert event["previous_error"] == "ServerSaid: locked"
+    assert info.value.context is not None
+    assert info.value.context.reason is None
+
+
+async def test_timed_out_in_backoff_says_whether_it_may_have_been_applied() -> None:
+    vc = VirtualClock()
+    orch = RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda n: 0.1), sleep=vc.sleep)
+    send = ScriptedSend([RetryReason.KV_LOCKED])
+    req = Request(name="kv.replace", idempotent=False, timeout=0.25, clock=vc.clock)
+    with capture_retry_events() as events, pytest.raises(UnambiguousTimeoutException):
+        await orch.execute(req, send)
+    event = _timed_out(events)
+    assert event["in_flight"] is False
+    assert event["reason"] == "KV_LOCKED"
+    assert event["caused_by"] == "RetryableError: KV_LOCKED"
+    assert (event["ambiguous"], event["maybe_applied"]) == (False, False)
+    assert event["effect"] == "NOT_APPLIED"
+    assert event["timeout_ms"] == 250.0
+    assert event["elapsed_ms"] == pytest.approx(250.0)
+    assert "previous_reason" not in event  # only a cut has an attempt before "the" attempt
+
+
+def test_timed_out_without_a_timeout_of_its_own_says_none() -> None:
+    """A request built with timeout=None inside another's send inherits its deadline:
+    its event says it had no timeout of its own."""
+
+    def inner_send(request: Request) -> bytes:
+        left = request.time_left
+        assert left is not None  # the outer request's deadline
+        time.sleep(left.total_seconds() + 0.01)
+        raise TimeoutError("socket timed out")
+
+    def outer_send(request: Request) -> bytes:
+        inner = Request(name="inner", idempotent=True, timeout=None)
+        return RetryOrchestrator().execute_sync(inner, inner_send)
+
+    outer = Request(name="outer", idempotent=True, timeout=0.05)
+    with capture_retry_events() as events, pytest.raises(UnambiguousTimeoutException):
+        RetryOrchestrator().execute_sync(outer, outer_send)
+    by_name = {e["request_name"]: e for e in events if e["event"] == "retry.timed_out"}
+    assert by_name["inner"]["timeout_ms"] is None
+    assert by_name["outer"]["timeout_ms"] == 50.0
+    assert by_name["outer"]["caused_by"].startswith("UnambiguousTimeoutException: request timed")
+
+
+# -- the timeout's headline names how many retries and the last reason ----------------------
+async def test_timeout_headline_names_the_retries_and_the_last_reason() -> None:
+    """BestEffort with wrong credentials: AUTHENTICATION_ERROR was only in the JSON."""
+    vc = VirtualClock()
+    orch = RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda n: 0.1), sleep=vc.sleep)
+
+    async def send(request: Request) -> bytes:
+        raise RetryableError(
+            RetryReason.AUTHENTICATION_ERROR, "wrong password", effect=AttemptEffect.NOT_APPLIED
+        )
+
+    req = Request(name="get", idempotent=True, timeout=1.0, clock=vc.clock)
+    with pytest.raises(UnambiguousTimeoutException) as info:
+        await orch.execute(req, send)
+    retries = req.retry_attempts
+    assert retries == 10
+    assert info.value.message == (
+        "request timed out after 10 retries (last: AUTHENTICATION_ERROR); it was not applied "
+        "on the server (unambiguous)"
+    )
+    assert str(info.value).startswith(info.value.message + " {")  # the context follows
+
+
+async def test_a_hint_past_the_deadline_headline_names_the_retries() -> None:
+    vc = VirtualClock()
+    orch = RetryOrchestrator(BestEffortRetryStrategy(), sleep=vc.sleep)
+
+    async def send(request: Request) -> bytes:
+        raise RetryableError(RetryReason.KV_LOCKED, retry_after=30)
+
+    req = Request(name="kv.get", idempotent=True, timeout=1.0, clock=vc.clock)
+    with pytest.raises(UnambiguousTimeoutException) as info:
+        await orch.execute(req, send)
+    assert info.value.message.startswith(
+        "request timed out after 0 retries (last: KV_LOCKED): the next attempt may go only in "
+        "30.000 s"
+    )
+
+
+# -- retry.not_retried says whether a write may have been applied ---------------------------
+@pytest.mark.parametrize(
+    ("reason", "effect", "maybe_applied"),
+    [
+        (RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT, "MAYBE_APPLIED", True),
+        (RetryReason.KV_LOCKED, "NOT_APPLIED", False),
+        (RetryReason.NODE_NOT_AVAILABLE, "NOT_SENT", False),
+    ],
+)
+async def test_not_retried_says_whether_it_may_have_been_applied(
+    reason: RetryReason, effect: str, maybe_applied: bool
+) -> None:
+    orch = RetryOrchestrator(FastFailOnTerminalErrorRetryStrategy())
+
+    class Declines:
+        def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:
+            return RetryAction.no_retry()
+
+    req = Request(name="kv.upsert", idempotent=False, retry_strategy=Declines())
+    with capture_retry_events() as events, pytest.raises(RequestCanceledException):
+        await orch.maybe_retry(req, reason, cause=ServerSaid("no"))
+    (event,) = [e for e in events if e["event"] == "retry.not_retried"]
+    assert event["maybe_applied"] is maybe_applied
+    assert event["effect"] == effect
+    assert event["caused_by"] == "ServerSaid: no"  # the existing fields stay
+
+
+# -- a refusal's exception factory that returns no exception --------------------------------
+class _BadFactory:
+    def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:
+        return RetryAction.no_retry(_not_an_exception)
+
+
+def _not_an_exception(context: Any) -> Any:
+    return "not an exception"
+
+
+async def test_a_factory_returning_no_exception_names_the_strategy_and_the_factory() -> None:
+    req = Request(idempotent=True, retry_strategy=_BadFactory())
+    with pytest.raises(TypeError) as info:
+        await RetryOrchestrator().maybe_retry(req, RetryReason.KV_LOCKED)
+    text = str(info.value)
+    assert "_BadFactory.retry_after(request, <RetryReason.KV_LOCKED>) refused with" in text
+    assert "RetryAction.no_retry(exception=_not_an_exception)" in text
+    assert "returned 'not an exception' (str)" in text
+    assert "must return an exception instance" in text
+    assert "derive from BaseException" not in text
+
+
+def _locked(request: Request) -> bytes:
+    raise RetryableError(RetryReason.KV_LOCKED)
+
+
+def test_a_factory_returning_no_exception_is_named_under_execute_sync() -> None:
+    req = Request(idempotent=True, retry_strategy=_BadFactory())
+    with pytest.raises(TypeError, match=r"_BadFactory\.retry_after.*_not_an_exception"):
+        RetryOrchestrator().execute_sync(req, _locked)
+
+
+async def test_a_factory_returning_an_exception_is_raised_as_before() -> None:
+    class Mine(Exception):
+        pass
+
+    class Chooses:
+        def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:
+            return RetryAction.no_retry(lambda context: Mine(context.request_name))
+
+    req = Request(name="kv.get", idempotent=True, retry_strategy=Chooses())
+    with pytest.raises(Mine, match=r"kv\.get"):
+        await RetryOrchestrator().maybe_retry(req, RetryReason.KV_LOCKED)
+
+
+# -- breaker events after the trip do not repeat the trip's counts as current ----------------
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _breaker(clock: _Clock) -> sdkcore.CircuitBreaker:
+    return sdkcore.CircuitBreaker(
+        volume_threshold=4,
+        error_threshold_percentage=50,
+        sleep_window=5.0,
+        canary_timeout=2.0,
+        clock=clock,
+        name="node1:11210",
+    )
+
+
+def test_breaker_events_after_the_trip_report_trip_counts_and_the_last_error() -> None:
+    clock = _Clock()
+    breaker = _breaker(clock)
+    with capture_retry_events() as events:
+        breaker.record_success()
+        breaker.record_success()
+        breaker.record_failure(TimeoutError("no answer #1"))
+        breaker.record_failure(ConnectionResetError("reset by peer"))  # 2 of 4: trips
+        clock.now += 5.0
+        assert breaker.try_acquire()  # the probe
+        breaker.record_failure(ConnectionRefusedError("refused"))
+        clock.now += 5.0
+        assert breaker.try_acquire()
+        clock.now += 2.0
+        assert breaker.state is sdkcore.CircuitState.OPEN  # canary timeout
+        clock.now += 5.0
+        assert breaker.try_acquire()
+        breaker.record_success()
+    got = [(e["event"], e.get("cause")) for e in events]
+    assert got == [
+        ("breaker.opened", "threshold"),
+        ("breaker.half_open", None),
+        ("breaker.opened", "probe_failed"),
+        ("breaker.half_open", None),
+        ("breaker.opened", "canary_timeout"),
+        ("breaker.half_open", None),
+        ("breaker.closed", "probe_succeeded"),
+    ]
+    trip, *after = events
+    assert (trip["outcomes"], trip["failures"]) == (4, 2)
+    assert trip["last_error"] == "ConnectionResetError: reset by peer"
+    for event in after:  # the window stopped counting at the trip: not the current rate
+        assert "outcomes" not in event, event
+        assert "failures" not in event, event
+        assert (event["trip_outcomes"], event["trip_failures"]) == (4, 2), event
+    assert [e["last_error"] for e in after] == [
+        "ConnectionResetError: reset by peer",  # the probe goes out after this failure
+        "ConnectionRefusedError: refused",  # the probe's own failure
+        "ConnectionRefusedError: refused",
+        "ConnectionRefusedError: refused",  # the canary timeout reports no error
+        "ConnectionRefusedError: refused",
+        "ConnectionRefusedError: refused",  # closed: what it had been open for
+    ]
+    # closed: counting starts over, and so does the last error
+    with capture_retry_events() as events:
+        for _ in range(4):
+            breaker.record_failure(TimeoutError("again"))
+        breaker.reset()
+    assert [e["last_error"] for e in events] == ["TimeoutError: again"] * 2
+    assert (events[1]["cause"], events[1]["trip_outcomes"], events[1]["trip_failures"]) == (
+        "reset",
+        4,
+        4,
+    )
+
+
+def test_a_breaker_tripped_by_a_success_names_the_last_failure() -> None:
+    clock = _Clock()
+    breaker = _breaker(clock)
+    with capture_retry_events() as events:
+        breaker.record_failure(TimeoutError("slow"))
+        breaker.record_failure(ValueError("an answer: not counted"))  # a success
+        breaker.record_failure(TimeoutError("slower"))
+        breaker.record_success()  # 4 outcomes, 2 failures: 50 % trips
+    (event,) = events
+    assert event["cause"] == "threshold"
+    assert event["last_error"] == "TimeoutError: slower"
+
+
+def test_a_probe_cut_at_its_deadline_is_named_as_the_last_error() -> None:
+    """A probe cut by its request's deadline counts as a timeout; it is named so."""
+    clock = _Clock()
+    breaker = _breaker(clock)
+    for _ in range(4):
+        breaker.record_failure(TimeoutError())
+    clock.now += 5.0
+    request = Request(name="kv.get", idempotent=True, timeout=0.5, clock=clock)
+
+    def dispatch() -> None:
+        with breaker.guard(request):
+            clock.now += 1.0  # the dispatch outlives the request's deadline: cut
+            raise asyncio.CancelledError
+
+    with capture_retry_events() as events, pytest.raises(asyncio.CancelledError):
+        dispatch()
+    names = [(e["event"], e.get("cause")) for e in events]
+    assert names == [("breaker.half_open", None), ("breaker.opened", "probe_failed")]
+    assert events[1]["last_error"].startswith(
+        f"TimeoutError: kv.get (request {request.id}) was cut at its deadline"
+    )
