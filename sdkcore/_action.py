@@ -53,6 +53,8 @@ class RetryAction:
     #: ErrorContext. ``None`` means RequestCanceledException (NO_MORE_RETRIES). A
     #: CouchbaseException subclass given here is turned into such a builder.
     exception: ExceptionFactory | None = attrs.field(default=None, eq=False)
+    #: When refusing: why, in the strategy's own words (``retry.not_retried``'s ``detail``).
+    why: str | None = attrs.field(default=None, eq=False, kw_only=True)
     # What the caller chose (the class or the callable): refusals compare equal when
     # they would raise the same kind of exception.
     _chosen: object = attrs.field(init=False, repr=False)
@@ -62,6 +64,9 @@ class RetryAction:
     def __attrs_post_init__(self) -> None:
         duration = self.duration
         chosen = self.exception
+        why = self.why
+        if why is not None and not isinstance(why, str):
+            raise TypeError(f"RetryAction(why=...) must be a str or None, got {why!r}")
         seconds: float | None
         if duration is None:
             seconds = None
@@ -75,6 +80,8 @@ class RetryAction:
                 )
             if chosen is not None:
                 raise ValueError("RetryAction: only a refusal (duration=None) takes an exception")
+            if why is not None:
+                raise ValueError("RetryAction: only a refusal (duration=None) takes why")
             seconds = duration.total_seconds()
             if seconds < 0:
                 raise ValueError(f"RetryAction(duration) must be >= 0 seconds, got {duration!r}")
@@ -93,17 +100,22 @@ class RetryAction:
 
     @classmethod
     def no_retry(
-        cls, exception: type[CouchbaseException] | ExceptionFactory | None = None
+        cls,
+        exception: type[CouchbaseException] | ExceptionFactory | None = None,
+        *,
+        why: str | None = None,
     ) -> RetryAction:
         """Do not retry; fail the request.
 
         ``exception`` chooses what the caller gets: a CouchbaseException subclass
         (built with the request's context) or a callable taking the ErrorContext and
         returning an exception. ``None`` gives RequestCanceledException (NO_MORE_RETRIES).
+        ``why``: the strategy's reason in its own words, logged as ``detail`` on
+        ``retry.not_retried`` (e.g. ``"all 4 attempts (maxAttempts) used"``).
         """
-        if exception is None:
+        if exception is None and why is None:
             return _NO_RETRY
-        return cls(None, exception)
+        return cls(None, exception, why=why)
 
     @property
     def retries(self) -> bool:

@@ -100,8 +100,11 @@ def describe_error(error: BaseException | None) -> str | None:
         inner = _describe_one(cause)
         context = getattr(cause, "context", None)
         if isinstance(context, ErrorContext) and context.attempts:
-            # e.g. a gRPC channel's own A6 retries inside one attempt of an outer request
-            inner = f"{inner} after {len(context.attempts)} attempts"
+            # e.g. a gRPC channel's own A6 retries inside one attempt of an outer request;
+            # not when the message says the count already ("all 4 attempts (maxAttempts) used")
+            count = len(context.attempts)
+            if f" {count} attempt" not in inner:
+                inner = f"{inner} after {count} attempts"
         text = f"{text} (from {inner})"
         if len(text) > _LIMIT:
             text = text[: _LIMIT - 4] + "...)"

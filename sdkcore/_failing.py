@@ -231,6 +231,7 @@ def refused(
             cancellation_reason=None if cancellation is None else cancellation.name,
             maybe_applied=request.maybe_applied,
             effect=None if effect is None else effect.name,
+            detail=None if action is None else action.why,
         )
     context = request.error_context(reason, strategy=strategy)
     if verdict is Verdict.TOO_MANY:

@@ -10,6 +10,7 @@ import asyncio
 import math
 import pickle
 import time
+from datetime import timedelta
 from typing import Any
 
 import anyio
@@ -789,3 +790,46 @@ def test_a_probe_cut_at_its_deadline_is_named_as_the_last_error() -> None:
     assert events[1]["last_error"].startswith(
         f"TimeoutError: kv.get (request {request.id}) was cut at its deadline"
     )
+
+
+# -- a strategy's own reason for not retrying, on retry.not_retried ---------------------------
+
+
+async def test_not_retried_carries_the_strategys_own_reason_as_detail() -> None:
+    class Closed:
+        def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:
+            return RetryAction.no_retry(why="the maintenance window is closed")
+
+    orch = RetryOrchestrator(Closed())
+    request = Request(idempotent=True, timeout=5.0)
+
+    async def send(_: Request) -> str:
+        raise RetryableError(RetryReason.KV_LOCKED)
+
+    with capture_retry_events() as events, pytest.raises(RequestCanceledException):
+        await orch.execute(request, send)
+    [event] = [e for e in events if e["event"] == "retry.not_retried"]
+    assert event["detail"] == "the maintenance window is closed"
+    assert event["why"] == "strategy_declined"
+
+
+async def test_not_retried_detail_is_none_when_the_strategy_gives_no_reason() -> None:
+    orch = RetryOrchestrator(FastFailOnTerminalErrorRetryStrategy())
+    request = Request(idempotent=True, timeout=5.0)
+
+    async def send(_: Request) -> str:
+        raise RetryableError(RetryReason.AUTHENTICATION_ERROR)
+
+    with capture_retry_events() as events, pytest.raises(sdkcore.AuthenticationFailureException):
+        await orch.execute(request, send)
+    [event] = [e for e in events if e["event"] == "retry.not_retried"]
+    assert event["detail"] is None
+
+
+def test_retry_action_why_is_checked() -> None:
+    with pytest.raises(TypeError, match="why"):
+        RetryAction.no_retry(why=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="only a refusal"):
+        RetryAction(timedelta(seconds=1), why="no")
+    assert RetryAction.no_retry(why="x").why == "x"
+    assert RetryAction.no_retry() is RetryAction.no_retry()  # no reason: the shared refusal

@@ -442,7 +442,7 @@ def test_the_when_things_fail_example_is_what_sdkcore_prints() -> None:
     )
 
     text = README.read_text(encoding="utf-8")
-    shown = text.split("```\nrequest timed out; it may have been applied", 1)[1].split("```", 1)[0]
+    shown = text.split("```\nrequest timed out after 2 retries", 1)[1].split("```", 1)[0]
     shown = " ".join(shown.split())
     readme_context = json.loads(shown[shown.index("{") :])
 
@@ -466,7 +466,10 @@ def test_the_when_things_fail_example_is_what_sdkcore_prints() -> None:
         return caught.value
 
     exc = anyio.run(main)
-    assert str(exc).startswith("request timed out; it may have been applied on the server")
+    assert str(exc).startswith(
+        "request timed out after 2 retries (last: KV_LOCKED), attempt 3 in flight at the deadline; "
+        "it may have been applied on the server"
+    )
     real = json.loads(str(exc)[str(exc).index("{") :])
 
     def timeless(context: dict[str, object]) -> dict[str, object]:

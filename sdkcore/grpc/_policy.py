@@ -175,7 +175,7 @@ def _refusal(why: str, state: CallState) -> RetryAction:
         )
         return RequestCanceledException(f"not retried: {why}", context=context.evolve(extra=extra))
 
-    return RetryAction.no_retry(build)
+    return RetryAction.no_retry(build, why=why)
 
 
 _TRANSPARENT_MAX_DELAY = 1.0

@@ -1,12 +1,11 @@
 """An operator review's gRPC findings, on a real grpc.aio server on 127.0.0.1.
 
 2. Why a call stopped retrying was not in the log. The throttler now logs
-   ``throttle.engaged`` / ``throttle.released``; the detail on ``retry.not_retried``
-   needs a core change (RetryAction carrying the strategy's reason text), proposed in
-   the report: its test is a strict xfail until then.
+   ``throttle.engaged`` / ``throttle.released``, and ``retry.not_retried`` carries the
+   policy's own reason as ``detail`` (``RetryAction.no_retry(why=...)``).
 4. The nested error text said the attempt count twice ("all 4 attempts (maxAttempts)
-   used after 4 attempts"): built by ``sdkcore._context.describe_error``; a strict
-   xfail until the change proposed in the report lands.
+   used after 4 attempts"): ``sdkcore._context.describe_error`` adds the count only
+   when the message does not say it.
 """
 
 from __future__ import annotations
@@ -127,10 +126,6 @@ async def test_a_replacing_bucket_continues_the_episode() -> None:
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs RetryAction.no_retry(why=...) and _failing.refused logging it (see report)",
-)
 async def test_not_retried_says_why_the_policy_stopped(server: Server) -> None:
     method = server.unary_unary("M", fails_on_x())
     with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
@@ -144,9 +139,6 @@ async def test_not_retried_says_why_the_policy_stopped(server: Server) -> None:
     assert event["detail"] == "all 2 attempts (maxAttempts) used"
 
 
-@pytest.mark.xfail(
-    strict=True, reason="needs the describe_error change in sdkcore/_context.py (see report)"
-)
 async def test_the_nested_error_text_says_the_attempt_count_once(server: Server) -> None:
     method = server.unary_unary("M", fails_on_x())
     with anyio.fail_after(TEST_TIMEOUT):
