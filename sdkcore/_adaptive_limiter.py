@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from collections import deque
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+from . import _log
 from ._breaker import _cut_at_deadline, default_is_failure
 from ._context import DEFAULT_EFFECT, AttemptEffect
 from ._errors import RetryableError
@@ -127,11 +127,21 @@ class AdaptiveConcurrencyLimiter(Permits):
     dispatches in flight start to end). Memory and work per dispatch are O(1);
     thread-safe (one lock, never held while the dispatch runs); ``clock`` (seconds,
     monotonic; default ``time.monotonic``) is injectable for tests.
+
+    Events (info; ``limiter`` is ``name``): ``limiter.limit_changed`` when the limit
+    has moved by a factor of 2 or more from the last one reported (``initial_limit``
+    at first): ``limit``, ``previous`` (the last reported), ``baseline_rtt_ms``,
+    ``rtt_ms`` (what the change was computed from) and ``cause``: ``gradient``
+    (latency), ``drop`` (a timeout), ``probe`` (held at half to re-measure the
+    baseline) or ``probe_end`` (restored after it). A limit that wiggles logs
+    nothing. ``limiter.refusing`` and ``limiter.recovered`` as
+    :class:`ConcurrencyLimiter`'s.
     """
 
     __slots__ = (
         "_baseline",
         "_before",
+        "_changes",
         "_clock",
         "_estimate",
         "_last_rtt",
@@ -144,6 +154,7 @@ class AdaptiveConcurrencyLimiter(Permits):
         "_probe_samples",
         "_probe_sum",
         "_probing",
+        "_reported",
         "_stale",
         "_warm",
         "_warm_sum",
@@ -183,8 +194,7 @@ class AdaptiveConcurrencyLimiter(Permits):
             raise TypeError(
                 f"{what}(clock) must be a callable returning seconds or None, got {show(clock)}"
             )
-        Permits.__init__(self, initial, queue, text(name, f"{what}(name)"))
-        self._clock: Callable[[], float] = time.monotonic if clock is None else clock
+        Permits.__init__(self, initial, queue, text(name, f"{what}(name)"), clock)
         self._min = low
         self._max = high
         self._estimate = float(initial)  # Gradient2's estimatedLimit; _cap = int(it)
@@ -209,6 +219,10 @@ class AdaptiveConcurrencyLimiter(Permits):
         self._window_least = math.inf
         self._window_held = 0  # the most permits held when one of its samples was let through
         self._window_drop = False
+        # limiter.limit_changed: the limit last reported, and the events noted under the
+        # lock (limit, previous, baseline, rtt, cause), logged once it is released
+        self._reported = initial
+        self._changes: list[tuple[int, int, float | None, float | None, str]] = []
 
     # -- reading --------------------------------------------------------------------
     @property
@@ -256,8 +270,41 @@ class AdaptiveConcurrencyLimiter(Permits):
     def _count_now(self) -> None:
         with self._lock:
             woken = self._count()
+            changes = self._changes
+            if changes:
+                self._changes = []
         if woken is not None:
             self._wake(woken)
+        if changes:
+            self._report(changes)
+
+    # -- limiter.limit_changed ---------------------------------------------------------------
+    def _moved(self, cause: str, rtt: float | None) -> None:
+        """The limit was set (under the lock): noted for ``limiter.limit_changed`` when it
+        is at least twice, or at most half, the last one reported (never per dispatch:
+        at most once per window or probe)."""
+        cap = self._cap
+        last = self._reported
+        if cap >= 2 * last or 2 * cap <= last:
+            self._reported = cap
+            baseline = self._baseline if self._warm else None
+            self._changes.append((cap, last, baseline, rtt, cause))
+
+    def _report(self, changes: list[tuple[int, int, float | None, float | None, str]]) -> None:
+        """Log the changes :meth:`_moved` noted (the lock released)."""
+        log = _log.enabled(_log.INFO)
+        if log is None:
+            return
+        for limit, previous, baseline, rtt, cause in changes:
+            log.info(
+                _log.EVENT_LIMITER_LIMIT_CHANGED,
+                limiter=self._name,
+                limit=limit,
+                previous=previous,
+                baseline_rtt_ms=None if baseline is None else round(baseline * 1000.0, 3),
+                rtt_ms=None if rtt is None else round(rtt * 1000.0, 3),
+                cause=cause,
+            )
 
     def _count(self) -> list[Any] | None:
         """Count the pending samples into windows; the waiters a higher limit lets in."""
@@ -340,6 +387,7 @@ class AdaptiveConcurrencyLimiter(Permits):
             self._estimate = estimate
             if int(estimate) != self._cap:
                 self._resize(int(estimate))
+                self._moved("drop", rtt if rtt > 0.0 else None)  # 0: only drops
             return
         else:
             warm = self._warm
@@ -354,7 +402,7 @@ class AdaptiveConcurrencyLimiter(Permits):
                     # minimum RTT at start (requiring all ten windows saturated let one
                     # unsaturated first window skip it: rfc/0009, "Under overload")
                     self._baseline = baseline
-                    self._probe()
+                    self._probe(rtt)
                     return
             else:
                 baseline = self._baseline
@@ -363,7 +411,7 @@ class AdaptiveConcurrencyLimiter(Permits):
                 else:  # may include the queue this client built
                     self._stale += 1
                     if self._stale >= PROBE_INTERVAL:
-                        self._probe()
+                        self._probe(rtt)
                         return
                 baseline += (rtt - baseline) * _FACTOR
             if baseline > 2.0 * rtt:  # Gradient2: latency is back to normal, catch up
@@ -386,8 +434,9 @@ class AdaptiveConcurrencyLimiter(Permits):
         self._estimate = estimate
         if int(estimate) != self._cap:
             self._resize(int(estimate))
+            self._moved("gradient", rtt)
 
-    def _probe(self) -> None:
+    def _probe(self, rtt: float) -> None:
         """Re-measure the baseline: the limit is held at half while ``PROBE_SAMPLES``
         dispatches let through at that concurrency go out and all come back."""
         self._stale = 0
@@ -396,15 +445,16 @@ class AdaptiveConcurrencyLimiter(Permits):
         self._probe_out = self._probe_open = self._probe_n = 0
         self._probe_sum = 0.0
         half = int(self._estimate / 2)
-        self._probe_at(half if half > self._min else self._min)
+        self._probe_at(half if half > self._min else self._min, rtt)
 
-    def _probe_at(self, cap: int) -> None:
+    def _probe_at(self, cap: int, rtt: float | None) -> None:
         """Hold the limit at ``cap`` for the probe's dispatches: 10 per permit, up to 50
         (at a limit of 1, fifty round trips one at a time left the endpoint half idle
         for half a second at 100/s: rfc/0009, "Under overload")."""
         samples = PROBE_PER_PERMIT * cap
         self._probe_samples = samples if samples < PROBE_SAMPLES else PROBE_SAMPLES
         self._resize(cap)
+        self._moved("probe", rtt)
 
     def _tag(self) -> bool:
         """A dispatch let through while probing: is it one of the probe's?"""
@@ -426,8 +476,9 @@ class AdaptiveConcurrencyLimiter(Permits):
             self._probe_n += 1
         if self._probe_open or self._probe_out < self._probe_samples:
             return None
+        measured = None
         if self._probe_n:
-            baseline = self._probe_sum / self._probe_n
+            baseline = measured = self._probe_sum / self._probe_n
             old = self._baseline
             lower = baseline < PROBE_AGAIN * old
             self._baseline = baseline
@@ -442,11 +493,12 @@ class AdaptiveConcurrencyLimiter(Permits):
                 self._probe_out = self._probe_open = self._probe_n = 0
                 self._probe_sum = 0.0
                 half = self._cap // 2
-                self._probe_at(half if half > self._min else self._min)
+                self._probe_at(half if half > self._min else self._min, baseline)
                 return None
         self._probing = False
         self._estimate = self._before
         self._resize(int(self._before))
+        self._moved("probe_end", measured)
         self._pending.clear()  # what ended during the probe says nothing
         self._window_end = -math.inf  # a fresh window from the next sample
         self._window_n = self._window_held = 0
@@ -478,6 +530,8 @@ class AdaptivePermit:
         if limiter._waiters or limiter._debt or limiter._probing:
             if limiter._waiters or not self._take_slow():
                 raise limiter._full()
+            if limiter._shedding:
+                limiter._regained(self._undo)
             return
         tokens = limiter._tokens
         try:
@@ -486,6 +540,8 @@ class AdaptivePermit:
             raise limiter._full() from None
         held = limiter._cap - len(tokens)
         self._held = held if held > 0 else 1  # racing a falling limit: never 0 (ended)
+        if limiter._shedding:  # the first permit after refusals (else False)
+            limiter._regained(self._undo)
 
     def _take_slow(self) -> bool:
         """A permit while a debt is owed or a probe runs (under the lock)."""
@@ -514,8 +570,12 @@ class AdaptivePermit:
             else:
                 held = limiter._cap - len(tokens)
                 self._held = held if held > 0 else 1
+                if limiter._shedding:
+                    limiter._regained(self._undo)
                 return
         elif not limiter._waiters and self._take_slow():
+            if limiter._shedding:
+                limiter._regained(self._undo)
             return
         await limiter._queue()  # the permit is ours from here: no await until held
         try:
@@ -556,8 +616,13 @@ class AdaptivePermit:
         if limiter._waiters or limiter._debt:
             limiter._settle()
 
-    def _end(self, exc: BaseException | None, held: int) -> None:
-        """``__exit__`` of a dispatch that raised, or of one of a probe's."""
+    def _undo(self) -> None:
+        """Give a held permit back as a dispatch that counts for nothing (its enter failed)."""
+        self._end(None, self._held, ignore=True)
+
+    def _end(self, exc: BaseException | None, held: int, ignore: bool = False) -> None:
+        """``__exit__`` of a dispatch that raised, or of one of a probe's; ``ignore``:
+        of one that never ran."""
         if not held:
             return  # already ended
         self._held = 0
@@ -565,7 +630,7 @@ class AdaptivePermit:
         try:
             end = limiter._clock()
             rtt = end - self._start
-            outcome = _SAMPLE if exc is None else _judge(exc)
+            outcome = _IGNORE if ignore else _SAMPLE if exc is None else _judge(exc)
         except Exception:  # a clock or an error's __cause__ that raises: no sample
             end = rtt = 0.0
             outcome = _IGNORE
@@ -573,8 +638,13 @@ class AdaptivePermit:
         if held < 0:  # one of a probe's
             with limiter._lock:
                 woken = limiter._probed(rtt, outcome)
+                changes = limiter._changes
+                if changes:
+                    limiter._changes = []
             if woken is not None:
                 limiter._wake(woken)
+            if changes:
+                limiter._report(changes)
         elif outcome == _DROP and rtt >= TOLERANCE * limiter._baseline:
             # a cut after less than a tolerable round trip is the request's deadline (a
             # retry sent with little time left), not the endpoint's latency: nothing

@@ -41,19 +41,23 @@ class RetryBudget:
       fraction of a retry. A ratio, not a percentage: 0.2 is one retry per five first
       attempts (Finagle's ``percentCanRetry``, which despite its name is a ratio too);
       0 to 1000, Finagle's range.
-      (0.2: one retry per five first attempts; 0 to 1000).
 
     A fresh default budget holds 100 retries (10/s over 10 s). With
     ``min_retries_per_sec=0`` and ``retry_ratio=0`` every withdrawal is refused.
     Thread-safe and loop-agnostic: one budget may be shared by every request,
     thread and event loop. A refused withdrawal after a granted one logs
-    ``budget.exhausted`` once (until a withdrawal is granted again).
+    ``budget.exhausted`` once (until a withdrawal is granted again); the first
+    withdrawal granted after that logs ``budget.recovered``, with the withdrawals
+    refused in between and how long they were refused. ``name`` is the ``budget``
+    field of both (None when unnamed, as a breaker's ``endpoint``).
     """
 
     __slots__ = (
         "__weakref__",  # Telemetry.watch holds it weakly
         "_clock",
         "_deposit",
+        "_dry_refused",
+        "_dry_since",
         "_exhausted",
         "_index",
         "_last",
@@ -128,8 +132,12 @@ class RetryBudget:
         # CPython: no lock on the hot path); the lock holder moves them into the slice.
         self._ticks = itertools.count()
         self._last = next(self._ticks)
+        # True from a refused withdrawal to the next granted one (an episode): only
+        # the refusal path sets it, and a grant reads it (False on the common path).
         self._exhausted = False
         self._refused = 0
+        self._dry_since = 0.0  # the clock at the episode's first refusal
+        self._dry_refused = 0  # ``_refused`` before it
         self._telemetry: Any = None  # set by Telemetry.watch
 
     @property
@@ -176,7 +184,8 @@ class RetryBudget:
 
     def try_withdraw(self) -> bool:
         """A retry about to be sent: True and one retry taken, or False and nothing changed."""
-        index = int(self._clock() * self._per_slice)
+        now = self._clock()
+        index = int(now * self._per_slice)
         cost = self._withdraw
         with self._lock:
             self._catch_up(index)
@@ -184,11 +193,31 @@ class RetryBudget:
             if tokens >= cost:
                 self._slices[self._index % _SLICES] -= cost
                 self._sum -= cost
+                if not self._exhausted:  # the common case: no refusal since the last grant
+                    return True
+                # the first grant after refusals ends the episode
                 self._exhausted = False
-                return True
-            self._refused += 1
-            first = not self._exhausted
-            self._exhausted = True
+                refused = self._refused - self._dry_refused
+                since = self._dry_since
+            else:
+                first = not self._exhausted
+                if first:  # an episode starts
+                    self._exhausted = True
+                    self._dry_since = now
+                    self._dry_refused = self._refused
+                self._refused += 1
+                refused = -1
+        if refused >= 0:
+            log = _log.enabled(_log.INFO)
+            if log is not None:
+                log.info(
+                    _log.EVENT_BUDGET_RECOVERED,
+                    budget=self._name,
+                    refused=refused,
+                    duration_ms=round(max(0.0, now - since) * 1000.0, 3),
+                    balance=(tokens - cost) // cost,
+                )
+            return True
         telemetry = self._telemetry
         if telemetry is not None:
             telemetry.budget_rejected(self)
@@ -206,11 +235,12 @@ class RetryBudget:
         return False
 
     def refund(self) -> None:
-        """Give back one granted withdrawal whose retry was not sent after all.
+        """Give back one granted withdrawal whose retry was never sent.
 
-        The hedging runner calls it for a copy that an OPEN circuit breaker refused
-        (nothing reached the server), moments after the withdrawal. The tokens go into
-        the current slice, so they may outlive the withdrawal's slice by that moment.
+        Whatever kept the retry (or hedged copy) from going out after its withdrawal:
+        refused before anything was written (an OPEN circuit breaker), or cut before it
+        was sent. Call it once per such withdrawal, soon after it. The tokens go into
+        the current slice, so they may outlive the withdrawal's slice by that delay.
         """
         cost = self._withdraw
         if cost >= _NEVER:

@@ -10,9 +10,11 @@ non-idempotent request.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import TracebackType
 
 from ._permits import TOKEN, Permits, permits, text
+from ._untrusted import show
 
 __all__ = ["ConcurrencyLimiter", "LimiterGuard"]
 
@@ -26,8 +28,9 @@ class ConcurrencyLimiter(Permits):
     * ``async with limiter.acquire():`` (asyncio or trio): the same, but when every
       permit is held the caller waits in a FIFO queue of at most ``max_queued``
       callers (0, the default: refused at once, as ``guard()``). The wait ends with
-      the permit, or with a refusal a moment (1 ms) before the deadline of the
-      request being sent (inside ``execute``, ``hedge``, ``attempt()``), or with the
+      the permit, or with a refusal shortly before the deadline of the request being
+      sent (inside ``execute``, ``hedge``, ``attempt()``): a tenth of the time it had
+      left when it queued, at least 2 ms and at most 20 ms, before it; or with the
       caller's cancellation, which is re-raised. A caller that leaves the queue
       never takes a permit with it nor holds up the ones behind.
 
@@ -35,16 +38,33 @@ class ConcurrencyLimiter(Permits):
     a cancellation, ``KeyboardInterrupt``). ``limit``, ``in_flight`` and ``queued``
     are read without a lock (gauges). Thread-safe and loop-agnostic: one limiter per
     endpoint, shared by every door, thread and event loop. ``name`` (e.g.
-    ``"10.0.0.1:11210"``) is in the refusal's message.
+    ``"10.0.0.1:11210"``) is in the refusal's message and is the ``limiter`` field of
+    the events (``""`` when unnamed).
+
+    Events (info): ``limiter.refusing`` at the first refusal after a permit was granted
+    (``limit``, ``in_flight``, ``queued``), and ``limiter.recovered`` at the next permit
+    granted (``refused``: the refusals in between, ``duration_ms``: since the first of
+    them, on ``clock``, seconds, monotonic, default ``time.monotonic``).
     """
 
-    __slots__ = ("_acquirer", "_guard")
+    __slots__ = ("_acquirer", "_clock", "_guard")
 
-    def __init__(self, limit: int, *, max_queued: int = 0, name: str = "") -> None:
+    def __init__(
+        self,
+        limit: int,
+        *,
+        max_queued: int = 0,
+        name: str = "",
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         what = "ConcurrencyLimiter"
         cap = permits(limit, f"{what}(limit)", 1)
         queue = permits(max_queued, f"{what}(max_queued)", 0)
-        Permits.__init__(self, cap, queue, text(name, f"{what}(name)"))
+        if clock is not None and not callable(clock):
+            raise TypeError(
+                f"{what}(clock) must be a callable returning seconds or None, got {show(clock)}"
+            )
+        Permits.__init__(self, cap, queue, text(name, f"{what}(name)"), clock)
         # One guard and one acquirer per limiter, shared by every dispatch: a fixed
         # limit keeps nothing per dispatch (no allocation per call).
         self._guard = LimiterGuard(self)
@@ -91,6 +111,8 @@ class LimiterGuard:
             except IndexError:
                 pass
             else:
+                if self._limiter._shedding:  # the first permit after refusals (else False)
+                    self._limiter._regained()
                 return
         raise self._limiter._full()
 
@@ -122,6 +144,8 @@ class LimiterAcquire:
             except IndexError:
                 pass
             else:
+                if self._limiter._shedding:
+                    self._limiter._regained()
                 return
         await self._limiter._queue()
 

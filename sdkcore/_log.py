@@ -46,6 +46,10 @@ __all__ = [
     "EVENT_BREAKER_HALF_OPEN",
     "EVENT_BREAKER_OPENED",
     "EVENT_BUDGET_EXHAUSTED",
+    "EVENT_BUDGET_RECOVERED",
+    "EVENT_LIMITER_LIMIT_CHANGED",
+    "EVENT_LIMITER_RECOVERED",
+    "EVENT_LIMITER_REFUSING",
     "EVENT_NOT_RETRIED",
     "EVENT_SCHEDULED",
     "EVENT_STRATEGY_FAILED",
@@ -77,6 +81,9 @@ EVENT_BREAKER_HALF_OPEN = "breaker.half_open"
 EVENT_BREAKER_CLOSED = "breaker.closed"
 #: info: a retry budget refused a withdrawal (fields: balance, deposits, withdrawals).
 EVENT_BUDGET_EXHAUSTED = "budget.exhausted"
+#: info: the first withdrawal a retry budget granted after refusals (fields: budget,
+#: refused: the withdrawals refused since budget.exhausted, duration_ms, balance).
+EVENT_BUDGET_RECOVERED = "budget.recovered"
 
 # gRPC retryThrottling (rfc/0003). Fields: target, tokens, max_tokens, threshold.
 #: info: a gRPC RetryThrottler's tokens fell to its threshold: retries and hedges stop.
@@ -84,6 +91,18 @@ EVENT_THROTTLE_ENGAGED = "throttle.engaged"
 #: info: its tokens rose above the threshold again (field refused: retries and hedges it
 #: refused while engaged).
 EVENT_THROTTLE_RELEASED = "throttle.released"
+
+# Concurrency limiters (rfc/0009). Field limiter: the limiter's name ("" when unnamed).
+#: info: a limiter refused a dispatch after a time without refusals (fields: limit,
+#: in_flight, queued).
+EVENT_LIMITER_REFUSING = "limiter.refusing"
+#: info: the first permit a limiter granted after refusals (fields: refused: the
+#: dispatches refused since limiter.refusing, duration_ms, limit).
+EVENT_LIMITER_RECOVERED = "limiter.recovered"
+#: info: an adaptive limiter's limit moved by a factor of 2 or more from the last one
+#: reported (fields: limit, previous, baseline_rtt_ms, rtt_ms, cause: gradient, drop,
+#: probe or probe_end).
+EVENT_LIMITER_LIMIT_CHANGED = "limiter.limit_changed"
 
 # The stdlib's levels (logging.DEBUG, INFO, WARNING), without importing logging.
 DEBUG = 10

@@ -30,6 +30,7 @@ from ._reason import RetryReason
 from ._untrusted import show
 
 __all__ = [
+    "EVENT_THROTTLE_RECOVERED",
     "EVENT_THROTTLE_REFUSING",
     "REFUSAL_REASON",
     "AdaptiveThrottle",
@@ -40,6 +41,10 @@ __all__ = [
 #: info: the throttle refused a request after a time without refusals (fields: throttle,
 #: rejection_probability, requests, accepts, k).
 EVENT_THROTTLE_REFUSING = "throttle.refusing"
+#: info: the first admission after an episode of refusals that finds nothing to refuse
+#: (rejection probability 0) (fields: throttle, refused: the requests refused since
+#: throttle.refusing, duration_ms).
+EVENT_THROTTLE_RECOVERED = "throttle.recovered"
 
 #: The reason of a local refusal (rfc/0009: allows non-idempotent retry, not always
 #: retried, not after dispatch).
@@ -152,6 +157,10 @@ class AdaptiveThrottle:
     nothing was sent (``NOT_SENT``: another guard refused it) records nothing. A
     cancellation (an error that is not an :class:`Exception`) records nothing.
 
+    Events (info): ``throttle.refusing`` at the first refusal of an episode, and
+    ``throttle.recovered`` (the requests refused in it, how long it lasted) from the
+    first :meth:`admit` after it that finds the rejection probability back at zero.
+
     Thread-safe and loop-agnostic; fixed memory (ten slices of counts); an admission and
     a success take no lock while nothing has been rejected in the window.
     """
@@ -170,11 +179,14 @@ class AdaptiveThrottle:
         "_lock",
         "_name",
         "_per_slice",
+        "_quiet",
         "_random",
         "_refused",
         "_refusing",
         "_req_slices",
         "_requests",
+        "_shed_refused",
+        "_shed_since",
         "_slice_end",
         "_ticks",
         "_window",
@@ -249,6 +261,8 @@ class AdaptiveThrottle:
         # requests - k * accepts over the counted events: <= 0 means nothing is refused
         # (and lock-free successes only lower it), the admission's fast path.
         self._excess = 0.0
+        # excess <= 0 and no episode of refusals to end: admit()'s fast path reads only this
+        self._quiet = True
         self._index = int(clock() * self._per_slice)
         self._slice_end = (self._index + 1) / self._per_slice
         # Successes in the current slice are counted by an itertools.count (atomic in
@@ -256,9 +270,13 @@ class AdaptiveThrottle:
         self._ticks = itertools.count()
         self._last = next(self._ticks)
         self._refused = 0
-        # Refused since the rejection probability was last zero: the refusal that starts
-        # an episode logs throttle.refusing, the others do not.
+        # An episode: from a refusal to the next admit() that finds the rejection
+        # probability zero. Its first refusal logs throttle.refusing, its end
+        # throttle.recovered (the refusals since ``_shed_refused``, the time since
+        # ``_shed_since``); ``_quiet`` stays False until the end is logged.
         self._refusing = False
+        self._shed_since = 0.0
+        self._shed_refused = 0
 
     # -- configuration and gauges ------------------------------------------------------
     @property
@@ -313,7 +331,7 @@ class AdaptiveThrottle:
         """True: send the request (then report it with :meth:`record_success` or
         :meth:`record_failure`). False: it is refused, and counted as a request."""
         now = self._clock()
-        if self._excess <= 0.0 and now < self._slice_end:
+        if self._quiet and now < self._slice_end:
             return True  # the hot path: nothing to refuse in this slice
         return self._admit(now)
 
@@ -323,7 +341,22 @@ class AdaptiveThrottle:
             self._catch_up(index)
             requests = self._requests
             excess = self._excess
+            ended = excess <= 0.0 and self._refusing
+            if ended:  # the first admission with nothing to refuse ends the episode
+                self._refusing = False
+                self._quiet = True
+                refused = self._refused - self._shed_refused
+                since = self._shed_since
         if excess <= 0.0:
+            if ended:
+                log = _log.enabled(_log.INFO)
+                if log is not None:
+                    log.info(
+                        EVENT_THROTTLE_RECOVERED,
+                        throttle=self._name,
+                        refused=refused,
+                        duration_ms=round(max(0.0, now - since) * 1000.0, 3),
+                    )
             return True
         probability = excess / (requests + 1)
         if self._random() >= probability:  # user code: outside the lock
@@ -331,11 +364,14 @@ class AdaptiveThrottle:
         with self._lock:
             self._catch_up(index)
             self._add(accepted=False)
-            self._refused += 1
             first = not self._refusing
-            self._refusing = True
+            if first:  # an episode starts
+                self._refusing = True
+                self._quiet = False
+                self._shed_since = now
+                self._shed_refused = self._refused
+            self._refused += 1
         if first:
-            self._refusing = True
             log = _log.enabled(_log.INFO)
             if log is not None:
                 log.info(
@@ -400,8 +436,7 @@ class AdaptiveThrottle:
             self._acc_slices[slot] += 1
             self._accepts += 1
         self._excess = excess = self._requests - self._k * self._accepts
-        if excess <= 0.0:
-            self._refusing = False
+        self._quiet = excess <= 0.0 and not self._refusing
 
     def _catch_up(self, index: int) -> None:
         """Add the lock-free successes in, then move the window to slice ``index`` (under the lock).
@@ -436,8 +471,7 @@ class AdaptiveThrottle:
         elif not pending:
             return
         self._excess = excess = self._requests - self._k * self._accepts
-        if excess <= 0.0:
-            self._refusing = False
+        self._quiet = excess <= 0.0 and not self._refusing
 
     def __repr__(self) -> str:
         label = f" {self._name!r}" if self._name else ""
