@@ -20,6 +20,7 @@ from typing import Any
 
 from . import _log
 from ._duration import to_seconds
+from ._log import EPISODE_QUIET
 from ._untrusted import show
 
 __all__ = ["RetryBudget"]
@@ -47,15 +48,18 @@ class RetryBudget:
     Thread-safe and loop-agnostic: one budget may be shared by every request,
     thread and event loop. A refused withdrawal after a granted one logs
     ``budget.exhausted`` once (until a withdrawal is granted again); the first
-    withdrawal granted after that logs ``budget.recovered``, with the withdrawals
-    refused in between and how long they were refused. ``name`` is the ``budget``
-    field of both (None when unnamed, as a breaker's ``endpoint``).
+    withdrawal granted a second (``EPISODE_QUIET``) or more after the last refusal
+    logs ``budget.recovered``, with the withdrawals refused in between and how long
+    they were refused (a budget that grants and refuses in turn is one episode).
+    ``name`` is the ``budget`` field of both (None when unnamed, as a breaker's
+    ``endpoint``).
     """
 
     __slots__ = (
         "__weakref__",  # Telemetry.watch holds it weakly
         "_clock",
         "_deposit",
+        "_dry_last",
         "_dry_refused",
         "_dry_since",
         "_exhausted",
@@ -137,6 +141,7 @@ class RetryBudget:
         self._exhausted = False
         self._refused = 0
         self._dry_since = 0.0  # the clock at the episode's first refusal
+        self._dry_last = 0.0  # ... and at its latest
         self._dry_refused = 0  # ``_refused`` before it
         self._telemetry: Any = None  # set by Telemetry.watch
 
@@ -195,7 +200,9 @@ class RetryBudget:
                 self._sum -= cost
                 if not self._exhausted:  # the common case: no refusal since the last grant
                     return True
-                # the first grant after refusals ends the episode
+                if now - self._dry_last < EPISODE_QUIET:
+                    return True  # refused within the last second: the episode goes on
+                # the first grant a quiet second after the last refusal ends the episode
                 self._exhausted = False
                 refused = self._refused - self._dry_refused
                 since = self._dry_since
@@ -206,6 +213,7 @@ class RetryBudget:
                     self._dry_since = now
                     self._dry_refused = self._refused
                 self._refused += 1
+                self._dry_last = now
                 refused = -1
         if refused >= 0:
             log = _log.enabled(_log.INFO)

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CAPTURE",
+    "EPISODE_QUIET",
     "EVENT_BREAKER_CLOSED",
     "EVENT_BREAKER_HALF_OPEN",
     "EVENT_BREAKER_OPENED",
@@ -72,18 +73,27 @@ EVENT_TIMED_OUT = "retry.timed_out"
 #: warning: the retry strategy raised or returned something that is not a RetryAction.
 EVENT_STRATEGY_FAILED = "retry.strategy_failed"
 
-# Endpoint protection (rfc/0007). Fields: endpoint, outcomes, failures, cause.
+# Endpoint protection (rfc/0007). Fields: endpoint, cause, last_error; outcomes and
+# failures on the trip, trip_outcomes and trip_failures after it.
 #: warning: a circuit breaker opened (cause: threshold, probe_failed or canary_timeout).
 EVENT_BREAKER_OPENED = "breaker.opened"
 #: info: a circuit breaker's sleep window is over and its probe went out.
 EVENT_BREAKER_HALF_OPEN = "breaker.half_open"
 #: info: a circuit breaker closed (cause: probe_succeeded or reset).
 EVENT_BREAKER_CLOSED = "breaker.closed"
-#: info: a retry budget refused a withdrawal (fields: balance, deposits, withdrawals).
+#: info: a retry budget refused a withdrawal, the first of an episode (fields: budget,
+#: balance, min_retries_per_sec, retry_ratio, ttl_s).
 EVENT_BUDGET_EXHAUSTED = "budget.exhausted"
-#: info: the first withdrawal a retry budget granted after refusals (fields: budget,
-#: refused: the withdrawals refused since budget.exhausted, duration_ms, balance).
+#: info: a retry budget's episode of refusals ended: a withdrawal granted at least
+#: EPISODE_QUIET seconds after the last refusal (fields: budget, refused: the
+#: withdrawals refused since budget.exhausted, duration_ms, balance).
 EVENT_BUDGET_RECOVERED = "budget.recovered"
+
+#: A refusal episode (a retry budget's, a concurrency limiter's) ends at the first grant
+#: that comes this long after its last refusal. Under sustained overload grants and
+#: refusals alternate every few milliseconds: ended at the first grant, episodes logged a
+#: pair of events 300-400 times a second (a simulated limiter at twice its capacity).
+EPISODE_QUIET = 1.0
 
 # gRPC retryThrottling (rfc/0003). Fields: target, tokens, max_tokens, threshold.
 #: info: a gRPC RetryThrottler's tokens fell to its threshold: retries and hedges stop.
@@ -93,11 +103,12 @@ EVENT_THROTTLE_ENGAGED = "throttle.engaged"
 EVENT_THROTTLE_RELEASED = "throttle.released"
 
 # Concurrency limiters (rfc/0009). Field limiter: the limiter's name ("" when unnamed).
-#: info: a limiter refused a dispatch after a time without refusals (fields: limit,
+#: info: a limiter refused a dispatch, the first of an episode (fields: limit,
 #: in_flight, queued).
 EVENT_LIMITER_REFUSING = "limiter.refusing"
-#: info: the first permit a limiter granted after refusals (fields: refused: the
-#: dispatches refused since limiter.refusing, duration_ms, limit).
+#: info: a limiter's episode of refusals ended: a permit granted at least EPISODE_QUIET
+#: seconds after the last refusal (fields: refused: the dispatches refused since
+#: limiter.refusing, duration_ms, limit).
 EVENT_LIMITER_RECOVERED = "limiter.recovered"
 #: info: an adaptive limiter's limit moved by a factor of 2 or more from the last one
 #: reported (fields: limit, previous, baseline_rtt_ms, rtt_ms, cause: gradient, drop,

@@ -16,9 +16,10 @@ layer's deadline scope (``sdkcore._runtime``). Nothing here imports asyncio or
 trio; a waiter finds its loop's module loaded.
 
 Refusal episodes: the first refusal after a granted permit logs ``limiter.refusing``,
-and the next permit granted logs ``limiter.recovered`` (the refusals in between, how
-long they lasted). Only refusals take the lock for it; a grant reads one flag
-(``_shedding``), False unless something was refused since the last grant.
+and the first permit granted ``EPISODE_QUIET`` (1 s) or more after the episode's last
+refusal logs ``limiter.recovered`` (the refusals in between, how long they lasted).
+Only refusals take the lock for it; a grant reads one flag (``_shedding``), False
+unless an episode is open, and during one a clock reading.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 from . import _log, _runtime
 from ._context import AttemptEffect
 from ._errors import RetryableError
+from ._log import EPISODE_QUIET
 from ._reason import RetryReason
 from ._request import dispatching
 from ._untrusted import show
@@ -95,8 +97,9 @@ class Permits:
     callers in arrival order. Everything but a token's pop and append is done under
     ``_lock``, which is never held while a caller's code runs or a waiter is woken.
 
-    ``_shedding`` is True from a refusal to the next permit granted (a refusal episode):
-    ``_shed_count`` refusals since ``_shed_since`` (``_clock``), both under the lock.
+    ``_shedding`` is True from a refusal until a permit is granted ``EPISODE_QUIET``
+    after the last refusal (``_shed_last``): a refusal episode, ``_shed_count``
+    refusals since ``_shed_since`` (``_clock``), all under the lock.
     """
 
     __slots__ = (
@@ -107,6 +110,7 @@ class Permits:
         "_max_queued",
         "_name",
         "_shed_count",
+        "_shed_last",
         "_shed_since",
         "_shedding",
         "_telemetry",
@@ -126,6 +130,7 @@ class Permits:
         self._shedding = False
         self._shed_count = 0
         self._shed_since = 0.0
+        self._shed_last = 0.0
         self._cap = cap
         self._tokens = [TOKEN] * cap
         self._debt = 0
@@ -240,6 +245,7 @@ class Permits:
                 self._shed_count = 0
                 self._shed_since = now
             self._shed_count += 1
+            self._shed_last = now
         if first:
             log = _log.enabled(_log.INFO)
             if log is not None:
@@ -273,9 +279,11 @@ class Permits:
         """
         try:
             now = self._now()
+            if now - self._shed_last < EPISODE_QUIET:
+                return  # refused within the last second: the episode goes on (no lock)
             with self._lock:
-                if not self._shedding:
-                    return  # another grant ended the episode first
+                if not self._shedding or now - self._shed_last < EPISODE_QUIET:
+                    return  # another grant ended the episode first, or a refusal came
                 self._shedding = False
                 refused = self._shed_count
                 since = self._shed_since

@@ -226,7 +226,10 @@ def test_limiter_logs_refusing_then_recovered_once(kind: str) -> None:
                     pass
                 vc.advance(0.125)
         vc.advance(0.125)
-        with limiter.guard():  # limiter.recovered
+        with limiter.guard():  # 0.25 s after the last refusal: the episode goes on
+            pass
+        vc.advance(0.875)
+        with limiter.guard():  # a quiet second after it: limiter.recovered
             pass
         with limiter.guard():
             pass
@@ -245,7 +248,7 @@ def test_limiter_logs_refusing_then_recovered_once(kind: str) -> None:
             "log_level": "info",
             "limiter": "db:5432",
             "refused": 3,
-            "duration_ms": 500.0,
+            "duration_ms": 1375.0,
             "limit": 1,
         },
     ]
@@ -259,6 +262,7 @@ def test_an_unnamed_limiter_is_the_empty_string(kind: str) -> None:
     with capture_retry_events() as events:
         with limiter.guard(), pytest.raises(RetryableError), limiter.guard():
             pass
+        vc.advance(1.0)
         with limiter.guard():
             pass
     assert [(e["event"], e["limiter"]) for e in named(events, "limiter.refusing")] == [
@@ -297,7 +301,7 @@ async def test_a_queued_caller_handed_the_permit_ends_the_episode(kind: str) -> 
             await turns(lambda: limiter.queued == 1)
             with pytest.raises(RetryableError), limiter.guard():  # someone is in line
                 pass
-            vc.advance(0.25)
+            vc.advance(1.0)  # a quiet second after the refusal
             held.__exit__(None, None, None)  # handed to the queued caller
     assert served == ["queued"]
     shedding = named(events, "limiter.refusing", "limiter.recovered")
@@ -305,7 +309,7 @@ async def test_a_queued_caller_handed_the_permit_ends_the_episode(kind: str) -> 
         ("limiter.refusing", 1, None),
         ("limiter.recovered", None, 1),
     ]
-    assert shedding[1]["duration_ms"] == 250.0
+    assert shedding[1]["duration_ms"] == 1000.0
     assert limiter.in_flight == 0
 
 
@@ -324,6 +328,13 @@ def test_granted_permits_ask_no_log_level_and_take_no_lock(
     with limiter.guard(), pytest.raises(RetryableError), limiter.guard():
         pass
     assert gate_calls[0] == 1  # limiter.refusing
+    taken = lock.taken
+    for _ in range(50):  # within the quiet second: the episode goes on, one clock read each
+        with limiter.guard():
+            pass
+    assert gate_calls[0] == 1
+    assert lock.taken == taken
+    vc.advance(1.0)
     with limiter.guard():
         pass
     assert gate_calls[0] == 2  # limiter.recovered
@@ -354,6 +365,7 @@ def test_a_log_that_raises_on_recovery_gives_the_permit_back(
     limiter = make_limiter(kind, vc)
     with limiter.guard(), pytest.raises(RetryableError), limiter.guard():
         pass
+    vc.advance(1.0)
     monkeypatch.setattr(log_module, "enabled", lambda level: RaisingOn("limiter.recovered"))
     with pytest.raises(RuntimeError, match=r"limiter\.recovered"), limiter.guard():
         pass
@@ -361,6 +373,46 @@ def test_a_log_that_raises_on_recovery_gives_the_permit_back(
     with limiter.guard():
         assert limiter.in_flight == 1
     assert limiter.in_flight == 0
+
+
+@pytest.mark.parametrize("kind", ["fixed", "adaptive"])
+def test_sustained_overload_is_one_episode_not_a_flood(kind: str) -> None:
+    """At twice its capacity a limiter grants and refuses in turn every few milliseconds:
+    one limiter.refusing, and one limiter.recovered a quiet second after the overload."""
+    vc = VirtualClock(50.0)
+    limiter = make_limiter(kind, vc)
+    with capture_retry_events() as events:
+        for _ in range(2000):  # 10 s: a grant, then a refusal while it is held, 5 ms apart
+            with limiter.guard():
+                vc.advance(0.0025)
+                with pytest.raises(RetryableError), limiter.guard():
+                    pass
+            vc.advance(0.0025)
+        vc.advance(1.0)
+        with limiter.guard():
+            pass
+    shedding = named(events, "limiter.refusing", "limiter.recovered")
+    assert [e["event"] for e in shedding] == ["limiter.refusing", "limiter.recovered"]
+    assert shedding[1]["refused"] == 2000
+    assert shedding[1]["duration_ms"] == pytest.approx(10_997.5)
+
+
+def test_a_budget_that_grants_and_refuses_in_turn_is_one_episode() -> None:
+    vc = VirtualClock(100.0)
+    # one retry a second: under twice that demand every other withdrawal is refused
+    budget = RetryBudget(ttl=1, min_retries_per_sec=1, retry_ratio=0, clock=vc.clock)
+    granted = 0
+    with capture_retry_events() as events:
+        for _ in range(20):  # 10 s at two withdrawals a second
+            granted += budget.try_withdraw()
+            vc.advance(0.5)
+        vc.advance(1.0)
+        assert budget.try_withdraw()
+    assert 0 < granted < 20
+    assert [(e["event"], e.get("refused")) for e in events] == [
+        ("budget.exhausted", None),
+        ("budget.recovered", 20 - granted),
+    ]
 
 
 # -- AdaptiveConcurrencyLimiter: limiter.limit_changed ---------------------------------------
