@@ -140,6 +140,41 @@ def _describe_one(error: BaseException) -> str:
     return f"{name}: {_clip(message)}" if message else name
 
 
+_CLIENT_ENTRIES = 20  # client_context entries shown in a context or an event, at most
+_CLIENT_TEXT = 100  # characters of a key or a value, at most
+
+
+def client_context_text(context: Mapping[str, Any]) -> Mapping[str, str]:
+    """A request's ``client_context`` as bounded text, for error contexts and log events.
+
+    What the application attached to its request (a document key, a bucket, an
+    endpoint) is what an operator correlates a failure with, as the Java SDK's
+    exported ``clientContext``. At most 20 entries; keys and values (``str()``, which
+    may not raise here) cut at 100 characters; sdkcore's own keys (``sdkcore.*``,
+    e.g. a gRPC call's state) are left out. Empty: the shared empty mapping.
+    """
+    if not context:
+        return _EMPTY
+    out: dict[str, str] = {}
+    for key, value in context.items():
+        name = key if isinstance(key, str) else _text(key)
+        if name.startswith("sdkcore."):
+            continue
+        if len(out) == _CLIENT_ENTRIES:
+            out["..."] = f"{len(context) - _CLIENT_ENTRIES} more"
+            break
+        out[name[:_CLIENT_TEXT]] = _text(value)
+    return MappingProxyType(out) if out else _EMPTY
+
+
+def _text(value: object) -> str:
+    try:
+        text = value if isinstance(value, str) else str(value)
+    except Exception:  # a broken __str__ never hides the failure being reported
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= _CLIENT_TEXT else text[: _CLIENT_TEXT - 3] + "..."
+
+
 def _ms(d: timedelta | None) -> float | None:
     return None if d is None else round(d.total_seconds() * 1000.0, 3)
 
@@ -203,6 +238,8 @@ class ErrorContext:
     in_flight: bool = False
     #: Every attempt so far, oldest first.
     attempts: tuple[AttemptRecord, ...] = ()
+    #: The request's ``client_context`` as bounded text (:func:`client_context_text`).
+    client_context: Mapping[str, str] = _EMPTY
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly dict of every field that is set."""
@@ -229,6 +266,8 @@ class ErrorContext:
             out["attempts"] = [a.to_dict() for a in self.attempts]
         if self.extra:
             out["extra"] = dict(self.extra)
+        if self.client_context:
+            out["client_context"] = dict(self.client_context)
         return out
 
     def __str__(self) -> str:
@@ -243,6 +282,7 @@ class ErrorContext:
         # ``extra`` is a read-only mappingproxy, which pickle cannot copy: rebuild it.
         fields = attrs.asdict(self, recurse=False)
         fields["extra"] = dict(self.extra)
+        fields["client_context"] = dict(self.client_context)
         return (_rebuild_context, (fields,))
 
     def evolve(self, **changes: Any) -> ErrorContext:
@@ -252,4 +292,9 @@ class ErrorContext:
 
 def _rebuild_context(fields: dict[str, Any]) -> ErrorContext:
     extra = fields.pop("extra")
-    return ErrorContext(**fields, extra=MappingProxyType(extra) if extra else _EMPTY)
+    client = fields.pop("client_context", None)
+    return ErrorContext(
+        **fields,
+        extra=MappingProxyType(extra) if extra else _EMPTY,
+        client_context=MappingProxyType(client) if client else _EMPTY,
+    )

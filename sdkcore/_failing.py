@@ -13,7 +13,13 @@ from typing import Any
 
 from . import _log
 from ._action import RetryAction
-from ._context import AttemptEffect, CancellationReason, ErrorContext, describe_error
+from ._context import (
+    AttemptEffect,
+    CancellationReason,
+    ErrorContext,
+    client_context_text,
+    describe_error,
+)
 from ._decision import Verdict
 from ._errors import (
     AmbiguousTimeoutException,
@@ -61,10 +67,11 @@ def event_fields(request: Request, reason: RetryReason | None, strategy: str) ->
 
     ``attempt`` is the 1-based number of the attempt the event is about: the one
     that failed (scheduled, not_retried, strategy_failed) or the last one sent
-    (timed_out; 0 if none was).
+    (timed_out; 0 if none was). ``client_context`` is there when the request has one
+    (bounded text, sdkcore's own keys left out: :func:`client_context_text`).
     """
     attempts = request.failed_attempts
-    return {
+    fields: dict[str, Any] = {
         "request_id": request.id,
         "request_name": request.name,
         "reason": None if reason is None else reason.name,
@@ -73,6 +80,11 @@ def event_fields(request: Request, reason: RetryReason | None, strategy: str) ->
         "strategy": strategy,
         "caused_by": describe_error(request.last_error) if attempts else None,
     }
+    if request.client_context:  # what the application attached (a key, an endpoint)
+        shown = client_context_text(request.client_context)
+        if shown:
+            fields["client_context"] = dict(shown)
+    return fields
 
 
 def cause(request: Request) -> BaseException | None:

@@ -16,7 +16,7 @@ import attrs
 
 from . import _runtime
 from ._action import RetryAction
-from ._context import CancellationReason, ErrorContext, describe_error
+from ._context import CancellationReason, ErrorContext, client_context_text, describe_error
 from ._duration import MAX_SECONDS, to_seconds
 from ._reason import RetryReason
 from ._retry_state import RequestState, RetryState
@@ -389,6 +389,7 @@ class Request(RetryState):
             last_error=describe_error(self.last_error),
             in_flight=in_flight,
             attempts=self.attempts,
+            client_context=client_context_text(self._context),
         )
 
     def __repr__(self) -> str:

@@ -31,6 +31,7 @@ from sdkcore import (
     RetryReason,
     UnambiguousTimeoutException,
 )
+from sdkcore._context import client_context_text
 from sdkcore.testing import ScriptedSend, VirtualClock, capture_retry_events
 
 pytestmark = pytest.mark.anyio
@@ -833,3 +834,57 @@ def test_retry_action_why_is_checked() -> None:
         RetryAction(timedelta(seconds=1), why="no")
     assert RetryAction.no_retry(why="x").why == "x"
     assert RetryAction.no_retry() is RetryAction.no_retry()  # no reason: the shared refusal
+
+
+# -- what the application attached to a request, in its failure reports ---------------------
+
+
+async def test_client_context_is_in_the_error_context_and_the_events() -> None:
+    orch = RetryOrchestrator(BestEffortRetryStrategy())
+    request = Request(
+        name="kv.get",
+        idempotent=True,
+        timeout=0.05,
+        client_context={"key": "airline_10", "bucket": "travel", "sdkcore.grpc.call": object()},
+    )
+
+    async def send(_: Request) -> str:
+        raise RetryableError(RetryReason.KV_LOCKED)
+
+    with capture_retry_events() as events, pytest.raises(UnambiguousTimeoutException) as info:
+        await orch.execute(request, send)
+    shown = {"key": "airline_10", "bucket": "travel"}  # sdkcore's own keys left out
+    context = info.value.context
+    assert context is not None
+    assert dict(context.client_context) == shown
+    assert '"client_context": {"key": "airline_10", "bucket": "travel"}' in str(info.value)
+    assert events
+    assert all(e["client_context"] == shown for e in events if e["event"].startswith("retry."))
+    again = pickle.loads(pickle.dumps(context))
+    assert again == context
+
+
+def test_client_context_text_is_bounded_and_never_raises() -> None:
+    class Hostile:
+        def __str__(self) -> str:
+            raise RuntimeError("no")
+
+    many = {f"k{i}": i for i in range(25)}
+    shown = client_context_text({"long": "x" * 500, "bad": Hostile(), **many})
+    assert len(shown["long"]) == 100
+    assert shown["bad"] == "<Hostile>"
+    assert len(shown) == 21  # 20 entries, and how many more were left out
+    assert shown["..."] == "7 more"
+    assert client_context_text({"sdkcore.grpc.call": 1}) == {}
+
+
+async def test_a_request_without_client_context_shows_none() -> None:
+    request = Request(idempotent=True, timeout=0.01)
+
+    async def send(_: Request) -> str:
+        raise RetryableError(RetryReason.KV_LOCKED)
+
+    with capture_retry_events() as events, pytest.raises(UnambiguousTimeoutException) as info:
+        await RetryOrchestrator().execute(request, send)
+    assert "client_context" not in str(info.value)
+    assert all("client_context" not in e for e in events)

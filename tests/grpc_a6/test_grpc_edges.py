@@ -328,7 +328,7 @@ async def test_inner_retries_reach_an_outer_requests_failure(server: Server) -> 
     (only,) = outer_request.attempts
     assert only.error is not None
     assert only.error.startswith("AioRpcError: NOT_FOUND")
-    assert only.error.endswith("after 2 attempts)")
+    assert only.error.endswith("after 2 attempt(s))")  # the count, said once
     context = call_context(outer)
     assert context is not None
     assert context.request_name == method

@@ -121,6 +121,19 @@ async def test_dead_endpoint_sees_one_probe_per_sleep_window_and_the_canary_clos
     ]
     assert refused_by_breaker, "requests during the outage were refused by the breaker"
     assert all(isinstance(exc, TimeoutException) for exc in during_outage)
+    # A request whose dispatch was the failed probe reads as a refusal (nothing was sent),
+    # not as its own connection failing in flight.
+    canary = [
+        e
+        for e in events
+        if e["event"].startswith("retry.") and "NOOP canary" in str(e.get("caused_by"))
+    ]
+    assert canary, "no request saw a failed canary"
+    assert all(
+        e["caused_by"].startswith("RetryableError: CIRCUIT_BREAKER_OPEN: the NOOP canary")
+        and e["caused_by"].endswith("nothing was sent")
+        for e in canary
+    ), canary[0]
 
 
 async def test_timeouts_open_the_default_breaker_and_a_slow_canary_counts_as_failed(

@@ -12,7 +12,14 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from sdkcore import CircuitBreaker, CircuitState, RetryableError, RetryReason, TimeoutException
+from sdkcore import (
+    CircuitBreaker,
+    CircuitState,
+    RetryableError,
+    RetryReason,
+    TimeoutException,
+    describe_error,
+)
 from sdkcore._adaptive_limiter import AdaptiveConcurrencyLimiter
 from sdkcore._limiter import ConcurrencyLimiter
 from sdkcore._throttle import AdaptiveThrottle
@@ -113,12 +120,17 @@ class ServerSaid(Exception):
 
 
 def canary_failed(breaker: CircuitBreaker, error: BaseException) -> NoReturn:
-    """The NOOP probe failed: the breaker is OPEN again, the user's request was not sent."""
+    """The NOOP probe failed: the breaker is OPEN again, the user's request was not sent.
+
+    The probe's error is in the message, not chained: a chained cause becomes the
+    attempt's ``last_error`` and the logs' ``caused_by``, which then read as this
+    request's own connection failing in flight, hiding that nothing was sent.
+    """
     raise RetryableError(
         RetryReason.CIRCUIT_BREAKER_OPEN,
-        f"the NOOP canary to {breaker.name} failed ({type(error).__name__}); nothing was sent",
+        f"the NOOP canary to {breaker.name} failed ({describe_error(error)}); nothing was sent",
         retry_after=breaker.probe_after(),
-    ) from error
+    ) from None
 
 
 def canary_bound(breaker: CircuitBreaker, time_left: float | None) -> float:
