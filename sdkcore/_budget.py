@@ -222,7 +222,7 @@ class RetryBudget:
                     _log.EVENT_BUDGET_RECOVERED,
                     budget=self._name,
                     refused=refused,
-                    duration_ms=round(max(0.0, now - since) * 1000.0, 3),
+                    duration_ms=_log.duration_ms(since, now),
                     balance=(tokens - cost) // cost,
                 )
             return True

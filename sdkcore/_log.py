@@ -58,6 +58,7 @@ __all__ = [
     "EVENT_THROTTLE_RELEASED",
     "EVENT_TIMED_OUT",
     "LOGGER_NAME",
+    "duration_ms",
     "enabled",
     "gate",
 ]
@@ -114,6 +115,16 @@ EVENT_LIMITER_RECOVERED = "limiter.recovered"
 #: reported (fields: limit, previous, baseline_rtt_ms, rtt_ms, cause: gradient, drop,
 #: probe or probe_end).
 EVENT_LIMITER_LIMIT_CHANGED = "limiter.limit_changed"
+
+
+def duration_ms(since: float, now: float) -> float | None:
+    """An episode's ``duration_ms`` field: ``now - since`` in milliseconds (3 decimals);
+    0 for a clock that stepped back, None when either reading failed (NaN)."""
+    ms = (now - since) * 1000.0
+    if ms >= 0.0:
+        return round(ms, 3)
+    return None if ms != ms else 0.0  # NaN
+
 
 # The stdlib's levels (logging.DEBUG, INFO, WARNING), without importing logging.
 DEBUG = 10

@@ -40,7 +40,7 @@ from ._reason import RetryReason
 from ._request import dispatching
 from ._untrusted import show
 
-__all__ = ["LIMITED", "MAX_PERMITS", "Permits", "duration_ms", "permits", "text"]
+__all__ = ["LIMITED", "MAX_PERMITS", "Permits", "permits", "text"]
 
 #: The reason of a refusal (rfc/0009: allows non-idempotent retry, not always retried,
 #: not after dispatch).
@@ -77,15 +77,6 @@ def text(value: object, what: str) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{what} must be a str, got {show(value)} ({type(value).__name__})")
     return value
-
-
-def duration_ms(since: float, now: float) -> float | None:
-    """``now - since`` in milliseconds (3 decimals); 0 for a clock that stepped back,
-    None when either reading failed (NaN)."""
-    ms = (now - since) * 1000.0
-    if ms >= 0.0:
-        return round(ms, 3)
-    return None if math.isnan(ms) else 0.0
 
 
 class Permits:
@@ -293,7 +284,7 @@ class Permits:
                     _log.EVENT_LIMITER_RECOVERED,
                     limiter=self._name,
                     refused=refused,
-                    duration_ms=duration_ms(since, now),
+                    duration_ms=_log.duration_ms(since, now),
                     limit=self._cap,
                 )
         except BaseException:

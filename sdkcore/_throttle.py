@@ -355,7 +355,7 @@ class AdaptiveThrottle:
                         EVENT_THROTTLE_RECOVERED,
                         throttle=self._name,
                         refused=refused,
-                        duration_ms=round(max(0.0, now - since) * 1000.0, 3),
+                        duration_ms=_log.duration_ms(since, now),
                     )
             return True
         probability = excess / (requests + 1)
