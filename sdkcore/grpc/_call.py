@@ -42,6 +42,9 @@ _INTERNAL = grpc.StatusCode.INTERNAL
 _READY = grpc.ChannelConnectivity.READY
 _TRANSIENT_FAILURE = grpc.ChannelConnectivity.TRANSIENT_FAILURE
 
+#: Why a call whose request did not fit in the replay buffer is not retried (A6: committed).
+BUFFER_FULL = "the request outgrew the replay buffer: perRpcBufferLimit or the channel's limit"
+
 #: Why a call whose last status the client made after the answer arrived is not retried.
 ANSWERED = (
     "the server's answer arrived: the client failed the call after it "
@@ -310,6 +313,7 @@ class _Call:
         size = core.message_size(message)
         if size > core.per_call_buffer_limit or not core._reserve(size):
             self.state.committed = True
+            self.state.commit_why = BUFFER_FULL
         else:
             self.buffered = size
 
@@ -428,6 +432,10 @@ class _Call:
         except TimeoutException as exc:
             if kind is not None:
                 self._attempt_failed()
+            if exc.context is not None:  # the channel's attempts, as for a status answer
+                extra = dict(exc.context.extra)
+                extra.update(grpc_status=err.code().name, grpc_attempts=st.attempts)
+                exc.context = exc.context.evolve(extra=extra)
             raise self._deadline(err) from exc
         except CouchbaseException as exc:
             if kind is not None:

@@ -24,7 +24,12 @@ except ImportError:  # pragma: no cover - depends on grpcio internals
     _UnaryStreamCall = None
 
 from .._context import AttemptEffect
-from .._errors import RequestCanceledException, RetryableError, TimeoutException
+from .._errors import (
+    CouchbaseException,
+    RequestCanceledException,
+    RetryableError,
+    TimeoutException,
+)
 from .._hedge import run_hedged
 from .._hooks import INSTANT_DELAYS
 from .._request import _DISPATCHING, Request, dispatching
@@ -61,6 +66,35 @@ def _error(err: Any, previous: int) -> Any:
         err.details(),
         err.debug_error_string(),
     )
+
+
+def _copy(err: Any) -> Any:
+    """A new AioRpcError like ``err``: raised from a context whose cause is ``err``, the
+    chain then holds no cycle."""
+    return aio.AioRpcError(
+        err.code(),
+        err.initial_metadata(),
+        err.trailing_metadata(),
+        err.details(),
+        err.debug_error_string(),
+    )
+
+
+def _fatal_context(request: Request, err: Any) -> BaseException:
+    """A fatal status after hedges went out: sdkcore's context of every hedge (what
+    ``call_context`` reads), as a retried call's final answer carries."""
+    sent = request.retry_attempts + 1  # hedges count as retries (RFC 0049)
+    context = request.error_context(
+        status_reason(err.code().value[0]),
+        extra={"grpc_status": err.code().name, "grpc_attempts": sent, "hedges_sent": sent},
+    )
+    exc = CouchbaseException(
+        f"gRPC call ended with {err.code().name} (fatal for the hedging policy) after {sent} "
+        "hedge(s)",
+        context=context,
+    )
+    exc.__cause__ = err
+    return exc
 
 
 def hedge_request(
@@ -388,7 +422,10 @@ async def hedged_unary_unary(
             first_elapsed=loop.time() - sent_at,
         )
     except aio.AioRpcError as err:  # a fatal status
-        raise _error(err, last[0]) from None
+        final = _error(err, last[0])
+        if request.retry_attempts == 0:
+            raise final from None  # the first hedge's answer: grpc's error, as without hedging
+        raise _copy(final) from _fatal_context(request, err)
     except _ChannelClosed:
         # Closed while hedging: cancelled, as grpc.aio ends the calls in flight.
         raise asyncio.CancelledError() from None

@@ -193,9 +193,11 @@ class A6RetryStrategy:
       ``jitter`` says. Only failures with a retryable status or a "don't retry"
       pushback take a throttling token.
     * Transparent retries never count toward ``maxAttempts`` nor the throttler:
-      a stream refused before the server application saw it is retried once at
-      once (a second refusal goes to the retry policy like any status failure,
-      as A6 says); an RPC that never left the client is retried with a short backoff
+      a stream refused before the server application saw it
+      (``TransparentKind.REFUSED``, set only by a caller that knows it: the channel
+      never does, a refused stream is an ordinary UNAVAILABLE for it, rfc/0003) is
+      retried once at once (a second refusal goes to the retry policy like any
+      status failure, as A6 says); an RPC that never left the client is retried with a short backoff
       (10 ms doubling to 1 s) until the deadline, or at most
       ``transparent_retry_limit`` times when the call has no deadline.
 

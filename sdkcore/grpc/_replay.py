@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ._call import _Call
+from ._call import BUFFER_FULL, _Call
 
 __all__: list[str] = []
 
@@ -54,6 +54,7 @@ class _ReplayBuffer:
             core = self.c.core
             size = core.message_size(message)
             if self.c.buffered + size > core.per_call_buffer_limit or not core._reserve(size):
+                self.c.state.commit_why = BUFFER_FULL
                 self.commit()
             else:
                 self.c.buffered += size

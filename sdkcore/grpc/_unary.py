@@ -165,7 +165,12 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         if self._driving() or self._ended:
             return
         if call.cancelled():
-            self._c.ended(asyncio.CancelledError())  # its telemetry, if any
+            # Cancelled before anyone drove it (call.cancel(), the channel closing): it is
+            # over, and its replay buffer goes back to the channel.
+            self._ended = True
+            c = self._c
+            c.release()
+            c.ended(asyncio.CancelledError())  # its telemetry, if any
             return
         ok = _ended_ok(call)
         if ok:
@@ -254,6 +259,11 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             call = await self._drive(err)
             outcome = (call, None)
             return call
+        except asyncio.CancelledError:
+            # The awaiting task was cancelled (in the backoff, say): the call is cancelled
+            # with it, as grpc.aio's own call is, so that its readers say CANCELLED.
+            self._cancelled = True
+            raise
         except aio.AioRpcError as final:
             if self._cancelled:  # call.cancel() during the backoff: as grpc.aio does
                 raise asyncio.CancelledError() from None
