@@ -8,6 +8,7 @@ orchestrator's lock, one increment at a time.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -103,6 +104,8 @@ def _loop(
             failed = failure.__cause__ or failure
             now = clock()
             request._attempt_failed(reason, failure.effect or DEFAULT_EFFECT[reason], failed, now)
+            if request.state is not _PENDING:  # Request.cancel() from another thread
+                raise _failing.already_completed(request, reason) from failed
             if now >= deadline:  # blocked past the deadline: the timeout, as for any error
                 # The attempt is booked with what it said of itself (a NOT_SENT one stays
                 # unambiguous), as execute books an attempt that failed at its deadline.
@@ -142,6 +145,31 @@ def _loop(
         return result
 
 
+class _Wake:
+    """The cancel hook of a request waiting in ``execute_sync``'s backoff: an event
+    ``Request.cancel()`` sets from any thread."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def cancel(self) -> None:
+        self.event.set()
+
+
+def _wait(request: Request, delay: float) -> None:
+    """Block for ``delay`` seconds, or until ``Request.cancel()`` (the caller then finds
+    the request cancelled). An event per backoff: retries only, never a first attempt."""
+    wake = _Wake()
+    previous = request._set_cancel_hook(wake)
+    try:
+        if request.state is _PENDING:  # cancelled before the hook was set: no wait
+            wake.event.wait(delay)
+    finally:
+        request._set_cancel_hook(previous)
+
+
 def _name(self: OrchestratorCore, request: Request) -> str:
     return _failing.strategy_name(request.retry_strategy or self._default)
 
@@ -176,7 +204,10 @@ def _retry(
     )
     try:
         if delay > 0.0 and not INSTANT_DELAYS.get():
-            sleep(delay)
+            if sleep is time.sleep:
+                _wait(request, delay)  # Request.cancel() from another thread wakes it
+            else:
+                sleep(delay)
     except BaseException as exc:
         self._unsent(request, verdict)
         request._finish_by(exc)

@@ -312,7 +312,11 @@ class Request(RetryState):
         ``hedge`` gets RequestCanceledException (CANCELLED_VIA_CONTEXT), even if an
         answer arrived meanwhile. Without a timeout, an attempt in flight in
         ``execute`` runs to its end and its result is discarded (no retry is booked
-        for it). Cancelling a completed request does nothing.
+        for it). ``execute_sync``'s backoff wakes too (with its default ``sleep``); a
+        blocking ``send`` cannot be cut. On asyncio, a ``send`` that calls ``cancel()``
+        itself runs on to its end (a task cannot cancel its own scope without the
+        cancellation escaping it); trio cuts it at its next checkpoint. Cancelling a
+        completed request does nothing.
         """
         if not self._finish(RequestState.CANCELLED, CancellationReason.CANCELLED_VIA_CONTEXT):
             return  # completed already

@@ -273,3 +273,39 @@ async def test_maybe_retry_leaves_the_request_as_it_was_on_a_bad_argument(
     # and the request can still be retried with good arguments
     await orch.maybe_retry(request, LOCKED, effect=AttemptEffect.NOT_SENT, retry_after=0)
     assert request.retry_attempts == 1
+
+
+# -- execute_sync: Request.cancel() from another thread -------------------------------------
+
+
+def test_execute_sync_wakes_from_its_backoff_on_cancel_from_another_thread() -> None:
+    orch = RetryOrchestrator(Wait(5.0))
+    request = Request(idempotent=True, timeout=30.0)
+
+    def send(_: Request) -> str:
+        raise RetryableError(LOCKED)
+
+    canceller = threading.Timer(0.05, request.cancel)
+    started = time.monotonic()
+    canceller.start()
+    try:
+        with pytest.raises(RequestCanceledException):
+            orch.execute_sync(request, send)
+    finally:
+        canceller.join(BOUND)
+    assert time.monotonic() - started < 4.0  # woken, not the 5 s backoff
+    assert orch.requests_in_retry == 0
+
+
+def test_execute_sync_cancelled_during_a_send_that_fails_past_the_deadline_is_cancelled() -> None:
+    orch = RetryOrchestrator()
+    request = Request(idempotent=True, timeout=0.05)
+
+    def send(r: Request) -> str:
+        r.cancel()  # as another thread would, while the send blocks
+        time.sleep(0.1)  # past the deadline
+        raise RetryableError(LOCKED)
+
+    with pytest.raises(RequestCanceledException):
+        orch.execute_sync(request, send)
+    assert request.cancelled
