@@ -429,7 +429,9 @@ async def maybe_retry(
         return timedelta(seconds=delay)
     except BaseException as exc:
         trace = request._trace
-        if trace is not None and request.completed:
+        if trace is not None and request.completed and trace.owns_span:
+            # A door that adopted the request's span (a gRPC call) ends it with what its
+            # caller gets (the AioRpcError), not with sdkcore's own refusal or timeout.
             trace.end(request, exc)
         raise
 

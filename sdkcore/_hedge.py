@@ -469,21 +469,9 @@ def _with_extra(exc: BaseException, chain: _Chain, *, in_flight: bool) -> None:
         exc.context = exc.context.evolve(extra=extra, in_flight=in_flight)
 
 
-async def run_hedged(
-    orchestrator: OrchestratorCore,
-    request: Request,
-    send: Callable[[Request, int], Awaitable[T]],
-    policy: HedgePolicy,
-    throttler: HedgeThrottler | None = None,
-    *,
-    first_elapsed: float | None = None,
-) -> T:
-    """The body of :meth:`RetryOrchestrator.hedge` (see there and rfc/0004).
-
-    ``first_elapsed``: seconds the first attempt has already been in flight (a
-    caller that sent it itself and hands it over once the hedging delay passed,
-    as the gRPC channels do); the second hedge is then due that much sooner.
-    """
+def check_hedge(request: Any, send: Any, policy: Any, throttler: Any) -> None:
+    """What :func:`run_hedged` refuses before anything is sent or recorded: arguments of
+    the wrong kind, a completed request, a request that is not idempotent."""
     if not isinstance(request, Request):
         raise TypeError(
             f"hedge(request, send, policy): request must be an sdkcore.Request, got {request!r}"
@@ -515,6 +503,24 @@ async def run_hedged(
             "(Request(idempotent=True)). Nothing was sent.",
             context=request.error_context(),
         )
+
+
+async def run_hedged(
+    orchestrator: OrchestratorCore,
+    request: Request,
+    send: Callable[[Request, int], Awaitable[T]],
+    policy: HedgePolicy,
+    throttler: HedgeThrottler | None = None,
+    *,
+    first_elapsed: float | None = None,
+) -> T:
+    """The body of :meth:`RetryOrchestrator.hedge` (see there and rfc/0004).
+
+    ``first_elapsed``: seconds the first attempt has already been in flight (a
+    caller that sent it itself and hands it over once the hedging delay passed,
+    as the gRPC channels do); the second hedge is then due that much sooner.
+    """
+    check_hedge(request, send, policy, throttler)
     left = request.deadline - request.clock()
     if left <= 0.0:  # expired before the first attempt: nothing is sent
         raise _timed_out(orchestrator, request)

@@ -21,7 +21,7 @@ from . import _execute, _execute_sync
 from ._context import AttemptEffect
 from ._core import DEFAULT_MAX_REQUESTS_IN_RETRY, OrchestratorCore
 from ._errors import CouchbaseException
-from ._hedge import HedgePolicy, HedgeThrottler, run_hedged
+from ._hedge import HedgePolicy, HedgeThrottler, check_hedge, run_hedged
 from ._request import Request, RequestState
 
 __all__ = ["DEFAULT_MAX_REQUESTS_IN_RETRY", "RetryOrchestrator"]
@@ -122,6 +122,9 @@ class RetryOrchestrator(OrchestratorCore):
         telemetry = self._telemetry
         if telemetry is None or request._trace is not None:
             return await run_hedged(self, request, send, policy, throttler)
+        # Refused before the trace begins: a bad argument or a completed request records
+        # nothing (rfc/0008), as on the other doors. run_hedged checks again (cheap).
+        check_hedge(request, send, policy, throttler)
         trace = telemetry.begin(request)
         try:
             result = await run_hedged(

@@ -29,6 +29,7 @@ from sdkcore import (
     BestEffortRetryStrategy,
     CircuitBreaker,
     CircuitState,
+    CouchbaseException,
     HedgePolicy,
     Request,
     RequestCanceledException,
@@ -417,6 +418,26 @@ class Copies:
         if isinstance(answer, BaseException):
             raise answer
         return answer
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("refused", ["cancelled request", "bad policy", "not idempotent"])
+async def test_hedge_refused_before_sending_records_nothing(otel: Otel, refused: str) -> None:
+    orchestrator = otel.orchestrator(BestEffortRetryStrategy())
+    request = Request(name="h", idempotent=refused != "not idempotent", timeout=5.0)
+    policy: Any = HedgePolicy(max_attempts=2)
+    if refused == "cancelled request":
+        request.cancel()
+    elif refused == "bad policy":
+        policy = "not a policy"
+
+    async def send(r: Request, index: int) -> str:
+        return "ok"
+
+    with pytest.raises((TypeError, RequestCanceledException, CouchbaseException)):
+        await orchestrator.hedge(request, send, policy)
+    assert "sdkcore.request.duration" not in otel.metrics()
+    assert otel.spans() == []
 
 
 @pytest.mark.anyio

@@ -33,6 +33,7 @@ from ._policy import (
     parse_pushback,
     status_reason,
 )
+from ._status import time_out_at_deadline
 from ._telemetry import CallTrace
 
 _OK = grpc.StatusCode.OK
@@ -392,6 +393,7 @@ class _Call:
                     # The first attempt's answer (a NOT_FOUND, say) on a call without
                     # telemetry: no Request exists, and none is built only to be failed.
                     raise final
+                time_out_at_deadline(request, final)  # DEADLINE_EXCEEDED: the request's timeout
                 core.orchestrator.fail(request, final)
                 if self._retried():
                     # The channel's own attempts, for an outer request's context (rfc/0003).

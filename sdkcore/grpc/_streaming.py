@@ -20,6 +20,7 @@ from ._controller import _Controller
 from ._metadata import _client_trailing
 from ._policy import PUSHBACK_DONT_RETRY, PUSHBACK_KEY, parse_pushback
 from ._replay import _ReplayBuffer
+from ._status import time_out_at_deadline
 
 __all__: list[str] = []
 
@@ -382,6 +383,7 @@ def _account_end(
     if cancelled:  # the application cancelled the call
         c.request.cancel()
     elif error is not None:
+        time_out_at_deadline(c.request, error)  # DEADLINE_EXCEEDED: the request's timeout
         c.core.orchestrator.fail(c.request, error)
     c.ended(error if error is not None else asyncio.CancelledError())
     if c.state.attempts > 1:

@@ -23,6 +23,7 @@ from .._context import CancellationReason
 from .._telemetry import MAX_NAMES, MAX_TEXT, NAME, Telemetry
 from ._plans import _method_name
 from ._service_config import MethodName, ServiceConfig, _split_method
+from ._status import time_out_at_deadline
 
 __all__ = [
     "HEDGE_BUCKETS",
@@ -456,7 +457,8 @@ class CallTrace:
                 if error is None:
                     request._succeeded()
                 else:
-                    request._finish_by(error)
+                    time_out_at_deadline(request, error, book=False)  # its own deadline
+                    request._finish_by(error)  # (does nothing once timed out)
             trace.end(request, error)
         _end_span(telemetry, self.span, status, details)
 

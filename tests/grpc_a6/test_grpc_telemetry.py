@@ -274,6 +274,8 @@ async def test_a_call_that_fails(server: Server, otel: Otel, code: str) -> None:
         assert "grpc.client.call.retries" not in points
     core = otel.metrics()["sdkcore.request.duration"].data.data_points
     assert [p.attributes["sdkcore.request.outcome"] for p in core] == ["failure"]
+    # the class the application got, also when the retries ran out (not sdkcore's refusal)
+    assert [p.attributes["error.type"] for p in core] == ["AioRpcError"]
     (sent,) = by_name(otel.finished(), "Sent.test.Svc.M")
     assert sent.status.status_code is trace.StatusCode.ERROR
     assert (sent.status.description or "").startswith(code)
@@ -300,6 +302,42 @@ async def test_deadline_during_backoff_is_deadline_exceeded_and_a_timeout(
     assert value(points["grpc.client.call.duration"], grpc_status="DEADLINE_EXCEEDED").count == 1
     core = otel.metrics()["sdkcore.request.duration"].data.data_points
     assert [p.attributes["sdkcore.request.outcome"] for p in core] == ["timeout"]
+
+
+@pytest.mark.parametrize("shape", ["retry policy", "no service config", "server streaming"])
+async def test_a_deadline_reached_in_flight_is_a_timeout(
+    server: Server, otel: Otel, shape: str
+) -> None:
+    async def slow(request: bytes, context: Any, attempt: int) -> bytes:
+        await asyncio.sleep(5)
+        return b"late"
+
+    async def slow_stream(request: bytes, context: Any, attempt: int) -> Any:
+        await asyncio.sleep(5)
+        yield b"late"
+
+    cfg = None if shape == "no service config" else retry_config()
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=cfg, telemetry=otel.telemetry
+        ) as ch:
+            if shape == "server streaming":
+                stream = ch.unary_stream(server.unary_stream("S", slow_stream))
+                with pytest.raises(aio.AioRpcError) as info:
+                    [m async for m in stream(b"x", timeout=0.2)]
+            else:
+                unary = ch.unary_unary(server.unary_unary("M", slow))
+                with pytest.raises(aio.AioRpcError) as info:
+                    await unary(b"x", timeout=0.2)
+    assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    core = otel.metrics()["sdkcore.request.duration"].data.data_points
+    assert [dict(p.attributes) for p in core] == [
+        {
+            "sdkcore.request.name": core[0].attributes["sdkcore.request.name"],
+            "sdkcore.request.outcome": "timeout",
+            "error.type": "AioRpcError",
+        }
+    ]
 
 
 # -- grpc.method and grpc.target (A66) ---------------------------------------------------
