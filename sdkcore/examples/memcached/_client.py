@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 
 from sdkcore import (
     CircuitBreaker,
@@ -59,6 +60,10 @@ _LOST = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError
 _CUTS_KEPT = 1024  # attempts cut per connection whose late answer is still awaited as an orphan
 
 
+class _NotWritten(TimeoutError):
+    """The deadline bounding a write had passed before any byte of the frame was written."""
+
+
 class _Waiter:
     __slots__ = ("done", "error", "response")
 
@@ -76,11 +81,24 @@ def _past_deadline(request: Request) -> bool:
 class _Connection:
     """One TCP connection: a writer lock, and a reader task that hands responses out by opaque.
 
-    A connection is closed, never reused, when a frame written to it was cut (the
-    write was cancelled or failed part way: what follows on the stream would be read
-    as the rest of that frame), when its byte stream is not the protocol, and when a
-    wait for an answer ran into a deadline while nothing at all arrived on it since
-    the frame was written (black-holed: the next dispatch connects again).
+    A connection is closed, never reused, exactly when:
+
+    * a write to it failed (``send`` raised: the stream is broken or closed);
+    * a write was under way when the deadline bounding it (the caller's effective
+      deadline, taken when the write starts) passed: part of the frame may be out,
+      and what follows on the stream would be read as the rest of it (a peer that
+      stops reading gets its connection closed at the deadline). A request whose
+      caller was already cancelled, or whose deadline had already passed, when it got
+      the write lock writes nothing and leaves the connection open;
+    * its byte stream ended, failed or is not the protocol (the reader's
+      ``ProtocolError``, or an answer ``check_response`` rejects, see ``_attempt``);
+    * a wait for an answer ran into a deadline while nothing at all arrived on it
+      since the frame was written (black-holed: the next dispatch connects again);
+    * the client is closed.
+
+    A caller cancelled at any other point (a hedge's losing copy, a
+    ``move_on_after``) costs only its own attempt: the other requests in flight on
+    the connection are still answered.
     """
 
     def __init__(
@@ -155,8 +173,23 @@ class _Connection:
         with anyio.CancelScope(shield=True):
             await self.stream.aclose()
 
-    async def _write(self, frame: bytes) -> None:
-        """Write ``frame`` whole, or close the connection.
+    def _remember_cut(self, opaque: int, written: float, request: Request | None) -> None:
+        """Remember an attempt cut after its frame was (or may have been) written.
+
+        Its answer, if it comes while the connection stays open, goes to the orphan
+        reporter. At most ``_CUTS_KEPT`` are kept per connection: past that the oldest
+        is forgotten (its answer never came, or will not be reported).
+        """
+        if self.orphans is None or self.lost is not None:
+            return
+        if len(self.cut) >= _CUTS_KEPT:
+            del self.cut[next(iter(self.cut))]  # the oldest: its answer never came
+        limit = None if request is None else request.timeout
+        timeout = None if limit is None else limit.total_seconds()
+        self.cut[opaque] = (written, time.monotonic(), timeout)
+
+    async def _write(self, frame: bytes, opaque: int, request: Request | None) -> None:
+        """Write ``frame`` whole, or close the connection (see the class docstring).
 
         A caller's cancellation never cuts a frame: a hedge's losing copy, or a request
         whose deadline came, is cancelled while its frame is being written, and cutting
@@ -164,18 +197,41 @@ class _Connection:
         connection for it instead failed every other request in flight on it (one drop
         per lost hedge race, bench/bench_hedge_adaptive.py). So the write is shielded
         from the caller's cancel scopes and bounded by their deadline instead: a peer
-        that stops reading until then gets its connection closed. On asyncio, sdkcore's
-        own deadline cancels the task directly (no scope to shield from); there anyio's
-        ``send`` hands the whole frame to the transport in one call, so that
-        cancellation lands before the frame or after it, never inside.
+        that stops reading until then gets its connection closed.
+
+        Nothing is written, and the connection stays, when the caller is already
+        cancelled as it gets here (it raises the cancellation: a lost hedge race, a
+        ``move_on_after`` that fired while this waited for the write lock), or when
+        the bound has already passed (``_NotWritten``, a ``TimeoutError``). Only a
+        cut once the write is under way closes the connection; a bound that passes in
+        the instant between that check and ``send``'s first checkpoint is taken for
+        such a cut (from outside ``send``, nothing tells whether bytes went out).
+
+        On asyncio, sdkcore's own deadline and hedging cancel the task directly
+        (``Task.cancel()``: no scope to shield from); there anyio's ``send`` hands the
+        whole frame to the transport in one call, so that cancellation lands before
+        the frame or after it, never inside: the connection stays, and the attempt
+        is remembered as cut (``opaque``, ``request``), so that its answer, if the
+        frame went out, goes to the orphan reporter.
         """
+        await anyio.lowlevel.checkpoint_if_cancelled()
         bound = anyio.current_effective_deadline()
+        if bound <= anyio.current_time():
+            raise _NotWritten(
+                f"the deadline came before a request frame was written to {self.name}"
+            )
+        started = time.monotonic()
         try:
             with anyio.CancelScope(deadline=bound, shield=True) as scope:
                 await self.stream.send(frame)
         except _LOST as exc:
             await self.drop(f"write to {self.name} failed: {exc!r}")
             return
+        except anyio.get_cancelled_exc_class():
+            # asyncio's Task.cancel(): before the frame or after it; still waiting: not answered
+            if opaque in self.waiting:
+                self._remember_cut(opaque, started, request)
+            raise
         if scope.cancelled_caught:
             # the deadline came while the peer was not reading: part of the frame may be out
             await self.drop(f"a write to {self.name} was cut mid-frame at the deadline")
@@ -190,9 +246,11 @@ class _Connection:
     ) -> proto.Response:
         """Write ``frame`` and wait for its response (OSError when the connection is lost).
 
-        ``expired()`` says, when the wait is cut, whether a deadline cut it. A wait cut
-        on a connection that stays open is remembered (with ``request``'s timeout), so
-        its late answer goes to the client's orphan reporter.
+        ``_NotWritten`` (a ``TimeoutError``) when the deadline had passed before
+        anything was written. ``expired()`` says, when the wait is cut, whether a
+        deadline cut it. An attempt cut after its frame was written, on a connection
+        that stays open, is remembered (with ``request``'s timeout), so its late answer
+        goes to the client's orphan reporter.
         """
         if self.lost is not None:
             raise ConnectionResetError(f"connection to {self.name} is closed")
@@ -201,7 +259,7 @@ class _Connection:
         try:
             async with self.write_lock:
                 if self.lost is None:  # else closed while this waited: the waiter has the error
-                    await self._write(frame)
+                    await self._write(frame, opaque, request)
             silent_since = self.reads
             sent_at = time.monotonic()
             try:
@@ -209,12 +267,8 @@ class _Connection:
             except BaseException:
                 if self.lost is None and self.reads == silent_since and expired():
                     await self.drop(f"no byte from {self.name} before the deadline")
-                if self.orphans is not None and self.lost is None and not waiter.done.is_set():
-                    if len(self.cut) >= _CUTS_KEPT:
-                        del self.cut[next(iter(self.cut))]  # the oldest: its answer never came
-                    limit = None if request is None else request.timeout
-                    timeout = None if limit is None else limit.total_seconds()
-                    self.cut[opaque] = (sent_at, time.monotonic(), timeout)
+                if not waiter.done.is_set():
+                    self._remember_cut(opaque, sent_at, request)
                 raise
         finally:
             self.waiting.pop(opaque, None)
@@ -321,6 +375,13 @@ class _Endpoint:
             response = await connection.roundtrip(
                 build(opaque), opaque, lambda: _past_deadline(request), request
             )
+        except _NotWritten as exc:
+            # Nothing was written and the endpoint was not asked: no outcome for the
+            # breaker (as the sync client's "no time left to send"), and any request may
+            # retry; the deadline that passed cancels it at its next checkpoint.
+            raise RetryableError(
+                RetryReason.SOCKET_NOT_AVAILABLE, f"{exc}; nothing was sent"
+            ) from exc
         except OSError as exc:
             breaker.record_failure(exc)
             raise RetryableError(
@@ -371,7 +432,8 @@ class MemcachedClient(EndpointGuards):
             assert await client.get("k") == b"v"
 
     * ``orchestrator``: runs every operation (default: a new ``RetryOrchestrator()``).
-      Give it a shared one to share its backpressure (and, once wired, a retry budget).
+      Give it a shared one to share its backpressure and its retry budget
+      (``RetryOrchestrator(retry_budget=...)``) between clients.
     * ``timeout`` and ``retry_strategy``: for every :class:`~sdkcore.Request`.
     * ``breaker``: makes the breaker of an endpoint from its name ``"host:port"``
       (default :func:`make_breaker`).
@@ -386,9 +448,12 @@ class MemcachedClient(EndpointGuards):
       the server answers TMPFAIL (rfc/0009). Default: none.
 
       Per dispatch the order is rfc/0009's: throttle, limiter, breaker, send.
-    * ``orphan_reporter``: a :class:`~sdkcore.OrphanReporter` that gets every answer
-      arriving for an attempt that was cut (timed out or cancelled) while its
-      connection stayed open (rfc/0008).
+    * ``orphan_reporter``: a :class:`~sdkcore.OrphanReporter` that gets the answers
+      arriving for attempts that were cut (timed out or cancelled) after their frame
+      was written, while their connection stayed open (rfc/0008). Each connection
+      remembers at most 1024 such attempts at a time: past that the oldest is
+      forgotten and its answer, if it ever comes, is not reported. An answer that had
+      already reached its attempt when the attempt was cut is not an orphan.
 
     Keys go to endpoints by crc32. Server statuses are mapped by
     :func:`sdkcore.mapping.kv_failure`; a GET of a missing key raises

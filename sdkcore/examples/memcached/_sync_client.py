@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import select
 import socket
 import threading
 import time
@@ -49,6 +50,7 @@ __all__ = ["SyncMemcachedClient"]
 
 
 _NO_GUARD: contextlib.nullcontext[None] = contextlib.nullcontext()  # no throttle or limiter
+_HAS_POLL = hasattr(select, "poll")
 
 
 def _deadline(request: Request) -> float | None:
@@ -70,6 +72,29 @@ def _left(deadline: float | None) -> float | None:
     if left <= 0.0:
         raise TimeoutError("the deadline passed")
     return left
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """True when the peer closed (or reset) the idle ``sock``: nothing may be sent on it.
+
+    The cost on the success path is one readiness check that does not wait (``poll``
+    with a zero timeout, about a microsecond; ``select`` where there is no ``poll``,
+    Windows: ``select`` fails on descriptors past 1023 elsewhere). An idle socket of
+    this client is not readable (every exchange reads its answer whole, and a cut one
+    closes the socket), so only a readable one is peeked at: end of stream (b"") or an
+    error means closed. Unexpected bytes leave it open: the read skips them.
+    """
+    try:
+        if _HAS_POLL:
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+            if not poller.poll(0):
+                return False
+        elif not select.select([sock], [], [], 0)[0]:
+            return False
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:  # reset by the peer, or not a usable socket any more
+        return True
 
 
 class _SyncEndpoint:
@@ -113,24 +138,39 @@ class _SyncEndpoint:
         if sock is not None:
             sock.close()
 
-    def _connect(self, deadline: float | None) -> socket.socket:
-        """The endpoint's socket, connected if needed (OSError: nothing was sent)."""
+    def _connect(self, deadline: float | None, *, check: bool = True) -> socket.socket:
+        """The endpoint's socket, connected if needed (OSError: nothing was sent).
+
+        With ``check``, a pooled socket the server closed meanwhile (memcached
+        restarted, an idle timeout) is closed and replaced before anything is sent on
+        it: else the request would be written to it, its answer read as b"", and a
+        request that never reached the server reported as maybe applied. ``check=False``
+        only right after a checked ``_connect`` under the same hold of the lock.
+        """
+        if check and self._sock is not None and _closed_by_peer(self._sock):
+            self._drop()
         if self._sock is None:
             sock = socket.create_connection(self.address, timeout=_left(deadline))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock
         return self._sock
 
-    def _roundtrip(self, frame: bytes, opaque: int, deadline: float | None) -> proto.Response:
-        """Write and read one frame on the connected, locked socket (OSError, TimeoutError).
+    def _roundtrip(
+        self, frame: bytes, opaque: int, deadline: float | None, *, check: bool = True
+    ) -> proto.Response:
+        """Write and read one frame on the locked socket (OSError, TimeoutError).
+
+        ``check``: passed to :meth:`_connect` (False when the caller has just connected).
 
         Each socket operation gets only the time left until ``deadline``, so a server
         that trickles its answer cannot hold the request past it. Whatever cuts the
         exchange (a timeout, a lost connection, a broken stream, an interrupt) closes
-        the socket: a half-written or half-read stream is never reused.
+        the socket: a half-written or half-read stream is never reused. A stream that
+        is not the protocol raises ``ConnectionResetError`` (as the async client's
+        reader does), so the breaker and the canary count it as the endpoint failing.
         """
         try:
-            sock = self._connect(deadline)
+            sock = self._connect(deadline, check=check)
             sock.settimeout(_left(deadline))
             sock.sendall(frame)  # the timeout bounds the whole sendall
             buffer = bytearray()
@@ -145,6 +185,9 @@ class _SyncEndpoint:
                 if not chunk:
                     raise ConnectionResetError(f"{self.name} closed the connection")
                 buffer += chunk
+        except proto.ProtocolError as exc:
+            self._drop()
+            raise ConnectionResetError(f"{self.name} broke the protocol: {exc}") from exc
         except BaseException:
             self._drop()
             raise
@@ -178,7 +221,8 @@ class _SyncEndpoint:
                     RetryReason.SOCKET_NOT_AVAILABLE, f"cannot connect to {self.name}: {exc}"
                 ) from exc
             try:
-                response = self._roundtrip(build(opaque), opaque, deadline)
+                # connected (and checked) just above: one select per request, not two
+                response = self._roundtrip(build(opaque), opaque, deadline, check=False)
             except OSError as exc:  # written (or maybe written): it may have been applied
                 breaker.record_failure(exc)
                 raise RetryableError(
@@ -213,8 +257,17 @@ class _SyncEndpoint:
 class SyncMemcachedClient(EndpointGuards):
     """:class:`~sdkcore.examples.memcached.MemcachedClient` for threads (``execute_sync``).
 
-    Same commands, settings and rules; blocking calls. Close it with :meth:`close`
-    or use it as a context manager. Thread-safe: threads may share one client.
+    Same commands and rules; blocking calls. Close it with :meth:`close` or use it
+    as a context manager. Thread-safe: threads may share one client.
+
+    The same settings (``orchestrator``, ``timeout``, ``retry_strategy``,
+    ``breaker``, ``limiter``, ``throttle``) except:
+
+    * no ``orphan_reporter``: an exchange that is cut closes its socket, so no answer
+      can arrive late on a connection that stays open;
+    * no ``clock``: its requests, and the bounds of its socket operations, are on
+      ``time.monotonic``;
+    * ``limiter`` never queues (below).
 
     * ``limiter``: a :class:`~sdkcore.ConcurrencyLimiter` or
       :class:`~sdkcore.AdaptiveConcurrencyLimiter` per endpoint, or a callable making

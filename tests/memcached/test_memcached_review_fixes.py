@@ -1,0 +1,281 @@
+"""Review fixes of the memcached example clients, each proven against a real memcached.
+
+* The async client: a request whose caller was already cancelled (a lost hedge race, a
+  ``move_on_after``), or whose deadline had already passed, when it got the write lock
+  wrote nothing; it used to close the shared connection anyway, and every other
+  request in flight on it failed (a SET as "may have been applied").
+* The async client on asyncio: an attempt cancelled (``Task.cancel()``) while its frame
+  was being handed to the transport was never remembered as cut: its late answer was
+  not reported to the orphan reporter.
+* The sync client: a pooled socket the server had closed (memcached restarted) took
+  the next request, whose answer then read as the connection closing in flight: a SET
+  never sent failed as "may have been applied".
+* The sync client: a stream that is not the protocol let ``ProtocolError`` escape,
+  unseen by the breaker; a NOOP probe answered that way left the breaker HALF_OPEN,
+  refusing every request until ``canary_timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.abc
+import pytest
+from fault_proxy import FaultProxy
+from memcached_server import Memcached
+from scripted_server import ScriptedServer, response
+
+from sdkcore import (
+    BestEffortRetryStrategy,
+    CircuitBreaker,
+    CircuitState,
+    CouchbaseException,
+    FailFastRetryStrategy,
+    RetryReason,
+)
+from sdkcore._orphans import OrphanReporter
+from sdkcore.examples.memcached import MemcachedClient, SyncMemcachedClient, endpoint_down
+from sdkcore.examples.memcached import _protocol as proto
+from sdkcore.examples.memcached._client import _Connection
+from sdkcore.mapping import KvOpcode
+
+HOLD = 1.0  # the proxy holds a SET frame this long: it is in flight while another is cut
+SAFETY = 20  # a safety net on every test, not a timing claim
+
+
+async def wait_for(predicate: Callable[[], bool]) -> None:
+    with anyio.fail_after(SAFETY):
+        while not predicate():  # noqa: ASYNC110 - polls a counter kept on another thread
+            await anyio.sleep(0.005)
+
+
+def requests(proxy: FaultProxy, opcode: int) -> int:
+    return proxy.counts()[2].get(opcode, 0)
+
+
+# -- 1. async: a request cut before its write leaves the connection to the others --------
+@pytest.mark.anyio
+@pytest.mark.parametrize("cut", ["cancelled", "deadline passed"])
+async def test_a_request_cut_before_its_write_leaves_the_connection_to_the_others(
+    memcached: Memcached, proxy: FaultProxy, anyio_backend: str, cut: str
+) -> None:
+    """A SET is in flight; a GET gets the write lock just after its caller gave up.
+
+    ``cancelled``: its cancel scope is cancelled as the lock is handed to it (a lost
+    hedge race). ``deadline passed``: its scope's deadline passes while it waits for
+    the lock (``fail_after``/``move_on_after``); on asyncio it runs before the scope's
+    timer fires, so it sees a bound already past, not a cancellation: an attempt not
+    sent, retried, and cancelled in the backoff. Either way the GET wrote nothing: the
+    connection must stay, and the SET must be answered.
+    """
+    proxy.request_latency = lambda frame: HOLD if frame[1] == KvOpcode.SET else 0.0
+    outcomes: dict[str, Any] = {}
+    with anyio.fail_after(SAFETY):
+        async with MemcachedClient(
+            f"127.0.0.1:{proxy.port}", timeout=SAFETY / 2, retry_strategy=BestEffortRetryStrategy()
+        ) as client:
+            await client.noop()  # connected
+            endpoint = client._endpoints[0]
+            connection = endpoint._connection
+            assert connection is not None
+
+            async def set_in_flight() -> None:
+                outcomes["set"] = await client.set("k", b"v")
+
+            scope = anyio.CancelScope()
+
+            async def cut_get() -> None:
+                with scope:
+                    await client.get("other")
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(set_in_flight)
+                await wait_for(lambda: requests(proxy, KvOpcode.SET) == 1)  # the SET is out
+                await connection.write_lock.acquire()  # another request's write under way
+                tg.start_soon(cut_get)
+                await anyio.wait_all_tasks_blocked()  # the GET waits for the write lock
+                if cut == "cancelled":
+                    connection.write_lock.release()  # the lock goes to the GET ...
+                    scope.cancel()  # ... whose caller gives up now
+                else:
+                    scope.deadline = anyio.current_time() + 0.001
+                    # the deadline passes with no checkpoint, before the GET runs again
+                    time.sleep(0.02)  # noqa: ASYNC251 - blocks the loop on purpose
+                    connection.write_lock.release()
+            assert scope.cancelled_caught
+            assert connection.lost is None
+            assert isinstance(outcomes["set"], int)  # answered: its CAS
+            assert endpoint._connection is connection
+            assert requests(proxy, KvOpcode.GET) == 0  # the cut GET was never written
+            assert await client.get("k") == b"v"  # the same connection goes on
+
+
+# -- 1b. async on asyncio: a cut during the write is remembered for the orphan reporter ---
+class LingeringSend(anyio.abc.ByteStream):
+    """A real stream whose ``send`` lingers once the frame is written (waiting to drain)."""
+
+    def __init__(self, inner: anyio.abc.ByteStream) -> None:
+        self.inner = inner
+        self.written = anyio.Event()
+
+    async def send(self, item: bytes) -> None:
+        await self.inner.send(item)
+        self.written.set()
+        await anyio.sleep(SAFETY)
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        return await self.inner.receive(max_bytes)
+
+    async def send_eof(self) -> None:
+        await self.inner.send_eof()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    @property
+    def extra_attributes(self) -> Any:
+        return self.inner.extra_attributes
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_an_attempt_cancelled_while_its_frame_drains_is_reported_as_an_orphan(
+    memcached: Memcached, proxy: FaultProxy
+) -> None:
+    # sdkcore's asyncio runtime cuts an attempt with Task.cancel(): no scope to shield from
+    reporter = OrphanReporter(clock=lambda: 0.0)  # frozen: nothing is emitted by itself
+    proxy.delay = 0.2  # the answer comes after the cut
+    name = f"127.0.0.1:{proxy.port}"
+    with anyio.fail_after(SAFETY):
+        stream = LingeringSend(await anyio.connect_tcp("127.0.0.1", proxy.port))
+        connection = _Connection(stream, name, reporter)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(connection.read_loop)
+            attempt = asyncio.ensure_future(
+                connection.roundtrip(proto.noop_frame(0x77), 0x77, lambda: False)
+            )
+            await stream.written.wait()
+            attempt.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await attempt
+            assert connection.lost is None
+            await wait_for(lambda: reporter.report() is not None)  # the reader records it
+            tg.cancel_scope.cancel()
+    report = reporter.report()
+    assert report is not None
+    [entry] = report["kv"]["top_requests"]
+    assert entry["operation_name"] == "noop"
+    assert entry["operation_id"] == "0x77"
+    assert entry["last_remote_socket"] == name
+
+
+# -- 2. sync: a pooled socket the server closed is replaced before anything is sent -------
+def test_sync_set_after_memcached_restarted_is_sent_on_a_new_connection(
+    memcached: Memcached,
+) -> None:
+    with SyncMemcachedClient(memcached.address, timeout=SAFETY / 2) as client:
+        client.set("k", b"1")
+        memcached.kill()  # its socket to the client is closed (FIN)
+        memcached.start()  # same port
+        client.set("k", b"2")  # was: "not retried ... may have been applied"
+        assert client.get("k") == b"2"
+        assert client.breakers[0].counts[1] == 0  # no failure
+
+
+def test_sync_request_after_the_connection_was_reset_is_sent_on_a_new_connection(
+    memcached: Memcached, proxy: FaultProxy
+) -> None:
+    with SyncMemcachedClient(f"127.0.0.1:{proxy.port}", timeout=SAFETY / 2) as client:
+        client.set("k", b"1")
+        proxy.cut_all()  # the connection is reset (RST), as a crashed server's would be
+        proxy.reset_counts()
+        client.set("k", b"2")
+        assert proxy.counts() == (1, 0, {KvOpcode.SET: 1})  # one new connection, one SET
+        assert client.get("k") == b"2"
+        assert client.breakers[0].counts[1] == 0
+
+
+# -- 3. sync: a stream that is not the protocol is the endpoint failing ------------------
+def bad_magic_when(bad: dict[str, bool]) -> Callable[[int, int], bytes]:
+    def answer(opcode: int, opaque: int) -> bytes:
+        out = response(opcode, opaque)
+        return b"\x99" + out[1:] if bad["now"] else out
+
+    return answer
+
+
+def causes(error: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and len(chain) < 10:
+        chain.append(current)
+        current = current.__cause__
+    return chain
+
+
+def reason_of(error: CouchbaseException) -> RetryReason | None:
+    assert error.context is not None
+    return error.context.reason
+
+
+def test_sync_broken_stream_is_a_connection_failure_the_breaker_counts() -> None:
+    with (
+        ScriptedServer(bad_magic_when({"now": True})) as server,
+        SyncMemcachedClient(
+            server.address, timeout=SAFETY / 2, retry_strategy=FailFastRetryStrategy()
+        ) as client,
+    ):
+        with pytest.raises(CouchbaseException) as raised:
+            client.get("k")  # was: a raw ProtocolError
+        chain = causes(raised.value)
+        assert reason_of(raised.value) is RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT
+        assert any(
+            isinstance(e, ConnectionResetError) and "broke the protocol" in str(e) for e in chain
+        )
+        assert isinstance(chain[-1], proto.ProtocolError)
+        assert client.breakers[0].counts == (1, 1)
+        with pytest.raises(CouchbaseException):
+            client.get("k")
+        assert server.connections == 2  # the broken socket was not reused
+
+
+def state_of(breaker: CircuitBreaker) -> CircuitState:
+    return breaker.state
+
+
+def test_sync_probe_answered_out_of_protocol_opens_the_breaker_again() -> None:
+    now = [0.0]
+    breaker = CircuitBreaker(
+        name="probe",
+        is_failure=endpoint_down,
+        volume_threshold=1,
+        sleep_window=1.0,
+        canary_timeout=60.0,
+        clock=lambda: now[0],
+    )
+    bad = {"now": False}
+    with (
+        ScriptedServer(bad_magic_when(bad)) as server,
+        SyncMemcachedClient(
+            server.address,
+            timeout=SAFETY / 2,
+            retry_strategy=FailFastRetryStrategy(),
+            breaker=lambda name: breaker,
+        ) as client,
+    ):
+        breaker.record_failure(ConnectionResetError("tripped by the test"))
+        assert breaker.state is CircuitState.OPEN
+        now[0] += 2.0  # past the sleep window: the next dispatch is the probe
+        bad["now"] = True
+        with pytest.raises(CouchbaseException) as raised:
+            client.noop()  # was: a raw ProtocolError, and the probe never reported
+        assert reason_of(raised.value) is RetryReason.CIRCUIT_BREAKER_OPEN  # the canary failed
+        assert breaker.state is CircuitState.OPEN  # was: HALF_OPEN until canary_timeout
+        bad["now"] = False
+        now[0] += 2.0
+        client.noop()  # the next probe closes it
+        assert state_of(breaker) is CircuitState.CLOSED
