@@ -26,6 +26,7 @@ import anyio
 import anyio.abc
 import pytest
 from fault_proxy import FaultProxy
+from lingering_stream import LingeringSend
 from memcached_server import Memcached
 from scripted_server import ScriptedServer, response
 
@@ -115,32 +116,6 @@ async def test_a_request_cut_before_its_write_leaves_the_connection_to_the_other
 
 
 # -- 1b. async on asyncio: a cut during the write is remembered for the orphan reporter ---
-class LingeringSend(anyio.abc.ByteStream):
-    """A real stream whose ``send`` lingers once the frame is written (waiting to drain)."""
-
-    def __init__(self, inner: anyio.abc.ByteStream) -> None:
-        self.inner = inner
-        self.written = anyio.Event()
-
-    async def send(self, item: bytes) -> None:
-        await self.inner.send(item)
-        self.written.set()
-        await anyio.sleep(SAFETY)
-
-    async def receive(self, max_bytes: int = 65536) -> bytes:
-        return await self.inner.receive(max_bytes)
-
-    async def send_eof(self) -> None:
-        await self.inner.send_eof()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-    @property
-    def extra_attributes(self) -> Any:
-        return self.inner.extra_attributes
-
-
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_an_attempt_cancelled_while_its_frame_drains_is_reported_as_an_orphan(
@@ -151,7 +126,7 @@ async def test_an_attempt_cancelled_while_its_frame_drains_is_reported_as_an_orp
     proxy.delay = 0.2  # the answer comes after the cut
     name = f"127.0.0.1:{proxy.port}"
     with anyio.fail_after(SAFETY):
-        stream = LingeringSend(await anyio.connect_tcp("127.0.0.1", proxy.port))
+        stream = LingeringSend(await anyio.connect_tcp("127.0.0.1", proxy.port), linger=SAFETY)
         connection = _Connection(stream, name, reporter)
         async with anyio.create_task_group() as tg:
             tg.start_soon(connection.read_loop)

@@ -11,11 +11,11 @@ the connection must stay, and the other requests on it must be answered.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import anyio
 import anyio.abc
 import pytest
+from lingering_stream import LingeringSend
 from memcached_server import Memcached
 
 from sdkcore.examples.memcached import _protocol as proto
@@ -24,35 +24,8 @@ from sdkcore.examples.memcached._client import _Connection
 pytestmark = pytest.mark.anyio
 
 
-class SlowAfterWrite(anyio.abc.ByteStream):
-    """A real stream whose ``send`` lingers once the frame is written (the checkpoint after it)."""
-
-    def __init__(self, inner: anyio.abc.ByteStream) -> None:
-        self.inner = inner
-        self.written = anyio.Event()
-        self.linger = 0.05
-
-    async def send(self, item: bytes) -> None:
-        await self.inner.send(item)
-        self.written.set()
-        await anyio.sleep(self.linger)
-
-    async def receive(self, max_bytes: int = 65536) -> bytes:
-        return await self.inner.receive(max_bytes)
-
-    async def send_eof(self) -> None:
-        await self.inner.send_eof()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-    @property
-    def extra_attributes(self) -> Any:
-        return self.inner.extra_attributes
-
-
-async def connected(memcached: Memcached) -> tuple[_Connection, SlowAfterWrite]:
-    stream = SlowAfterWrite(await anyio.connect_tcp("127.0.0.1", memcached.port))
+async def connected(memcached: Memcached) -> tuple[_Connection, LingeringSend]:
+    stream = LingeringSend(await anyio.connect_tcp("127.0.0.1", memcached.port), linger=0.05)
     return _Connection(stream, f"127.0.0.1:{memcached.port}"), stream
 
 
