@@ -116,7 +116,9 @@ def _codes_with_ok(path: str, raw: Any, what: str) -> list[str]:
 
 
 def _int_above(value: Any, cap: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > cap
+    """An int above ``cap`` that the config still accepts (an int32: larger ones are
+    refused outright, with their own error, not "treated as" the cap)."""
+    return isinstance(value, int) and not isinstance(value, bool) and cap < value <= 2**31 - 1
 
 
 def lint(obj: Any, cap: int = DEFAULT_MAX_ATTEMPTS_CAP) -> list[str]:

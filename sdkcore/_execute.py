@@ -93,12 +93,13 @@ async def _wait(self: OrchestratorCore, request: Request, rt: Any, delay: float)
 
 
 async def _injected_wait(self: OrchestratorCore, request: Request, rt: Any, delay: float) -> None:
-    """``sdkcore.testing.instant_retries()`` (one checkpoint) or an injected ``sleep``."""
-    if INSTANT_DELAYS.get():
+    """An injected ``sleep`` (e.g. a VirtualClock's), else ``instant_retries()``'s one
+    checkpoint. The injected sleep wins: it is what moves a virtual clock, so under
+    ``instant_retries()`` a request on a VirtualClock still reaches its timeout."""
+    if self._sleep is None:
         await rt.sleep(0)
     else:
         self._check_clock(request)
-        assert self._sleep is not None
         await self._sleep(delay)
 
 

@@ -130,6 +130,7 @@ def duration_ms(since: float, now: float) -> float | None:
 DEBUG = 10
 INFO = 20
 WARNING = 30
+_LEVELS = {"debug": DEBUG, "info": INFO, "warning": WARNING}
 
 #: When set to a list, every sdkcore event (any level) is appended to it as a dict
 #: (``event``, ``log_level`` and the fields) instead of being logged. Set only by
@@ -211,7 +212,15 @@ class _Capture:
         self._events = events
 
     def _add(self, level: str, event: str, fields: dict[str, Any]) -> None:
-        self._events.append({"event": event, "log_level": level, **fields})
+        events = self._events
+        if CAPTURE.get() is not events:
+            # Its capture has ended (a request that found it keeps its gate): the event
+            # goes to the logger in force now, never to a list the with handed back.
+            log = gate()(_LEVELS[level])
+            if log is not None:
+                getattr(log, level)(event, **fields)
+            return
+        events.append({"event": event, "log_level": level, **fields})
 
     def debug(self, event: str, **fields: Any) -> None:
         self._add("debug", event, fields)

@@ -356,3 +356,18 @@ def test_an_ascii_terminal_gets_escapes_not_a_traceback(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert b"Traceback" not in done.stderr
     assert b"caf\\xe9" in done.stdout
+
+
+def test_max_attempts_beyond_an_int32_is_refused_without_a_treated_as_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    huge = 10**26
+    config = {
+        "methodConfig": [
+            {"name": [{"service": "s"}], "retryPolicy": {**RETRY, "maxAttempts": huge}}
+        ]
+    }
+    code, _, err = _check(tmp_path, capsys, config)
+    assert code == 1
+    assert "an int32" in err
+    assert "treated as" not in err  # refused, not capped

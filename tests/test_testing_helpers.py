@@ -12,6 +12,7 @@ import anyio.lowlevel
 import pytest
 import structlog
 
+import sdkcore
 from sdkcore import (
     AuthenticationFailureException,
     BestEffortRetryStrategy,
@@ -417,3 +418,43 @@ def test_the_plugin_imports_the_helpers_only_when_used() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+# -- the helpers together and at their edges -------------------------------------------------
+
+
+async def test_instant_retries_on_a_virtual_clock_still_reaches_the_timeout() -> None:
+    clock = VirtualClock()
+    orch = RetryOrchestrator(BestEffortRetryStrategy(), sleep=clock.sleep)
+    request = Request(idempotent=True, timeout=2.5, clock=clock.clock)
+    send = ScriptedSend([RetryReason.KV_TEMPORARY_FAILURE])
+    with anyio.fail_after(10), instant_retries(), pytest.raises(sdkcore.TimeoutException):
+        await orch.execute(request, send)
+    assert clock.clock() >= 2.5  # the virtual sleeps ran: they are what reach the timeout
+    assert send.calls < 100
+
+
+async def test_a_capture_list_is_never_written_after_its_with() -> None:
+    orch = RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda attempt: 0.0))
+    request = Request(idempotent=True, timeout=5.0)
+    with capture_retry_events() as events:
+        await orch.maybe_retry(request, RetryReason.KV_LOCKED)  # its gate found here
+    inside = len(events)
+    assert inside >= 1
+    await orch.maybe_retry(request, RetryReason.KV_LOCKED)  # after the with
+    assert len(events) == inside
+
+
+async def test_a_repeated_exception_instance_step_carries_each_requests_own_context() -> None:
+    orch = RetryOrchestrator()
+    send = ScriptedSend([DocumentNotFoundException("scripted")])
+    seen = []
+    for name in ("first", "second"):
+        request = Request(name=name, timeout=1.0)
+        with pytest.raises(DocumentNotFoundException) as info:
+            await orch.execute(request, send)
+        context = info.value.context
+        assert context is not None
+        seen.append((context.request_id, context.request_name))
+    assert [n for _, n in seen] == ["first", "second"]
+    assert seen[0][0] != seen[1][0]

@@ -30,7 +30,7 @@ import anyio.lowlevel
 import attrs
 
 from .. import _hooks, _log
-from .._errors import RetryableError
+from .._errors import CouchbaseException, RetryableError
 from .._install import install_hint
 from .._reason import RetryReason
 from .._request import Request
@@ -72,7 +72,9 @@ def instant_retries() -> Generator[None, None, None]:
     unchanged: only the wait is skipped (one checkpoint instead). The switch is a
     contextvar: tasks started inside the ``with`` inherit it, concurrent tests do
     not see it. Timeouts still run on the real clock, so a request whose retries
-    never end fails with its usual timeout, just after more attempts.
+    never end fails with its usual timeout, just after more attempts. An orchestrator
+    given a ``sleep`` (a :class:`VirtualClock`'s) keeps sleeping on it: that sleep is
+    already instant, and it is what moves the virtual clock to the timeout.
     """
     token = _hooks.INSTANT_DELAYS.set(True)
     try:
@@ -91,7 +93,10 @@ def capture_retry_events() -> Generator[list[MutableMapping[str, Any]], None, No
     Each dict holds ``event`` (e.g. ``"retry.scheduled"``), ``log_level`` and the
     event's fields (see the log-event table in the README). Only events that
     sdkcore emits inside the ``with`` (in this context, and tasks started from it)
-    are captured, and they are not logged anywhere else meanwhile. structlog's
+    are captured, and they are not logged anywhere else meanwhile; after the ``with``,
+    nothing is added to the list. One limit: a request finds its logger for
+    ``retry.scheduled`` at its first retry, so one first retried before the ``with``
+    logs those events as it did then (every other event is captured). structlog's
     configuration is not touched, so the application's own logging and concurrent
     tests are unaffected.
     """
@@ -256,9 +261,13 @@ class ScriptedSend(Generic[T]):
             failure: Any = kv_failure(step.value, self.kv_opcode)
         elif isinstance(step, GrpcCode):
             failure = grpc_failure(step, read_only=self.read_only)
-        elif isinstance(step, BaseException) or (
-            isinstance(step, type) and issubclass(step, BaseException)
-        ):
+        elif isinstance(step, BaseException):
+            if isinstance(step, CouchbaseException):
+                # a step that repeats raises the same object again: the context a door
+                # gave it for an earlier request must not follow it into this one
+                step.context = None
+            raise step
+        elif isinstance(step, type) and issubclass(step, BaseException):
             raise step
         else:
             result: T = step
