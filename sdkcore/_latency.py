@@ -343,13 +343,18 @@ class LatencyQuantile:
             bucket = exponent * _SUB + int(mantissa * _TWO_SUB) - _OFFSET
         if cut and seconds >= self._delay:
             bucket += _CUT
-        now = self._clock()
+        try:
+            now = self._clock()
+        except Exception:  # a broken clock records nothing: a copy's answer stands
+            return
         if now < self._slice_end and not self._cold:  # the hot path: no lock
             pending = self._pending
             pending.append(bucket)
             if len(pending) >= _FOLD:
                 with self._lock:
                     self._fold()
+            return
+        if not now < _INF:  # NaN or an infinity: no slice to count it in
             return
         with self._lock:
             self._fold()

@@ -50,6 +50,7 @@ EVENT_THROTTLE_RECOVERED = "throttle.recovered"
 #: retried, not after dispatch).
 REFUSAL_REASON = RetryReason.CLIENT_THROTTLED
 
+_INF = math.inf
 _SLICES = 10  # the window moves by a tenth of itself
 _CAUSES = 4  # how far down ``raise ... from`` chains the default rule looks
 _MIN_WINDOW = 1.0
@@ -336,6 +337,8 @@ class AdaptiveThrottle:
         return self._admit(now)
 
     def _admit(self, now: float) -> bool:
+        if not -_INF < now < _INF:
+            return True  # a clock reading NaN or an infinity: no window to judge by
         index = int(now * self._per_slice)
         with self._lock:
             self._catch_up(index)
@@ -396,10 +399,19 @@ class AdaptiveThrottle:
 
     # -- outcomes ----------------------------------------------------------------------
     def record_success(self) -> None:
-        """An admitted request was accepted by the backend."""
-        now = self._clock()
+        """An admitted request was accepted by the backend.
+
+        A clock that raises or reads NaN or an infinity records nothing: an outcome is
+        recorded after the request's own answer, which a broken clock must not replace.
+        """
+        try:
+            now = self._clock()
+        except Exception:
+            return
         if now < self._slice_end:
             next(self._ticks)  # the hot path: one atomic count, no lock
+            return
+        if not now < _INF:  # NaN or an infinity
             return
         index = int(now * self._per_slice)
         with self._lock:
@@ -422,7 +434,13 @@ class AdaptiveThrottle:
         if not self._is_rejection(error):  # user code: outside the lock
             self.record_success()
             return
-        index = int(self._clock() * self._per_slice)
+        try:
+            now = self._clock()
+        except Exception:  # a broken clock records nothing (see record_success)
+            return
+        if not -_INF < now < _INF:
+            return
+        index = int(now * self._per_slice)
         with self._lock:
             self._catch_up(index)
             self._add(accepted=False)

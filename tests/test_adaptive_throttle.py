@@ -651,3 +651,24 @@ def test_defaults_and_repr() -> None:
 def test_guard_is_one_shared_object() -> None:
     throttle = AdaptiveThrottle()
     assert throttle.guard() is throttle.guard()
+
+
+@pytest.mark.parametrize("reading", ["nan", "inf", "raises"])
+def test_a_broken_clock_never_replaces_a_successful_answer(reading: str) -> None:
+    now = [0.0]
+
+    def clock() -> float:
+        if now[0] > 0.0:
+            if reading == "raises":
+                raise RuntimeError("clock")
+            return float(reading)
+        return 0.0
+
+    throttle = AdaptiveThrottle(window=10.0, clock=clock)
+    with throttle.guard():
+        now[0] = 1.0  # the clock breaks while the request is in flight
+        answer = "ok"
+    assert answer == "ok"  # the answer stands: the outcome is not recorded
+    throttle.record_failure(ValueError("rejected"))  # records nothing, raises nothing
+    if reading != "raises":
+        assert throttle.admit()  # no window to judge by: admitted, not an OverflowError

@@ -7,6 +7,7 @@ back, and a refused argument leaves the request as it was.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -309,3 +310,55 @@ def test_execute_sync_cancelled_during_a_send_that_fails_past_the_deadline_is_ca
     with pytest.raises(RequestCanceledException):
         orch.execute_sync(request, send)
     assert request.cancelled
+
+
+# -- asyncio: whose cancellation is it? ------------------------------------------------------
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_task_that_swallowed_a_cancel_still_gets_its_timeout() -> None:
+    import asyncio
+
+    if not hasattr(asyncio.Task, "cancelling"):
+        pytest.skip("Python 3.10 cannot count a task's cancellations")
+    got: list[BaseException] = []
+
+    async def send(_: Request) -> str:
+        await asyncio.sleep(5)
+        return "late"
+
+    async def worker() -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(10)  # cleanup swallows a shutdown's cancel, then runs a request
+        try:
+            await RetryOrchestrator().execute(Request(timeout=0.05), send)
+        except BaseException as exc:
+            got.append(exc)
+
+    with anyio.fail_after(BOUND):
+        task = asyncio.create_task(worker())
+        await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert [type(e).__name__ for e in got] == ["AmbiguousTimeoutException"]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_callers_cancel_after_a_send_cancelled_its_own_request_is_the_callers() -> None:
+    import asyncio
+
+    async def send(r: Request) -> str:
+        r.cancel()  # on asyncio the send runs on (documented)
+        await asyncio.sleep(5)
+        return "late"
+
+    async def call() -> None:
+        await RetryOrchestrator().execute(Request(timeout=30.0), send)
+
+    with anyio.fail_after(BOUND):
+        task = asyncio.create_task(call())
+        await asyncio.sleep(0.05)
+        task.cancel()  # the caller's own cancellation, as a timeout around execute sends
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert task.cancelled()

@@ -606,3 +606,23 @@ async def test_learned_hedging_ends_as_fixed_hedging_when_every_copy_fails(
     send = Send({}, errors={0: busy, 1: busy})
     with pytest.raises(RequestCanceledException, match="all 2 hedges failed"):
         await send.hedge(RetryOrchestrator(), HedgePolicy(2, delay=q))
+
+
+@pytest.mark.parametrize("reading", ["nan", "inf", "raises"])
+def test_a_broken_clock_records_nothing_and_raises_nothing(reading: str) -> None:
+    broken = [False]
+
+    def clock() -> float:
+        if broken[0]:
+            if reading == "raises":
+                raise RuntimeError("clock")
+            return float(reading)
+        return 0.0
+
+    quantile = LatencyQuantile(clock=clock, min_samples=1)
+    quantile.record(0.004)
+    count = quantile.count
+    broken[0] = True
+    quantile.record(0.005)  # a copy's answer stands
+    broken[0] = False
+    assert quantile.count == count

@@ -111,7 +111,9 @@ class Scope:
     When the deadline passes, or :meth:`cancel` is called, the task is cancelled
     (``Task.cancel()``); :meth:`exit` then takes that cancellation back
     (``Task.uncancel()`` on 3.11+) and says the scope cut the code. A cancellation
-    of the task from elsewhere is never taken for the scope's own.
+    of the task from elsewhere is never taken for the scope's own on 3.11+ (3.10
+    cannot count cancellations: there one racing the scope's is taken for it), nor
+    on any version once the scope was cancelled from its own code, which sends none.
     """
 
     __slots__ = ("_queued", "_sent", "_task", "fired", "open")
@@ -123,7 +125,9 @@ class Scope:
         self._task = task
         self.fired = False
         self.open = True
-        self._sent = False  # Task.cancel() was called (and must be taken back)
+        # None until this scope calls Task.cancel(); then the task's cancelling() count
+        # before it (0 on 3.10), so exit() takes back exactly its own cancellation.
+        self._sent: int | None = None
         # The loop's deadlines while this scope has an entry in their heap.
         self._queued: _Deadlines | None = None
         if deadline != math.inf:
@@ -134,11 +138,13 @@ class Scope:
         """Cut what runs in the scope now (the deadline, or ``Request.cancel()``)."""
         if self.open and not self.fired:
             self.fired = True
-            if asyncio.current_task() is not self._task:
+            task = self._task
+            if asyncio.current_task() is not task:
                 # From inside the scope's own code (a send calling Request.cancel()), the
                 # door sees ``fired`` when that code returns: no cancellation to deliver.
-                self._sent = True
-                self._task.cancel()
+                cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+                self._sent = 0 if cancelling is None else cancelling()
+                task.cancel()
 
     def exit(self, error: BaseException | None) -> bool:
         """Close the scope after its code ended with ``error`` (None: it returned).
@@ -158,10 +164,17 @@ class Scope:
             return False
         task = self._task
         self._task = None
+        sent = self._sent
+        if sent is None:
+            # Fired from inside its own code: it sent no cancellation, so one that ended
+            # the code came from elsewhere (the caller's), never the scope's.
+            return not isinstance(error, asyncio.CancelledError)
         uncancel = getattr(task, "uncancel", None)  # Python 3.11+
         # (3.10 cannot tell a concurrent outer cancellation: the scope is trusted.)
-        if self._sent and uncancel is not None and uncancel() > 0:
-            return False  # the task is being cancelled from outside as well
+        if uncancel is not None and uncancel() > sent:
+            # The task is being cancelled from outside as well (counted from the scope's
+            # send: a cancellation the task had already swallowed is not this one).
+            return False
         return error is None or isinstance(error, (Exception, asyncio.CancelledError))
 
 
