@@ -234,7 +234,7 @@ def test_the_report_counts_without_metrics_port() -> None:
         assert main(["--json", "--scenario", "locked"]) == 0
     counts = json.loads(out.getvalue())["counts"]
     [locked] = [s for s in SCENARIOS if s.name == "locked"]
-    # every operation, and one warm-up per strategy
+    # every operation, and one warm-up per scenario and strategy
     assert counts["requests"] == (locked.ops + 1) * len(STRATEGIES)
     assert counts["retries"] > 0  # KV_LOCKED
     assert counts["hedges"] == counts["hedged_requests"] == 0

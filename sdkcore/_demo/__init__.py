@@ -215,7 +215,14 @@ def _run_and_report(args: argparse.Namespace, telemetry: Any, endpoint: Any) -> 
         if not _write(text):
             raise _ReaderGone
     except _ReaderGone:
-        return 0  # the reader went away (e.g. `| head`): not an error
+        # the reader went away (e.g. `| head`): not an error, but a linger asked for is
+        # not kept, and whoever asked for it is told why
+        if endpoint is not None and args.linger > 0:
+            sys.stderr.write("sdkcore demo: stdout closed: the run stopped, --linger ignored\n")
+        return 0
+    except KeyboardInterrupt:
+        sys.stderr.write("sdkcore demo: interrupted\n")  # one line, not two tracebacks
+        return 130
     if endpoint is not None and args.linger > 0:
         _linger(endpoint.url, args.linger)
     return 0 if report.ok else 1

@@ -62,6 +62,8 @@ class Summary:
     channel_retries: int
     #: Failures that are not sdkcore exceptions (bugs), by exception class name.
     errors: dict[str, int]
+    #: Copies sent after the first (hedge() and the channel's hedging policy): not retries.
+    hedges: int = 0
 
     @property
     def unexpected(self) -> int:
@@ -81,12 +83,15 @@ class Summary:
             "p99_ms": round(self.p99_ms, 2),
             "retry_reasons": list(self.retry_reasons),
             "channel_retries": self.channel_retries,
+            "hedges": self.hedges,
             "unexpected": self.unexpected,
             "errors": dict(self.errors),
         }
 
 
-def summarize(results: Sequence[OpResult], channel_retries: int) -> Summary:
+def summarize(
+    results: Sequence[OpResult], channel_retries: int, channel_hedges: int = 0
+) -> Summary:
     latencies = [r.latency * 1000.0 for r in results]
     fast: Counter[str] = Counter(
         r.error for r in results if r.error and not r.timeout and not r.unexpected
@@ -107,6 +112,7 @@ def summarize(results: Sequence[OpResult], channel_retries: int) -> Summary:
         retry_reasons=tuple(sorted(reasons)),
         channel_retries=channel_retries,
         errors=dict(sorted(errors.items())),
+        hedges=sum(r.hedges for r in results) + channel_hedges,
     )
 
 
@@ -234,6 +240,8 @@ def _row(name: str, s: Summary) -> list[str]:
         return lines
     if s.retry_reasons:
         lines += _wrap("reasons: ", ", ".join(s.retry_reasons))
+    if s.hedges:
+        lines += _wrap("hedges: ", f"{s.hedges} copies sent after the first (not retries)")
     if s.fast_fails:
         lines += _wrap("fast-fails: ", ", ".join(f"{k} x{v}" for k, v in s.fast_fails.items()))
     if s.errors:

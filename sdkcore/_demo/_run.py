@@ -84,7 +84,7 @@ async def run(
                 table = report.tables.setdefault(label, {})
                 emit(render_strategy(label, style))
                 every: list[OpResult] = []
-                a6_total = 0
+                a6_total = a6_hedges = 0
                 for scenario in runnable:
                     bar.stage(f"{scenario.name} / {label}")
                     results, a6 = await run_scenario(
@@ -96,17 +96,20 @@ async def run(
                         counts=report.counts,
                         telemetry=telemetry,
                     )
-                    table[scenario.name] = summarize(results, a6["retries"])
+                    # the channel's A6 retries: its hedges are not retries (rfc/0008)
+                    channel_retries = a6["retries"] - a6["hedges"]
+                    table[scenario.name] = summarize(results, channel_retries, a6["hedges"])
+                    a6_hedges += a6["hedges"]
                     emit(render_row(scenario.name, table[scenario.name]))
                     every += results
-                    a6_total += a6["retries"]
+                    a6_total += channel_retries
                     writes_ok += sum(r.ok and r.write for r in results)
                     for r in results:  # the shortest message of each kind reads best
                         if r.error is not None and r.message is not None:
                             seen = report.examples.get(r.error)
                             if seen is None or len(r.message) < len(seen[2]):
                                 report.examples[r.error] = (scenario.name, label, r.message)
-                table["all"] = summarize(every, a6_total)
+                table["all"] = summarize(every, a6_total, a6_hedges)
                 emit(render_row("all", table["all"]))
             if slowdown:
                 bar.stage(SLOWDOWN)

@@ -195,6 +195,8 @@ class OpResult:
     ambiguous: bool = False
     #: A failure that is not a sdkcore exception: a bug, reported as such.
     unexpected: bool = False
+    #: Copies ``hedge()`` sent after the first (counted apart from retries).
+    hedges: int = 0
 
 
 class _Client:
@@ -285,26 +287,32 @@ def _map_status(err: aio.AioRpcError, request: Request) -> RetryReason | BaseExc
     return grpc_failure(code, err.details() or "", read_only=request.idempotent)
 
 
-def _outcome(write: bool, request: Request, start: float, exc: BaseException | None) -> OpResult:
+def _outcome(
+    write: bool, request: Request, start: float, exc: BaseException | None, hedged: bool = False
+) -> OpResult:
+    """One operation's result. ``hedged``: sent through ``hedge()``, whose extra copies
+    RFC 0049 counts in ``retry_attempts``; the report counts them as hedges, not retries."""
     latency = time.perf_counter() - start
+    retries, hedges = (0, request.retry_attempts) if hedged else (request.retry_attempts, 0)
     seen = list(request.retry_reasons)
     last = getattr(getattr(exc, "context", None), "reason", None)
     if isinstance(last, RetryReason) and last not in seen:
         seen.append(last)  # the reason of the attempt that ended the request
     reasons = tuple(r.name for r in seen)
     if exc is None:
-        return OpResult(write, True, latency, request.retry_attempts, reasons)
+        return OpResult(write, True, latency, retries, reasons, hedges=hedges)
     return OpResult(
         write,
         False,
         latency,
-        request.retry_attempts,
+        retries,
         reasons,
         error=type(exc).__name__,
         message=str(exc),
         timeout=isinstance(exc, TimeoutException),
         ambiguous=type(exc).__name__ == "AmbiguousTimeoutException",
         unexpected=not isinstance(exc, CouchbaseException),
+        hedges=hedges,
     )
 
 
@@ -350,10 +358,11 @@ async def run_scenario(
             name = "upsert" if write else ("get_replica" if scenario.replica_reads else "get")
             request = kv_request(opcode, name=name, timeout=OP_TIMEOUT)
             start = time.perf_counter()
+            hedged = scenario.hedged and i % 2 == 0 and not write
             try:
                 if write:
                     await client.upsert(request, key, f"{run_id}-{i}", scenario.bucket)
-                elif scenario.hedged and i % 2 == 0:
+                elif hedged:
                     await client.get_hedged(request, key, scenario.bucket)
                 elif scenario.hedged:
                     await client.get_any_replica(request, key, scenario.bucket)
@@ -361,9 +370,9 @@ async def run_scenario(
                     await client.get_replica(request, key, scenario.bucket)
                 else:
                     await client.get(request, key, scenario.bucket)
-                results.append(_outcome(write, request, start, None))
+                results.append(_outcome(write, request, start, None, hedged))
             except Exception as exc:
-                results.append(_outcome(write, request, start, exc))
+                results.append(_outcome(write, request, start, exc, hedged))
             finally:
                 on_done()
 

@@ -83,8 +83,10 @@ def test_breaker_opens_after_the_kill_and_the_canary_closes_it_after_the_restart
     assert "half_open" in states
     assert states[-1] == "closed"
     assert a[-1][2] == "the NOOP canary was answered"
-    assert m["killed_at_s"] < m["restarted_at_s"] <= m["closed_at_s"] == a[-1][0]
-    assert states.count("closed") == 1  # it stayed open until memcached was back
+    closes = [t for t, state, _ in a if state == "closed"]
+    # it stayed open until memcached was back (on a loaded machine it may trip once more
+    # just after the restart, and close again: every close comes after the restart)
+    assert m["killed_at_s"] < m["restarted_at_s"] <= m["closed_at_s"] == closes[0]
     # B was never killed: its breaker never moved, and all its requests succeeded
     assert not [t for t in m["transitions"] if t["endpoint"] == "b"]
     assert m["steady"]["requests"] > 0
