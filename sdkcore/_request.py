@@ -313,10 +313,9 @@ class Request(RetryState):
         answer arrived meanwhile. Without a timeout, an attempt in flight in
         ``execute`` runs to its end and its result is discarded (no retry is booked
         for it). ``execute_sync``'s backoff wakes too (with its default ``sleep``); a
-        blocking ``send`` cannot be cut. On asyncio, a ``send`` that calls ``cancel()``
-        itself runs on to its end (a task cannot cancel its own scope without the
-        cancellation escaping it); trio cuts it at its next checkpoint. Cancelling a
-        completed request does nothing.
+        blocking ``send`` cannot be cut. A ``send`` (or strategy) that calls
+        ``cancel()`` itself is cut at its next await (on asyncio at the loop's next
+        turn). Cancelling a completed request does nothing.
         """
         if not self._finish(RequestState.CANCELLED, CancellationReason.CANCELLED_VIA_CONTEXT):
             return  # completed already

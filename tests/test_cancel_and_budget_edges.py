@@ -8,6 +8,7 @@ back, and a refused argument leaves the request as it was.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -343,22 +344,32 @@ async def test_a_task_that_swallowed_a_cancel_still_gets_its_timeout() -> None:
     assert [type(e).__name__ for e in got] == ["AmbiguousTimeoutException"]
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_the_callers_cancel_after_a_send_cancelled_its_own_request_is_the_callers() -> None:
-    import asyncio
+async def test_a_send_that_cancels_its_own_request_is_cut_at_its_next_await() -> None:
+    reached: list[str] = []
 
     async def send(r: Request) -> str:
-        r.cancel()  # on asyncio the send runs on (documented)
-        await asyncio.sleep(5)
+        r.cancel()
+        await anyio.sleep(5)  # cut here, on asyncio as on trio
+        reached.append("after the await")
         return "late"
 
-    async def call() -> None:
+    with anyio.fail_after(BOUND), pytest.raises(RequestCanceledException):
         await RetryOrchestrator().execute(Request(timeout=30.0), send)
+    assert reached == []
 
-    with anyio.fail_after(BOUND):
-        task = asyncio.create_task(call())
-        await asyncio.sleep(0.05)
-        task.cancel()  # the caller's own cancellation, as a timeout around execute sends
-        with pytest.raises(asyncio.CancelledError):
-            await task
-    assert task.cancelled()
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_scope_cancelled_from_its_own_code_never_takes_the_callers_cancellation() -> None:
+    import asyncio
+
+    from sdkcore._runtime import _asyncio
+
+    scope = _asyncio.Scope(math.inf)
+    scope.cancel()  # from its own task: sent only at the loop's next turn
+    # the caller's own cancellation ends the code first: it is the caller's, not the scope's
+    assert scope.exit(asyncio.CancelledError()) is False
+    await asyncio.sleep(0)  # the deferred send finds the scope closed: nothing is sent
+    task = asyncio.current_task()
+    assert task is not None
+    if hasattr(task, "cancelling"):  # Python 3.11+
+        assert not task.cancelling()

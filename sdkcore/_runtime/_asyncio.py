@@ -112,8 +112,7 @@ class Scope:
     (``Task.cancel()``); :meth:`exit` then takes that cancellation back
     (``Task.uncancel()`` on 3.11+) and says the scope cut the code. A cancellation
     of the task from elsewhere is never taken for the scope's own on 3.11+ (3.10
-    cannot count cancellations: there one racing the scope's is taken for it), nor
-    on any version once the scope was cancelled from its own code, which sends none.
+    cannot count cancellations: there one racing the scope's is taken for it).
     """
 
     __slots__ = ("_queued", "_sent", "_task", "fired", "open")
@@ -138,13 +137,26 @@ class Scope:
         """Cut what runs in the scope now (the deadline, or ``Request.cancel()``)."""
         if self.open and not self.fired:
             self.fired = True
-            task = self._task
+            task: Any = self._task  # open: the task is there
             if asyncio.current_task() is not task:
-                # From inside the scope's own code (a send calling Request.cancel()), the
-                # door sees ``fired`` when that code returns: no cancellation to deliver.
-                cancelling = getattr(task, "cancelling", None)  # Python 3.11+
-                self._sent = 0 if cancelling is None else cancelling()
-                task.cancel()
+                self._send(task)
+            else:
+                # From inside the scope's own code (a send calling Request.cancel()):
+                # cancelling the running task now would escape the scope if the code
+                # returned without awaiting, so the cancellation goes at the loop's next
+                # turn, if the code is still inside the scope then (as trio cuts it at its
+                # next checkpoint). Returned before: the door sees ``fired``.
+                asyncio.get_running_loop().call_soon(self._send_if_open)
+
+    def _send(self, task: Any) -> None:
+        cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+        self._sent = 0 if cancelling is None else cancelling()
+        task.cancel()
+
+    def _send_if_open(self) -> None:
+        task = self._task
+        if self.open and task is not None and self._sent is None:
+            self._send(task)
 
     def exit(self, error: BaseException | None) -> bool:
         """Close the scope after its code ended with ``error`` (None: it returned).
@@ -166,8 +178,8 @@ class Scope:
         self._task = None
         sent = self._sent
         if sent is None:
-            # Fired from inside its own code: it sent no cancellation, so one that ended
-            # the code came from elsewhere (the caller's), never the scope's.
+            # Fired from inside its own code and left before the cancellation was sent:
+            # one that ended the code came from elsewhere (the caller's), never the scope's.
             return not isinstance(error, asyncio.CancelledError)
         uncancel = getattr(task, "uncancel", None)  # Python 3.11+
         # (3.10 cannot tell a concurrent outer cancellation: the scope is trusted.)
