@@ -8,6 +8,7 @@ back, and a refused argument leaves the request as it was.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 import time
@@ -56,6 +57,16 @@ def reserve(retries: int) -> RetryBudget:
 async def cancel_soon(request: Request, after: float = 0.05) -> None:
     await anyio.sleep(after)
     request.cancel()
+
+
+async def cancelled_in_flight(request: Request, call: Callable[[], Awaitable[object]]) -> None:
+    """``call()`` (a door on ``request``) raises RequestCanceledException once
+    ``Request.cancel()`` comes, 50 ms in; bounded, so a door that never wakes fails."""
+    with anyio.fail_after(BOUND):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cancel_soon, request)
+            with pytest.raises(RequestCanceledException):
+                await call()
 
 
 # -- hedge: a cancelled request never reports success ------------------------------------
@@ -126,11 +137,7 @@ async def test_attempt_without_a_timeout_is_cut_by_request_cancel() -> None:
             await anyio.sleep(3.0)  # the attempt in flight
             reached_end.append(True)
 
-    with anyio.fail_after(BOUND):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(cancel_soon, request)
-            with pytest.raises(RequestCanceledException):
-                await hand_wired_attempt()
+    await cancelled_in_flight(request, hand_wired_attempt)
     assert not reached_end
     assert request.cancelled
 
@@ -143,11 +150,7 @@ async def test_execute_without_a_timeout_wakes_from_its_backoff_on_cancel() -> N
         raise RetryableError(LOCKED)
 
     started = time.monotonic()
-    with anyio.fail_after(BOUND):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(cancel_soon, request)
-            with pytest.raises(RequestCanceledException):
-                await orch.execute(request, send)
+    await cancelled_in_flight(request, lambda: orch.execute(request, send))
     assert time.monotonic() - started < BOUND  # not the 60 s backoff
     assert orch.requests_in_retry == 0
 
@@ -189,11 +192,7 @@ async def test_execute_refunds_a_retry_whose_backoff_request_cancel_cut(
         async def send(_: Request) -> str:
             raise RetryableError(LOCKED)
 
-        with anyio.fail_after(BOUND):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(cancel_soon, request)
-                with pytest.raises(RequestCanceledException):
-                    await orch.execute(request, send)
+        await cancelled_in_flight(request, functools.partial(orch.execute, request, send))
     assert budget.balance == before
 
 
@@ -217,11 +216,7 @@ async def test_maybe_retry_refunds_a_retry_whose_backoff_was_cut() -> None:
     orch = RetryOrchestrator(Wait(3.0), retry_budget=budget)
     before = budget.balance
     request = Request(idempotent=True, timeout=5.0)
-    with anyio.fail_after(BOUND):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(cancel_soon, request)
-            with pytest.raises(RequestCanceledException):
-                await orch.maybe_retry(request, LOCKED)
+    await cancelled_in_flight(request, lambda: orch.maybe_retry(request, LOCKED))
     assert budget.balance == before
 
 

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 import anyio
@@ -21,6 +20,7 @@ import pytest
 grpc = pytest.importorskip("grpc")
 from grpc import aio  # noqa: E402
 from grpc_server import TEST_TIMEOUT, Server, abort, retry_config  # noqa: E402
+from hedge_server import hedging_config  # noqa: E402
 
 from sdkcore.grpc import (  # noqa: E402
     BackoffJitter,
@@ -98,20 +98,7 @@ async def test_a_fatal_status_after_hedges_carries_the_context_of_every_hedge(
         return b""  # pragma: no cover
 
     method = server.unary_unary("H", first_hangs_second_fatal)
-    cfg = json.dumps(
-        {
-            "methodConfig": [
-                {
-                    "name": [{"service": "test.Svc"}],
-                    "hedgingPolicy": {
-                        "maxAttempts": 3,
-                        "hedgingDelay": "0.05s",
-                        "nonFatalStatusCodes": ["UNAVAILABLE"],
-                    },
-                }
-            ]
-        }
-    )
+    cfg = hedging_config(max_attempts=3, delay="0.05s", non_fatal=("UNAVAILABLE",))
     with anyio.fail_after(TEST_TIMEOUT):
         async with insecure_channel(server.target, service_config=cfg) as ch:
             with pytest.raises(aio.AioRpcError) as info:
@@ -130,16 +117,7 @@ async def test_the_first_hedges_fatal_status_is_grpcs_error_unchanged(server: Se
         return b""  # pragma: no cover
 
     method = server.unary_unary("F", fatal)
-    cfg = json.dumps(
-        {
-            "methodConfig": [
-                {
-                    "name": [{"service": "test.Svc"}],
-                    "hedgingPolicy": {"maxAttempts": 3, "hedgingDelay": "1s"},
-                }
-            ]
-        }
-    )
+    cfg = hedging_config(max_attempts=3, delay="1s", non_fatal=None)
     with anyio.fail_after(TEST_TIMEOUT):
         async with insecure_channel(server.target, service_config=cfg) as ch:
             with pytest.raises(aio.AioRpcError) as info:
