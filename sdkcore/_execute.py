@@ -508,7 +508,7 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
         except BaseException as exc:
             request._set_cancel_hook(previous)
             if scope.exit(exc):
-                error = _scope_fired(self, request, exc, in_flight=True)
+                error = _scope_fired(self, request, exc, in_flight=request.in_flight)
                 raise error from _failing.cause(request)
             error = exc
             raise

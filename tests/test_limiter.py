@@ -646,3 +646,48 @@ async def wait_until(condition: Callable[[], bool]) -> None:
     with anyio.fail_after(5):
         while not condition():  # noqa: ASYNC110 - polls the limiter's gauges
             await anyio.sleep(0.001)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("door", ["execute", "attempt"])
+async def test_a_wait_cut_by_the_requests_own_deadline_is_not_ambiguous(
+    monkeypatch: pytest.MonkeyPatch, door: str
+) -> None:
+    """A loop too late for the queue's margin: the door's deadline scope cuts the wait
+    first. Nothing was sent, so a non-idempotent request's timeout is unambiguous."""
+    from sdkcore import _permits
+
+    monkeypatch.setattr(_permits, "SLACK", -0.05)  # the queue would give up after the door
+    monkeypatch.setattr(_permits, "MAX_SLACK", -0.05)
+    limiter = ConcurrencyLimiter(1, max_queued=4, name="kv")
+    orchestrator = RetryOrchestrator(BestEffortRetryStrategy())
+    release = anyio.Event()
+
+    async def holder() -> None:
+        async with limiter.acquire():
+            await release.wait()
+
+    async def send(request: Request) -> bytes:
+        async with limiter.acquire():
+            pytest.fail("never granted")
+        return b""
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(holder)
+            await wait_until(lambda: limiter.in_flight == 1)
+            request = Request(name="kv.set", idempotent=False, timeout=0.1)
+
+            async def one_attempt() -> None:
+                if door == "execute":
+                    await orchestrator.execute(request, send)
+                else:  # a hand-wired loop's attempt
+                    with orchestrator.attempt(request):
+                        await send(request)
+
+            with pytest.raises(UnambiguousTimeoutException):
+                await one_attempt()
+            assert limiter.queued == 0
+            release.set()
+    assert not request.maybe_applied
+    assert [(a.reason, a.effect) for a in request.attempts] == [(LIMITED, AttemptEffect.NOT_SENT)]
