@@ -353,7 +353,6 @@ def test_a_failure_outside_sdkcore_exceptions_fails_the_run() -> None:
 def test_ctrl_c_ends_the_run_with_one_line_and_130() -> None:
     pytest.importorskip("grpc")
     import signal
-    import time
 
     run = subprocess.Popen(
         [
@@ -369,7 +368,8 @@ def test_ctrl_c_ends_the_run_with_one_line_and_130() -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(2.0)  # inside the run (it takes several seconds)
+    assert run.stdout is not None
+    run.stdout.readline()  # the head: streamed from inside the run, which lasts seconds more
     run.send_signal(signal.SIGINT)
     _, err = run.communicate(timeout=30)
     assert run.returncode == 130

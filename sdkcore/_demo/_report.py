@@ -216,6 +216,7 @@ LEGEND = (
     ("p50/p99", "latency of every operation (successes and failures), in milliseconds"),
     ("A6 retries", "retries the gRPC channel made itself (service config retryPolicy, pushback)"),
     ("reasons", "the RetryReasons (RFC 0049) the orchestrator was given"),
+    ("hedges", "copies of a read sent after the first (hedging), counted apart from retries"),
 )
 
 
