@@ -185,26 +185,27 @@ class _Chain:
             if now < when:
                 return when
             sent = len(self.attempts)
-            throttler = self.throttler
-            if sent > 0 and throttler is not None:
-                try:
-                    allowed = throttler.allows_retry()
-                except Exception as exc:  # a broken throttler ends the chain with its error
-                    self._end_with(exc)
+            if sent > 0:
+                throttler, budget = self.throttler, self.budget
+                if throttler is not None and not self._lets(throttler.allows_retry, "throttled"):
                     return math.inf
-                if not allowed:
-                    self.stop = "throttled"
-                    return math.inf
-            if sent > 0 and self.budget is not None:
-                try:
-                    granted = self.budget.try_withdraw()  # a hedge is a retry: the budget pays
-                except Exception as exc:  # a broken budget ends the chain with its error
-                    self._end_with(exc)
-                    return math.inf
-                if not granted:
-                    self.stop = "retry_budget"
+                # a hedge is a retry: the budget pays for it
+                if budget is not None and not self._lets(budget.try_withdraw, "retry_budget"):
                     return math.inf
             start(self.begin(sent, now))
+
+    def _lets(self, hook: Callable[[], bool], stop: str) -> bool:
+        """Whether ``hook`` (the throttler's, the budget's) lets the next hedge go. No:
+        no more are sent (``stop`` says why); a hook that raises ends the chain with its
+        error instead."""
+        try:
+            allowed = hook()
+        except Exception as exc:
+            self._end_with(exc)
+            return False
+        if not allowed:
+            self.stop = stop
+        return bool(allowed)
 
     def begin(self, index: int, now: float) -> _Attempt:
         """Book hedge ``index`` as sent at ``now`` (its :meth:`run` starts right after)."""
