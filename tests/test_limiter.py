@@ -9,9 +9,10 @@ before anything is sent. Async tests run on asyncio and trio.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -389,6 +390,35 @@ async def test_a_permit_given_back_on_another_thread_wakes_the_waiter() -> None:
 # -- inside the doors: the request's deadline bounds the queue ------------------------------
 
 
+@contextlib.asynccontextmanager
+async def only_permit_held(limiter: ConcurrencyLimiter) -> AsyncIterator[None]:
+    """The limiter's one permit held by another task until the block ends."""
+    release = anyio.Event()
+
+    async def holder() -> None:
+        async with limiter.acquire():
+            await release.wait()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(holder)
+        await wait_until(lambda: limiter.in_flight == 1)
+        try:
+            yield
+        finally:
+            release.set()
+
+
+def queueing_send(limiter: ConcurrencyLimiter) -> Callable[[Request], Any]:
+    """A send that queues for a permit it must never be granted."""
+
+    async def send(request: Request) -> bytes:
+        async with limiter.acquire():
+            pytest.fail("never granted")
+        return b""
+
+    return send
+
+
 @pytest.mark.anyio
 async def test_queueing_never_outlasts_the_request_and_the_timeout_is_unambiguous() -> None:
     # A non-idempotent request queues behind a permit held for 5 s. Its 0.2 s deadline
@@ -396,27 +426,13 @@ async def test_queueing_never_outlasts_the_request_and_the_timeout_is_unambiguou
     # (nothing sent): the timeout is unambiguous, and the queue is left clean.
     limiter = ConcurrencyLimiter(1, max_queued=4, name="kv")
     orchestrator = RetryOrchestrator(BestEffortRetryStrategy())
-    release = anyio.Event()
-
-    async def holder() -> None:
-        async with limiter.acquire():
-            await release.wait()
-
-    async def send(request: Request) -> bytes:
-        async with limiter.acquire():
-            pytest.fail("never granted")
-        return b""
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(holder)
-        await wait_until(lambda: limiter.in_flight == 1)
+    async with only_permit_held(limiter):
         request = Request(name="kv.set", idempotent=False, timeout=0.2)
         began = time.monotonic()
         with pytest.raises(UnambiguousTimeoutException) as caught:
-            await orchestrator.execute(request, send)
+            await orchestrator.execute(request, queueing_send(limiter))
         waited = time.monotonic() - began
         assert limiter.queued == 0
-        release.set()
     assert 0.2 - MAX_SLACK - 0.01 <= waited < 1.0  # ends at the deadline, not at the release
     assert not request.maybe_applied
     assert caught.value.context is not None
@@ -661,21 +677,9 @@ async def test_a_wait_cut_by_the_requests_own_deadline_is_not_ambiguous(
     monkeypatch.setattr(_permits, "MAX_SLACK", -0.05)
     limiter = ConcurrencyLimiter(1, max_queued=4, name="kv")
     orchestrator = RetryOrchestrator(BestEffortRetryStrategy())
-    release = anyio.Event()
-
-    async def holder() -> None:
-        async with limiter.acquire():
-            await release.wait()
-
-    async def send(request: Request) -> bytes:
-        async with limiter.acquire():
-            pytest.fail("never granted")
-        return b""
-
+    send = queueing_send(limiter)
     with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(holder)
-            await wait_until(lambda: limiter.in_flight == 1)
+        async with only_permit_held(limiter):
             request = Request(name="kv.set", idempotent=False, timeout=0.1)
 
             async def one_attempt() -> None:
@@ -688,6 +692,5 @@ async def test_a_wait_cut_by_the_requests_own_deadline_is_not_ambiguous(
             with pytest.raises(UnambiguousTimeoutException):
                 await one_attempt()
             assert limiter.queued == 0
-            release.set()
     assert not request.maybe_applied
     assert [(a.reason, a.effect) for a in request.attempts] == [(LIMITED, AttemptEffect.NOT_SENT)]
