@@ -69,6 +69,22 @@ async def cancelled_in_flight(request: Request, call: Callable[[], Awaitable[obj
                 await call()
 
 
+def locked_sync(_: Request) -> str:
+    raise RetryableError(LOCKED)
+
+
+def execute_sync_cancelled_from_another_thread(orch: RetryOrchestrator, request: Request) -> None:
+    """``execute_sync`` of a send that always fails retryably, with ``Request.cancel()``
+    from another thread 50 ms in: it raises RequestCanceledException."""
+    canceller = threading.Timer(0.05, request.cancel)
+    canceller.start()
+    try:
+        with pytest.raises(RequestCanceledException):
+            orch.execute_sync(request, locked_sync)
+    finally:
+        canceller.join(BOUND)
+
+
 # -- hedge: a cancelled request never reports success ------------------------------------
 
 
@@ -225,17 +241,7 @@ def test_execute_sync_refunds_a_retry_cancelled_during_its_backoff() -> None:
     orch = RetryOrchestrator(Wait(0.3), retry_budget=budget)
     before = budget.balance
     request = Request(idempotent=True, timeout=5.0)
-
-    def send(_: Request) -> str:
-        raise RetryableError(LOCKED)
-
-    canceller = threading.Timer(0.05, request.cancel)
-    canceller.start()
-    try:
-        with pytest.raises(RequestCanceledException):
-            orch.execute_sync(request, send)
-    finally:
-        canceller.join(BOUND)
+    execute_sync_cancelled_from_another_thread(orch, request)
     assert budget.balance == before
 
 
@@ -278,18 +284,8 @@ async def test_maybe_retry_leaves_the_request_as_it_was_on_a_bad_argument(
 def test_execute_sync_wakes_from_its_backoff_on_cancel_from_another_thread() -> None:
     orch = RetryOrchestrator(Wait(5.0))
     request = Request(idempotent=True, timeout=30.0)
-
-    def send(_: Request) -> str:
-        raise RetryableError(LOCKED)
-
-    canceller = threading.Timer(0.05, request.cancel)
     started = time.monotonic()
-    canceller.start()
-    try:
-        with pytest.raises(RequestCanceledException):
-            orch.execute_sync(request, send)
-    finally:
-        canceller.join(BOUND)
+    execute_sync_cancelled_from_another_thread(orch, request)
     assert time.monotonic() - started < 4.0  # woken, not the 5 s backoff
     assert orch.requests_in_retry == 0
 
