@@ -32,8 +32,8 @@ from ._policy import (
     TransparentKind,
     parse_pushback,
     status_reason,
+    time_out_at_deadline,
 )
-from ._status import time_out_at_deadline
 from ._telemetry import CallTrace
 
 _OK = grpc.StatusCode.OK

@@ -11,12 +11,13 @@ import enum
 import random
 import re
 from collections.abc import Iterable
+from typing import Any
 
 from .._action import RetryAction
-from .._context import ErrorContext
+from .._context import AttemptEffect, CancellationReason, ErrorContext
 from .._errors import RequestCanceledException
 from .._reason import RetryReason
-from .._request import Request
+from .._request import Request, RequestState
 from .._untrusted import show as _show
 from ..mapping._grpc_status import STATUS_REASONS, GrpcCode
 from ._service_config import DEFAULT_MAX_ATTEMPTS_CAP, RetryPolicy
@@ -35,6 +36,7 @@ __all__ = [
     "TransparentKind",
     "parse_pushback",
     "status_reason",
+    "time_out_at_deadline",
 ]
 
 #: Trailing metadata key of A6 server pushback.
@@ -68,6 +70,33 @@ def status_reason(code: int) -> RetryReason:
 _INT32_MAX = 2**31 - 1
 _INT32_DIGITS = len(str(_INT32_MAX))
 _PUSHBACK_VALUE = re.compile(r"-?[0-9]+")
+
+
+_DEADLINE_EXCEEDED = GrpcCode.DEADLINE_EXCEEDED.value
+
+
+def time_out_at_deadline(request: Any, error: BaseException, *, book: bool = True) -> None:
+    """End a call's ``request`` as timed out when ``error`` is the call's own deadline.
+
+    DEADLINE_EXCEEDED once the request's time is up is its timeout, not a failure: the
+    request ends CANCELLED with TIMEOUT (telemetry's outcome ``timeout``, as a deadline
+    reached in the backoff). ``book``: record ``error`` as the last attempt's failure
+    first. Anything else (a server's own DEADLINE_EXCEEDED with time left included)
+    leaves the request for the caller to fail.
+    """
+    if request.state is not RequestState.PENDING:
+        return
+    code = getattr(error, "code", None)
+    if not callable(code):
+        return
+    try:
+        value = code().value[0]
+    except Exception:  # not a grpc status
+        return
+    if value == _DEADLINE_EXCEEDED and request.deadline - request.clock() <= 0.0:
+        if book:
+            request._attempt_failed(None, AttemptEffect.MAYBE_APPLIED, error, request.clock())
+        request._finish(RequestState.CANCELLED, CancellationReason.TIMEOUT)
 
 
 def parse_pushback(values: Iterable[str | bytes]) -> int | None:

@@ -18,9 +18,8 @@ from .._request import dispatching
 from ._call import _Call, _TracedCall, outer_details
 from ._controller import _Controller
 from ._metadata import _client_trailing
-from ._policy import PUSHBACK_DONT_RETRY, PUSHBACK_KEY, parse_pushback
+from ._policy import PUSHBACK_DONT_RETRY, PUSHBACK_KEY, parse_pushback, time_out_at_deadline
 from ._replay import _ReplayBuffer
-from ._status import time_out_at_deadline
 
 __all__: list[str] = []
 

@@ -22,8 +22,8 @@ from typing import Any
 from .._context import CancellationReason
 from .._telemetry import MAX_NAMES, MAX_TEXT, NAME, Telemetry
 from ._plans import _method_name
+from ._policy import time_out_at_deadline
 from ._service_config import MethodName, ServiceConfig, _split_method
-from ._status import time_out_at_deadline
 
 __all__ = [
     "HEDGE_BUCKETS",
