@@ -184,8 +184,6 @@ def _retry(
     now: float,
 ) -> None:
     """Decide and wait one retry on the calling thread (raises when not retried)."""
-    if request.state is not _PENDING:  # Request.cancel() from another thread during send
-        raise _failing.already_completed(request, reason)
     _, strategy, decides, gate = request._resolved_by(self, self._resolve)
     action = self._ask(request, reason, strategy, decides)
     if type(action) is not RetryAction and hasattr(action, "__await__"):
