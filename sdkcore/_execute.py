@@ -77,21 +77,6 @@ async def _awaited(request: Request, reason: RetryReason, answer: Any, strategy:
     return action
 
 
-async def _wait(self: OrchestratorCore, request: Request, rt: Any, delay: float) -> None:
-    """Wait out a backoff of ``delay`` seconds: the loop's own sleep (zero: one checkpoint).
-
-    The request was counted as waiting in retry by ``_settle``: the count is given
-    back here, however the wait ends.
-    """
-    try:
-        if self._sleep is None and not INSTANT_DELAYS.get():
-            await rt.sleep(delay)
-        else:
-            await _injected_wait(self, request, rt, delay)
-    finally:
-        self._leave_backoff()
-
-
 async def _injected_wait(self: OrchestratorCore, request: Request, rt: Any, delay: float) -> None:
     """An injected ``sleep`` (e.g. a VirtualClock's), else ``instant_retries()``'s one
     checkpoint. The injected sleep wins: it is what moves a virtual clock, so under
@@ -106,9 +91,10 @@ async def _injected_wait(self: OrchestratorCore, request: Request, rt: Any, dela
 async def _cancellable_wait(
     self: OrchestratorCore, request: Request, rt: Any, delay: float
 ) -> None:
-    """``execute``'s backoff when no deadline scope is armed: ``Request.cancel()`` still
-    wakes it (a scope without a deadline, for that wait only; the caller then finds the
-    request cancelled). Kept apart so that ``execute``'s frame holds no more locals."""
+    """A backoff ``Request.cancel()`` wakes when no deadline scope is armed (``execute``
+    without a deadline, ``maybe_retry``): a scope without a deadline, for that wait only;
+    the caller then finds the request cancelled. Apart from ``execute`` so that its frame
+    holds no more locals."""
     scope = rt.Scope(_INF)
     previous = request._set_cancel_hook(scope)
     try:
@@ -393,20 +379,15 @@ async def maybe_retry(
             request, reason, action, strategy, gate(_DEBUG), cause, hint, now
         )
         if delay > 0.0 and (self._sleep is None or not INSTANT_DELAYS.get()):
-            # Request.cancel() wakes a real backoff early.
-            scope = rt.Scope(_INF)
-            previous = request._set_cancel_hook(scope)
+            # Request.cancel() wakes a real backoff early (the request is then found cancelled).
             try:
-                await _wait(self, request, rt, delay)
+                await _cancellable_wait(self, request, rt, delay)
             except BaseException as exc:
-                request._set_cancel_hook(previous)
-                if not scope.exit(exc):
-                    self._unsent(request, verdict)
-                    request._finish_by(exc)
-                    raise
-            else:
-                request._set_cancel_hook(previous)
-                scope.exit(None)
+                self._unsent(request, verdict)
+                request._finish_by(exc)
+                raise
+            finally:
+                self._leave_backoff()
         else:
             # The wait written out, as in execute: through _wait it is one more coroutine frame,
             # 3% more instructions per maybe_retry (181.6k against 176.6k for the retried call of
