@@ -1,3 +1,8 @@
+"""``insecure_channel(hedge_delay=...)``: a hedged method's delay learned by a LatencyQuantile.
+
+Against a real grpc.aio server on 127.0.0.1 (rfc/0009, "On gRPC channels").
+"""
+
 from __future__ import annotations
 
 import anyio
@@ -10,28 +15,35 @@ from hedge_server import HedgeScript, hedging_config, ok  # noqa: E402
 from sdkcore._latency import LatencyQuantile  # noqa: E402
 from sdkcore.grpc import insecure_channel  # noqa: E402
 
-pytestmark = pytest.mark.asyncio
-
-
+@pytest.mark.asyncio
 async def test_learned_delay(server: Server) -> None:
     q = LatencyQuantile(min_samples=20, min_delay=0)
     for _ in range(20):
         q.record(0.05)
     script = HedgeScript(server, "M", {0: ok(1.0, b"slow"), 1: ok(0.0, b"fast")})
-    seen = []
+    seen: list[str] = []
+
+    def learned(method: str) -> LatencyQuantile:
+        seen.append(method)
+        return q
+
     async with insecure_channel(
         server.target,
         service_config=hedging_config(max_attempts=2, delay="5s"),
-        hedge_delay=lambda m: (seen.append(m), q)[1],
+        hedge_delay=learned,
     ) as ch:
         with anyio.fail_after(TEST_TIMEOUT):
             assert await ch.unary_unary(script.method)(b"x") == b"fast"
+            # a second call reuses the method's plan: the function is asked once per method
+            assert await ch.unary_unary(script.method)(b"x") == b"fast"
     by = script.by_index()
+    # the learned 50 ms, not the service config's 5 s
     assert 0.04 <= by[1].start - by[0].start < 0.5, by[1].start - by[0].start
-    assert seen == [script.method.lstrip("/")] or seen, seen
-    assert q.count >= 21
+    assert seen == ["/test.Svc/M"]
+    assert q.count >= 22  # every call fed it (the winning hedge of each)
 
 
+@pytest.mark.asyncio
 async def test_cold_no_hedge_and_records(server: Server) -> None:
     q = LatencyQuantile(min_samples=20, min_delay=0)
     script = HedgeScript(server, "M", {0: ok(0.2, b"slow"), 1: ok(0.0, b"fast")})
@@ -42,5 +54,42 @@ async def test_cold_no_hedge_and_records(server: Server) -> None:
     ) as ch:
         with anyio.fail_after(TEST_TIMEOUT):
             assert await ch.unary_unary(script.method)(b"x") == b"slow"
-    assert script.count == 1
+    assert script.count == 1  # before min_samples: no hedge, not even at the config's 10 ms
     assert q.count == 1
+
+
+@pytest.mark.asyncio
+async def test_none_keeps_the_service_configs_delay(server: Server) -> None:
+    script = HedgeScript(server, "M", {0: ok(1.0, b"slow"), 1: ok(0.0, b"fast")})
+    async with insecure_channel(
+        server.target,
+        service_config=hedging_config(max_attempts=2, delay="0.05s"),
+        hedge_delay=lambda m: None,
+    ) as ch:
+        with anyio.fail_after(TEST_TIMEOUT):
+            assert await ch.unary_unary(script.method)(b"x") == b"fast"
+    by = script.by_index()
+    assert 0.04 <= by[1].start - by[0].start < 0.5, by[1].start - by[0].start
+
+
+@pytest.mark.asyncio
+async def test_a_wrong_answer_is_a_clear_error_and_nothing_is_sent(server: Server) -> None:
+    script = HedgeScript(server, "M", {0: ok(0.0, b"ok")})
+    answers: list[object] = [0.05, LatencyQuantile(min_samples=20)]
+    async with insecure_channel(
+        server.target,
+        service_config=hedging_config(max_attempts=2, delay="0.05s"),
+        hedge_delay=lambda m: answers.pop(0),
+    ) as ch:
+        with anyio.fail_after(TEST_TIMEOUT):
+            with pytest.raises(TypeError, match=r"hedge_delay=.*returned 0\.05.*/test\.Svc/M"):
+                await ch.unary_unary(script.method)(b"x")
+            assert script.count == 0
+            # not cached: the next call asks again, and runs
+            assert await ch.unary_unary(script.method)(b"x") == b"ok"
+    assert script.count == 1
+
+
+def test_hedge_delay_must_be_callable() -> None:
+    with pytest.raises(TypeError, match=r"hedge_delay=\.\.\.\) must be a callable"):
+        insecure_channel("127.0.0.1:1", hedge_delay=LatencyQuantile())  # type: ignore[arg-type]
