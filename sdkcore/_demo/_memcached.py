@@ -52,6 +52,7 @@ from ._memcached_report import (
     NAME,
     OUTAGE,
     PAIRS_PER_S,
+    RECOVERED_ERRORS,
     SKIP_LINE,
     TIMEOUT,
     BudgetRun,
@@ -310,8 +311,8 @@ async def _around_a_restart(
             )
         )
 
-    # (issued at, endpoint, outcome) of every request
-    done: list[tuple[float, str, str]] = []
+    # (issued at, endpoint, outcome, "Type: message" of its failure or "") of every request
+    done: list[tuple[float, str, str, str]] = []
 
     async with MemcachedClient(
         [result.endpoints["A"], result.endpoints["B"]],
@@ -322,14 +323,16 @@ async def _around_a_restart(
         # Both requests of a pair count as issued when the pair starts: a GET that follows
         # a SET the outage failed finds nothing, and belongs to the outage.
         async def one(issued: float, endpoint: str, call: Any) -> bool:
+            error = ""
             try:
                 await call()
                 outcome = "ok"
             except Exception as exc:
                 outcome = outcome_of(exc)
+                error = _describe(exc)
                 if outcome == UNEXPECTED:
-                    result.errors.append(f"NOT an sdkcore exception: {_describe(exc)}")
-            done.append((issued, endpoint, outcome))
+                    result.errors.append(f"NOT an sdkcore exception: {error}")
+            done.append((issued, endpoint, outcome, error))
             on_done()
             return outcome == "ok"
 
@@ -376,8 +379,9 @@ async def _around_a_restart(
     restarted = result.restarted_at or 0.0
     outage: Counter[str] = Counter()
     recovered = [0, 0]
+    failed_after: Counter[str] = Counter()
     steady = [0, 0]
-    for issued, endpoint, outcome in done:
+    for issued, endpoint, outcome, error in done:
         if endpoint == "B":
             steady[0] += 1
             steady[1] += outcome == "ok"
@@ -389,8 +393,14 @@ async def _around_a_restart(
         if result.closed_at is not None and issued >= result.closed_at:
             recovered[0] += 1
             recovered[1] += outcome == "ok"
+            if outcome != "ok":
+                failed_after[outcome] += 1
+                if len(result.recovered_errors) < RECOVERED_ERRORS:
+                    t = issued - result.closed_at
+                    result.recovered_errors.append(f"issued {t * 1000:.0f} ms after: {error}")
     result.outage_outcomes = dict(outage.most_common())
     result.recovered = (recovered[0], recovered[1])
+    result.recovered_failures = dict(failed_after.most_common())
     result.steady = (steady[0], steady[1])
 
 

@@ -45,6 +45,8 @@ RESERVE = int(BUDGET["min_retries_per_sec"] * BUDGET["ttl"])
 #: The budget run: this many GETs at once into a dead endpoint, with this timeout.
 BUDGET_REQUESTS = 100
 BUDGET_TIMEOUT = 0.3
+#: How many failures after the breaker closed the report quotes (``Type: message``).
+RECOVERED_ERRORS = 3
 #: A safety net on the whole scenario (it takes about 4 s).
 LIMIT = 60.0
 
@@ -115,6 +117,11 @@ class Outage:
     outage_outcomes: dict[str, int] = attrs.field(factory=dict)
     #: Requests to A issued after its breaker closed, and how many succeeded.
     recovered: tuple[int, int] = (0, 0)
+    #: Those that failed, by outcome id, and the first few of them quoted (when they were
+    #: issued after the close, and ``Type: message``): the claim that requests succeed
+    #: after the restart names what broke it.
+    recovered_failures: dict[str, int] = attrs.field(factory=dict)
+    recovered_errors: list[str] = attrs.field(factory=list)
     #: Requests to B (never killed), and how many succeeded.
     steady: tuple[int, int] = (0, 0)
     requests: int = 0
@@ -201,7 +208,12 @@ class Outage:
                 "requests_while_open": self.requests_while_open,
                 "outcomes": dict(self.outage_outcomes),
             },
-            "recovered": {"requests": self.recovered[0], "succeeded": self.recovered[1]},
+            "recovered": {
+                "requests": self.recovered[0],
+                "succeeded": self.recovered[1],
+                "failures": dict(self.recovered_failures),
+                "first_errors": list(self.recovered_errors),
+            },
             "steady": {"requests": self.steady[0], "succeeded": self.steady[1]},
             "shared_budget": {"balance": self.budget_balance, "refused": self.budget_refused},
             "budget": {

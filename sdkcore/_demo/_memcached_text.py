@@ -116,14 +116,24 @@ def _restart_summary(result: Outage, wrap: Wrap) -> list[str]:
     if result.outage_outcomes:
         text = ", ".join(f"{outcome_text(k)} x{n}" for k, n in result.outage_outcomes.items())
         out += wrap("", f"Requests to A issued while it was down: {text}.", 2)
+    failed = ""
+    if result.recovered_failures:
+        failed = (
+            " (failed: "
+            + ", ".join(f"{outcome_text(k)} x{n}" for k, n in result.recovered_failures.items())
+            + ")"
+        )
     out += wrap(
         "",
         f"After the NOOP canary closed A's breaker: {result.recovered[1]} of "
-        f"{result.recovered[0]} requests to A succeeded. B (never killed): {result.steady[1]} "
-        f"of {result.steady[0]} succeeded. Shared budget at the end: {result.budget_balance} "
-        f"retries available, {result.budget_refused} withdrawal(s) refused.",
+        f"{result.recovered[0]} requests to A succeeded{failed}. B (never killed): "
+        f"{result.steady[1]} of {result.steady[0]} succeeded. Shared budget at the end: "
+        f"{result.budget_balance} retries available, {result.budget_refused} withdrawal(s) "
+        "refused.",
         2,
     )
+    for error in result.recovered_errors:
+        out += wrap("", f"Failed after the close: {error}", 4)
     return out
 
 

@@ -15,6 +15,7 @@ from hedge_server import HedgeScript, hedging_config, ok  # noqa: E402
 from sdkcore._latency import LatencyQuantile  # noqa: E402
 from sdkcore.grpc import insecure_channel  # noqa: E402
 
+
 @pytest.mark.asyncio
 async def test_learned_delay(server: Server) -> None:
     q = LatencyQuantile(min_samples=20, min_delay=0)

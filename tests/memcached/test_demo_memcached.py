@@ -86,7 +86,7 @@ def test_breaker_opens_after_the_kill_and_the_canary_closes_it_after_the_restart
     closes = [t for t, state, _ in a if state == "closed"]
     # it stayed open until memcached was back (on a loaded machine it may trip once more
     # just after the restart, and close again: every close comes after the restart)
-    assert m["killed_at_s"] < m["restarted_at_s"] <= m["closed_at_s"] == closes[0]
+    assert m["killed_at_s"] < m["restarted_at_s"] <= m["closed_at_s"] == closes[0], a
     # B was never killed: its breaker never moved, and all its requests succeeded
     assert not [t for t in m["transitions"] if t["endpoint"] == "b"]
     assert m["steady"]["requests"] > 0
@@ -112,8 +112,13 @@ def test_the_dead_endpoint_sees_at_most_one_probe_per_sleep_window(
 
 def test_requests_succeed_again_after_the_restart(outage: dict[str, Any]) -> None:
     m = outage["memcached"]
-    assert m["recovered"]["requests"] > 0
-    assert m["recovered"]["succeeded"] == m["recovered"]["requests"]
+    recovered = m["recovered"]
+    assert recovered["requests"] > 0
+    # a failure names itself (what it raised, how long after the close) beside the
+    # breaker's timeline
+    assert recovered["succeeded"] == recovered["requests"], (recovered, m["transitions"])
+    assert recovered["failures"] == {}
+    assert recovered["first_errors"] == []
     outcomes = m["outage"]["outcomes"]
     assert outcomes.get("timed_out", 0) > 0  # requests to the dead A timed out
     assert UNEXPECTED not in outcomes
@@ -408,3 +413,37 @@ def test_breaker_events_reach_stderr_with_v_only(
     err = capsys.readouterr().err
     assert ("breaker.opened" in err) is verbose
     assert not structlog.is_configured()
+
+
+def test_failures_after_the_close_are_named_in_both_reports() -> None:
+    from sdkcore._demo._memcached_report import Outage, Transition
+    from sdkcore._demo._memcached_text import render_outage
+    from sdkcore._demo._report import _wrap
+
+    result = Outage(
+        version="1.6",
+        endpoints={"A": "127.0.0.1:1", "B": "127.0.0.1:2"},
+        transitions=[Transition(0.5, "A", "open", "5 failures in 10 outcomes")],
+        killed_at=0.4,
+        tripped_at=0.5,
+        restarted_at=1.6,
+        closed_at=1.7,
+        recovered=(40, 38),
+        recovered_failures={"timed_out": 2},
+        recovered_errors=[
+            "issued 3 ms after: AmbiguousTimeoutException: SET timed out",
+            "issued 9 ms after: AmbiguousTimeoutException: SET timed out",
+        ],
+    )
+    data = result.to_json()
+    assert data["recovered"] == {
+        "requests": 40,
+        "succeeded": 38,
+        "failures": {"timed_out": 2},
+        "first_errors": result.recovered_errors,
+    }
+    assert data["checks"]["requests_succeed_after_restart"] is False
+    text = "\n".join(render_outage(result, str, _wrap))
+    assert "38 of 40 requests to A succeeded (failed: " in text
+    assert text.count("Failed after the close: issued") == 2
+    assert "AmbiguousTimeoutException: SET timed out" in text
