@@ -94,6 +94,23 @@ def test_fast_fail_ends_bad_credentials_at_once_while_best_effort_times_out(
     assert '"reason": "AUTHENTICATION_ERROR"' in example
 
 
+def test_a_call_the_channel_retried_reports_the_channels_attempts() -> None:
+    """overload: RESOURCE_EXHAUSTED is retried by the channel's retryPolicy (pushback
+    honoured), then ends the request as RateLimitedException. Its context counts the
+    orchestrator's retries (none: the mapped exception is final), and ``extra`` the
+    channel's attempts, which an operator would otherwise not see."""
+    pytest.importorskip("grpc")
+    from sdkcore._demo._workload import _METHOD_CONFIGS
+
+    most = max(mc["retryPolicy"]["maxAttempts"] for mc in _METHOD_CONFIGS)
+    data = _run_json("--scenario", "overload")
+    message = example_of(data, "RateLimitedException")["message"]
+    context = json.loads(message[message.index(" {") + 1 :])
+    assert context["retry_attempts"] == 0
+    attempts = context["extra"]["grpc_attempts"]
+    assert 2 <= attempts <= most
+
+
 SNAKE = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")
 #: Maps whose keys are the library's own names (exception classes, opcodes), verbatim.
 VERBATIM = frozenset({"fast_fails", "errors", "frames_before_trip", "frames_after_trip"})

@@ -284,7 +284,13 @@ def _map_status(err: aio.AioRpcError, request: Request) -> RetryReason | BaseExc
         return RetryableError(
             RetryReason.AUTHENTICATION_ERROR, err.details() or "", effect=AttemptEffect.NOT_APPLIED
         )
-    return grpc_failure(code, err.details() or "", read_only=request.idempotent)
+    # The channel's own A6 attempts for this call: the request's context counts only the
+    # orchestrator's retries around the channel, so without them a call the channel tried
+    # four times would read "retry_attempts": 0 (sdkcore.grpc.call_context, rfc/0003).
+    channel = sdkcore.grpc.call_context(err)
+    attempts = None if channel is None else channel.extra.get("grpc_attempts")
+    context = None if attempts is None else request.error_context(extra={"grpc_attempts": attempts})
+    return grpc_failure(code, err.details() or "", read_only=request.idempotent, context=context)
 
 
 def _outcome(
