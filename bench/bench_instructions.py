@@ -13,6 +13,12 @@ Cases (the call of ``bench_doors.py``: 3 retryable failures, zero backoff, succe
 (``asyncio.sleep(0)``), ``execute``, ``execute+deadline`` (``timeout=2.5``),
 ``maybe_retry`` (a hand-wired loop), ``happy+deadline`` (one successful call).
 
+Trio cases (``--case trio-...``; not run by default): the same call under ``trio.run``.
+``trio-hand`` (``trio.sleep(0)`` between attempts), ``trio-hand+scope`` (the same loop
+inside one ``trio.CancelScope`` with a deadline, what a deadline costs at the least on
+trio), ``trio-execute`` and ``trio-execute+deadline``: whether sdkcore's deadline costs
+more than the scope it arms (issue 24, target 3).
+
 gRPC cases (``--case grpc-...``; not run by default: they import grpcio): sdkcore's
 own work on an sdkcore channel, with grpc.aio's call object replaced by a stand-in
 that is over when awaited. ``grpc-bare`` awaits the stand-in alone; ``grpc-ok`` and
@@ -31,7 +37,7 @@ follow), counting the whole client process, grpc's threads included: a hand loop
 ``--tree DIR`` (repeatable) runs the cases against the ``sdkcore`` package found in
 DIR (e.g. ``git archive <rev> sdkcore | tar -x -C DIR``), to compare revisions;
 default: this checkout. Needs valgrind (Debian: ``apt-get install valgrind``); about
-15 s per case and tree. asyncio only: trio's run loop is the same for every tree.
+15 s per case and tree.
 """
 
 from __future__ import annotations
@@ -96,6 +102,48 @@ async def main(case, calls):
         raise SystemExit(f"unknown case {case!r}")
 
 asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+"""
+
+# The same call under trio.run: a hand loop with and without one deadline scope, and execute.
+TRIO_WORKLOAD = r"""
+import logging, sys
+import structlog
+structlog.configure(
+    wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+    cache_logger_on_first_use=True,
+)
+import trio
+from bench_doors import failing
+from sdkcore import BestEffortRetryStrategy, Request, RetryableError, RetryOrchestrator
+
+orch = RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda attempt: 0.0))
+
+async def hand(send):
+    while True:
+        try:
+            return await send(None)
+        except RetryableError:
+            await trio.sleep(0)
+
+async def main(case, calls):
+    send = failing(3)
+    if case == "trio-hand":
+        for _ in range(calls):
+            await hand(send)
+    elif case == "trio-hand+scope":
+        for _ in range(calls):
+            with trio.CancelScope(deadline=trio.current_time() + 2.5):
+                await hand(send)
+    elif case == "trio-execute":
+        for _ in range(calls):
+            await orch.execute(Request(idempotent=True, timeout=None), send)
+    elif case == "trio-execute+deadline":
+        for _ in range(calls):
+            await orch.execute(Request(idempotent=True, timeout=2.5), send)
+    else:
+        raise SystemExit(f"unknown case {case!r}")
+
+trio.run(main, sys.argv[1], int(sys.argv[2]))
 """
 
 # sdkcore's own work on a gRPC channel: grpc.aio's call replaced by a stand-in that
@@ -244,6 +292,7 @@ finally:
 """
 
 CASES = ["hand", "hand-native", "execute", "execute+deadline", "maybe_retry", "happy+deadline"]
+TRIO_CASES = ["trio-hand", "trio-hand+scope", "trio-execute", "trio-execute+deadline"]
 #: The gRPC cases and the case each is compared with (sdkcore's share: the difference).
 GRPC_CASES = {
     "grpc-bare": None,
@@ -269,7 +318,9 @@ def instructions(tree: Path, case: str, calls: int) -> int:
             "--callgrind-out-file=/dev/null",
             sys.executable,
             "-c",
-            GRPC_REAL_WORKLOAD
+            TRIO_WORKLOAD
+            if case in TRIO_CASES
+            else GRPC_REAL_WORKLOAD
             if case.startswith("grpc-real")
             else GRPC_WORKLOAD
             if case in GRPC_CASES
@@ -292,7 +343,7 @@ def instructions(tree: Path, case: str, calls: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--tree", action="append", type=Path, help="a directory holding sdkcore/")
-    parser.add_argument("--case", action="append", choices=CASES + list(GRPC_CASES))
+    parser.add_argument("--case", action="append", choices=CASES + TRIO_CASES + list(GRPC_CASES))
     parser.add_argument("--calls", type=int, default=1000)
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
@@ -320,12 +371,14 @@ def main() -> None:
                 else:
                     print(f"  {case:22s} {per_call:8d}")
                 continue
-            if case == "hand":
+            if case in ("hand", "trio-hand"):
                 reference = per_call
             ratio = (
-                "" if reference is None or case == "hand" else f"  {per_call / reference:.2f}x hand"
+                ""
+                if reference is None or case in ("hand", "trio-hand")
+                else f"  {per_call / reference:.2f}x hand"
             )
-            print(f"  {case:17s} {per_call:8d}{ratio}")
+            print(f"  {case:21s} {per_call:8d}{ratio}")
 
 
 if __name__ == "__main__":
