@@ -225,7 +225,7 @@ class OrchestratorCore:
         """
         if not reason.always_retry and not isinstance(action, RetryAction):
             name = _failing.strategy_name(strategy)
-            error = _failing.bad_action(name, reason, action)
+            error = _failing.bad_action(name, reason, action, _failing.asked(strategy))
             _failing.strategy_failed(request, reason, name, error)
             raise error
         left = request.deadline - now
@@ -314,7 +314,14 @@ class OrchestratorCore:
             exc = _failing.timed_out(request, reason, name, request.clock(), hint=(hint, left))
         else:
             exc = _failing.refused(
-                request, reason, verdict, action, name, self._max_in_retry, self._budget
+                request,
+                reason,
+                verdict,
+                action,
+                name,
+                self._max_in_retry,
+                self._budget,
+                _failing.asked(strategy),
             )
         if isinstance(exc, CouchbaseException):
             _failing.keep_cause(exc, failure)

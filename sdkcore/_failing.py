@@ -31,6 +31,7 @@ from ._errors import (
 )
 from ._reason import RetryReason
 from ._request import Request, RequestState
+from ._strategy import BUILTIN_RETRY_AFTER
 from ._untrusted import show
 
 __all__ = [
@@ -54,6 +55,14 @@ def strategy_name(strategy: object) -> str:
     None stands for RFC 0049's controlled backoff (always-retry reasons).
     """
     return "controlled_backoff" if strategy is None else type(strategy).__name__
+
+
+def asked(strategy: object) -> str:
+    """The strategy's method a door called for its answer: ``decide`` when its
+    ``retry_after`` is a built-in's (the doors then call ``decide``, see
+    ``OrchestratorCore._ask``), else ``retry_after``. For error messages only."""
+    builtin = getattr(getattr(strategy, "retry_after", None), "__func__", None)
+    return "decide" if builtin in BUILTIN_RETRY_AFTER else "retry_after"
 
 
 def answered_by(reason: RetryReason, strategy: object) -> str:
@@ -223,8 +232,12 @@ def refused(
     strategy: str,
     max_requests_in_retry: int,
     budget: Any = None,
+    method: str = "retry_after",
 ) -> BaseException:
-    """Complete ``request`` as not retried (REFUSED, NOT_IDEMPOTENT, TOO_MANY, BUDGET_EXHAUSTED)."""
+    """Complete ``request`` as not retried (REFUSED, NOT_IDEMPOTENT, TOO_MANY, BUDGET_EXHAUSTED).
+
+    ``method``: the strategy's method that answered (:func:`asked`), named when the
+    exception factory of its refusal fails."""
     if verdict is Verdict.TOO_MANY:
         why = CancellationReason.TOO_MANY_REQUESTS_IN_RETRY
     elif verdict is Verdict.BUDGET_EXHAUSTED:
@@ -260,7 +273,7 @@ def refused(
             context=context,
         )
     if action is not None and action.exception is not None:
-        return _built(action.exception, context, strategy, reason)
+        return _built(action.exception, context, f"{strategy}.{method}", reason)
     if verdict is Verdict.NOT_IDEMPOTENT:
         return RequestCanceledException(_not_idempotent(request, reason, action), context=context)
     return RequestCanceledException(
@@ -271,18 +284,18 @@ def refused(
 def _built(
     factory: Callable[[ErrorContext], object],
     context: ErrorContext,
-    strategy: str,
+    answered: str,
     reason: RetryReason,
 ) -> BaseException:
     """What a refusal's exception factory built: an exception instance, or a TypeError
-    naming the strategy and the factory (``raise`` would say only "exceptions must
-    derive from BaseException")."""
+    naming the strategy's method that ``answered`` (``Name.decide``) and the factory
+    (``raise`` would say only "exceptions must derive from BaseException")."""
     built = factory(context)
     if isinstance(built, BaseException):
         return built
     name = getattr(factory, "__qualname__", None) or repr(factory)
     return TypeError(
-        f"{strategy}.retry_after(request, {reason!r}) refused with "
+        f"{answered}(request, {reason!r}) refused with "
         f"RetryAction.no_retry(exception={name}), and that factory returned {show(built)} "
         f"({type(built).__name__}) instead of an exception; the factory is called with the "
         "request's ErrorContext and must return an exception instance, e.g. "
@@ -325,9 +338,10 @@ def strategy_failed(
         )
 
 
-def bad_action(strategy: str, reason: RetryReason, action: object) -> TypeError:
+def bad_action(strategy: str, reason: RetryReason, action: object, method: str) -> TypeError:
+    """A strategy's answer that is not a RetryAction; ``method``: :func:`asked`."""
     return TypeError(
-        f"{strategy}.retry_after(request, {reason!r}) returned {action!r} "
+        f"{strategy}.{method}(request, {reason!r}) returned {action!r} "
         f"({type(action).__name__}); a RetryStrategy must return a RetryAction: "
         "RetryAction.with_duration(delay) or RetryAction.no_retry()"
     )

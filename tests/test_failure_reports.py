@@ -888,3 +888,67 @@ async def test_a_request_without_client_context_shows_none() -> None:
         await RetryOrchestrator().execute(request, send)
     assert "client_context" not in str(info.value)
     assert all("client_context" not in e for e in events)
+
+
+class _DecidesGarbage(BestEffortRetryStrategy):
+    def decide(self, request: Request, reason: RetryReason) -> Any:
+        return 5
+
+
+class _DecidesBadFactory(BestEffortRetryStrategy):
+    def decide(self, request: Request, reason: RetryReason) -> RetryAction:
+        return RetryAction.no_retry(_not_an_exception)
+
+
+class _AnswersGarbage:
+    def retry_after(self, request: Request, reason: RetryReason) -> Any:
+        return 5
+
+
+def _locked_sync(request: Request) -> Any:
+    raise RetryableError(RetryReason.KV_LOCKED)
+
+
+async def _locked_async(request: Request) -> Any:
+    raise RetryableError(RetryReason.KV_LOCKED)
+
+
+async def _through(door: str, req: Request) -> None:
+    """One failed KV_LOCKED attempt through ``door``: the strategy is asked once."""
+    orch = RetryOrchestrator()
+    if door == "execute":
+        await orch.execute(req, _locked_async)
+    elif door == "execute_sync":
+        orch.execute_sync(req, _locked_sync)
+    else:
+        await orch.maybe_retry(req, RetryReason.KV_LOCKED)
+
+
+@pytest.mark.parametrize("door", ["execute", "execute_sync", "maybe_retry"])
+@pytest.mark.parametrize(
+    ("strategy", "expected"),
+    [
+        (
+            _DecidesGarbage(),
+            r"_DecidesGarbage\.decide\(request, <RetryReason\.KV_LOCKED>\) returned 5",
+        ),
+        (
+            _AnswersGarbage(),
+            r"_AnswersGarbage\.retry_after\(request, <RetryReason\.KV_LOCKED>\) returned 5",
+        ),
+        (
+            _DecidesBadFactory(),
+            r"_DecidesBadFactory\.decide\(request, <RetryReason\.KV_LOCKED>\) refused with "
+            r"RetryAction\.no_retry\(exception=_not_an_exception\)",
+        ),
+    ],
+    ids=["decide returns garbage", "retry_after returns garbage", "decide's factory fails"],
+)
+async def test_a_strategys_bad_answer_names_the_method_that_gave_it(
+    door: str, strategy: Any, expected: str
+) -> None:
+    """A subclass that overrides ``decide`` is asked through ``decide`` by every door: its
+    mistake is named there, not in a ``retry_after`` it never wrote."""
+    req = Request(idempotent=True, retry_strategy=strategy)
+    with pytest.raises(TypeError, match=expected):
+        await _through(door, req)
