@@ -168,7 +168,12 @@ def main() -> None:
         print(
             f"seed {seed}: learned p99.9 {adaptive_q:.2f} ms at {adaptive_share:.2%} extra "
             f"(its delay each second: {d[0]:.2f}-{d[-1]:.2f} ms, median "
-            f"{statistics.median(d):.2f}); best fixed: {best}, {best_q:.2f} ms"
+            f"{statistics.median(d):.2f}); "
+            + (
+                f"best fixed: {best}, {best_q:.2f} ms"
+                if fixed
+                else "no fixed delay within the allowance"
+            )
         )
     head = f"{'p99.9 ms (median)':>18s} {'extra (median)':>15s} {'extra (max)':>12s}"
     print(f"\n{'variant':24s} {head}")
