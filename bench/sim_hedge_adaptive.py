@@ -17,7 +17,9 @@ answers after ``--base-ms`` (1.4 ms: memcached, the proxy and the client on loop
 read off the real bench's p50) plus its frame's hold, drawn per copy as the proxy does
 (uniform ``--body-ms`` 1-2 ms, or ``--tail-ms`` 50 ms with probability ``--tail``), plus,
 with ``--jitter-ms``, an exponential jitter of that mean: a body whose top is soft, as a
-real loop's scheduling makes it, where the default body ends sharply.
+real loop's scheduling makes it, where the default body ends sharply; with ``--stall-p``,
+that share of copies is late by up to ``--stall-ms`` more (uniform): stragglers between
+the body and the tail, as a real loop's late ticks and collections put there.
 A losing copy is cancelled (the realistic mode of the real bench, ``--cancel-losers``).
 
 Variants, interleaved request by request at ``--rate`` requests/s each (open loop),
@@ -71,6 +73,8 @@ async def run_seed(args: argparse.Namespace, seed: int) -> list[Variant]:
 
     def latency() -> float:
         hold = args.tail_ms / 1000 if rng.random() < args.tail else rng.uniform(low, high)
+        if args.stall_p and rng.random() < args.stall_p:  # a late loop: between body and tail
+            hold += rng.uniform(0.0, args.stall_ms / 1000)
         return args.base_ms / 1000 + hold + (rng.expovariate(1 / jitter) if jitter else 0.0)
 
     learned = LatencyQuantile(args.max_extra_load, clock=trio.current_time)
@@ -136,6 +140,8 @@ def main() -> None:
     parser.add_argument("--body-ms", type=float, nargs=2, default=(1.0, 2.0))
     parser.add_argument("--base-ms", type=float, default=1.4)
     parser.add_argument("--jitter-ms", type=float, default=0.0)
+    parser.add_argument("--stall-p", type=float, default=0.0)
+    parser.add_argument("--stall-ms", type=float, default=20.0)
     parser.add_argument("--max-extra-load", type=float, default=0.01)
     parser.add_argument("--delays", type=float, nargs="+", default=[3.5, 4, 4.5, 5, 6, 8, 10, 20])
     args = parser.parse_args()
