@@ -14,10 +14,11 @@ from __future__ import annotations
 import math
 import threading
 import time
+from bisect import bisect_right
 from collections import Counter, deque
 from collections.abc import Callable
 from datetime import timedelta
-from itertools import islice
+from itertools import accumulate, islice
 
 from ._duration import to_seconds
 from ._untrusted import show
@@ -92,24 +93,57 @@ def _at_rank(items: list[tuple[int, int]], rank: int) -> int:
     return _TOP  # unreachable: the counts add up to the window's count
 
 
+#: A gap may hold stragglers: an octave above the body holding at most 1/8 as many
+#: latencies as lie past it still parts the body from the tail (rfc/0009, "Stragglers").
+_STRAGGLERS = 8
+
+
 def _past_gap(items: list[tuple[int, int]], count: int, rank: int) -> tuple[int, float, int]:
     """From the ``rank``-th latency up: its bucket, the highest latency below the first gap
-    above it (an octave or more with nothing in it), and how many latencies lie past that
-    gap (cut copies count as past every gap; 0 when there is no gap)."""
+    above it, and how many latencies lie past that latency (the gap's stragglers and the
+    tail beyond it; cut copies count as past every gap; 0 when there is no gap).
+
+    A gap above a latency ``t`` is the octave ``(t, 2t]`` holding at most a
+    ``1/_STRAGGLERS`` share of the latencies past it: none (an empty octave), or a few
+    stragglers a real loop puts between the body and the tail (late ticks, collections),
+    which an empty octave alone would not see past. A continuous tail (exponential,
+    log-normal, Pareto) holds more in each octave than 1/8 of what lies beyond it.
+    """
     seen = 0
-    at = -1
-    top = 0.0
-    for bucket, n in items:
+    start = len(items)
+    for i, (_, n) in enumerate(items):
         seen += n
-        if at < 0:
-            if seen >= rank:
-                at = bucket
-                top = _upper(bucket % _CUT)
-        elif bucket >= _CUT or _upper(bucket) > 2.0 * (1.0 + RELATIVE_ERROR) * top:
-            return at, top, count - seen + n
+        if seen >= rank:
+            start = i
+            break
+    if start == len(items):
+        return _TOP, 0.0, 0
+    at = items[start][0]
+    uppers: list[float] = []  # the latencies above, bucket by bucket (cut copies apart)
+    counts: list[int] = []
+    cut = 0
+    for bucket, n in items[start + 1 :]:
+        if bucket >= _CUT:
+            cut += n
         else:
-            top = _upper(bucket)
-    return (_TOP if at < 0 else at), top, 0
+            uppers.append(_upper(bucket))
+            counts.append(n)
+    after = [*accumulate(reversed(counts))][::-1]
+    after.append(0)  # after[j]: the latencies in buckets j and up
+    top = _upper(at % _CUT)
+    if at >= _CUT:  # q2 among the cut copies: only cut copies lie past it
+        return at, top, cut
+    j = -1  # top is uppers[j] (-1: the rank's own bucket)
+    while True:
+        edge = bisect_right(uppers, 2.0 * (1.0 + RELATIVE_ERROR) * top, j + 1)
+        inside = after[j + 1] - after[edge]
+        past = after[edge] + cut
+        if past and inside * _STRAGGLERS <= past:
+            return at, top, inside + past
+        j += 1
+        if j == len(uppers):
+            return at, top, 0
+        top = uppers[j]
 
 
 def _bucket(seconds: float) -> int:
@@ -411,7 +445,8 @@ class LatencyQuantile:
         Two nearest ranks: ``q``, with at most ``k = floor(max_extra_load * n)`` of the
         ``n`` latencies above it, and ``q2``, with at most ``k2`` (:func:`_slack`: about
         ``1.4 k``). The delay is ``q2`` when the latencies past a gap above ``q2`` (the
-        first octave with none; cut copies are past every gap) are within two standard
+        first octave holding at most 1/8 of what lies past it: :func:`_past_gap`; cut
+        copies are past every gap) are within two standard
         deviations of ``k`` or more: a tail the budget only just covers, if at all, is
         hedged whole, the rest of ``k2`` spent on the body. Else it is ``q``.
 
