@@ -19,7 +19,10 @@ read off the real bench's p50) plus its frame's hold, drawn per copy as the prox
 with ``--jitter-ms``, an exponential jitter of that mean: a body whose top is soft, as a
 real loop's scheduling makes it, where the default body ends sharply; with ``--stall-p``,
 that share of copies is late by up to ``--stall-ms`` more (uniform): stragglers between
-the body and the tail, as a real loop's late ticks and collections put there.
+the body and the tail, as a real loop's late ticks and collections put there; with
+``--burst-rate R``, the client itself stalls R times a second (Poisson) for up to
+``--burst-ms`` (uniform), and every answer due during a stall, of every variant, is read
+when it ends: stragglers in bursts, as the real bench's client loop makes them.
 A losing copy is cancelled (the realistic mode of the real bench, ``--cancel-losers``).
 
 Variants, interleaved request by request at ``--rate`` requests/s each (open loop),
@@ -35,6 +38,8 @@ of each variant, and how many seeds met each verdict.
 from __future__ import annotations
 
 import argparse
+import bisect
+import math
 import random
 import statistics
 from collections.abc import Callable
@@ -77,6 +82,23 @@ async def run_seed(args: argparse.Namespace, seed: int) -> list[Variant]:
             hold += rng.uniform(0.0, args.stall_ms / 1000)
         return args.base_ms / 1000 + hold + (rng.expovariate(1 / jitter) if jitter else 0.0)
 
+    # The client's own stalls (a late loop, a collection): every answer due inside one is
+    # read when it ends, for every variant at once. Drawn up front from their own stream.
+    stalls: list[tuple[float, float]] = []
+    if args.burst_rate:
+        burst_rng = random.Random(seed * 7919 + 1)
+        t = trio.current_time()
+        end = t + args.warmup + args.seconds + 1.0
+        while True:
+            t += burst_rng.expovariate(args.burst_rate)
+            if t >= end:
+                break
+            stalls.append((t, t + burst_rng.uniform(0.0, args.burst_ms / 1000)))
+
+    def stalled_until(now: float) -> float:
+        i = bisect.bisect_right(stalls, (now, math.inf)) - 1
+        return stalls[i][1] if i >= 0 and stalls[i][0] <= now < stalls[i][1] else now
+
     learned = LatencyQuantile(args.max_extra_load, clock=trio.current_time)
     variants = [Variant("no hedging", HedgePolicy(max_attempts=1))]
     variants += [
@@ -100,6 +122,8 @@ async def run_seed(args: argparse.Namespace, seed: int) -> list[Variant]:
             if index and counted:
                 variant.extra += 1
             await trio.sleep(draws[index])
+            if stalls:
+                await trio.sleep_until(stalled_until(trio.current_time()))
             return b"v"
 
         return send
@@ -142,6 +166,8 @@ def main() -> None:
     parser.add_argument("--jitter-ms", type=float, default=0.0)
     parser.add_argument("--stall-p", type=float, default=0.0)
     parser.add_argument("--stall-ms", type=float, default=20.0)
+    parser.add_argument("--burst-rate", type=float, default=0.0)
+    parser.add_argument("--burst-ms", type=float, default=30.0)
     parser.add_argument("--max-extra-load", type=float, default=0.01)
     parser.add_argument("--delays", type=float, nargs="+", default=[3.5, 4, 4.5, 5, 6, 8, 10, 20])
     args = parser.parse_args()
