@@ -280,7 +280,7 @@ def render_slowdown(report: Report, style: Callable[[str], str] = _plain) -> lis
     )
     for run in result.runs.values():
         doc = run.to_json()
-        limit = "-" if run.final_limit is None else str(run.final_limit)
+        limit = "-" if run.settled_limit is None else str(run.settled_limit)
         out.append(
             f"  {run.label:<30.30}{run.sent:>6}{run.answered:>9}{run.goodput:>10.0f}"
             f"{doc['p50_ms']:>8.1f}{doc['p99_ms']:>8.1f}{run.timed_out:>10}{run.shed:>6}{limit:>6}"
@@ -289,7 +289,8 @@ def render_slowdown(report: Report, style: Callable[[str], str] = _plain) -> lis
         "",
         "timed out: cut in flight (the endpoint did the work, nobody got the answer); shed: "
         "ended without being sent (refused by the limiter until the deadline); p50/p99: "
-        "answered requests, from their start; limit: the limiter's limit at the end.",
+        "answered requests, from their start; limit: the limiter's limit over the run's last "
+        "quarter (the median: overloaded from the start, it first grows, then comes down).",
         indent=2,
     )
     return out
