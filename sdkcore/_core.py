@@ -26,7 +26,7 @@ from ._decision import Decision, Verdict, decide, spends_budget
 from ._errors import CouchbaseException
 from ._reason import RetryReason
 from ._request import Request, RequestState
-from ._strategy import BUILTIN_RETRY_AFTER, FastFailOnTerminalErrorRetryStrategy, RetryStrategy
+from ._strategy import FastFailOnTerminalErrorRetryStrategy, RetryStrategy, sync_decide
 from ._untrusted import show
 
 if TYPE_CHECKING:  # imported by the constructor, only when given a telemetry
@@ -180,10 +180,7 @@ class OrchestratorCore:
         gives the logger or None, per retry.
         """
         strategy: Any = request.retry_strategy or self._default
-        decides = None
-        if getattr(strategy.retry_after, "__func__", None) in BUILTIN_RETRY_AFTER:
-            decides = strategy.decide
-        return strategy, decides, _log.gate()
+        return strategy, sync_decide(strategy), _log.gate()
 
     def _ask(self, request: Request, reason: RetryReason, strategy: Any, decides: Any) -> Any:
         """The strategy's answer: a RetryAction, or an awaitable of one for an async strategy.

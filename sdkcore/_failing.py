@@ -31,7 +31,7 @@ from ._errors import (
 )
 from ._reason import RetryReason
 from ._request import Request, RequestState
-from ._strategy import BUILTIN_RETRY_AFTER
+from ._strategy import sync_decide
 from ._untrusted import show
 
 __all__ = [
@@ -58,11 +58,9 @@ def strategy_name(strategy: object) -> str:
 
 
 def asked(strategy: object) -> str:
-    """The strategy's method a door called for its answer: ``decide`` when its
-    ``retry_after`` is a built-in's (the doors then call ``decide``, see
-    ``OrchestratorCore._ask``), else ``retry_after``. For error messages only."""
-    builtin = getattr(getattr(strategy, "retry_after", None), "__func__", None)
-    return "decide" if builtin in BUILTIN_RETRY_AFTER else "retry_after"
+    """The strategy's method a door called for its answer (:func:`sync_decide`'s rule):
+    ``decide`` or ``retry_after``. For error messages only."""
+    return "retry_after" if sync_decide(strategy) is None else "decide"
 
 
 def answered_by(reason: RetryReason, strategy: object) -> str:

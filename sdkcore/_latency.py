@@ -98,7 +98,7 @@ def _at_rank(items: list[tuple[int, int]], rank: int) -> int:
 _STRAGGLERS = 8
 
 
-def _past_gap(items: list[tuple[int, int]], count: int, rank: int) -> tuple[int, float, int]:
+def _past_gap(items: list[tuple[int, int]], rank: int) -> tuple[int, float, int]:
     """From the ``rank``-th latency up: its bucket, the highest latency below the first gap
     above it, and how many latencies lie past that latency (the gap's stragglers and the
     tail beyond it; cut copies count as past every gap; 0 when there is no gap).
@@ -502,8 +502,8 @@ class LatencyQuantile:
         items = sorted(merged.items())  # the cut copies last
         first = _at_rank(items, rank)
         fourth = _at_rank(items, rank4)
-        _, previous, beyond = _past_gap(items, count, rank2)
-        third, previous3, beyond3 = _past_gap(items, count, rank3)
+        _, previous, beyond = _past_gap(items, rank2)
+        third, previous3, beyond3 = _past_gap(items, rank3)
         least = above - 2.0 * math.sqrt(above + 1)
         if self._keep and third < _CUT and beyond3 > above2 and beyond3 >= least:
             # The tail was hedged whole and is past k2 now, but within _stay's allowance

@@ -9,6 +9,7 @@ a built-in by overriding ``decide`` and calling ``super().decide(...)``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 
 from ._action import RetryAction
@@ -29,6 +30,7 @@ __all__ = [
     "FailFastRetryStrategy",
     "FastFailOnTerminalErrorRetryStrategy",
     "RetryStrategy",
+    "sync_decide",
 ]
 
 
@@ -163,3 +165,13 @@ BUILTIN_RETRY_AFTER = frozenset(
         FailFastRetryStrategy.retry_after,
     }
 )
+
+
+def sync_decide(strategy: object) -> Callable[[Request, RetryReason], RetryAction] | None:
+    """The strategy's synchronous ``decide`` when its ``retry_after`` is a built-in's
+    (every door then calls ``decide``: no coroutine per retry), else None (it is asked
+    through ``retry_after``). The one place that rule is written."""
+    if getattr(getattr(strategy, "retry_after", None), "__func__", None) in BUILTIN_RETRY_AFTER:
+        decide: Callable[[Request, RetryReason], RetryAction] = strategy.decide  # type: ignore[attr-defined]
+        return decide
+    return None
