@@ -48,10 +48,9 @@ from typing import Any
 
 import trio
 import trio.testing
+from bench_hedge_adaptive import SLACK, nearest_rank  # the real bench's verdict, the same
 
 from sdkcore import HedgePolicy, LatencyQuantile, Request, RetryOrchestrator
-
-SLACK = 0.005  # the allowance over max_extra_load
 
 
 @dataclass
@@ -62,11 +61,6 @@ class Variant:
     latencies: list[float] = field(default_factory=list)
     extra: int = 0  # copies after the first, sent for counted requests
     delays: list[float] = field(default_factory=list)  # the learned delay (ms), each second
-
-
-def nearest_rank(ordered: list[float], q: float) -> float:
-    rank = max(1, -(-round(q * len(ordered) * 1000) // 1000))
-    return ordered[min(len(ordered), rank) - 1]
 
 
 async def run_seed(args: argparse.Namespace, seed: int) -> list[Variant]:
