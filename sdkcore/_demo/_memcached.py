@@ -71,6 +71,7 @@ __all__ = [
     "planned_requests",
     "render_outage",
     "run_outage",
+    "tally",
 ]
 
 
@@ -375,6 +376,13 @@ async def _around_a_restart(
     if trip is not None:
         result.frames_before_trip = _opcodes(_minus(trip, kill))
         result.frames_after_trip = _opcodes(_minus(restart, trip))
+    tally(result, done)
+
+
+def tally(result: Outage, done: list[tuple[float, str, str, str]]) -> None:
+    """Count ``done`` into ``result``: each request's (issued at, endpoint, outcome,
+    ``Type: message`` of its failure or "") against the kill, trip, restart and close
+    times ``result`` holds. No I/O: the test gives it made-up requests."""
     killed = result.killed_at or 0.0
     restarted = result.restarted_at or 0.0
     outage: Counter[str] = Counter()

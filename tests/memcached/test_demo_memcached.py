@@ -447,3 +447,33 @@ def test_failures_after_the_close_are_named_in_both_reports() -> None:
     assert "38 of 40 requests to A succeeded (failed: " in text
     assert text.count("Failed after the close: issued") == 2
     assert "AmbiguousTimeoutException: SET timed out" in text
+
+
+def test_failures_after_the_close_are_counted_and_the_first_three_quoted() -> None:
+    from sdkcore._demo._memcached import tally
+    from sdkcore._demo._memcached_report import RECOVERED_ERRORS, Outage
+
+    result = Outage(killed_at=0.4, tripped_at=0.5, restarted_at=1.6, closed_at=1.7)
+    late = "AmbiguousTimeoutException: SET timed out"
+    done = [
+        (0.1, "A", "ok", ""),  # before the kill: counted nowhere but in the total
+        (0.45, "A", "timed_out", "UnambiguousTimeoutException: GET timed out"),  # before the trip
+        (0.6, "A", "timed_out", "UnambiguousTimeoutException: GET timed out"),  # while open
+        (1.65, "A", "ok", ""),  # after the restart, before the close
+        (1.70, "A", "ok", ""),
+        (1.701, "A", "timed_out", late),
+        (1.705, "A", "timed_out", late),
+        (1.71, "A", "not_found", "DocumentNotFoundException: key"),
+        (1.72, "A", "timed_out", late),
+        (1.0, "B", "ok", ""),
+        (1.1, "B", "timed_out", late),
+    ]
+    tally(result, done)
+    assert result.outage_outcomes == {"timed_out": 2}
+    assert result.requests_while_open == 1
+    assert result.recovered == (5, 1)
+    assert result.recovered_failures == {"timed_out": 3, "not_found": 1}
+    assert len(result.recovered_errors) == RECOVERED_ERRORS == 3
+    assert result.recovered_errors[0] == f"issued 1 ms after: {late}"
+    assert result.recovered_errors[2] == "issued 10 ms after: DocumentNotFoundException: key"
+    assert result.steady == (2, 1)
