@@ -26,7 +26,7 @@ from sdkcore import (
     RetryOrchestrator,
     RetryReason,
 )
-from sdkcore._latency import _CUT, RELATIVE_ERROR, LatencyQuantile
+from sdkcore._latency import _CUT, RELATIVE_ERROR, LatencyQuantile, _bucket, _past_gap, _upper
 from sdkcore.testing import VirtualClock, instant_retries
 
 SAFETY = 10.0  # every hedging test fails instead of hanging after this long
@@ -229,6 +229,48 @@ def test_a_continuous_tail_is_no_gap() -> None:
     samples = body + tail
     exact = nearest_rank(samples, 0.01)
     assert exact <= window_of(samples) <= exact * (1 + RELATIVE_ERROR)
+
+
+def _first_empty_octave(items: list[tuple[int, int]], rank: int) -> tuple[float, int] | None:
+    """The rule before stragglers were allowed: the first empty octave above the
+    ``rank``-th latency (its body's top, and how many lie past it), or None."""
+    seen, top = 0, None
+    for bucket, n in items:
+        seen += n
+        if top is None:
+            if seen >= rank:
+                top = _upper(bucket % _CUT)
+        elif bucket >= _CUT or _upper(bucket) > 2.0 * (1.0 + RELATIVE_ERROR) * top:
+            return top, sum(m for _, m in items) - seen + n
+        else:
+            top = _upper(bucket)
+    return None
+
+
+def test_a_gap_with_stragglers_is_found_where_an_empty_octave_was_or_lower() -> None:
+    # rfc/0009 "Stragglers": every empty octave is still a gap, so the learned delay can
+    # only come down. Random windows: body, stragglers, tail and cut copies.
+    rng = random.Random(23)
+    for _ in range(300):
+        counts: dict[int, int] = {}
+        for _ in range(rng.choice([100, 1000, 4500])):
+            r = rng.random()
+            if r < 0.01:
+                x = 0.05
+            elif r < 0.01 + rng.random() * 0.01:
+                x = rng.uniform(0.005, 0.04)
+            else:
+                x = 0.002 + rng.expovariate(2500.0)
+            bucket = _bucket(x) + (_CUT if x > 0.004 and rng.random() < 0.005 else 0)
+            counts[bucket] = counts.get(bucket, 0) + 1
+        items = sorted(counts.items())
+        total = sum(counts.values())
+        rank = total - rng.randint(0, math.floor(0.02 * total))
+        old = _first_empty_octave(items, rank)
+        _, top, beyond = _past_gap(items, rank)
+        if old is not None:
+            assert beyond >= old[1] > 0
+            assert top <= old[0]
 
 
 def test_a_tail_past_k2_is_not_entered_without_the_hysteresis() -> None:
