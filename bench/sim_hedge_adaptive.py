@@ -20,9 +20,14 @@ with ``--jitter-ms``, an exponential jitter of that mean: a body whose top is so
 real loop's scheduling makes it, where the default body ends sharply; with ``--stall-p``,
 that share of copies is late by up to ``--stall-ms`` more (uniform): stragglers between
 the body and the tail, as a real loop's late ticks and collections put there; with
-``--burst-rate R``, the client itself stalls R times a second (Poisson) for up to
-``--burst-ms`` (uniform), and every answer due during a stall, of every variant, is read
-when it ends: stragglers in bursts, as the real bench's client loop makes them.
+``--burst-rate R``, stalls come R times a second (Poisson), each up to ``--burst-ms``
+(uniform), for every variant at once: stragglers in bursts. ``--burst-kind loop`` (the
+default) stalls the client's whole event loop, as a collection or a preempted process
+does: the virtual clock jumps over the stall while no task runs, so every answer *and
+every timer* due meanwhile (the hedges' delays among them) comes at its end, in the
+order trio runs a batch of ready tasks; this is what the real bench's client loop does.
+``--burst-kind answers`` holds only the answers (the hedges' timers still fire on
+time): a stall of the server's side, the proxy's or memcached's.
 A losing copy is cancelled (the realistic mode of the real bench, ``--cancel-losers``).
 
 Variants, interleaved request by request at ``--rate`` requests/s each (open loop),
@@ -63,7 +68,9 @@ class Variant:
     delays: list[float] = field(default_factory=list)  # the learned delay (ms), each second
 
 
-async def run_seed(args: argparse.Namespace, seed: int) -> list[Variant]:
+async def run_seed(
+    args: argparse.Namespace, seed: int, clock: trio.testing.MockClock
+) -> list[Variant]:
     rng = random.Random(seed)
     orchestrator = RetryOrchestrator()
     low, high = args.body_ms[0] / 1000, args.body_ms[1] / 1000
@@ -116,7 +123,7 @@ async def run_seed(args: argparse.Namespace, seed: int) -> list[Variant]:
             if index and counted:
                 variant.extra += 1
             await trio.sleep(draws[index])
-            if stalls:
+            if stalls and args.burst_kind == "answers":
                 await trio.sleep_until(stalled_until(trio.current_time()))
             return b"v"
 
@@ -132,7 +139,15 @@ async def run_seed(args: argparse.Namespace, seed: int) -> list[Variant]:
 
     total = int((args.warmup + args.seconds) * args.rate)
     adaptive = variants[-1]
+
+    async def stall_the_loop() -> None:
+        for begin, end in stalls:
+            await trio.sleep_until(begin)
+            clock.jump(end - begin)  # no task runs meanwhile: everything due comes at the end
+
     async with trio.open_nursery() as nursery:
+        if stalls and args.burst_kind == "loop":
+            nursery.start_soon(stall_the_loop)
         for i in range(total):
             await trio.sleep_until(start + i / args.rate)
             if i % int(args.rate) == 0 and trio.current_time() >= warm_until:
@@ -162,6 +177,7 @@ def main() -> None:
     parser.add_argument("--stall-ms", type=float, default=20.0)
     parser.add_argument("--burst-rate", type=float, default=0.0)
     parser.add_argument("--burst-ms", type=float, default=30.0)
+    parser.add_argument("--burst-kind", choices=("loop", "answers"), default="loop")
     parser.add_argument("--max-extra-load", type=float, default=0.01)
     parser.add_argument("--delays", type=float, nargs="+", default=[3.5, 4, 4.5, 5, 6, 8, 10, 20])
     args = parser.parse_args()
@@ -176,7 +192,7 @@ def main() -> None:
     )
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         clock = trio.testing.MockClock(autojump_threshold=0)
-        variants = trio.run(run_seed, args, seed, clock=clock)
+        variants = trio.run(run_seed, args, seed, clock, clock=clock)
         rows = []
         for v in variants:
             ordered = sorted(v.latencies)

@@ -41,6 +41,7 @@ __all__ = [
     "EVENT_HEDGE_WON",
     "HedgePolicy",
     "HedgeThrottler",
+    "answered_before_hedge",
     "run_hedged",
 ]
 
@@ -56,6 +57,15 @@ EVENT_HEDGE_CANCELLED = "hedge.cancelled"
 EVENT_HEDGE_FAILED = "hedge.failed"
 
 
+def answered_before_hedge(elapsed: float, delay: float) -> float:
+    """The latency a learned delay records for an answer read before the next copy went
+    out (rfc/0009, "Answered before the hedge went out"): ``elapsed`` when shorter than
+    ``delay``, else just under ``delay``. Such an answer cost no extra load; past the
+    delay, it is only later than the delay because the loop read it before it ran the
+    hedge's timer, or the task that sends the hedge."""
+    return elapsed if elapsed < delay else math.nextafter(delay, 0.0)
+
+
 # Per-attempt outcomes, as they appear in error contexts.
 _IN_FLIGHT = "in_flight"
 _WON = "won"
@@ -66,12 +76,13 @@ _DROPPED = "dropped"
 
 
 class _Attempt:
-    __slots__ = ("error", "index", "outcome", "reason", "started", "trigger")
+    __slots__ = ("begun", "error", "index", "outcome", "reason", "started", "trigger")
 
     def __init__(self, index: int, trigger: str, started: float) -> None:
         self.index = index
         self.trigger = trigger
         self.started = started
+        self.begun = False  # its run() began: send may have been called
         self.outcome = _IN_FLIGHT
         self.reason: RetryReason | None = None
         self.error = ""
@@ -234,6 +245,15 @@ class _Chain:
 
     async def run(self, attempt: _Attempt) -> None:
         """Send one copy and book its outcome. Raises only the copy's cancellation."""
+        attempt.begun = True
+        if self.over:
+            # Booked in the same turn as the answer that ended the chain, and begun after
+            # it (trio starts every task it was given, cancelled or not): not sent.
+            self.unsent(attempt)
+            wake = self.wake
+            if wake is not None:
+                wake()
+            return
         trace = self.request._trace
         if trace is not None and attempt.index > 0:
             # Counted here, where the copy is really sent: a copy booked and then cut before
@@ -268,7 +288,7 @@ class _Chain:
             self.outstanding -= 1
             latency = self.latency
             if latency is not None:
-                latency.record(self._elapsed(attempt))
+                latency.record(self._learned(attempt))
             self._won(attempt, result)
         finally:
             self.request._dispatched_done(mark)
@@ -283,9 +303,30 @@ class _Chain:
             elapsed += self.first_elapsed
         return elapsed if elapsed > 0.0 else 0.0
 
+    def _learned(self, attempt: _Attempt) -> float:
+        """The latency of ``attempt``, an answer, as the learned delay takes it (rfc/0009,
+        "Answered before the hedge went out").
+
+        An answer read after the delay but before the next copy went out (the loop ran
+        the answer before the hedge's timer, or before the task that sends it) counts as
+        just under the delay (:func:`answered_before_hedge`).
+        """
+        elapsed = self._elapsed(attempt)
+        delay = self.delay
+        if elapsed < delay:
+            return elapsed
+        following = attempt.index + 1
+        if following < len(self.attempts):  # booked: had it begun?
+            after = self.attempts[following]
+            unsent = after.trigger == "delay" and not after.begun
+        else:  # due, and not booked yet (a refusal by the budget or throttler sets stop)
+            unsent = self.next_trigger == "delay" and self.stop is None and following < self.limit
+        return answered_before_hedge(elapsed, delay) if unsent else elapsed
+
     def unsent(self, attempt: _Attempt) -> None:
         """``attempt`` was cut before its :meth:`run` began (asyncio can cancel a task
-        before its first step): ``send`` was never called, so it is booked as not sent."""
+        before its first step), or began once the chain was already over: ``send`` was
+        never called, so it is booked as not sent."""
         if attempt.outcome is _IN_FLIGHT:
             self.outstanding -= 1
             attempt.outcome = _CANCELLED

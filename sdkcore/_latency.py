@@ -73,6 +73,10 @@ _STAY = 0.005
 _STAY_SD = 2.0
 
 
+#: ... and at most this many times the delay kept so far (see _refresh).
+_KEEP_RISE = 2.0
+
+
 def _stay(extra: float, count: int, above2: int) -> int:
     """How many of ``count`` latencies may lie past the gap and still be hedged whole,
     once they are (the hysteresis of :meth:`LatencyQuantile._refresh`):
@@ -505,10 +509,19 @@ class LatencyQuantile:
         _, previous, beyond = _past_gap(items, rank2)
         third, previous3, beyond3 = _past_gap(items, rank3)
         least = above - 2.0 * math.sqrt(above + 1)
-        if self._keep and third < _CUT and beyond3 > above2 and beyond3 >= least:
+        if (
+            self._keep
+            and third < _CUT
+            and beyond3 > above2
+            and beyond3 >= least
+            and previous3 <= _KEEP_RISE * self._delay
+        ):
             # The tail was hedged whole and is past k2 now, but within _stay's allowance
             # (beyond3 <= above3): keep hedging it whole, the delay at the body's top
-            # (the highest latency below the gap), no share of the body hedged.
+            # (the highest latency below the gap), no share of the body hedged. Not when
+            # that top is more than twice the delay kept so far: then what lies below the
+            # gap is no longer the body it hedged (stragglers filled the octaves up to the
+            # tail, and past the gap there are only the cut copies).
             self._set(previous3)
             return
         self._keep = bool(beyond) and beyond >= least

@@ -18,6 +18,7 @@ import grpc
 from grpc import aio
 from grpc.aio import _base_call
 
+from .._hedge import answered_before_hedge
 from .._hooks import INSTANT_DELAYS
 from .._request import dispatching
 from ._call import Origin, outer_bound
@@ -110,6 +111,7 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         self._first = first
         self._timer: asyncio.TimerHandle | None = None
         delay = plan.policy.delay.total_seconds()  # a LatencyQuantile's: inf before min_samples
+        self._delay = delay
         if plan.policy.effective_max_attempts > 1 and delay != math.inf:
             self._timer = loop.call_later(0.0 if INSTANT_DELAYS.get() else delay, self._hedge)
         first.add_done_callback(self._first_done)
@@ -127,8 +129,9 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             if not self._ended:
                 self._ended = True
                 latency = self._plan.policy.latency
-                if latency is not None:  # hedge 0 answered before the delay (rfc/0009)
-                    latency.record(max(self._loop.time() - self._sent_at, 0.0))
+                if latency is not None:  # hedge 0 answered before hedge 1 went out (rfc/0009)
+                    elapsed = max(self._loop.time() - self._sent_at, 0.0)
+                    latency.record(answered_before_hedge(elapsed, self._delay))
                 throttler = self._core.throttler
                 if throttler is not None:
                     throttler.record_success()

@@ -30,7 +30,7 @@ from .._errors import (
     RetryableError,
     TimeoutException,
 )
-from .._hedge import run_hedged
+from .._hedge import answered_before_hedge, run_hedged
 from .._hooks import INSTANT_DELAYS
 from .._request import _DISPATCHING, Request, dispatching
 from ._call import Origin, _Since, answered, outer_bound
@@ -293,6 +293,7 @@ async def hedged_unary_unary(
     adopted: Any = first
     #: Each hedge's attempt in the call's telemetry, by index (hedge 0's started first).
     attempts: dict[int, Any] = {} if trace is None else {0: trace.current}
+    delay = plan.policy.delay.total_seconds()  # inf: a LatencyQuantile before min_samples
     try:
         if not first.done() and not direct:
             woken = loop.create_future()
@@ -302,7 +303,6 @@ async def hedged_unary_unary(
                     woken.set_result(None)
 
             first.add_done_callback(wake)
-            delay = plan.policy.delay.total_seconds()  # inf: a LatencyQuantile before min_samples
             timer = None
             if plan.policy.effective_max_attempts > 1 and delay != math.inf:
                 timer = loop.call_later(0.0 if INSTANT_DELAYS.get() else delay, wake)
@@ -326,8 +326,8 @@ async def hedged_unary_unary(
                 if trace is not None:
                     trace.attempt_end(attempts[0], None)
                 latency = plan.policy.latency
-                if latency is not None:  # hedge 0 answered before the delay (rfc/0009)
-                    latency.record(max(loop.time() - sent_at, 0.0))
+                if latency is not None:  # hedge 0 answered before hedge 1 went out (rfc/0009)
+                    latency.record(answered_before_hedge(max(loop.time() - sent_at, 0.0), delay))
                 if throttler is not None:
                     throttler.record_success()
                 md = await first.trailing_metadata()
