@@ -31,6 +31,7 @@ from sdkcore import (  # noqa: E402
     RetryReason,
 )
 from sdkcore.grpc import (  # noqa: E402
+    BackoffJitter,
     HedgingPolicy,
     RetryController,
     RetryPolicy,
@@ -447,8 +448,10 @@ async def test_awaited_call_cancelled_during_the_backoff(server: Server) -> None
 
     method = server.unary_unary("CB", _always(UNAVAILABLE))
     with anyio.fail_after(TEST_TIMEOUT):
-        async with insecure_channel(
-            server.target, service_config=retry_config(initial="20s", maximum="20s")
+        async with insecure_channel(  # a 16-24 s backoff: the call is surely waiting in it
+            server.target,
+            service_config=retry_config(initial="20s", maximum="20s"),
+            backoff_jitter=BackoffJitter.PROPORTIONAL,
         ) as ch:
             orchestrator = retry_controller(ch).orchestrator
             call = ch.unary_unary(method)(b"x")

@@ -535,7 +535,9 @@ async def test_server_unavailable_timeout_says_the_call_may_have_reached_it(
     method = server.unary_unary("M", fail_then_ok(99, UNAVAILABLE))
     cfg = retry_config(initial="5s", maximum="5s")
     with anyio.fail_after(TEST_TIMEOUT):
-        async with insecure_channel(server.target, service_config=cfg) as ch:
+        async with insecure_channel(  # a 4-6 s backoff: the deadline comes inside it
+            server.target, service_config=cfg, backoff_jitter=BackoffJitter.PROPORTIONAL
+        ) as ch:
             with pytest.raises(aio.AioRpcError) as info:
                 await ch.unary_unary(method)(b"x", timeout=0.2)
     assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED

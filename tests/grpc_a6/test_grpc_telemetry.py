@@ -39,6 +39,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E4
 
 import sdkcore  # noqa: E402
 from sdkcore.grpc import (  # noqa: E402
+    BackoffJitter,
     RetryController,
     RetryStats,
     insecure_channel,
@@ -289,10 +290,15 @@ async def test_deadline_during_backoff_is_deadline_exceeded_and_a_timeout(
     server: Server, otel: Otel
 ) -> None:
     method = server.unary_unary("M", fail_then_ok(99))
+    # A 16-24 s backoff (A6's full jitter drew below the 0.3 s deadline 1.5% of the time,
+    # and the call then made a second attempt)
     cfg = retry_config(initial="20s", maximum="20s")
     with anyio.fail_after(TEST_TIMEOUT):
         async with insecure_channel(
-            server.target, service_config=cfg, telemetry=otel.telemetry
+            server.target,
+            service_config=cfg,
+            telemetry=otel.telemetry,
+            backoff_jitter=BackoffJitter.PROPORTIONAL,
         ) as ch:
             with pytest.raises(aio.AioRpcError) as info:
                 await ch.unary_unary(method)(b"x", timeout=0.3)
@@ -799,7 +805,12 @@ async def test_a_call_ended_while_waiting_to_retry_is_cancelled(
     method = server.unary_unary("M", fail_then_ok(99))
     cfg = retry_config(initial="20s", maximum="20s")
     with anyio.fail_after(TEST_TIMEOUT):
-        ch = insecure_channel(server.target, service_config=cfg, telemetry=otel.telemetry)
+        ch = insecure_channel(  # a 16-24 s backoff: the call is surely waiting in it
+            server.target,
+            service_config=cfg,
+            telemetry=otel.telemetry,
+            backoff_jitter=BackoffJitter.PROPORTIONAL,
+        )
         orchestrator = retry_controller(ch).orchestrator
         call = ch.unary_unary(method)(b"x")
         pending = asyncio.ensure_future(call)
