@@ -116,7 +116,10 @@ def test_requests_succeed_again_after_the_restart(outage: dict[str, Any]) -> Non
     assert recovered["requests"] > 0
     # a failure names itself (what it raised, how long after the close) beside the
     # breaker's timeline
-    assert recovered["succeeded"] == recovered["requests"], (recovered, m["transitions"])
+    assert recovered["succeeded"] == recovered["requests"], "\n".join(
+        # a string, shown whole (a tuple's repr is cut at 240 characters): the errors first
+        [*recovered["first_errors"], f"recovered: {recovered}", f"transitions: {m['transitions']}"]
+    )
     assert recovered["failures"] == {}
     assert recovered["first_errors"] == []
     outcomes = m["outage"]["outcomes"]
