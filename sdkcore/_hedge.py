@@ -313,7 +313,7 @@ class _Chain:
         """
         elapsed = self._elapsed(attempt)
         delay = self.delay
-        if elapsed < delay:
+        if elapsed < delay or delay <= 0.0:  # 0: instant_retries() in tests, nothing to beat
             return elapsed
         following = attempt.index + 1
         if following < len(self.attempts):  # booked: had it begun?

@@ -73,7 +73,8 @@ _STAY = 0.005
 _STAY_SD = 2.0
 
 
-#: ... and at most this many times the delay kept so far (see _refresh).
+#: A tail hedged whole stays so only while the body's top it keeps is at most this many
+#: times the delay kept so far (see _refresh).
 _KEEP_RISE = 2.0
 
 
