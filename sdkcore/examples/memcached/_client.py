@@ -243,14 +243,19 @@ class _Connection:
         opaque: int,
         expired: Callable[[], bool],
         request: Request | None = None,
+        *,
+        silent_for: float = 0.0,
     ) -> proto.Response:
         """Write ``frame`` and wait for its response (OSError when the connection is lost).
 
         ``_NotWritten`` (a ``TimeoutError``) when the deadline had passed before
         anything was written. ``expired()`` says, when the wait is cut, whether a
-        deadline cut it. An attempt cut after its frame was written, on a connection
-        that stays open, is remembered (with ``request``'s timeout), so its late answer
-        goes to the client's orphan reporter.
+        deadline cut it; the connection is then closed as black-holed if nothing at
+        all came on it since the frame was written, for at least ``silent_for``
+        seconds (half the request's timeout: a frame written with a few milliseconds
+        left says nothing of the connection). An attempt cut after its frame was
+        written, on a connection that stays open, is remembered (with ``request``'s
+        timeout), so its late answer goes to the client's orphan reporter.
         """
         if self.lost is not None:
             raise ConnectionResetError(f"connection to {self.name} is closed")
@@ -265,7 +270,12 @@ class _Connection:
             try:
                 await waiter.done.wait()
             except BaseException:
-                if self.lost is None and self.reads == silent_since and expired():
+                if (
+                    self.lost is None
+                    and self.reads == silent_since
+                    and expired()
+                    and time.monotonic() - sent_at >= silent_for
+                ):
                     await self.drop(f"no byte from {self.name} before the deadline")
                 if not waiter.done.is_set():
                     self._remember_cut(opaque, sent_at, request)
@@ -344,7 +354,12 @@ class _Endpoint:
             with anyio.CancelScope(deadline=until) as scope:
                 connection = await self._connect()
                 opaque = self._client._opaque()
-                await connection.roundtrip(proto.noop_frame(opaque), opaque, expired)
+                await connection.roundtrip(
+                    proto.noop_frame(opaque),
+                    opaque,
+                    expired,
+                    silent_for=self.breaker.canary_timeout.total_seconds() / 2,
+                )
             if scope.cancelled_caught:
                 raise TimeoutError(f"no NOOP answer from {self.name} within the canary's bound")
         except (TimeoutError, OSError) as exc:
@@ -372,8 +387,13 @@ class _Endpoint:
             raise
         opaque = self._client._opaque()
         try:
+            timeout = request.timeout
             response = await connection.roundtrip(
-                build(opaque), opaque, lambda: _past_deadline(request), request
+                build(opaque),
+                opaque,
+                lambda: _past_deadline(request),
+                request,
+                silent_for=0.0 if timeout is None else timeout.total_seconds() / 2,
             )
         except _NotWritten as exc:
             # Nothing was written and the endpoint was not asked: no outcome for the
