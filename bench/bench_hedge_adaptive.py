@@ -222,7 +222,7 @@ def quantile_interval(ordered: list[float], q: float) -> tuple[float, float]:
     """A 95% interval for the ``q`` quantile of what ``ordered`` sampled, from order
     statistics alone (no assumption on the distribution): the count of values below the
     true quantile is binomial(n, q), so the ranks ``n q -+ 1.96 sqrt(n q (1 - q))``
-    bound it. For p99.9 of 21,000 requests: the 12th to the 30th slowest."""
+    bound it. For p99.9 of 21,000 requests: the 13th to the 31st slowest."""
     n = len(ordered)
     if not n:
         return float("nan"), float("nan")
