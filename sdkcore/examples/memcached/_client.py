@@ -244,7 +244,7 @@ class _Connection:
         expired: Callable[[], bool],
         request: Request | None = None,
         *,
-        silent_for: float = 0.0,
+        silent_for: float | None = None,
     ) -> proto.Response:
         """Write ``frame`` and wait for its response (OSError when the connection is lost).
 
@@ -252,8 +252,8 @@ class _Connection:
         anything was written. ``expired()`` says, when the wait is cut, whether a
         deadline cut it; the connection is then closed as black-holed if nothing at
         all came on it since the frame was written, for at least ``silent_for``
-        seconds (half the request's timeout: a frame written with a few milliseconds
-        left says nothing of the connection). An attempt cut after its frame was
+        seconds (None: half ``request``'s timeout, 0 without one; a frame written with
+        a few milliseconds left says nothing of the connection). An attempt cut after its frame was
         written, on a connection that stays open, is remembered (with ``request``'s
         timeout), so its late answer goes to the client's orphan reporter.
         """
@@ -270,13 +270,12 @@ class _Connection:
             try:
                 await waiter.done.wait()
             except BaseException:
-                if (
-                    self.lost is None
-                    and self.reads == silent_since
-                    and expired()
-                    and time.monotonic() - sent_at >= silent_for
-                ):
-                    await self.drop(f"no byte from {self.name} before the deadline")
+                if self.lost is None and self.reads == silent_since and expired():
+                    if silent_for is None:
+                        timeout = None if request is None else request.timeout
+                        silent_for = 0.0 if timeout is None else timeout.total_seconds() / 2
+                    if time.monotonic() - sent_at >= silent_for:
+                        await self.drop(f"no byte from {self.name} before the deadline")
                 if not waiter.done.is_set():
                     self._remember_cut(opaque, sent_at, request)
                 raise
@@ -387,13 +386,8 @@ class _Endpoint:
             raise
         opaque = self._client._opaque()
         try:
-            timeout = request.timeout
             response = await connection.roundtrip(
-                build(opaque),
-                opaque,
-                lambda: _past_deadline(request),
-                request,
-                silent_for=0.0 if timeout is None else timeout.total_seconds() / 2,
+                build(opaque), opaque, lambda: _past_deadline(request), request
             )
         except _NotWritten as exc:
             # Nothing was written and the endpoint was not asked: no outcome for the
