@@ -35,6 +35,7 @@ T = TypeVar("T")
 _PENDING = RequestState.PENDING
 _RETRY = Verdict.RETRY
 _MAYBE = AttemptEffect.MAYBE_APPLIED
+_NOT_SENT = AttemptEffect.NOT_SENT
 _INF = math.inf
 
 
@@ -281,7 +282,11 @@ def _failed(
                 raise _scope_fired(
                     self, request, exc if in_flight else None, in_flight=in_flight
                 ) from _failing.cause(request)
-        if isinstance(exc, Exception) and request.state is _PENDING and in_flight:
+        if isinstance(exc, Exception) and in_flight:
+            if request.state is not _PENDING:
+                # Request.cancel() while the attempt was in flight (no deadline scope: it ran
+                # to its end) and its answer is an error: the cancellation is the answer.
+                raise _failing.already_completed(request, request.last_reason) from exc
             # a non-retryable answer: the last attempt's failure
             request._attempt_failed(None, _MAYBE, exc, request.clock())
             if isinstance(exc, CouchbaseException):
@@ -467,6 +472,8 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
     now = request.clock()
     left = request.deadline - now
     if left <= 0.0:  # expired before the attempt: nothing is sent
+        if request._retry_unsent():  # the retry maybe_retry booked, and paid for, never goes
+            self._unsent(request, _RETRY)
         expired = _failing.timed_out(request, request.last_reason, _strategy_of(self, request), now)
         if self._telemetry is not None:
             (request._trace or self._telemetry.begin(request)).end(request, expired)
@@ -489,12 +496,23 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
         except BaseException as exc:
             request._set_cancel_hook(previous)
             if scope.exit(exc):
-                error = _scope_fired(self, request, exc, in_flight=request.in_flight)
+                in_flight = request.in_flight
+                if in_flight and isinstance(exc, RetryableError) and exc.effect is _NOT_SENT:
+                    # The block's own refusal as the deadline passed (a limiter's queue that
+                    # gave its permit back): nothing was sent, as execute books it.
+                    request._attempt_failed(exc.reason, _NOT_SENT, exc, request.clock())
+                    in_flight = False
+                error = _scope_fired(self, request, exc, in_flight=in_flight)
                 raise error from _failing.cause(request)
             error = exc
             raise
         request._set_cancel_hook(previous)
         scope.exit(None)
+        if request.cancelled:
+            # Request.cancel() as the block ended: trio runs a task already woken by its
+            # answer on, uncut. A cancelled request never reports success (as execute).
+            error = _failing.already_completed(request, request.last_reason)
+            raise error
     finally:
         Request._dispatched_done(token)
         if error is not None and not isinstance(error, Exception):

@@ -246,9 +246,10 @@ class _Chain:
     async def run(self, attempt: _Attempt) -> None:
         """Send one copy and book its outcome. Raises only the copy's cancellation."""
         attempt.begun = True
-        if self.over:
-            # Booked in the same turn as the answer that ended the chain, and begun after
-            # it (trio starts every task it was given, cancelled or not): not sent.
+        if self.over or self.cut:
+            # Booked in the same turn as the answer that ended the chain (or as the cut),
+            # and begun after it (trio starts every task it was given, cancelled or not):
+            # not sent.
             self.unsent(attempt)
             wake = self.wake
             if wake is not None:
@@ -592,11 +593,17 @@ async def run_hedged(
         if trace is not None and chain.winner > 0:
             trace.hedge_won()
         return chain.result  # type: ignore[no-any-return]
+    if request.cancelled:
+        # Request.cancel(), also after a copy's final error arrived but before the caller
+        # resumed: the caller gets the cancellation (rfc/0001, "Application cancel").
+        error: BaseException = _failing.already_completed(request, request.last_reason)
+        _with_extra(error, chain, in_flight=any(a.outcome == _CANCELLED for a in chain.attempts))
+        raise error from _failing.cause(request)
     if chain.fatal is not None:
         fatal = chain.fatal
         if isinstance(fatal, RetryableError):
             request._finish(RequestState.CANCELLED, CancellationReason.NO_MORE_RETRIES)
-            error: BaseException = RequestCanceledException(
+            error = RequestCanceledException(
                 f"not hedged further: {fatal.reason.name} is not a non-fatal reason of the "
                 "hedging policy",
                 context=request.error_context(fatal.reason, extra=chain.extra()),
@@ -605,11 +612,8 @@ async def run_hedged(
             raise error
         request._finish(RequestState.FAILED)
         raise fatal
-    if chain.cut or request.cancelled:  # the deadline or Request.cancel()
-        if request.cancelled:  # Request.cancel()
-            error = _failing.already_completed(request, request.last_reason)
-        else:  # every hedge still in flight was cut and recorded as such
-            error = _timed_out(orchestrator, request)
+    if chain.cut:  # the deadline: every hedge still in flight was cut and recorded as such
+        error = _timed_out(orchestrator, request)
         _with_extra(error, chain, in_flight=any(a.outcome == _CANCELLED for a in chain.attempts))
         raise error from _failing.cause(request)
     # Every copy failed (or no more could be sent and none is outstanding): the last

@@ -215,6 +215,11 @@ class RetryState:
         if history:
             history[-1][4] = delay
 
+    def _retry_unsent(self) -> bool:
+        """A retry was booked (:meth:`_retry_booked`) and no attempt has begun since."""
+        history = self._history
+        return not self._in_flight and bool(history) and history[-1][4] is not None
+
     def _hedge_sent(self) -> None:
         """One more copy of a hedged request went out (a retry, by the RFC's count)."""
         self._attempts += 1

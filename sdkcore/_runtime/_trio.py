@@ -118,10 +118,14 @@ class Hedges:
                     nursery.start_soon(chain.run, attempt)
 
                 while True:
-                    when = chain.send_due(start)
-                    if chain.over:
+                    if not chain.over and (scope.cancel_called or now() >= self.deadline):
+                        # Request.cancel() or the deadline, while this task was being woken:
+                        # no copy is started after either (trio runs a woken task on).
+                        chain.cut = True
+                    when = math.inf if chain.cut else chain.send_due(start)
+                    if chain.over or chain.cut:
                         if chain.outstanding:
-                            scope.cancel()  # the losers
+                            scope.cancel()  # the losers, or every copy the cut left
                         break
                     if when == math.inf and not chain.outstanding:
                         break

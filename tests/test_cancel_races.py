@@ -1,0 +1,246 @@
+"""Cancellation races a randomized schedule found (tests/test_doors_fuzz.py), each pinned here.
+
+Each test puts two events in one turn of the loop on purpose: an answer and
+``Request.cancel()``, an answer and the deadline, a permit handed over and the
+deadline. Every one failed before its fix (see CHANGELOG, "Fixed").
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+
+from sdkcore import (
+    AmbiguousTimeoutException,
+    ConcurrencyLimiter,
+    HedgePolicy,
+    Request,
+    RequestCanceledException,
+    RetryableError,
+    RetryBudget,
+    RetryOrchestrator,
+    RetryReason,
+    TimeoutException,
+    UnambiguousTimeoutException,
+)
+from sdkcore.testing import VirtualClock
+
+pytestmark = pytest.mark.anyio  # asyncio and trio (tests/conftest.py)
+
+TEMP = RetryReason.KV_TEMPORARY_FAILURE
+SAFETY = 10.0
+
+
+class NotFound(Exception):
+    """A final answer: not retryable."""
+
+
+# -- hedge: no copy goes out after Request.cancel() or the deadline ----------------------------
+
+
+async def test_no_hedge_is_sent_after_request_cancel_while_the_caller_is_being_woken() -> None:
+    """Copies 0 and 1 end in one turn: the first wakes the caller to send copy 2 at once,
+    the second cancels the request. trio ran the woken caller on and sent copy 2."""
+    budget = RetryBudget(ttl=10, min_retries_per_sec=1, retry_ratio=0.0)  # 10 retries
+    orchestrator = RetryOrchestrator(retry_budget=budget)
+    request = Request(idempotent=True, timeout=5.0)
+    wake_at = anyio.current_time() + 0.075  # after copy 1 (sent at 50 ms), before copy 2 (100 ms)
+    ended: list[int] = []
+    sent_after_cancel: list[int] = []
+
+    async def send(r: Request, index: int) -> str:
+        if r.cancelled:
+            sent_after_cancel.append(index)
+        if index < 2:
+            await anyio.sleep_until(wake_at)  # both copies wake in the same turn
+            ended.append(index)
+            if len(ended) == 2:
+                r.cancel()
+            raise RetryableError(TEMP)
+        await anyio.sleep(SAFETY)
+        return "late"
+
+    with anyio.fail_after(SAFETY), pytest.raises(RequestCanceledException):
+        await orchestrator.hedge(request, send, HedgePolicy(3, delay=0.05))
+    assert sent_after_cancel == []
+    # copy 1's withdrawal only: a copy 2 booked in that turn (asyncio, when copy 0 ends first)
+    # is cut before its task ran, booked as not sent, and refunded
+    assert budget.balance == 9
+
+
+async def test_no_hedge_is_sent_after_the_deadline_passed_while_the_caller_was_being_woken() -> (
+    None
+):
+    """Copy 0 fails (the caller is woken to send copy 1 at once) while the loop stalls past
+    the deadline in the same turn: copy 1 must not go out after the deadline."""
+    orchestrator = RetryOrchestrator()
+    request = Request(idempotent=True, timeout=0.1)
+    start = anyio.current_time()
+    wake_at = start + 0.05
+    sent_late: list[int] = []
+
+    async def stall() -> None:
+        await anyio.sleep_until(wake_at)
+        time.sleep(0.15)  # noqa: ASYNC251 - past the deadline (100 ms), in copy 0's turn
+
+    async def send(r: Request, index: int) -> str:
+        if anyio.current_time() >= start + 0.1:
+            sent_late.append(index)
+        if index == 0:
+            await anyio.sleep_until(wake_at)
+            raise RetryableError(TEMP)  # non-fatal: copy 1 is due at once
+        await anyio.sleep(SAFETY)
+        return "late"
+
+    with anyio.fail_after(SAFETY):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stall)
+            with pytest.raises(TimeoutException):
+                await orchestrator.hedge(request, send, HedgePolicy(2, delay=1.0))
+    assert sent_late == []
+    assert request.retry_attempts == 0
+
+
+# -- a cancelled request's caller gets RequestCanceledException, whatever the answer was --------
+
+
+async def _final_error_after_cancel(r: Request, index: int = 0) -> str:
+    r.cancel()  # as another task would, while the answer is on its way back
+    raise NotFound("no such document")
+
+
+@pytest.mark.parametrize("seconds", [5.0, None])
+async def test_execute_a_final_error_after_request_cancel_raises_the_cancellation(
+    seconds: float | None,
+) -> None:
+    """Without a deadline scope the attempt runs to its end; its error used to reach the caller."""
+    request = Request(idempotent=True, timeout=seconds)
+    with pytest.raises(RequestCanceledException) as info:
+        await RetryOrchestrator().execute(request, _final_error_after_cancel)
+    assert request.cancellation_reason is not None
+    assert request.cancellation_reason.name == "CANCELLED_VIA_CONTEXT"
+    if seconds is None:
+        assert isinstance(info.value.__cause__, NotFound)  # what the attempt answered
+
+
+@pytest.mark.parametrize("seconds", [5.0, None])
+async def test_hedge_a_final_error_after_request_cancel_raises_the_cancellation(
+    seconds: float | None,
+) -> None:
+    request = Request(idempotent=True, timeout=seconds)
+    with pytest.raises(RequestCanceledException):
+        await RetryOrchestrator().hedge(
+            request, _final_error_after_cancel, HedgePolicy(2, delay=1.0)
+        )
+    assert request.cancelled
+
+
+async def test_attempt_block_answered_as_the_request_is_cancelled_raises_the_cancellation() -> None:
+    """The answer wakes the sender, then Request.cancel() runs before it: trio cannot cut
+    a task already woken, so the block ended normally and attempt() said nothing."""
+    orchestrator = RetryOrchestrator()
+    request = Request(idempotent=True, timeout=5.0)
+    answer = anyio.Event()
+
+    async def reader() -> None:
+        await anyio.sleep(0.01)
+        answer.set()  # the answer arrives ...
+        request.cancel()  # ... and the application cancels, before the sender runs
+
+    with anyio.fail_after(SAFETY):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reader)
+            with pytest.raises(RequestCanceledException), orchestrator.attempt(request):
+                await answer.wait()
+    assert request.cancelled
+
+
+async def test_attempt_block_that_calls_succeed_itself_still_returns() -> None:
+    """The check above is for a cancelled request only: a block may complete it itself."""
+    orchestrator = RetryOrchestrator()
+    request = Request(idempotent=True, timeout=5.0)
+    with orchestrator.attempt(request):
+        orchestrator.succeed(request)
+    assert request.state.name == "SUCCEEDED"
+
+
+# -- a request that only waited in a limiter's queue times out unambiguous ---------------------
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_a_queued_wait_given_up_as_the_deadline_passes_is_not_ambiguous() -> None:
+    """The permit is handed over just as the queue's margin and the request's deadline pass
+    (the loop stalls): the queue gives it back and raises its NOT_SENT refusal; attempt()
+    took that refusal for an attempt cut in flight (AmbiguousTimeoutException).
+
+    trio only: asyncio runs the woken waiter before the timers that came due during the
+    stall, so there the permit is used and the block ends before the deadline is seen."""
+    limiter = ConcurrencyLimiter(1, max_queued=4)
+    orchestrator = RetryOrchestrator()
+    start = anyio.current_time()
+    sent: list[str] = []
+    holding = anyio.Event()
+
+    async def holder() -> None:
+        async with limiter.acquire():
+            holding.set()
+            await anyio.sleep_until(start + 0.080)  # the waiter's margin ends about 90 ms
+        time.sleep(0.04)  # noqa: ASYNC251 - the permit is the waiter's; the loop stalls past both
+
+    async def acquire_and_send() -> None:
+        async with limiter.acquire():
+            sent.append("sent")
+
+    with anyio.fail_after(SAFETY):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(holder)
+            await holding.wait()
+            request = Request(name="kv.set", idempotent=False, timeout=0.099)
+            with pytest.raises(TimeoutException) as info, orchestrator.attempt(request):
+                await acquire_and_send()
+    assert sent == []
+    assert not isinstance(info.value, AmbiguousTimeoutException)
+    assert isinstance(info.value, UnambiguousTimeoutException)
+    assert not request.maybe_applied
+    assert limiter.in_flight == 0
+
+
+# -- a retry maybe_retry paid for and attempt() never sent is refunded -------------------------
+
+
+async def test_a_retry_booked_by_maybe_retry_then_found_expired_by_attempt_is_refunded() -> None:
+    clock = VirtualClock()
+    budget = RetryBudget(ttl=10, min_retries_per_sec=1, retry_ratio=0.0, clock=clock.clock)
+    orchestrator = RetryOrchestrator(
+        sleep=clock.sleep, retry_budget=budget, max_requests_in_retry=10
+    )
+    request = Request(idempotent=True, timeout=1.0, clock=clock.clock)
+    before = budget.balance
+    with orchestrator.attempt(request):
+        pass  # the first attempt (it failed with KV_LOCKED, below)
+    await orchestrator.maybe_retry(request, RetryReason.KV_LOCKED)  # withdraws one retry
+    assert budget.balance == before - 1
+    clock.advance(5.0)  # the caller comes back after the deadline
+    with pytest.raises(UnambiguousTimeoutException), orchestrator.attempt(request):
+        raise AssertionError("sent after the deadline")
+    assert budget.balance == before  # the retry never went out: its withdrawal came back
+
+
+async def test_an_expired_attempt_after_an_attempt_already_sent_refunds_nothing() -> None:
+    """Only a booked retry that was never sent is refunded, not one already sent."""
+    clock = VirtualClock()
+    budget = RetryBudget(ttl=10, min_retries_per_sec=1, retry_ratio=0.0, clock=clock.clock)
+    orchestrator = RetryOrchestrator(sleep=clock.sleep, retry_budget=budget)
+    request = Request(idempotent=True, timeout=1.0, clock=clock.clock)
+    with orchestrator.attempt(request):
+        pass
+    await orchestrator.maybe_retry(request, RetryReason.KV_LOCKED)
+    with orchestrator.attempt(request):
+        pass  # the retry went out (and its block ended without an answer booked)
+    after_retry = budget.balance
+    clock.advance(5.0)
+    with pytest.raises(UnambiguousTimeoutException), orchestrator.attempt(request):
+        raise AssertionError("sent after the deadline")
+    assert budget.balance == after_retry
