@@ -123,8 +123,9 @@ def _loop(
                     in_flight=True,
                     error=exc,
                 ) from exc
-            if request.state is _PENDING:
-                request._attempt_failed(None, _MAYBE, exc, now)
+            if request.state is not _PENDING:  # Request.cancel() from another thread
+                raise _failing.already_completed(request, request.last_reason) from exc
+            request._attempt_failed(None, _MAYBE, exc, now)
             request._finish_by(exc)
             raise
         except BaseException as exc:

@@ -244,3 +244,19 @@ async def test_an_expired_attempt_after_an_attempt_already_sent_refunds_nothing(
     with pytest.raises(UnambiguousTimeoutException), orchestrator.attempt(request):
         raise AssertionError("sent after the deadline")
     assert budget.balance == after_retry
+
+
+def test_execute_sync_a_final_error_after_request_cancel_raises_the_cancellation() -> None:
+    """The sync door, as execute: Request.cancel() from another thread while the attempt
+    runs, then a final error from it."""
+    request = Request(idempotent=True, timeout=5.0)
+
+    def send(r: Request) -> str:
+        r.cancel()  # as another thread would, while the attempt runs
+        raise NotFound("no such document")
+
+    with pytest.raises(RequestCanceledException) as info:
+        RetryOrchestrator().execute_sync(request, send)
+    assert isinstance(info.value.__cause__, NotFound)
+    assert request.cancellation_reason is not None
+    assert request.cancellation_reason.name == "CANCELLED_VIA_CONTEXT"
