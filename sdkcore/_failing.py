@@ -209,7 +209,10 @@ def _hint_source(request: Request, reason: RetryReason | None) -> str:
     who = None if reason is None else _HINTED_BY.get(reason)
     if who is not None:
         error = request.last_error
-        said = error.args[0] if error is not None and error.args else ""
+        if isinstance(error, RetryableError):
+            said = error._message
+        else:
+            said = error.args[0] if error is not None and error.args else ""
         return f"the {who}: {said!r}" if said else f"a {who}"
     return "the server"
 

@@ -153,6 +153,32 @@ def test_retryable_error() -> None:
         RetryableError("KV_LOCKED")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("by_keyword", [False, True])
+def test_retryable_error_text_args_and_pickle(by_keyword: bool) -> None:
+    """Its ``args`` are what it was given; its text, repr and pickled copy keep the message."""
+    import pickle
+
+    reason = RetryReason.KV_LOCKED
+    if by_keyword:
+        err = RetryableError(reason, message="locked by another client", retry_after=0.5)
+        assert err.args == (reason,)
+    else:
+        err = RetryableError(reason, "locked by another client", retry_after=0.5)
+        assert err.args == (reason, "locked by another client")
+    assert str(err) == "KV_LOCKED: locked by another client"
+    assert repr(err) == (
+        "RetryableError(RetryReason.KV_LOCKED, 'locked by another client', retry_after=0.5)"
+    )
+    copy = pickle.loads(pickle.dumps(err))
+    assert (str(copy), repr(copy), copy.retry_after) == (str(err), repr(err), 0.5)
+    bare = RetryableError(reason)
+    assert (bare.args, str(bare), repr(bare)) == (
+        (reason,),
+        "KV_LOCKED",
+        "RetryableError(RetryReason.KV_LOCKED)",
+    )
+
+
 @pytest.mark.anyio
 async def test_exception_from_orchestrator_has_real_context() -> None:
     """The fields shown come from the request that failed."""
