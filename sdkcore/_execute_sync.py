@@ -15,10 +15,10 @@ from typing import Any, TypeVar
 
 from . import _failing
 from ._action import RetryAction
-from ._context import DEFAULT_EFFECT, AttemptEffect
+from ._context import DEFAULT_EFFECT, AttemptEffect, CancellationReason
 from ._core import OrchestratorCore
 from ._decision import Verdict
-from ._errors import RetryableError
+from ._errors import RequestCanceledException, RetryableError
 from ._hooks import INSTANT_DELAYS
 from ._log import DEBUG
 from ._reason import RetryReason
@@ -30,6 +30,7 @@ T = TypeVar("T")
 
 _PENDING = RequestState.PENDING
 _MAYBE = AttemptEffect.MAYBE_APPLIED
+_VIA_CONTEXT = CancellationReason.CANCELLED_VIA_CONTEXT
 
 
 def execute_sync(
@@ -70,6 +71,18 @@ def execute_sync(
     try:
         self._deposit(request)  # a budget that raises fails the request: recorded below
         result = _loop(self, request, send, sleep, trace)
+    except Exception as exc:
+        if request.cancellation_reason is _VIA_CONTEXT and not _says_cancelled(exc):
+            # Request.cancel() from another thread completed the request between the loop's
+            # last look at it and the step that would have (the answer's error, a timeout,
+            # a refusal): the caller gets the cancellation, as the request's state says.
+            cancelled = _failing.already_completed(request, request.last_reason)
+            if trace is not None:
+                trace.end(request, cancelled)
+            raise cancelled from exc
+        if trace is not None:
+            trace.end(request, exc)
+        raise
     except BaseException as exc:
         if trace is not None:
             trace.end(request, exc)
@@ -79,6 +92,16 @@ def execute_sync(
     if trace is not None:
         trace.end(request, None)
     return result
+
+
+def _says_cancelled(error: Exception) -> bool:
+    """``error`` is the RequestCanceledException of a request cancelled via its context."""
+    context = getattr(error, "context", None)
+    return (
+        isinstance(error, RequestCanceledException)
+        and context is not None
+        and context.cancellation_reason is _VIA_CONTEXT
+    )
 
 
 def _loop(
@@ -92,6 +115,8 @@ def _loop(
     deadline = request.deadline
     while True:
         if clock() >= deadline:
+            if request._retry_unsent():  # a backoff that ended past the deadline: not sent
+                self._unsent(request, Verdict.RETRY)
             raise _failing.timed_out(
                 request, request.last_reason, _name(self, request), clock()
             ) from _failing.cause(request)
@@ -140,9 +165,8 @@ def _loop(
                 "execute_sync(request, send): send returned an awaitable; use "
                 "'await orchestrator.execute(request, send)' for an async send"
             )
-        if request.state is not _PENDING:  # Request.cancel() from another thread
+        if not request._succeeded():  # Request.cancel() from another thread came first
             raise _failing.already_completed(request, request.last_reason)
-        request._succeeded()
         return result
 
 

@@ -229,8 +229,9 @@ class RetryState:
         if reason not in self._reasons:
             self._reasons.append(reason)
 
-    def _succeeded(self) -> None:
-        """The request got its answer.
+    def _succeeded(self) -> bool:
+        """The request got its answer; False when it had completed already (e.g.
+        ``Request.cancel()`` from another thread came first).
 
         The last failure lets go of its traceback (:meth:`_attempt_failed` freed the
         older ones): a traceback holds the frames it passed through, and those hold
@@ -238,11 +239,13 @@ class RetryState:
         call (about 1 us per retry in bench/bench_core.py). Types and messages stay
         for :attr:`attempts`.
         """
-        if self._state is _PENDING:
+        completed = self._state is _PENDING
+        if completed:
             self._state = RequestState.SUCCEEDED
         error = self._last_error
         if error is not None:
             error.__traceback__ = None
+        return completed
 
     def _finish(self, state: RequestState, why: CancellationReason | None = None) -> bool:
         """Complete the request (once: a completed request keeps its first ending).

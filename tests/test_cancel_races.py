@@ -7,6 +7,7 @@ deadline. Every one failed before its fix (see CHANGELOG, "Fixed").
 
 from __future__ import annotations
 
+import threading
 import time
 
 import anyio
@@ -14,11 +15,14 @@ import pytest
 
 from sdkcore import (
     AmbiguousTimeoutException,
+    BestEffortRetryStrategy,
+    CancellationReason,
     ConcurrencyLimiter,
     HedgePolicy,
     Request,
     RequestCanceledException,
     RetryableError,
+    RetryAction,
     RetryBudget,
     RetryOrchestrator,
     RetryReason,
@@ -260,3 +264,49 @@ def test_execute_sync_a_final_error_after_request_cancel_raises_the_cancellation
     assert isinstance(info.value.__cause__, NotFound)
     assert request.cancellation_reason is not None
     assert request.cancellation_reason.name == "CANCELLED_VIA_CONTEXT"
+
+
+def test_execute_sync_a_backoff_that_ends_past_the_deadline_refunds_its_retry() -> None:
+    """The retry was decided (10 ms backoff, 30 ms left) and paid for; the sleep overslept
+    past the deadline, so it was never sent: its withdrawal comes back."""
+    budget = RetryBudget(ttl=10, min_retries_per_sec=1, retry_ratio=0.0)
+    orchestrator = RetryOrchestrator(
+        BestEffortRetryStrategy(backoff=lambda n: 0.01), retry_budget=budget
+    )
+    sends: list[int] = []
+
+    def send(r: Request) -> str:
+        sends.append(1)
+        raise RetryableError(RetryReason.KV_LOCKED)  # reached the server: a retry spends
+
+    before = budget.balance
+    with pytest.raises(TimeoutException):
+        orchestrator.execute_sync(
+            Request(idempotent=True, timeout=0.03), send, sleep=lambda s: time.sleep(s + 0.05)
+        )
+    assert len(sends) == 1
+    assert budget.balance == before
+
+
+def test_execute_sync_request_cancel_before_the_strategy_refuses_raises_the_cancellation() -> None:
+    """Request.cancel() from another thread lands while the strategy decides, and the
+    strategy refuses: the request is CANCELLED (CANCELLED_VIA_CONTEXT), so the caller gets
+    RequestCanceledException, not the strategy's exception."""
+
+    class CancelThenRefuse(BestEffortRetryStrategy):
+        def decide(self, request: Request, reason: RetryReason) -> RetryAction:
+            other = threading.Thread(target=request.cancel)
+            other.start()
+            other.join()
+            return RetryAction.no_retry(NotFound)
+
+    request = Request(idempotent=True, timeout=5.0, retry_strategy=CancelThenRefuse())
+
+    def send(r: Request) -> str:
+        raise RetryableError(RetryReason.KV_LOCKED)
+
+    with pytest.raises(RequestCanceledException) as info:
+        RetryOrchestrator().execute_sync(request, send)
+    assert info.value.context is not None
+    assert info.value.context.cancellation_reason is CancellationReason.CANCELLED_VIA_CONTEXT
+    assert request.cancellation_reason is CancellationReason.CANCELLED_VIA_CONTEXT
