@@ -18,6 +18,7 @@ import contextlib
 import heapq
 import itertools
 import math
+import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +96,9 @@ class _Deadlines:
 #: what a rebuild saves is then worth less than the rebuild).
 _COMPACT_MIN = 64
 
+#: Tasks count their cancellations (``Task.cancelling()``/``uncancel()``, Python 3.11+).
+_COUNTS = sys.version_info >= (3, 11)
+
 _local = threading.local()  # the running loop's _Deadlines (one running loop per thread)
 
 
@@ -115,7 +119,7 @@ class Scope:
     cannot count cancellations: there one racing the scope's is taken for it).
     """
 
-    __slots__ = ("_queued", "_sent", "_task", "fired", "open")
+    __slots__ = ("_base", "_queued", "_sent", "_task", "fired", "open")
 
     def __init__(self, deadline: float) -> None:
         task: Any = asyncio.current_task()
@@ -124,9 +128,15 @@ class Scope:
         self._task = task
         self.fired = False
         self.open = True
-        # None until this scope calls Task.cancel(); then the task's cancelling() count
-        # before it (0 on 3.10), so exit() takes back exactly its own cancellation.
-        self._sent: int | None = None
+        # The task's cancellations requested before the scope opened (0 on 3.10):
+        # exit() takes back its own and leaves any requested since, even one that
+        # arrived in the turn the scope fired and was delivered as one with it (as
+        # asyncio.timeout counts from its enter). Counted at the send instead, a
+        # caller's call.cancel() landing just before the scope's own cut was lost.
+        self._base = task.cancelling() if _COUNTS else 0
+        # False until this scope calls Task.cancel() (from inside its code, it is sent
+        # at the loop's next turn, see cancel()).
+        self._sent = False
         # The loop's deadlines while this scope has an entry in their heap.
         self._queued: _Deadlines | None = None
         if deadline != math.inf:
@@ -149,13 +159,12 @@ class Scope:
                 asyncio.get_running_loop().call_soon(self._send_if_open)
 
     def _send(self, task: Any) -> None:
-        cancelling = getattr(task, "cancelling", None)  # Python 3.11+
-        self._sent = 0 if cancelling is None else cancelling()
+        self._sent = True
         task.cancel()
 
     def _send_if_open(self) -> None:
         task = self._task
-        if self.open and task is not None and self._sent is None:
+        if self.open and task is not None and not self._sent:
             self._send(task)
 
     def exit(self, error: BaseException | None) -> bool:
@@ -176,16 +185,14 @@ class Scope:
             return False
         task = self._task
         self._task = None
-        sent = self._sent
-        if sent is None:
+        if not self._sent:
             # Fired from inside its own code and left before the cancellation was sent:
             # one that ended the code came from elsewhere (the caller's), never the scope's.
             return not isinstance(error, asyncio.CancelledError)
-        uncancel = getattr(task, "uncancel", None)  # Python 3.11+
         # (3.10 cannot tell a concurrent outer cancellation: the scope is trusted.)
-        if uncancel is not None and uncancel() > sent:
+        if _COUNTS and task.uncancel() > self._base:
             # The task is being cancelled from outside as well (counted from the scope's
-            # send: a cancellation the task had already swallowed is not this one).
+            # opening: a cancellation the task had swallowed before is not this one).
             return False
         return error is None or isinstance(error, (Exception, asyncio.CancelledError))
 

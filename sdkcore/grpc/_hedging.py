@@ -220,6 +220,7 @@ async def hedged_unary_unary(
     throttler = core.throttler
     non_fatal = plan.non_fatal
     last = [0]  # index of the last hedge whose failure arrived
+    fatal_of: dict[int, int] = {}  # id() of a fatal status -> the hedge it ended
     flight = [0, 0]  # hedges sent, hedges that ended (not cancelled)
     last_status = [""]  # the status of the last hedge that failed
 
@@ -346,6 +347,8 @@ async def hedged_unary_unary(
     if not direct:
         open_streamed = _streamed_opener(continuation, message)
 
+    won: list[Any] = []  # the calls hedges returned: a winner may still be on the wire
+
     async def send(request: Request, index: int) -> tuple[int, Any, Any]:
         flight[0] += 1
         try:
@@ -354,6 +357,7 @@ async def hedged_unary_unary(
             flight[1] += 1
             raise
         flight[1] += 1
+        won.append(out[1])
         return out
 
     async def send_hedge(index: int) -> tuple[int, Any, Any]:
@@ -399,6 +403,7 @@ async def hedged_unary_unary(
                 return index, call, _PENDING  # headers, then a status: this hedge is final
             failure = failed(err, index)
             if failure is err:  # a fatal status
+                fatal_of[id(err)] = index  # the call's status if it ends the chain
                 raise
             raise failure  # noqa: B904 - its cause is the status (set by failed)
         except BaseException as exc:
@@ -421,8 +426,8 @@ async def hedged_unary_unary(
             plan.throttler,
             first_elapsed=loop.time() - sent_at,
         )
-    except aio.AioRpcError as err:  # a fatal status
-        final = _error(err, last[0])
+    except aio.AioRpcError as err:  # a fatal status: its own hedge's index, not the last
+        final = _error(err, fatal_of.get(id(err), last[0]))  # failure read after it
         if request.retry_attempts == 0:
             raise final from None  # the first hedge's answer: grpc's error, as without hedging
         raise _copy(final) from _fatal_context(request, err)
@@ -454,6 +459,11 @@ async def hedged_unary_unary(
     finally:
         if winner is not first and not isinstance(adopted, BaseException):
             first.cancel()
+        if winner is None:
+            # The call ended otherwise (call.cancel(), the caller's cancellation) as a
+            # hedge won, perhaps one committed on its headers and still on the wire.
+            for call in won:
+                call.cancel()
 
     # Committed to hedge ``index``: its outcome is the call's.
     call = winner

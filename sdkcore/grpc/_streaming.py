@@ -125,6 +125,9 @@ class _RetryingCall:
                     continue
                 if replay is not None and replay.error is not None:
                     raise self._source_failed()
+                # Over and OK, uncommitted (a stream with no headers and no message): its
+                # end is accounted here, once, not again when the application reads EOF.
+                self._accounted = True
                 c.succeeded()
                 return _Outcome(call)
         except aio.AioRpcError as err:
@@ -304,7 +307,11 @@ class _RetryingCall:
 
     # -- responses -----------------------------------------------------------------
     async def _responses(self) -> AsyncIterator[Any]:
-        out = await self._outcome()
+        try:
+            out = await self._outcome()
+        except asyncio.CancelledError:
+            self._reader_cancelled()
+            raise
         if out.error is not None:
             raise out.error
         if out.has_first:
@@ -334,8 +341,18 @@ class _RetryingCall:
         except StopAsyncIteration:
             return _EOF
 
+    def _reader_cancelled(self) -> None:
+        """The task reading the call was cancelled while the attempts ran: so is the call,
+        as grpc.aio cancels a call whose read or await is cancelled (the server sees it)."""
+        if not self.cancelled():
+            self.cancel()
+
     def _final_response(self) -> Generator[Any, None, Any]:
-        out = yield from asyncio.shield(self._driver).__await__()
+        try:
+            out = yield from asyncio.shield(self._driver).__await__()
+        except asyncio.CancelledError:
+            self._reader_cancelled()
+            raise
         if out.error is not None:
             raise out.error
         response = yield from out.call.__await__()

@@ -198,7 +198,9 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
                     c.succeeded()
                     return self._call
             while True:
+                self._check_cancelled()
                 await c.failed(err, self)
+                self._check_cancelled()
                 try:
                     call = self._call = self._attempt()
                 except aio.UsageError:
@@ -216,6 +218,13 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         finally:
             self._ended = True
             c.release()
+
+    def _check_cancelled(self) -> None:
+        """``call.cancel()`` came between two attempts (the last one had failed, the loop
+        had not yet waited or sent again): no attempt more, the call ends cancelled."""
+        if self._cancelled:
+            self._c.request.cancel()
+            raise asyncio.CancelledError()
 
     def _refused(self) -> BaseException:
         """The channel refused the next attempt (it was closed): the call ends cancelled,
@@ -245,7 +254,12 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
                 call = yield from self._drive_here(failure).__await__()
                 response = yield from call.__await__()
                 return response
-        final_call, final_error = yield from self._outcome().__await__()
+        try:
+            final_call, final_error = yield from self._outcome().__await__()
+        except asyncio.CancelledError:
+            if not self.cancelled():  # the awaiting task: the call too, as grpc.aio does
+                self.cancel()
+            raise
         if final_error is not None:
             raise final_error
         response = yield from final_call.__await__()
