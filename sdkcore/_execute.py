@@ -74,7 +74,7 @@ async def _awaited(request: Request, reason: RetryReason, answer: Any, strategy:
         _failing.strategy_failed(request, reason, _failing.strategy_name(strategy), exc)
         raise
     if request.state is not _PENDING:  # Request.cancel() while the strategy ran
-        raise _failing.already_completed(request, reason)
+        raise _failing.already_completed(request, reason) from _failing.cause(request)
     return action
 
 
@@ -115,7 +115,7 @@ async def _cancellable_wait(
 def _resume(request: Request, verdict: Verdict, reason: RetryReason, strategy: Any) -> None:
     """After the backoff: raise what ends the request instead of a re-dispatch."""
     if request.state is not _PENDING:  # Request.cancel() during the backoff
-        raise _failing.already_completed(request, request.last_reason)
+        raise _failing.already_completed(request, request.last_reason) from _failing.cause(request)
     if verdict is Verdict.TIME_OUT:
         raise _failing.timed_out(
             request, request.last_reason, _failing.answered_by(reason, strategy), request.clock()
@@ -450,7 +450,7 @@ async def _bounded(
     if scope.exit(None):
         raise _scope_fired(self, request, None, in_flight=False) from _failing.cause(request)
     if request.state is not _PENDING:  # Request.cancel() while the strategy ran
-        raise _failing.already_completed(request, reason)
+        raise _failing.already_completed(request, reason) from _failing.cause(request)
     return action
 
 

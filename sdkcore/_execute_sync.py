@@ -79,7 +79,7 @@ def execute_sync(
             cancelled = _failing.already_completed(request, request.last_reason)
             if trace is not None:
                 trace.end(request, cancelled)
-            raise cancelled from exc
+            raise cancelled from _failing.cause(request) or exc
         if trace is not None:
             trace.end(request, exc)
         raise
@@ -239,7 +239,7 @@ def _retry(
         self._leave_backoff(threads=True)
     if request.state is not _PENDING:  # Request.cancel() from another thread
         self._unsent(request, verdict)
-        raise _failing.already_completed(request, reason)
+        raise _failing.already_completed(request, reason) from failure
     if verdict is Verdict.TIME_OUT:
         name = _failing.answered_by(reason, strategy)
         raise _failing.timed_out(request, reason, name, request.clock()) from failure

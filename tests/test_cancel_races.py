@@ -310,3 +310,46 @@ def test_execute_sync_request_cancel_before_the_strategy_refuses_raises_the_canc
     assert info.value.context is not None
     assert info.value.context.cancellation_reason is CancellationReason.CANCELLED_VIA_CONTEXT
     assert request.cancellation_reason is CancellationReason.CANCELLED_VIA_CONTEXT
+
+
+# -- the cancellation's __cause__ is the last attempt's failure (rfc/0001) ---------------------
+
+
+@pytest.mark.parametrize("seconds", [None, 5.0])
+def test_execute_sync_request_cancel_in_the_backoff_keeps_the_failure_as_cause(
+    seconds: float | None,
+) -> None:
+    orchestrator = RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda n: 0.5))
+    failure = OSError("locked")
+    request = Request(idempotent=True, timeout=seconds)
+
+    def send(r: Request) -> str:
+        threading.Timer(0.02, r.cancel).start()  # another thread, during the backoff
+        raise RetryableError(RetryReason.KV_LOCKED) from failure
+
+    with pytest.raises(RequestCanceledException) as info:
+        orchestrator.execute_sync(request, send)
+    assert info.value.__cause__ is failure
+
+
+@pytest.mark.parametrize("seconds", [None, 5.0])
+async def test_execute_request_cancel_in_the_backoff_keeps_the_failure_as_cause(
+    seconds: float | None,
+) -> None:
+    orchestrator = RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda n: 0.5))
+    failure = OSError("locked")
+    request = Request(idempotent=True, timeout=seconds)
+
+    async def canceller() -> None:
+        await anyio.sleep(0.02)
+        request.cancel()
+
+    async def send(r: Request) -> str:
+        raise RetryableError(RetryReason.KV_LOCKED) from failure
+
+    with anyio.fail_after(SAFETY):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(canceller)
+            with pytest.raises(RequestCanceledException) as info:
+                await orchestrator.execute(request, send)
+    assert info.value.__cause__ is failure
