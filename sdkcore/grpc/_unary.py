@@ -350,6 +350,10 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
     def cancel(self) -> bool:
         if self.done():
             return False
+        if self._inline is not None and self._call.done() and _ended_ok(self._call):
+            # The awaiting task's retry got its answer and is about to return it: too late,
+            # as grpc.aio's cancel() of a call whose status is in (False, the answer stands).
+            return False
         self._cancelled = True
         driver = self._driver
         if driver is not None:

@@ -237,6 +237,16 @@ class _Connection:
             await self.drop(f"a write to {self.name} was cut mid-frame at the deadline")
             raise TimeoutError(f"{self.name} did not take a request frame before the deadline")
 
+    async def _still_silent(self, silent_since: int) -> bool:
+        """Nothing came since ``silent_since``, once the reader has had its turn.
+
+        An answer may be in the socket and its reader woken in the very turn a stalled
+        loop cut this wait at the deadline: trio runs the two tasks of a batch in either
+        order, so this one may look before the reader counted the bytes."""
+        with anyio.CancelScope(shield=True):
+            await anyio.lowlevel.checkpoint()
+        return self.lost is None and self.reads == silent_since
+
     async def roundtrip(
         self,
         frame: bytes,
@@ -274,7 +284,9 @@ class _Connection:
                     if silent_for is None:
                         timeout = None if request is None else request.timeout
                         silent_for = 0.0 if timeout is None else timeout.total_seconds() / 2
-                    if time.monotonic() - sent_at >= silent_for:
+                    if time.monotonic() - sent_at >= silent_for and await self._still_silent(
+                        silent_since
+                    ):
                         await self.drop(f"no byte from {self.name} before the deadline")
                 if not waiter.done.is_set():
                     self._remember_cut(opaque, sent_at, request)
@@ -344,7 +356,8 @@ class _Endpoint:
                 return response
 
     async def _canary(self, request: Request) -> None:
-        until = anyio.current_time() + canary_bound(self.breaker, request.dispatch_info().time_left)
+        bound = canary_bound(self.breaker, request.dispatch_info().time_left)
+        until = anyio.current_time() + bound
 
         def expired() -> bool:
             return anyio.current_time() >= until or _past_deadline(request)
@@ -357,7 +370,10 @@ class _Endpoint:
                     proto.noop_frame(opaque),
                     opaque,
                     expired,
-                    silent_for=self.breaker.canary_timeout.total_seconds() / 2,
+                    # half the canary's own bound: its request's time left may be far below
+                    # canary_timeout, and a canary cut at its bound must still close a
+                    # connection that never answered, or no probe ever replaces it
+                    silent_for=bound / 2,
                 )
             if scope.cancelled_caught:
                 raise TimeoutError(f"no NOOP answer from {self.name} within the canary's bound")
