@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -32,8 +33,14 @@ from sdkcore import (
     RetryOrchestrator,
     TimeoutException,
 )
-from sdkcore.examples.memcached import MemcachedClient, ProtocolError, SyncMemcachedClient
-from sdkcore.mapping import KvOpcode
+from sdkcore.examples.memcached import (
+    MemcachedClient,
+    ProtocolError,
+    SyncMemcachedClient,
+    endpoint_down,
+)
+from sdkcore.examples.memcached import _protocol as proto
+from sdkcore.mapping import KvOpcode, kv_request
 
 pytestmark = pytest.mark.anyio
 
@@ -211,6 +218,42 @@ async def test_the_canary_does_not_go_down_a_black_holed_connection(
     assert requests[KvOpcode.NOOP] == 2
 
 
+async def test_a_canary_with_less_time_than_its_timeout_still_replaces_a_black_holed_connection(
+    memcached: Memcached, proxy: FaultProxy
+) -> None:
+    """canary_timeout (0.4 s) above twice the request's timeout (0.15 s), as with the
+    defaults (5 s against 2.5 s): each probe's canary has only the request's time left, so a
+    silence threshold of half canary_timeout (0.2 s) was never reached, the black-holed
+    connection was never closed, and every later probe went down it while the server
+    answered. Half the canary's own bound closes it."""
+
+    def breaker(name: str) -> CircuitBreaker:
+        return CircuitBreaker(
+            name=name,
+            volume_threshold=1,
+            sleep_window=0.05,
+            canary_timeout=0.4,
+            is_failure=endpoint_down,
+        )
+
+    with anyio.fail_after(LIMIT):
+        async with MemcachedClient(
+            f"127.0.0.1:{proxy.port}", timeout=0.15, breaker=breaker
+        ) as client:
+            await client.set("k", b"v")
+            proxy.black_hole_open()  # the connection stays dead (a stuck NAT entry)
+            client.breakers[0].record_failure(TimeoutError("tripped by the test"))
+            answered = 0
+            until = time.monotonic() + 2.0
+            while time.monotonic() < until and not answered:
+                await anyio.sleep(0.06)  # past the sleep window
+                with contextlib.suppress(CouchbaseException):
+                    answered += await client.get("k") == b"v"
+            assert answered  # a probe replaced the dead connection and the GET went out
+    connections, _, _ = proxy.counts()
+    assert connections >= 2
+
+
 # -- the sync client's socket timeouts -------------------------------------------------------
 
 
@@ -358,3 +401,72 @@ def test_the_sync_probe_is_taken_only_with_the_connection(memcached: Memcached) 
         thread.join(timeout=LIMIT)
         assert got == [b"v"]  # then it probes (a NOOP), closes the breaker, and reads
         assert the_breaker.state is CircuitState.CLOSED
+
+
+@pytest.mark.parametrize("coin", [0.0, 0.99])
+def test_a_cut_wait_whose_answer_arrived_in_a_stall_keeps_its_connection_on_trio(
+    memcached: Memcached, proxy: FaultProxy, coin: float
+) -> None:
+    """A GET (40 ms) is answered after 15 ms on the connection a SET (held 150 ms) is in
+    flight on, while the loop stalls 60 ms: its answer is in the socket when its deadline is
+    seen. trio runs the GET's task and the reader's in one batch, in either order (its
+    scheduler's coin, pinned to each side here); with the GET first the client took the
+    connection for black-holed and closed it, failing the SET in flight."""
+    import trio._core._run as trio_run
+
+    scheduler = getattr(trio_run, "_r", None)
+    if scheduler is None:  # pragma: no cover - trio's private scheduler moved
+        pytest.skip("trio's scheduler coin is not where this test pins it")
+    proxy.request_latency = lambda frame: {KvOpcode.GET: 0.015, KvOpcode.SET: 0.15}.get(
+        frame[1], 0.0
+    )
+
+    async def scenario() -> tuple[object, object, object]:
+        orchestrator = RetryOrchestrator()
+        async with MemcachedClient(
+            f"127.0.0.1:{proxy.port}", orchestrator=orchestrator, timeout=2.0, breaker=never_trips
+        ) as client:
+            await client.set("k", b"v")  # connected
+            endpoint = client._endpoints[0]
+            connection = endpoint._connection
+            assert connection is not None
+            results: dict[str, object] = {}
+
+            async def set_in_flight() -> None:
+                try:
+                    results["set"] = await client.set("s", b"x")
+                except CouchbaseException as exc:
+                    results["set"] = exc
+
+            async def get() -> None:
+                request = kv_request(KvOpcode.GET, timeout=0.04)
+
+                async def send(request: Request) -> object:
+                    return await endpoint.send(
+                        request, KvOpcode.GET, lambda opaque: proto.get_frame(opaque, "k")
+                    )
+
+                try:
+                    results["get"] = await orchestrator.execute(request, send)
+                except CouchbaseException as exc:
+                    results["get"] = exc
+
+            async def stall() -> None:
+                await anyio.sleep(0.003)  # both frames written; the GET's answer comes at 15 ms
+                time.sleep(0.06)  # noqa: ASYNC251 - the loop stalls past the deadline
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(set_in_flight)
+                await anyio.sleep(0.002)  # the SET is written first
+                tg.start_soon(get)
+                tg.start_soon(stall)
+            return connection.lost, results.get("set"), results.get("get")
+
+    original = scheduler.random
+    scheduler.random = lambda: coin
+    try:
+        lost, stored, _ = anyio.run(scenario, backend="trio")
+    finally:
+        scheduler.random = original
+    assert lost is None  # the connection was answering: it stays
+    assert not isinstance(stored, CouchbaseException)
