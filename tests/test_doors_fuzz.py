@@ -68,6 +68,7 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 import pytest
+from fuzz_kit import expected_balance, live_tasks, show
 
 from sdkcore import (
     AdaptiveConcurrencyLimiter,
@@ -255,20 +256,6 @@ class CountingBudget:
         self.inner.refund()
 
 
-def expected_balance(budget: RetryBudget, deposits: int, net_withdrawn: int) -> int:
-    """``RetryBudget.balance`` after these operations within one ttl (Finagle's arithmetic,
-    rfc/0007 section 2: a deposit adds 1000 tokens, a withdrawal costs int(1000 / ratio),
-    1 when the ratio is 0; the reserve is min_retries_per_sec * ttl * cost)."""
-    ratio, minimum = budget.retry_ratio, budget.min_retries_per_sec
-    if ratio == 0 and minimum == 0:
-        return 0  # Finagle's Empty
-    cost = int(1000 / ratio) if ratio else 1
-    per_deposit = 1000 if ratio else 0
-    reserve = int(minimum * budget.ttl.total_seconds() * cost)
-    tokens = deposits * per_deposit - net_withdrawn * cost + reserve
-    return max(0, tokens // cost)
-
-
 def running_backend() -> str:
     """The event loop running this task: "asyncio" or "trio"."""
     import asyncio
@@ -280,33 +267,9 @@ def running_backend() -> str:
     return "asyncio"
 
 
-def live_tasks() -> int:
-    """Tasks alive in this event loop (asyncio) or this trio run (as tests/test_hedge.py)."""
-    import asyncio
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        import trio
-
-        def count(task: Any) -> int:
-            return 1 + sum(count(t) for n in task.child_nurseries for t in n.child_tasks)
-
-        return count(trio.lowlevel.current_root_task())
-    return len(asyncio.all_tasks())
-
-
 def written_after(raws: list[RawSend], seq: int) -> list[RawSend]:
     """The sends that started after event ``seq`` and got past their first checkpoint."""
     return [r for r in raws if r.start > seq and r.written is not None]
-
-
-def show(error: BaseException | None) -> str:
-    """An exception in a report: its type and the start of its message."""
-    if error is None:
-        return "None"
-    text = str(error)
-    return f"{type(error).__name__}({text[:120]}{'...' if len(text) > 120 else ''})"
 
 
 def small_backoff(retries: int) -> float:

@@ -89,6 +89,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from fuzz_kit import expected_balance, show
 
 from sdkcore import (
     AdaptiveConcurrencyLimiter,
@@ -284,20 +285,6 @@ class CountingBudget:
         self.inner.refund()
 
 
-def expected_balance(budget: RetryBudget, deposits: int, net_withdrawn: int) -> int:
-    """``RetryBudget.balance`` after these operations within one ttl (Finagle's arithmetic,
-    rfc/0007 section 2: a deposit adds 1000 tokens, a withdrawal costs int(1000 / ratio),
-    1 when the ratio is 0; the reserve is min_retries_per_sec * ttl * cost)."""
-    ratio, minimum = budget.retry_ratio, budget.min_retries_per_sec
-    if ratio == 0 and minimum == 0:
-        return 0  # Finagle's Empty
-    cost = int(1000 / ratio) if ratio else 1
-    per_deposit = 1000 if ratio else 0
-    reserve = int(minimum * budget.ttl.total_seconds() * cost)
-    tokens = deposits * per_deposit - net_withdrawn * cost + reserve
-    return max(0, tokens // cost)
-
-
 def is_rejection(error: BaseException) -> bool:
     """rfc/0009's ``default_is_rejection``, for what this endpoint raises: KV_TEMPORARY_FAILURE,
     SEARCH_TOO_MANY_REQUESTS, or SERVICE_NOT_AVAILABLE from an attempt that was sent."""
@@ -315,14 +302,6 @@ def not_sent(error: BaseException) -> bool:
         isinstance(error, RetryableError)
         and (error.effect or AttemptEffect.for_reason(error.reason)) is NOT_SENT
     )
-
-
-def show(error: BaseException | None) -> str:
-    """An exception in a report: its type and the start of its message."""
-    if error is None:
-        return "None"
-    text = str(error)
-    return f"{type(error).__name__}({text[:120]}{'...' if len(text) > 120 else ''})"
 
 
 def describe(attempt: Attempt) -> tuple[str, str | None, str | None]:

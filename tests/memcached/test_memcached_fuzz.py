@@ -116,6 +116,7 @@ import anyio.abc
 import anyio.lowlevel
 import pytest
 from fault_proxy import FaultProxy, _frame, tmpfail_reply
+from fuzz_kit import expected_balance, live_tasks
 from memcached_server import Memcached
 
 from sdkcore import (
@@ -422,18 +423,6 @@ class CountingBudget:
         self.inner.refund()
 
 
-def expected_balance(budget: RetryBudget, deposits: int, net_withdrawn: int) -> int:
-    """``RetryBudget.balance`` after these operations within one ttl (rfc/0007 section 2)."""
-    ratio, minimum = budget.retry_ratio, budget.min_retries_per_sec
-    if ratio == 0 and minimum == 0:
-        return 0  # Finagle's Empty
-    cost = int(1000 / ratio) if ratio else 1
-    per_deposit = 1000 if ratio else 0
-    reserve = int(minimum * budget.ttl.total_seconds() * cost)
-    tokens = deposits * per_deposit - net_withdrawn * cost + reserve
-    return max(0, tokens // cost)
-
-
 # -- orphan reports -------------------------------------------------------------------------
 @dataclass
 class Orphan:
@@ -537,20 +526,6 @@ def answer_of(op: Op, response: proto.Response) -> Any:
     if op.kind in ("set", "add"):
         return response.cas
     return None
-
-
-def live_tasks() -> int:
-    """Tasks alive in this event loop (asyncio) or this trio run (as tests/test_doors_fuzz.py)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        import trio
-
-        def count(task: Any) -> int:
-            return 1 + sum(count(t) for n in task.child_nurseries for t in n.child_tasks)
-
-        return count(trio.lowlevel.current_root_task())
-    return len(asyncio.all_tasks())
 
 
 def pending(connection: Any) -> int:
