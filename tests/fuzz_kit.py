@@ -1,4 +1,5 @@
-"""What the randomized schedule tests share (test_doors_fuzz, test_sync_fuzz, the memcached one)."""
+"""What the randomized schedule tests share (test_doors_fuzz, test_sync_fuzz, the memcached one),
+and the hedging tests' count of live tasks."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def expected_balance(budget: RetryBudget, deposits: int, net_withdrawn: int) -> 
 
 
 def live_tasks() -> int:
-    """Tasks alive in this event loop (asyncio) or this trio run (as tests/test_hedge.py)."""
+    """Tasks alive in this event loop (asyncio) or this trio run (nothing may outlive a door)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:

@@ -11,6 +11,7 @@ from typing import Any
 
 import anyio
 import pytest
+from fuzz_kit import live_tasks
 
 from sdkcore import (
     HedgePolicy,
@@ -31,22 +32,6 @@ pytestmark = pytest.mark.anyio
 TEMP = RetryReason.KV_TEMPORARY_FAILURE
 LOCKED = RetryReason.KV_LOCKED
 SAFETY = 10.0  # every test fails instead of hanging after this long
-
-
-def live_tasks() -> int:
-    """Tasks alive in this event loop (asyncio) or this trio run."""
-    import asyncio
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        import trio
-
-        def count(task: Any) -> int:
-            return 1 + sum(count(t) for n in task.child_nurseries for t in n.child_tasks)
-
-        return count(trio.lowlevel.current_root_task())
-    return len(asyncio.all_tasks())
 
 
 class Script:
