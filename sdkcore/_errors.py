@@ -159,7 +159,7 @@ class RetryableError(Exception):
         # No Exception.__init__: BaseException.__new__ has already kept the positional
         # arguments as ``args`` ((reason,) or (reason, message)), and replacing them with
         # (message,) cost 0.2 us of the 0.5 us this constructor took; it runs once per
-        # failed attempt (bench/README, "RetryableError").
+        # failed attempt (bench/README, "Cancellation races and RetryableError").
         self.reason = reason
         self._message = message  # the text given with the reason ("" for none)
         self.effect = effect
