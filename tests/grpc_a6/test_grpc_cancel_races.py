@@ -207,7 +207,7 @@ async def test_cancel_as_a_hedge_commits_cancels_the_call_and_the_committed_hedg
         async with insecure_channel(server.target, service_config=hedging_config("0.005s")) as ch:
             app_call = ch.unary_unary(method)(b"x")
             with pytest.raises(asyncio.CancelledError):
-                await asyncio.wait_for(app_call, TEST_TIMEOUT)
+                await app_call  # awaited here, as an application does (the handler ends in 10 s)
             await asyncio.wait_for(hedge1_cancelled.wait(), TEST_TIMEOUT)
     finally:
         aio_call.Call.initial_metadata = original  # type: ignore[method-assign]
