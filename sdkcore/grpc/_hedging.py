@@ -219,8 +219,9 @@ async def hedged_unary_unary(
     stats = core.stats
     throttler = core.throttler
     non_fatal = plan.non_fatal
-    last = [0]  # index of the last hedge whose failure arrived
-    fatal_of: dict[int, int] = {}  # id() of a fatal status -> the hedge it ended
+    # index of the last hedge whose failure arrived; of the first fatal one (-1: none yet),
+    # which ends the chain (booked in its copy's task as soon as failed() returns it)
+    last = [0, -1]
     flight = [0, 0]  # hedges sent, hedges that ended (not cancelled)
     last_status = [""]  # the status of the last hedge that failed
 
@@ -403,7 +404,8 @@ async def hedged_unary_unary(
                 return index, call, _PENDING  # headers, then a status: this hedge is final
             failure = failed(err, index)
             if failure is err:  # a fatal status
-                fatal_of[id(err)] = index  # the call's status if it ends the chain
+                if last[1] < 0:
+                    last[1] = index  # the call's status: it ends the chain
                 raise
             raise failure  # noqa: B904 - its cause is the status (set by failed)
         except BaseException as exc:
@@ -426,8 +428,8 @@ async def hedged_unary_unary(
             plan.throttler,
             first_elapsed=loop.time() - sent_at,
         )
-    except aio.AioRpcError as err:  # a fatal status: its own hedge's index, not the last
-        final = _error(err, fatal_of.get(id(err), last[0]))  # failure read after it
+    except aio.AioRpcError as err:  # a fatal status: its own hedge's index, not that of
+        final = _error(err, last[1] if last[1] >= 0 else last[0])  # a failure read after it
         if request.retry_attempts == 0:
             raise final from None  # the first hedge's answer: grpc's error, as without hedging
         raise _copy(final) from _fatal_context(request, err)
