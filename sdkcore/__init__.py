@@ -3,8 +3,9 @@
 Couchbase RFC 0049 (SDK3 retry handling) and the gRPC A6 retry design. Public
 names live here; everything in ``sdkcore._*`` is private.
 
-The classes a request needs only when the application built one (limiters, the
-throttle, the breaker, the budget, telemetry and the reporters) are imported at
+The classes a request needs only when the application built one (the hedging policy
+and the learned hedging delay, limiters, the throttle, the breaker, the budget,
+telemetry and the reporters) are imported at
 their first use, ``sdkcore.X`` or ``from sdkcore import X`` (PEP 562 ``__getattr__``):
 ``import sdkcore`` loads the request path only.
 """
@@ -43,8 +44,6 @@ from ._errors import (
     TimeoutException,
     UnambiguousTimeoutException,
 )
-from ._hedge import HedgePolicy, HedgeThrottler
-from ._latency import LatencyQuantile
 from ._orchestrator import DEFAULT_MAX_REQUESTS_IN_RETRY, RetryOrchestrator
 from ._reason import RetryReason
 from ._request import DEFAULT_TIMEOUT, DispatchInfo, Request, RequestState
@@ -62,6 +61,8 @@ if TYPE_CHECKING:  # imported at first use (``_LAZY``); for type checkers and ID
     from ._adaptive_limiter import AdaptiveConcurrencyLimiter
     from ._breaker import CircuitBreaker, CircuitState
     from ._budget import RetryBudget
+    from ._hedge_policy import HedgePolicy, HedgeThrottler
+    from ._latency import LatencyQuantile
     from ._limiter import ConcurrencyLimiter
     from ._orphans import OrphanReporter
     from ._telemetry import Telemetry
@@ -75,6 +76,9 @@ _LAZY = {
     "CircuitBreaker": "_breaker",
     "CircuitState": "_breaker",
     "ConcurrencyLimiter": "_limiter",
+    "HedgePolicy": "_hedge_policy",
+    "HedgeThrottler": "_hedge_policy",
+    "LatencyQuantile": "_latency",
     "OrphanReporter": "_orphans",
     "RetryBudget": "_budget",
     "Telemetry": "_telemetry",

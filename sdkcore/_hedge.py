@@ -14,6 +14,7 @@ layer's ``Hedges`` (:mod:`sdkcore._runtime`, one per backend).
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -25,23 +26,21 @@ from ._errors import (
     RequestCanceledException,
     RetryableError,
 )
-from ._hedge_policy import DEFAULT_HEDGE_ATTEMPTS_CAP, HedgePolicy, HedgeThrottler
 from ._hooks import INSTANT_DELAYS
 from ._reason import RetryReason
 from ._request import Request, RequestState
 
 if TYPE_CHECKING:
     from ._core import OrchestratorCore, RetryBudgetLike
+    from ._hedge_policy import HedgePolicy, HedgeThrottler
 
 __all__ = [
-    "DEFAULT_HEDGE_ATTEMPTS_CAP",
     "EVENT_HEDGE_CANCELLED",
     "EVENT_HEDGE_FAILED",
     "EVENT_HEDGE_SENT",
     "EVENT_HEDGE_WON",
-    "HedgePolicy",
-    "HedgeThrottler",
     "answered_before_hedge",
+    "check_hedge",
     "run_hedged",
 ]
 
@@ -512,6 +511,22 @@ def _with_extra(exc: BaseException, chain: _Chain, *, in_flight: bool) -> None:
         exc.context = exc.context.evolve(extra=extra, in_flight=in_flight)
 
 
+def _is_policy(policy: object) -> bool:
+    """Whether ``policy`` is a HedgePolicy, without importing :mod:`sdkcore._hedge_policy`.
+
+    ``import sdkcore`` leaves that module (and :mod:`sdkcore._latency`) to the first use
+    of ``sdkcore.HedgePolicy`` or ``sdkcore.LatencyQuantile`` (PEP 562): about a tenth of
+    the import, paid only by an application that hedges (bench/README, "`import sdkcore`
+    against `import attrs`"). No HedgePolicy can exist before its module was imported, so
+    a module not imported yet means a wrong argument.
+    """
+    module = sys.modules.get(_POLICY_MODULE)
+    return module is not None and isinstance(policy, module.HedgePolicy)
+
+
+_POLICY_MODULE = f"{__package__}._hedge_policy"
+
+
 def check_hedge(request: Any, send: Any, policy: Any, throttler: Any) -> None:
     """What :func:`run_hedged` refuses before anything is sent or recorded: arguments of
     the wrong kind, a completed request, a request that is not idempotent."""
@@ -524,7 +539,7 @@ def check_hedge(request: Any, send: Any, policy: Any, throttler: Any) -> None:
             "hedge(request, send, policy): send must be a callable (request, index) -> "
             f"awaitable, got {send!r}"
         )
-    if not isinstance(policy, HedgePolicy):
+    if not _is_policy(policy):
         raise TypeError(
             f"hedge(request, send, policy): policy must be an sdkcore.HedgePolicy, got {policy!r}"
         )

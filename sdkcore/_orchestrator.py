@@ -15,14 +15,17 @@ The doors themselves live in :mod:`sdkcore._execute` (async), :mod:`sdkcore._exe
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from . import _execute, _execute_sync
 from ._context import AttemptEffect
 from ._core import DEFAULT_MAX_REQUESTS_IN_RETRY, OrchestratorCore
 from ._errors import CouchbaseException
-from ._hedge import HedgePolicy, HedgeThrottler, check_hedge, run_hedged
+from ._hedge import check_hedge, run_hedged
 from ._request import Request, RequestState
+
+if TYPE_CHECKING:  # imported at their first use (sdkcore.HedgePolicy), see sdkcore._hedge
+    from ._hedge_policy import HedgePolicy, HedgeThrottler
 
 __all__ = ["DEFAULT_MAX_REQUESTS_IN_RETRY", "RetryOrchestrator"]
 

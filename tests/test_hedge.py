@@ -742,6 +742,8 @@ IMPORTS = """
 import sys
 import sdkcore
 assert not [m for m in sys.modules if m.split(".")[0] == "anyio"], "import sdkcore imports anyio"
+# Its module is imported at the first use of sdkcore.HedgePolicy, before any request.
+policy = sdkcore.HedgePolicy(2, delay=0.02)
 before = set(sys.modules)
 
 async def send(request, index):
@@ -749,7 +751,6 @@ async def send(request, index):
 
 async def main():
     request = sdkcore.Request(name="get", idempotent=True, timeout=1.0)
-    policy = sdkcore.HedgePolicy(2, delay=0.02)
     assert await sdkcore.RetryOrchestrator().hedge(request, send, policy) == 0
 
 if sys.argv[1] == "trio":

@@ -26,6 +26,9 @@ LAZY_CLASSES = {
     "CircuitBreaker": "_breaker",
     "CircuitState": "_breaker",
     "ConcurrencyLimiter": "_limiter",
+    "HedgePolicy": "_hedge_policy",
+    "HedgeThrottler": "_hedge_policy",
+    "LatencyQuantile": "_latency",
     "OrphanReporter": "_orphans",
     "RetryBudget": "_budget",
     "Telemetry": "_telemetry",
@@ -187,6 +190,40 @@ def test_a_lazy_class_is_loaded_on_first_use_and_named_sdkcore(name: str) -> Non
         """
     )
     assert out.split() == ["sdkcore", name]
+
+
+def test_hedge_checks_its_policy_before_the_policy_module_is_loaded() -> None:
+    """``hedge()`` tells a wrong policy without importing the HedgePolicy module, and a
+    hedged request once ``sdkcore.HedgePolicy`` was used works in the same process."""
+    out = run(
+        """
+        import asyncio, sys
+        import sdkcore
+
+        async def send(request, index):
+            return index
+
+        async def main():
+            orchestrator = sdkcore.RetryOrchestrator()
+            request = sdkcore.Request(idempotent=True, timeout=5)
+            try:
+                await orchestrator.hedge(request, send, {"max_attempts": 2})
+            except TypeError as exc:
+                print(exc)
+            print("sdkcore._hedge_policy" in sys.modules, request.state.value)
+            policy = sdkcore.HedgePolicy(max_attempts=2, delay=0.5)
+            print(await orchestrator.hedge(request, send, policy), request.state.value)
+
+        asyncio.run(main())
+        """
+    )
+    refused, not_loaded, answered = out.splitlines()
+    assert refused == (
+        "hedge(request, send, policy): policy must be an sdkcore.HedgePolicy, "
+        "got {'max_attempts': 2}"
+    )
+    assert not_loaded == "False pending"
+    assert answered == "0 succeeded"
 
 
 def test_from_sdkcore_import_loads_a_lazy_class() -> None:

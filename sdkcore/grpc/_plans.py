@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._errors import RetryableError
-from .._hedge import HedgePolicy
+from .._hedge_policy import HedgePolicy
 from .._latency import LatencyQuantile
 from ._policy import PUSHBACK_DONT_RETRY, PUSHBACK_KEY, A6RetryStrategy, parse_pushback
 from ._service_config import MethodConfig
