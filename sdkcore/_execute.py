@@ -311,6 +311,20 @@ def _give_context(request: Request, error: CouchbaseException) -> None:
         )
 
 
+def _completed(request: Request, reason: RetryReason | None) -> BaseException:
+    """The refusal of a hand-wired loop's call on a completed request (``Request.cancel()``
+    between two calls), once the trace an earlier call began (if any) recorded it: the
+    loop ends with this error, and no later call of it would end the trace.
+
+    A door that adopted the request's span (a gRPC call) ends the trace itself.
+    """
+    error = _failing.already_completed(request, reason)
+    trace = request._trace
+    if trace is not None and trace.owns_span:
+        trace.end(request, error)
+    return error
+
+
 def _traced_end(
     trace: RequestTrace | None, request: Request, error: BaseException
 ) -> BaseException:
@@ -364,7 +378,7 @@ async def maybe_retry(
     # Checked before anything is booked: a bad hint leaves the request as it was.
     hint = None if retry_after is None else to_seconds(retry_after, "maybe_retry(retry_after=...)")
     if request.state is not _PENDING:
-        raise _failing.already_completed(request, reason)
+        raise _completed(request, reason)
     telemetry = self._telemetry
     if telemetry is not None and request._trace is None:
         telemetry.begin(request)  # a hand-wired loop without attempt(): its first failure
@@ -468,7 +482,7 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
     """
     _check_request(request, "attempt(request)")
     if request.state is not _PENDING:
-        raise _failing.already_completed(request, request.last_reason)
+        raise _completed(request, request.last_reason)
     now = request.clock()
     left = request.deadline - now
     if left <= 0.0:  # expired before the attempt: nothing is sent

@@ -81,14 +81,20 @@ class RetryOrchestrator(OrchestratorCore):
         For hand-wired loops, to match :meth:`succeed`: the attempt is recorded
         (``last_error``), the request completes as failed, and a CouchbaseException
         without a context gets the request's. ``raise orchestrator.fail(request, exc)``.
-        Does not complete a request that already completed.
+        Given the caller's cancellation (a BaseException that is not an Exception), the
+        request completes CANCELLED (``TASK_CANCELLED``) and no attempt is recorded, as
+        when the cancellation cuts ``execute``. Does not complete a request that already
+        completed.
         """
         if not isinstance(error, BaseException):
             raise TypeError(f"fail(request, error): error must be an exception, got {error!r}")
         pending = request.state is RequestState.PENDING
         if pending:
-            request._attempt_failed(None, AttemptEffect.MAYBE_APPLIED, error, request.clock())
-            request._finish(RequestState.FAILED)
+            if isinstance(error, Exception):
+                request._attempt_failed(None, AttemptEffect.MAYBE_APPLIED, error, request.clock())
+            # The caller's cancellation (or another BaseException) ends it CANCELLED
+            # (TASK_CANCELLED), as on every other door: it is no answer of an attempt.
+            request._finish_by(error)
         if isinstance(error, CouchbaseException) and error.context is None:
             error.context = request.error_context(request.last_reason)
         trace = request._trace

@@ -699,13 +699,16 @@ class RequestTrace:
         # by sdkcore.hedges, so a retry ratio never mistakes a hedge for a retry.
         retries = request._attempts - self.hedges
         elapsed = request._clock() - request._start  # request.elapsed, without its timedelta
+        cls = ""
         if state is _SUCCEEDED:
             outcome = "success"
             attributes = self.success
         else:
             outcome = outcome_of(request)
-            cls = type(error).__name__ if error is not None else "RequestCanceledException"
-            attributes = {NAME: self.attributes[NAME], OUTCOME: outcome, ERROR_TYPE: _cut(cls)}
+            # No error: succeed() of a request Request.cancel() had completed (a hand-wired
+            # loop whose answer came after the cancel); the caller's error is the cancel's.
+            cls = _cut(type(error).__name__ if error is not None else "RequestCanceledException")
+            attributes = {NAME: self.attributes[NAME], OUTCOME: outcome, ERROR_TYPE: cls}
         try:
             telemetry.request_duration.record(elapsed, attributes)
         except Exception as exc:
@@ -721,8 +724,15 @@ class RequestTrace:
             try:
                 span.set_attribute(OUTCOME, outcome)
                 span.set_attribute("sdkcore.request.retries", retries)
-                if error is not None and outcome != "success":
-                    _record_error(telemetry, span, error)
+                if outcome != "success":
+                    if error is not None:
+                        _record_error(telemetry, span, error)
+                    else:  # as the metric above records it
+                        trace = telemetry._trace
+                        span.set_status(
+                            trace.Status(trace.StatusCode.ERROR, "the request was cancelled")
+                        )
+                        span.set_attribute(ERROR_TYPE, cls)
                 if self.owns_span:
                     span.end()
             except Exception as exc:

@@ -8,6 +8,8 @@ that everything sdkcore reports comes from the instrumentation scope ``sdkcore``
 
 from __future__ import annotations
 
+import collections
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +26,7 @@ from opentelemetry.sdk.metrics.export import (
     InMemoryMetricReader,
     Sum,
 )
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
     InMemorySpanExporter,
@@ -36,6 +38,7 @@ __all__ = [
     "Fatal",
     "Metric",
     "Otel",
+    "SpanCounter",
     "attr",
     "current_span_id",
     "hand_wired",
@@ -119,6 +122,39 @@ class Otel:
     def shutdown(self) -> None:
         self.meters.shutdown()
         self.tracers.shutdown()
+
+
+class SpanCounter(SpanProcessor):
+    """Counts ``on_start`` and ``on_end`` per span id, from any thread:
+    ``otel.tracers.add_span_processor(counter)``, then ``counter.problems()`` lists every
+    span not ended exactly once (the SDK calls ``on_end`` once; a second ``end()`` only
+    logs a warning, ``Calling end() on an ended span``)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.started: dict[int, str] = {}
+        self.ended: collections.Counter[int] = collections.Counter()
+
+    def on_start(self, span: Span, parent_context: Any = None) -> None:
+        with self.lock:
+            self.started[span.context.span_id] = span.name
+
+    def on_end(self, span: ReadableSpan) -> None:
+        assert span.context is not None
+        with self.lock:
+            self.ended[span.context.span_id] += 1
+
+    def problems(self) -> list[str]:
+        with self.lock:
+            out = [
+                f"span {name!r} ({span_id:x}) ended {self.ended[span_id]} times"
+                for span_id, name in self.started.items()
+                if self.ended[span_id] != 1
+            ]
+            out += [
+                f"span {i:x} ended but never started" for i in self.ended if i not in self.started
+            ]
+        return out
 
 
 def span_named(spans: list[ReadableSpan], name: str) -> ReadableSpan:

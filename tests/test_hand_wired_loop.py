@@ -149,6 +149,27 @@ async def test_fail_completes_the_request_with_its_context() -> None:
     assert request.state.value == "failed"
 
 
+def test_fail_with_the_callers_cancellation_ends_the_request_cancelled() -> None:
+    """A loop cancelled outside sdkcore's calls hands sdkcore the cancellation: the request
+    ends CANCELLED (TASK_CANCELLED) as when the cancellation cuts execute, no attempt booked."""
+    import asyncio
+
+    from sdkcore import CancellationReason, RetryableError
+
+    orchestrator = RetryOrchestrator()
+    request = Request(name="GET", idempotent=True, timeout=2)
+    cancelled = asyncio.CancelledError()
+    assert orchestrator.fail(request, cancelled) is cancelled
+    assert request.state.value == "cancelled"
+    assert request.cancellation_reason is CancellationReason.TASK_CANCELLED
+    assert request.attempts == ()
+    # an error is still the attempt's answer: FAILED, recorded
+    request = Request(name="GET", idempotent=True, timeout=2)
+    orchestrator.fail(request, RetryableError(RetryReason.KV_LOCKED))
+    assert request.state.value == "failed"
+    assert len(request.attempts) == 1
+
+
 async def test_request_cancel_cuts_the_attempt() -> None:
     request = Request(name="GET", idempotent=True, timeout=5)
     orchestrator = RetryOrchestrator()
