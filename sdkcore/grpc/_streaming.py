@@ -113,6 +113,10 @@ class _RetryingCall:
                             return out
                         await call.code()
                     else:
+                        # A6: response headers commit a client-streaming call too.
+                        md = await call.initial_metadata()
+                        if md:
+                            return self._commit(call)
                         await call
                 except aio.AioRpcError as err:
                     if replay is not None:
@@ -355,7 +359,11 @@ class _RetryingCall:
             raise
         if out.error is not None:
             raise out.error
-        response = yield from out.call.__await__()
+        try:
+            response = yield from out.call.__await__()
+        except aio.AioRpcError as err:
+            self._account_end(err.code(), err.trailing_metadata(), err)
+            raise self._c._final(err) from None
         return response
 
     # -- requests (writes go through grpc.aio's own request iterator) --------------------
