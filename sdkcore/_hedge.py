@@ -255,9 +255,10 @@ class _Chain:
                 wake()
             return
         trace = self.request._trace
-        if trace is not None and attempt.index > 0:
+        if trace is not None and attempt.index > 0 and trace.owns_span:
             # Counted here, where the copy is really sent: a copy booked and then cut before
-            # its task ran (the winner answered in the same turn) is not a hedge sent.
+            # its task ran (the winner answered in the same turn) is not a hedge sent. A door
+            # that adopted the request's span (a gRPC call) counts the copies it makes.
             trace.hedge_sent()
         mark = self.request._dispatching()  # requests made inside send keep within its deadline
         try:
@@ -571,12 +572,17 @@ async def run_hedged(
     throttler: HedgeThrottler | None = None,
     *,
     first_elapsed: float | None = None,
+    finish: bool = True,
 ) -> T:
     """The body of :meth:`RetryOrchestrator.hedge` (see there and rfc/0004).
 
     ``first_elapsed``: seconds the first attempt has already been in flight (a
     caller that sent it itself and hands it over once the hedging delay passed,
     as the gRPC channels do); the second hedge is then due that much sooner.
+    ``finish=False``: the winning copy's result may not be its final answer (a gRPC
+    hedge the call committed to on its response headers, A6): the request is left
+    pending for the caller to complete once the answer is in, and the caller reports
+    a win by a copy other than the first (``RequestTrace.hedge_won``).
     """
     check_hedge(request, send, policy, throttler)
     left = request.deadline - request.clock()
@@ -600,6 +606,10 @@ async def run_hedged(
         raise
 
     if chain.winner is not None:
+        if not finish:
+            if request.state is not RequestState.PENDING:  # Request.cancel(), as below
+                raise _failing.already_completed(request, request.last_reason)
+            return chain.result  # type: ignore[no-any-return]
         if not request._finish(RequestState.SUCCEEDED):
             # Request.cancel() came after a copy answered, before the caller resumed: a
             # cancelled request never reports success (rfc/0001, "Application cancel").

@@ -30,6 +30,7 @@ from typing import Any
 import anyio
 
 from sdkcore import (
+    AttemptEffect,
     BestEffortRetryStrategy,
     CircuitBreaker,
     CircuitState,
@@ -440,7 +441,14 @@ async def _total_outage(
             except Exception as exc:
                 refused += outcome_of(exc) == "refused_by_budget"
                 context = getattr(exc, "context", None)
-                attempts += 1 + int(getattr(context, "retry_attempts", 0))
+                # Attempts sent: a retry booked and never sent (its backoff cut by the
+                # deadline) was refunded to the budget, so it is not counted against it.
+                records = getattr(context, "attempts", None)
+                attempts += (
+                    1
+                    if not records
+                    else sum(1 for a in records if a.effect is not AttemptEffect.NOT_SENT)
+                )
             on_done()
 
         async with anyio.create_task_group() as tg:

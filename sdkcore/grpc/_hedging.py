@@ -39,7 +39,7 @@ from ._finished import _FinishedUnaryCall
 from ._gate import LocalRefusal
 from ._metadata import _client_trailing, _strip_attempts, _with_attempts
 from ._plans import HedgePlan, _method_name, _pushback_ms
-from ._policy import PUSHBACK_DONT_RETRY, status_reason
+from ._policy import PUSHBACK_DONT_RETRY, status_reason, time_out_at_deadline
 from ._status import status_name
 from ._telemetry import CallTrace
 
@@ -348,7 +348,9 @@ async def hedged_unary_unary(
     if not direct:
         open_streamed = _streamed_opener(continuation, message)
 
-    won: list[Any] = []  # the calls hedges returned: a winner may still be on the wire
+    # (index, call) of every hedge that returned: a winner may still be on the wire, and
+    # a second copy that committed in the winner's turn returned too.
+    won: list[tuple[int, Any]] = []
 
     async def send(request: Request, index: int) -> tuple[int, Any, Any]:
         flight[0] += 1
@@ -358,7 +360,7 @@ async def hedged_unary_unary(
             flight[1] += 1
             raise
         flight[1] += 1
-        won.append(out[1])
+        won.append((out[0], out[1]))
         return out
 
     async def send_hedge(index: int) -> tuple[int, Any, Any]:
@@ -371,6 +373,8 @@ async def hedged_unary_unary(
             if trace is not None:
                 attempt = attempts[0]
         else:
+            if core._closing:  # the closing channel takes no other copy: none is counted
+                raise _ChannelClosed()
             stats.record_retry(name, index)  # A6: hedges after the first are retries
             streamed = open_streamed is not None
             token = None
@@ -406,6 +410,9 @@ async def hedged_unary_unary(
             if failure is err:  # a fatal status
                 if last[1] < 0:
                     last[1] = index  # the call's status: it ends the chain
+                # DEADLINE_EXCEEDED once the call's time is up is its timeout (the chain
+                # then books the attempt and finds the request ended): as without hedging.
+                time_out_at_deadline(request, err, book=False)
                 raise
             raise failure  # noqa: B904 - its cause is the status (set by failed)
         except BaseException as exc:
@@ -427,6 +434,7 @@ async def hedged_unary_unary(
             plan.policy,
             plan.throttler,
             first_elapsed=loop.time() - sent_at,
+            finish=False,  # a hedge committed on its headers has no answer yet: see below
         )
     except aio.AioRpcError as err:  # a fatal status: its own hedge's index, not that of
         final = _error(err, last[1] if last[1] >= 0 else last[0])  # a failure read after it
@@ -461,13 +469,19 @@ async def hedged_unary_unary(
     finally:
         if winner is not first and not isinstance(adopted, BaseException):
             first.cancel()
-        if winner is None:
-            # The call ended otherwise (call.cancel(), the caller's cancellation) as a
-            # hedge won, perhaps one committed on its headers and still on the wire.
-            for call in won:
+        # Every copy that returned but is not the winner is cut: the call ended otherwise
+        # (call.cancel(), the caller's cancellation) as a hedge won, perhaps one committed
+        # on its headers and still on the wire; or a second copy committed on its headers
+        # in the winner's turn (the chain took the first). Its attempt ends CANCELLED.
+        for copy, call in won:
+            if call is not winner:
                 call.cancel()
+                if trace is not None:
+                    trace.attempt_end(attempts.get(copy), asyncio.CancelledError())
 
-    # Committed to hedge ``index``: its outcome is the call's.
+    # Committed to hedge ``index``: its outcome is the call's, and the request's. The runner
+    # left the request pending (finish=False): a hedge committed on its headers may still
+    # fail or be cancelled.
     call = winner
     streamed = index > 0 and open_streamed is not None
     try:
@@ -488,12 +502,22 @@ async def hedged_unary_unary(
     except aio.AioRpcError as err:
         if trace is not None:
             trace.attempt_end(attempts.get(index), err)
-        raise committed_failure(err, index) from None
-    except BaseException:
+        final = committed_failure(err, index)
+        time_out_at_deadline(request, final)  # DEADLINE_EXCEEDED: the request's timeout
+        core.orchestrator.fail(request, final)
+        raise final from None
+    except BaseException as exc:
         call.cancel()
+        request._finish_by(exc)  # the caller's cancellation (call.cancel() cancelled it already)
         raise
+    if not request._succeeded():
+        # Request.cancel() (call.cancel()) as the answer came in: a cancelled call.
+        call.cancel()
+        raise asyncio.CancelledError()
     if trace is not None:  # the committed hedge's attempt ends with the call, OK
         trace.attempt_end(attempts.get(index), None)
+        if index > 0:
+            trace.trace.hedge_won()
     if throttler is not None:
         throttler.record_success()
     if streamed:

@@ -83,6 +83,10 @@ class _RetryingCall:
                 if replay is not None and replay.error is not None:
                     raise self._source_failed()
                 source = self._request if replay is None else replay.attempt_messages()
+                if c.core._closing and not c._retried():
+                    # Made just before the channel started closing: refused as grpc.aio
+                    # refuses it, before an attempt is counted.
+                    raise aio.UsageError("Channel is closed.")
                 details = c.next_details()
                 trace = c.trace
                 token = None if trace is None else trace.enter(trace.current)
@@ -190,6 +194,10 @@ class _RetryingCall:
         # would be a reference cycle, freed only by the garbage collector.
         self._continuation = None
         self._c.release()
+        if task.cancelled():
+            # call.cancel() before the task's first step (_drive never ran to end the call),
+            # or after (ended there: ending it again does nothing).
+            self._c.ended(asyncio.CancelledError())
         callbacks, self._callbacks = self._callbacks, []
         for cb in callbacks:
             self._add_done(cb)
@@ -328,6 +336,12 @@ class _RetryingCall:
             except aio.AioRpcError as err:
                 self._account_end(err.code(), err.trailing_metadata(), err)
                 raise self._c._final(err) from None
+            except asyncio.CancelledError:
+                # The reading task was cancelled: grpc.aio cancels the RPC with it, and the
+                # call ends as the application's cancellation, not as a CANCELLED answer.
+                self._cancelled = True
+                call.cancel()
+                raise
             if message is _EOF:
                 await self._account_committed(call)
                 return
@@ -433,7 +447,7 @@ async def streaming_call(
 ) -> Any:
     """A retrying call for a streaming method with a plan, else the plain call."""
     plan = core.plan(details.method)
-    if plan is None:
+    if plan is None or core._closing:  # closing: grpc.aio's own call refuses it
         outer = dispatching()
         if outer is not None:  # made inside a request's send: never outlive it
             details = outer_details(outer, details)

@@ -346,6 +346,7 @@ class CallTrace:
             self.transparent += 1
         elif hedge:
             self.hedges += 1
+            self.trace.hedge_sent()  # sdkcore.hedges: a copy made (the chain counts none here)
         else:
             self.attempts += 1
         channel = self.channel
@@ -432,6 +433,9 @@ class CallTrace:
         ):
             # call.cancel() while waiting to retry, or the channel's close(): as grpc.aio.
             status, details = "CANCELLED", "Locally cancelled by application!"
+            # What the application gets for a cancelled call (the call object raises it in
+            # place of the last attempt's error it ended with here).
+            error = asyncio.CancelledError()
         for attempt in list(self.open):
             self._attempt_end(attempt, status, details)
         now = time.monotonic()

@@ -183,7 +183,16 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
     def _first_failed(self, err: Any) -> None:
         """Start the retry loop in a task (once): ``err`` is the first attempt's, or None."""
         if not self._driving():
-            self._driver = asyncio.get_running_loop().create_task(self._drive(err))
+            driver = self._driver = asyncio.get_running_loop().create_task(self._drive(err))
+            driver.add_done_callback(self._driver_done)
+
+    def _driver_done(self, driver: asyncio.Task[Any]) -> None:
+        if driver.cancelled() and not self._ended:
+            # call.cancel() before the task's first step: _drive never ran to end the call.
+            self._ended = True
+            c = self._c
+            c.release()
+            c.ended(asyncio.CancelledError())  # its telemetry, if any
 
     async def _drive(self, err: Any) -> Any:
         """The retry loop after the first failure: the successful call, or raise the error."""
@@ -521,6 +530,17 @@ class DirectMultiCallable(aio.UnaryUnaryMultiCallable):  # type: ignore[misc]
         wait_for_ready: bool | None = None,
         compression: Any = None,
     ) -> Any:
+        if self._core._closing:
+            # The channel is closing or closed: it takes no new call. grpc.aio's own call
+            # refuses it (UsageError), as without sdkcore; no sdkcore attempt starts.
+            return self._inner(
+                request,
+                timeout=timeout,
+                metadata=metadata,
+                credentials=credentials,
+                wait_for_ready=wait_for_ready,
+                compression=compression,
+            )
         return self._call_type(
             self._core,
             self._plan,
