@@ -4,6 +4,7 @@ and the hedging tests' count of live tasks."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Collection
 from typing import Any
 
 from sdkcore import RetryBudget
@@ -43,3 +44,29 @@ def show(error: BaseException | None, width: int = 120) -> str:
         return "None"
     text = str(error)
     return f"{type(error).__name__}({text[:width]}{'...' if len(text) > width else ''})"
+
+
+async def leaked_tasks(
+    before: Collection[asyncio.Task[Any]],
+    ignore: Callable[[asyncio.Task[Any]], bool],
+    settle: float = 0.3,
+) -> list[asyncio.Task[Any]]:
+    """Tasks of this loop not in ``before`` still pending after ``settle`` seconds (polled
+    every 10 ms, returned as soon as there are none), the caller's own and those ``ignore``
+    accepts left out: what grpc.aio ends in its own time after a close is not a leak."""
+    loop = asyncio.get_running_loop()
+    leaked: list[asyncio.Task[Any]] = []
+    deadline = loop.time() + settle
+    while loop.time() < deadline:
+        await asyncio.sleep(0.01)
+        leaked = [
+            t
+            for t in asyncio.all_tasks()
+            if t not in before
+            and not t.done()
+            and t is not asyncio.current_task()
+            and not ignore(t)
+        ]
+        if not leaked:
+            break
+    return leaked

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -23,6 +24,17 @@ TEST_TIMEOUT = 15.0
 #: the pause makes the headers go out on their own. It sets up the scenario; no test
 #: asserts anything about time.
 HEADERS_FLUSH = 0.05
+
+
+def server_task(task: asyncio.Task[Any]) -> bool:
+    """A task of grpc.aio's server (it ends its RPCs' tasks in its own time): not a leak of
+    the client's."""
+    name = task.get_name()
+    return (
+        name == "rpc_task"
+        or name.startswith("HandleExceptions[")
+        or task.get_coro().__qualname__ == "AioServer._request_call"
+    )
 
 
 def retry_config(

@@ -121,9 +121,10 @@ from typing import Any
 import pytest
 
 grpc = pytest.importorskip("grpc")
+from fuzz_kit import leaked_tasks  # noqa: E402
 from grpc import aio  # noqa: E402
 from grpc.aio import _call as aio_call  # noqa: E402 - the probe (see the module docstring)
-from grpc_server import Server  # noqa: E402
+from grpc_server import Server, server_task  # noqa: E402
 
 from sdkcore.grpc import (  # noqa: E402
     RetryThrottler,
@@ -705,20 +706,7 @@ class World:
                 self.close_error = exc
         # grpc.aio ends a closed channel's call tasks in its own time: a task is a leak if
         # it is still pending a while after the close.
-        leaked: list[asyncio.Task[Any]] = []
-        deadline = loop.time() + 0.3
-        while loop.time() < deadline:
-            await asyncio.sleep(0.01)
-            leaked = [
-                t
-                for t in asyncio.all_tasks()
-                if t not in before
-                and not t.done()
-                and t is not asyncio.current_task()
-                and not server_task(t)
-            ]
-            if not leaked:
-                break
+        leaked = await leaked_tasks(before, server_task)
         self.leaked_tasks = leaked
 
     async def close(self) -> None:
@@ -1212,16 +1200,6 @@ class World:
                     f"throttle: {retries} retries sent, only {allowed} failures left retries "
                     "allowed"
                 )
-
-
-def server_task(task: asyncio.Task[Any]) -> bool:
-    """A task of grpc.aio's server (its own business: it ends its RPCs' tasks in its time)."""
-    name = task.get_name()
-    return (
-        name == "rpc_task"
-        or name.startswith("HandleExceptions[")
-        or task.get_coro().__qualname__ == "AioServer._request_call"
-    )
 
 
 def name_of(code: int | None) -> str:

@@ -143,9 +143,10 @@ import anyio
 import pytest
 
 grpc = pytest.importorskip("grpc")
+from fuzz_kit import leaked_tasks  # noqa: E402
 from grpc import aio  # noqa: E402
 from grpc.aio import _call as aio_call  # noqa: E402 - the probe (see the module docstring)
-from grpc_server import Server  # noqa: E402
+from grpc_server import Server, server_task  # noqa: E402
 
 from sdkcore.grpc import (  # noqa: E402
     insecure_channel,
@@ -383,16 +384,6 @@ def _probe_init(original: Any) -> Any:
 @pytest.fixture
 def probe(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(aio_call.Call, "__init__", _probe_init(aio_call.Call.__init__))
-
-
-def server_task(task: asyncio.Task[Any]) -> bool:
-    """A task of grpc.aio's server (it ends its RPCs' tasks in its own time)."""
-    name = task.get_name()
-    return (
-        name == "rpc_task"
-        or name.startswith("HandleExceptions[")
-        or task.get_coro().__qualname__ == "AioServer._request_call"
-    )
 
 
 def _uncancel() -> None:
@@ -833,20 +824,7 @@ class World:
                 self.close_error = exc
         if self.close_error is not None:
             self.problem(None, f"closing the channel raised {self.close_error!r}")
-        leaked: list[asyncio.Task[Any]] = []
-        deadline = loop.time() + 0.3
-        while loop.time() < deadline:
-            await asyncio.sleep(0.01)
-            leaked = [
-                t
-                for t in asyncio.all_tasks()
-                if t not in before
-                and not t.done()
-                and t is not asyncio.current_task()
-                and not server_task(t)
-            ]
-            if not leaked:
-                break
+        leaked = await leaked_tasks(before, server_task)
         if any(self.raced_internal(r) for r in self.records):
             # grpc's own: a stream read that raised "Internal error from Core" with a
             # message left unread keeps C-core's status operation, and this task, pending

@@ -111,10 +111,11 @@ import pytest
 
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("opentelemetry.sdk")
+from fuzz_kit import leaked_tasks  # noqa: E402
 from grpc import aio  # noqa: E402
 from grpc.aio import _call as aio_call  # noqa: E402 - the probe (see the module docstring)
 from grpc.aio import _interceptor as aio_interceptor  # noqa: E402
-from grpc_server import Server  # noqa: E402
+from grpc_server import Server, server_task  # noqa: E402
 from opentelemetry import context as otel_context  # noqa: E402
 from opentelemetry import trace  # noqa: E402
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor  # noqa: E402
@@ -667,20 +668,7 @@ class World:
                 await asyncio.wait_for(self.channel.close(), 2.0)
             except BaseException as exc:
                 self.close_error = exc
-        leaked: list[asyncio.Task[Any]] = []
-        deadline = loop.time() + 0.3
-        while loop.time() < deadline:
-            await asyncio.sleep(0.01)
-            leaked = [
-                t
-                for t in asyncio.all_tasks()
-                if t not in before
-                and not t.done()
-                and t is not asyncio.current_task()
-                and not server_task(t)
-            ]
-            if not leaked:
-                break
+        leaked = await leaked_tasks(before, server_task)
         self.leaked_tasks = leaked
 
     async def close(self) -> None:
@@ -1178,16 +1166,6 @@ class World:
             f"    telemetry: {telemetry}"
         )
         self.problems.append(head + "".join(f"\n    - {p}" for p in found))
-
-
-def server_task(task: asyncio.Task[Any]) -> bool:
-    """A task of grpc.aio's server (it ends its RPCs' tasks in its own time)."""
-    name = task.get_name()
-    return (
-        name == "rpc_task"
-        or name.startswith("HandleExceptions[")
-        or task.get_coro().__qualname__ == "AioServer._request_call"
-    )
 
 
 @pytest.mark.parametrize("seed", SEEDS)
