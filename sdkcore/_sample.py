@@ -20,7 +20,7 @@ from datetime import timedelta
 from typing import Any
 
 from . import _log
-from ._duration import to_seconds
+from ._duration import MAX_SECONDS, to_seconds
 from ._untrusted import show
 
 __all__ = [
@@ -81,9 +81,15 @@ def _micros(value: object, what: str) -> int | None:
             f"{what} must be a number of seconds (int or float){hint}, "
             f"got {show(value)} ({type(value).__name__})"
         )
-    seconds = float(value)
-    if not 0.0 <= seconds < math.inf:  # also NaN
-        raise ValueError(f"{what} must be a finite number of seconds >= 0, got {show(value)}")
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int past what a float holds
+        seconds = math.inf
+    if not 0.0 <= seconds <= MAX_SECONDS:  # also NaN; past it, whole µs overflow
+        raise ValueError(
+            f"{what} must be a finite number of seconds >= 0 (at most {MAX_SECONDS:.0f}, what "
+            f"a timedelta holds), got {show(value)}"
+        )
     return round(seconds * 1_000_000)
 
 

@@ -49,7 +49,7 @@ class ThresholdReporter:
     ``eventing``, ``transactions``, or an application's own).
 
     Thread-safe and loop-agnostic. A request under its threshold costs a dict lookup
-    and one comparison; a slow one O(log sample_size) under a lock.
+    and three comparisons; a slow one O(log sample_size) under a lock.
     """
 
     __slots__ = ("_default", "_sample", "_thresholds")
@@ -114,18 +114,24 @@ class ThresholdReporter:
         ms), the others strings (sockets as ``"host:port"``, a KV opaque as
         ``"0x23"``). See rfc/0008 for what each one holds.
         """
+        threshold = self._thresholds.get(service, self._default)
         try:
-            fast = duration < self._thresholds.get(service, self._default)
+            # A fast record of the usual types: the rest is checked below, fast or not.
+            fast = (
+                0.0 <= duration < threshold and type(service) is str and type(duration) is not bool
+            )
         except TypeError:
             fast = False  # not a number: total_micros says what is wrong
+        if not fast:
+            if not isinstance(service, str):
+                raise TypeError(f"ThresholdReporter.record(service) must be a str, got {service!r}")
+            what = "ThresholdReporter.record"
+            total_us = total_micros(duration, what)  # refuses what is not seconds >= 0
+            fast = duration < threshold  # e.g. a service given as a str subclass
         if fast:
             if self._sample.due != math.inf:  # a report is pending: it may be due
                 self._sample.poll()
             return
-        if not isinstance(service, str):
-            raise TypeError(f"ThresholdReporter.record(service) must be a str, got {service!r}")
-        what = "ThresholdReporter.record"
-        total_us = total_micros(duration, what)
         fields = details(
             what,
             operation_name,

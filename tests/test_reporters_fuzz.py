@@ -26,10 +26,12 @@ import math
 import random
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from sdkcore._orphans import OrphanReporter
@@ -543,3 +545,90 @@ def test_8_threads_with_flushes_and_a_moving_clock_lose_nothing(kind: str, seed:
         rows.sort(reverse=True)
         must = [op for us, op in rows[:size] if us > rows[min(size, len(rows)) - 1][0]]
         assert set(must) <= ids, service  # strictly slower than the size-th: never dropped
+
+
+# -- end to end: the memcached example client against a real memcached ---------------------------
+
+sys.path.insert(0, str(Path(__file__).parent / "memcached"))
+from fault_proxy import FaultProxy  # noqa: E402
+from memcached_server import Memcached, memcached_binary  # noqa: E402
+
+DELAY = 0.2  # the proxy holds each reply this long, one after the other
+
+
+@pytest.fixture
+def proxied() -> Iterator[FaultProxy]:
+    """A real memcached behind the fault proxy (skipped without memcached unless CI=true)."""
+    server = Memcached(memcached_binary()).start()
+    try:
+        proxy = FaultProxy(server.port).start()
+        try:
+            yield proxy
+        finally:
+            proxy.stop()
+    finally:
+        server.kill()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("seed", [0])
+async def test_memcached_late_answers_are_exactly_the_orphans(
+    proxied: FaultProxy, seed: int
+) -> None:
+    """k random operations pipelined on one connection; the proxy answers them one per DELAY;
+    the deadline ((m + 0.5) * DELAY) lets the first m through and cuts the others, whose
+    answers then arrive on the open connection: those, and only those, are orphans."""
+    from sdkcore import TimeoutException
+    from sdkcore.examples.memcached import MemcachedClient
+
+    rng = random.Random(4000 + seed)
+    k = rng.randint(2, 4)
+    m = rng.randint(1, k - 1)
+    names = [rng.choice(["get", "set", "noop"]) for _ in range(k)]
+    reporter = OrphanReporter(clock=lambda: 0.0)  # frozen: nothing logged by itself
+    target = f"127.0.0.1:{proxied.port}"
+    async with MemcachedClient(target) as direct:
+        await direct.set("k", b"v")
+    timed_out: list[str] = []
+    answered: list[str] = []
+
+    async def one(client: MemcachedClient, name: str) -> None:
+        call = {"get": lambda: client.get("k"), "set": lambda: client.set("k", b"v")}
+        try:
+            await call.get(name, client.noop)()
+            answered.append(name)
+        except TimeoutException:
+            timed_out.append(name)
+
+    timeout = (m + 0.5) * DELAY
+    with anyio.fail_after(30):
+        async with MemcachedClient(target, timeout=timeout, orphan_reporter=reporter) as client:
+            await client.noop()  # connected before the operations are written back to back
+            proxied.delay = DELAY
+            proxied.reset_counts()
+            async with anyio.create_task_group() as tg:
+                for name in names:
+                    tg.start_soon(one, client, name)
+            while (report := reporter.report()) is None or report["kv"]["total_count"] < k - m:  # noqa: ASYNC110
+                await anyio.sleep(0.02)
+            await anyio.sleep(DELAY)  # nothing more comes in
+            report = reporter.report()
+    _, _, requests = proxied.counts()
+    assert sum(requests.values()) == k  # each operation sent once: no retry
+    assert len(answered) == m
+    assert len(timed_out) == k - m
+    assert report is not None
+    assert list(report) == ["kv"]
+    assert report["kv"]["total_count"] == k - m == sum(requests.values()) - len(answered)
+    top = report["kv"]["top_requests"]
+    assert sorted(e["operation_name"] for e in top) == sorted(timed_out)
+    assert len({e["operation_id"] for e in top}) == len(top)
+    durations = [e["total_duration_us"] for e in top]
+    assert durations == sorted(durations, reverse=True)
+    for e in top:
+        assert e["timeout_ms"] == micros(timeout) // 1000
+        assert e["last_remote_socket"] == target
+        assert 0 < e["last_dispatch_duration_us"] < e["total_duration_us"]
+    with capture_retry_events() as events:
+        assert reporter.flush() == report
+    assert [json.loads(e["report"]) for e in events] == [report]
