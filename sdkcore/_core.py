@@ -103,9 +103,10 @@ class OrchestratorCore:
             raise TypeError(
                 f"RetryOrchestrator(sleep=...) must be an async callable (seconds), got {sleep!r}"
             )
-        if retry_budget is not None and not (
-            callable(getattr(retry_budget, "deposit", None))
-            and callable(getattr(retry_budget, "try_withdraw", None))
+        if retry_budget is not None and (
+            isinstance(retry_budget, type)
+            or not callable(getattr(retry_budget, "deposit", None))
+            or not callable(getattr(retry_budget, "try_withdraw", None))
         ):
             raise TypeError(
                 "RetryOrchestrator(retry_budget=...) must be an sdkcore.RetryBudget (an object "

@@ -67,6 +67,10 @@ class RetryOrchestrator(OrchestratorCore):
 
         A completed request cannot be retried; this does nothing if it already completed.
         """
+        if not isinstance(request, Request):
+            raise TypeError(
+                f"succeed(request): request must be an sdkcore.Request, got {request!r}"
+            )
         pending = request.state is RequestState.PENDING
         request._succeeded()
         trace = request._trace
@@ -86,6 +90,10 @@ class RetryOrchestrator(OrchestratorCore):
         when the cancellation cuts ``execute``. Does not complete a request that already
         completed.
         """
+        if not isinstance(request, Request):
+            raise TypeError(
+                f"fail(request, error): request must be an sdkcore.Request, got {request!r}"
+            )
         if not isinstance(error, BaseException):
             raise TypeError(f"fail(request, error): error must be an exception, got {error!r}")
         pending = request.state is RequestState.PENDING

@@ -154,6 +154,10 @@ class Request(RetryState):
                 "Request.retry_strategy must be a RetryStrategy instance (an object with a "
                 f"retry_after(request, reason) method) or None, got {retry_strategy!r}"
             )
+        if clock is not time.monotonic and not callable(clock):
+            raise TypeError(
+                f"Request.clock must be a callable () -> seconds (monotonic), got {clock!r}"
+            )
         if timeout is None:
             seconds = math.inf
         elif timeout is DEFAULT_TIMEOUT:

@@ -80,6 +80,8 @@ class ThresholdReporter:
 
     def threshold(self, service: str) -> timedelta:
         """The threshold of ``service`` (``default_threshold`` for a service not named)."""
+        if not isinstance(service, str):
+            raise TypeError(f"ThresholdReporter.threshold(service) must be a str, got {service!r}")
         return timedelta(seconds=self._thresholds.get(service, self._default))
 
     @property

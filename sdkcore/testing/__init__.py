@@ -205,8 +205,13 @@ class ScriptedSend(Generic[T]):
                 "ScriptedSend(script) takes a list of steps, not a single "
                 f"{type(script).__name__}; wrap it: ScriptedSend([{_show(script)}])"
             )
-        else:
+        elif isinstance(script, Iterable):
             scripts[None] = list(script)
+        else:
+            raise TypeError(
+                "ScriptedSend(script) takes a list of steps or {index: steps}, got "
+                f"{_show(script)} ({type(script).__name__})"
+            )
         for index, steps in scripts.items():
             where = "ScriptedSend(script)" if index is None else f"ScriptedSend({{{index}: ...}})"
             if not steps:
@@ -297,8 +302,9 @@ class VirtualClock:
         self.now += _seconds(seconds, "VirtualClock.advance(seconds)")
 
     async def sleep(self, seconds: float) -> None:
+        """Move the clock by ``seconds`` (finite, >= 0) and record it in ``sleeps``."""
+        self.now += _seconds(seconds, "VirtualClock.sleep(seconds)")
         self.sleeps.append(seconds)
-        self.now += seconds
         await anyio.lowlevel.checkpoint()
 
 
