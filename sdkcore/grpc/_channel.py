@@ -313,6 +313,13 @@ def secure_channel(
     throttle: AdaptiveThrottle | None = None,
 ) -> aio.Channel:
     """Like :func:`insecure_channel`, with channel ``credentials`` (TLS)."""
+    if not isinstance(credentials, grpc.ChannelCredentials):
+        # None would build an insecure channel without a word (grpc.aio's secure_channel
+        # fails on it): a caller asking for TLS must get TLS or an error.
+        raise TypeError(
+            "secure_channel(target, credentials): credentials must be grpc.ChannelCredentials "
+            f"(e.g. grpc.ssl_channel_credentials()), got {credentials!r}"
+        )
     return _build(
         target,
         credentials,
