@@ -94,6 +94,8 @@ def describe_error(error: BaseException | None) -> str | None:
     """
     if error is None:
         return None
+    if not isinstance(error, BaseException):
+        raise TypeError(f"describe_error(error) must be an exception or None, got {error!r}")
     text = _describe_one(error)
     cause = error.__cause__
     if cause is not None and cause is not error:

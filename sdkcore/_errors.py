@@ -48,6 +48,15 @@ class CouchbaseException(Exception):
     default_message = "operation failed"
 
     def __init__(self, message: str | None = None, *, context: ErrorContext | None = None) -> None:
+        if message is not None and not isinstance(message, str):
+            raise TypeError(
+                f"{type(self).__name__}(message) must be a str or None, got {message!r}"
+            )
+        if context is not None and not isinstance(context, ErrorContext):
+            raise TypeError(
+                f"{type(self).__name__}(context=...) must be an sdkcore.ErrorContext or None, "
+                f"got {context!r}"
+            )
         self.message = message if message is not None else self.default_message
         self.context = context
         super().__init__(self.message)

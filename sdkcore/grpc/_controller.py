@@ -123,6 +123,11 @@ class _Controller:
                 "RetryController(telemetry=...) must be an sdkcore.Telemetry or None, "
                 f"got {telemetry!r}"
             )
+        if orchestrator is not None and not isinstance(orchestrator, RetryOrchestrator):
+            raise TypeError(
+                "RetryController(orchestrator=...) must be an sdkcore.RetryOrchestrator or None, "
+                f"got {orchestrator!r}"
+            )
         if orchestrator is not None:
             theirs = getattr(orchestrator, "telemetry", None)
             if telemetry is None:
