@@ -34,11 +34,11 @@ from typing import Any
 
 from . import _log
 from ._breaker import _cut_at_deadline, default_is_failure
+from ._callables import sync_callable
 from ._context import DEFAULT_EFFECT, AttemptEffect
 from ._errors import RetryableError
 from ._permits import TOKEN, Permits, permits, text
 from ._request import dispatching
-from ._untrusted import show
 
 __all__ = ["AdaptiveConcurrencyLimiter", "AdaptivePermit"]
 
@@ -190,10 +190,7 @@ class AdaptiveConcurrencyLimiter(Permits):
                 f"({low} to {high}), got {initial}"
             )
         queue = permits(max_queued, f"{what}(max_queued)", 0)
-        if clock is not None and not callable(clock):
-            raise TypeError(
-                f"{what}(clock) must be a callable returning seconds or None, got {show(clock)}"
-            )
+        sync_callable(clock, f"{what}(clock)", "() -> seconds", optional=True)
         Permits.__init__(self, initial, queue, text(name, f"{what}(name)"), clock)
         self._min = low
         self._max = high

@@ -52,6 +52,10 @@ def exponential_backoff(
     n = len(frozen)
 
     def backoff(attempt: int) -> timedelta:
+        if type(attempt) is not int and (isinstance(attempt, bool) or not isinstance(attempt, int)):
+            raise TypeError(
+                f"backoff(attempt) must be an int >= 0 (the retries so far), got {show(attempt)}"
+            )
         if 0 <= attempt < n:
             return frozen[attempt]
         if attempt < 0:

@@ -33,6 +33,7 @@ from types import TracebackType
 from typing import Any
 
 from . import _log
+from ._callables import sync_callable
 from ._context import describe_error
 from ._duration import to_seconds
 from ._errors import RetryableError, TimeoutException
@@ -307,12 +308,8 @@ class CircuitBreaker:
         self._canary_timeout = to_seconds(
             canary_timeout, f"{what}(canary_timeout)", allow_zero=False
         )
-        if is_failure is not None and not callable(is_failure):
-            raise TypeError(
-                f"{what}(is_failure) must be a callable (error) -> bool or None, got {is_failure!r}"
-            )
-        if not callable(clock):
-            raise TypeError(f"{what}(clock) must be a callable returning seconds, got {clock!r}")
+        sync_callable(is_failure, f"{what}(is_failure)", "(error) -> bool", optional=True)
+        sync_callable(clock, f"{what}(clock)", "() -> seconds")
         if name is not None and not isinstance(name, str):
             raise TypeError(f"{what}(name) must be a str or None, got {name!r}")
         self._is_failure = default_is_failure if is_failure is None else is_failure

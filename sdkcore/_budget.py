@@ -19,6 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 from . import _log
+from ._callables import sync_callable
 from ._duration import to_seconds
 from ._log import EPISODE_QUIET
 from ._untrusted import show
@@ -107,8 +108,7 @@ class RetryBudget:
         ratio = _number(retry_ratio, f"{what}(retry_ratio)", _RATIO)
         if not 0.0 <= ratio <= _SCALE:
             raise ValueError(f"{what}(retry_ratio) must be {_RATIO}, got {show(retry_ratio)}")
-        if not callable(clock):
-            raise TypeError(f"{what}(clock) must be a callable returning seconds, got {clock!r}")
+        sync_callable(clock, f"{what}(clock)", "() -> seconds")
         if name is not None and not isinstance(name, str):
             raise TypeError(f"{what}(name) must be a str or None, got {name!r}")
         self._ttl = seconds

@@ -193,8 +193,10 @@ class AttemptRecord:
     """
 
     number: int
-    reason: RetryReason | None
-    effect: AttemptEffect
+    reason: RetryReason | None = attrs.field(
+        validator=attrs.validators.optional(attrs.validators.instance_of(RetryReason))
+    )
+    effect: AttemptEffect = attrs.field(validator=attrs.validators.instance_of(AttemptEffect))
     error: str | None = None
     duration: timedelta | None = None
     delay: timedelta | None = None

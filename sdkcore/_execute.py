@@ -86,7 +86,17 @@ async def _injected_wait(self: OrchestratorCore, request: Request, rt: Any, dela
         await rt.sleep(0)
     else:
         self._check_clock(request)
-        await self._sleep(delay)
+        waiter = self._sleep(delay)
+        try:
+            await waiter
+        except TypeError:
+            if hasattr(waiter, "__await__"):
+                raise  # the sleep's own TypeError
+            raise TypeError(
+                f"RetryOrchestrator(sleep={self._sleep!r}) returned {type(waiter).__name__}, "
+                "not an awaitable; sleep must be an async callable (seconds), e.g. "
+                "asyncio.sleep or a VirtualClock's sleep"
+            ) from None
 
 
 async def _cancellable_wait(

@@ -61,6 +61,10 @@ def execute_sync(
             f"execute_sync(request, send): send must be a callable (request) -> result, "
             f"got {send!r}"
         )
+    if sleep is not time.sleep and not callable(sleep):
+        raise TypeError(
+            f"execute_sync(..., sleep) must be a callable (seconds) that blocks, got {sleep!r}"
+        )
     if request.state is not _PENDING:
         raise _failing.already_completed(request, None)
     trace = None
@@ -170,6 +174,21 @@ def _loop(
         return result
 
 
+def _blocking_sleep(sleep: Callable[[float], Any], delay: float) -> None:
+    """An injected ``sleep``; one that returned an awaitable never waited (an async
+    callable the door's check could not tell, e.g. a lambda returning a coroutine)."""
+    slept = sleep(delay)
+    if slept is not None and hasattr(slept, "__await__"):
+        close = getattr(slept, "close", None)
+        if close is not None:
+            close()  # never awaited: no warning
+        raise TypeError(
+            f"execute_sync(..., sleep={sleep!r}) returned {type(slept).__name__}, an "
+            "awaitable: the backoff never waited. sleep must block (e.g. time.sleep); "
+            "use 'await orchestrator.execute(...)' for an async sleep"
+        )
+
+
 class _Wake:
     """The cancel hook of a request waiting in ``execute_sync``'s backoff: an event
     ``Request.cancel()`` sets from any thread."""
@@ -230,7 +249,7 @@ def _retry(
             if sleep is time.sleep:
                 _wait(request, delay)  # Request.cancel() from another thread wakes it
             else:
-                sleep(delay)
+                _blocking_sleep(sleep, delay)
     except BaseException as exc:
         self._unsent(request, verdict)
         request._finish_by(exc)

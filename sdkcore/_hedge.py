@@ -261,8 +261,10 @@ class _Chain:
             # that adopted the request's span (a gRPC call) counts the copies it makes.
             trace.hedge_sent()
         mark = self.request._dispatching()  # requests made inside send keep within its deadline
+        pending = None
         try:
-            result = await self.send(self.request, attempt.index)
+            pending = self.send(self.request, attempt.index)
+            result = await pending
         except RetryableError as failure:
             self.outstanding -= 1
             non_fatal = self.policy.non_fatal
@@ -272,6 +274,14 @@ class _Chain:
                 self._fatal(attempt, failure)
         except Exception as exc:
             self.outstanding -= 1
+            if isinstance(exc, TypeError) and not (
+                pending is None or hasattr(pending, "__await__")
+            ):
+                exc = TypeError(
+                    f"hedge(request, send, policy): send returned {type(pending).__name__}, "
+                    "not an awaitable; make it a coroutine function (async def send(request, "
+                    "index): ...)"
+                )
             self._fatal(attempt, exc)
         except BaseException:
             self.outstanding -= 1

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from ._callables import sync_callable
 from ._duration import to_seconds
 from ._errors import RetryableError
 from ._latency import LatencyQuantile
@@ -79,11 +80,9 @@ def _non_fatal(value: Any) -> frozenset[RetryReason] | None:
 
 
 def _check_pushback(_: Any, __: Any, value: Any) -> None:
-    if value is not None and not callable(value):
-        raise TypeError(
-            "HedgePolicy.pushback must be None or a callable (RetryableError) -> seconds | None, "
-            f"got {value!r}"
-        )
+    sync_callable(
+        value, "HedgePolicy.pushback", "(RetryableError) -> seconds | None", optional=True
+    )
 
 
 @attrs.frozen(slots=True)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from itertools import accumulate, islice
 
+from ._callables import sync_callable
 from ._duration import to_seconds
 from ._untrusted import show
 
@@ -275,12 +276,9 @@ class LatencyQuantile:
                 f"{what}(min_samples) must be an integer from 1 to {_MAX_SAMPLES}, "
                 f"got {show(min_samples)}"
             )
+        sync_callable(clock, f"{what}(clock)", "() -> seconds", optional=True)
         if clock is None:
             clock = time.monotonic
-        elif not callable(clock):
-            raise TypeError(
-                f"{what}(clock) must be a callable returning seconds or None, got {show(clock)}"
-            )
         self._extra = extra
         self._window = seconds
         self._min_delay = low

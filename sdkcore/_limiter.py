@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from types import TracebackType
 
+from ._callables import sync_callable
 from ._permits import TOKEN, Permits, permits, text
-from ._untrusted import show
 
 __all__ = ["ConcurrencyLimiter", "LimiterGuard"]
 
@@ -60,10 +60,7 @@ class ConcurrencyLimiter(Permits):
         what = "ConcurrencyLimiter"
         cap = permits(limit, f"{what}(limit)", 1)
         queue = permits(max_queued, f"{what}(max_queued)", 0)
-        if clock is not None and not callable(clock):
-            raise TypeError(
-                f"{what}(clock) must be a callable returning seconds or None, got {show(clock)}"
-            )
+        sync_callable(clock, f"{what}(clock)", "() -> seconds", optional=True)
         Permits.__init__(self, cap, queue, text(name, f"{what}(name)"), clock)
         # One guard and one acquirer per limiter, shared by every dispatch: a fixed
         # limit keeps nothing per dispatch (no allocation per call).

@@ -20,6 +20,7 @@ from ._context import CancellationReason, ErrorContext, client_context_text, des
 from ._duration import MAX_SECONDS, to_seconds
 from ._reason import RetryReason
 from ._retry_state import RequestState, RetryState
+from ._untrusted import show
 
 __all__ = ["DEFAULT_TIMEOUT", "DispatchInfo", "Request", "RequestState", "RetryStrategy"]
 
@@ -154,10 +155,7 @@ class Request(RetryState):
                 "Request.retry_strategy must be a RetryStrategy instance (an object with a "
                 f"retry_after(request, reason) method) or None, got {retry_strategy!r}"
             )
-        if clock is not time.monotonic and not callable(clock):
-            raise TypeError(
-                f"Request.clock must be a callable () -> seconds (monotonic), got {clock!r}"
-            )
+        start = clock() if clock is time.monotonic else _first_reading(clock)
         if timeout is None:
             seconds = math.inf
         elif timeout is DEFAULT_TIMEOUT:
@@ -173,7 +171,7 @@ class Request(RetryState):
         self._context = context
         self._timeout_s = seconds
         self._clock = clock
-        self._start = start = clock()
+        self._start = start
         self._deadline = start + seconds
         self._deadline_from: tuple[int, str, float] | None = None  # (id, name, timeout)
         mark = _DISPATCHING.get()
@@ -378,6 +376,15 @@ class Request(RetryState):
         ``send``) names it in ``extra["deadline_from"]``: ``{"request_id",
         "request_name", "timeout_ms"}`` of the request whose timeout set the deadline.
         """
+        if reason is not None and type(reason) is not RetryReason:
+            raise TypeError(
+                f"Request.error_context(reason) must be an sdkcore.RetryReason member or None, "
+                f"got {show(reason)}"
+            )
+        if extra is not None and not isinstance(extra, Mapping):
+            raise TypeError(
+                f"Request.error_context(extra) must be a mapping or None, got {show(extra)}"
+            )
         outer = self._deadline_from
         if outer is not None and (extra is None or "deadline_from" not in extra):
             extra = {**(extra or _EMPTY), "deadline_from": _deadline_from(outer)}
@@ -404,6 +411,25 @@ class Request(RetryState):
             f"<Request id={self.id} name={self.name!r} idempotent={self.idempotent} "
             f"retry_attempts={self.retry_attempts} state={self.state.value}>"
         )
+
+
+def _first_reading(clock: Any) -> float:
+    """An injected clock's first reading, the request's start: a clock that is not a
+    plain callable returning seconds is refused here, naming it, before it is kept."""
+    if not callable(clock):
+        raise TypeError(
+            f"Request.clock must be a callable () -> seconds (monotonic), got {show(clock)}"
+        )
+    start = clock()
+    if isinstance(start, bool) or not isinstance(start, (int, float)):
+        close = getattr(start, "close", None)
+        if close is not None:
+            close()  # an async clock's coroutine, never awaited: no warning
+        raise TypeError(
+            f"Request.clock must be a callable () -> seconds (monotonic), called "
+            f"synchronously; {show(clock)} returned {show(start)}"
+        )
+    return start
 
 
 def _deadline_from(outer: tuple[int, str, float]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Any
 
 from . import _log
+from ._callables import sync_callable
 from ._duration import MAX_SECONDS, to_seconds
 from ._untrusted import show
 
@@ -181,9 +182,8 @@ class Sample:
         self._event = event
         self._size = positive_int(sample_size, f"{what}(sample_size)")
         self._interval = to_seconds(emit_interval, f"{what}(emit_interval)", allow_zero=False)
-        if not callable(clock):
-            raise TypeError(f"{what}(clock) must be a callable returning seconds, got {clock!r}")
-        self._clock: Callable[[], float] = clock
+        sync_callable(clock, f"{what}(clock)", "() -> seconds")
+        self._clock: Callable[[], float] = clock  # type: ignore[assignment]
         self._lock = threading.Lock()
         self._seq = itertools.count()
         self._heaps: dict[str, list[_Entry]] = {}

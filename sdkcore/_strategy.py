@@ -14,6 +14,7 @@ from datetime import timedelta
 
 from ._action import RetryAction
 from ._backoff import Backoff, best_effort_backoff
+from ._callables import sync_callable
 from ._duration import to_seconds
 from ._errors import (
     AuthenticationFailureException,
@@ -23,6 +24,7 @@ from ._errors import (
 )
 from ._reason import RetryReason
 from ._request import Request, RetryStrategy
+from ._untrusted import show
 
 __all__ = [
     "BUILTIN_RETRY_AFTER",
@@ -56,11 +58,12 @@ class BestEffortRetryStrategy:
     __slots__ = ("_backoff", "_memo")
 
     def __init__(self, backoff: Backoff | None = None) -> None:
-        if backoff is not None and not callable(backoff):
-            raise TypeError(
-                f"{type(self).__name__}(backoff=...) must be a callable "
-                f"(attempt: int) -> timedelta | float, got {backoff!r}"
-            )
+        sync_callable(
+            backoff,
+            f"{type(self).__name__}(backoff=...)",
+            "(attempt: int) -> timedelta | float",
+            optional=True,
+        )
         self._backoff = backoff
         # The last (delay, action) built from a custom backoff: constant or capped
         # backoffs then reuse one RetryAction instead of building one per attempt.
@@ -76,6 +79,8 @@ class BestEffortRetryStrategy:
 
     def decide(self, request: Request, reason: RetryReason) -> RetryAction:
         """The synchronous decision every door uses (override it to refine the strategy)."""
+        if type(reason) is not RetryReason or not isinstance(request, Request):
+            raise _refused(self, request, reason)
         if request.idempotent or reason.allows_non_idempotent_retry:
             attempt = request.retry_attempts
             if self._backoff is None:
@@ -101,6 +106,20 @@ class BestEffortRetryStrategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(backoff={self._backoff!r})"
+
+
+def _refused(strategy: object, request: object, reason: object) -> TypeError:
+    name = f"{type(strategy).__name__}.decide(request, reason)"
+    if not isinstance(request, Request):
+        return TypeError(f"{name}: request must be an sdkcore.Request, got {show(request)}")
+    return TypeError(
+        f"{name}: reason must be an sdkcore.RetryReason member, got {show(reason)}"
+        + (
+            f" (use RetryReason.{reason})"
+            if isinstance(reason, str) and reason in RetryReason.__members__
+            else ""
+        )
+    )
 
 
 class FailFastRetryStrategy:

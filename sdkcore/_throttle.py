@@ -18,6 +18,7 @@ from datetime import timedelta
 from types import TracebackType
 
 from . import _log
+from ._callables import sync_callable
 from ._context import DEFAULT_EFFECT, AttemptEffect
 from ._duration import to_seconds
 from ._errors import (
@@ -226,26 +227,15 @@ class AdaptiveThrottle:
             )
         if not isinstance(name, str):
             raise TypeError(f"{what}(name) must be a str, got {show(name)} ({type(name).__name__})")
+        sync_callable(clock, f"{what}(clock)", "() -> seconds", optional=True)
         if clock is None:
             clock = time.monotonic
-        elif not callable(clock):
-            raise TypeError(
-                f"{what}(clock) must be a callable returning seconds or None, got {show(clock)}"
-            )
+        sync_callable(random, f"{what}(random)", "() -> a float in [0, 1)", optional=True)
+        sync_callable(is_rejection, f"{what}(is_rejection)", "(error) -> bool", optional=True)
         if random is None:
             import random as stdlib_random  # on first use: `import sdkcore` does not load it
 
             random = stdlib_random.random
-        elif not callable(random):
-            raise TypeError(
-                f"{what}(random) must be a callable returning a float in [0, 1) or None, "
-                f"got {show(random)}"
-            )
-        if is_rejection is not None and not callable(is_rejection):
-            raise TypeError(
-                f"{what}(is_rejection) must be a callable (error) -> bool or None, "
-                f"got {show(is_rejection)}"
-            )
         self._k = factor
         self._window = seconds
         self._name = name

@@ -1,0 +1,50 @@
+"""Checks of the callables an application hands in, made once, where they are handed in.
+
+A clock, a predicate or a backoff is called synchronously: a coroutine function there
+would return a coroutine that is never awaited, and the request would fail later with
+an error naming none of it (or, for a predicate, take the coroutine as True). Such a
+callable is refused when it is given, naming the field.
+
+An async hook (``sleep``, ``send``) cannot be told from a plain function that returns
+an awaitable (``lambda s: trio.sleep(s)``) until it is called, so the doors check what
+it returned where they await it, and only when the await fails.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from ._untrusted import show
+
+__all__ = ["is_async", "sync_callable"]
+
+
+def is_async(value: Any) -> bool:
+    """A coroutine function, a partial of one, or an object whose ``__call__`` is one."""
+    if inspect.iscoroutinefunction(value):
+        return True
+    return (
+        callable(value)
+        and not inspect.isroutine(value)
+        and not isinstance(value, type)
+        and inspect.iscoroutinefunction(value.__call__)
+    )
+
+
+def sync_callable(value: object, field: str, shape: str, *, optional: bool = False) -> None:
+    """Refuse ``value`` unless it is a plain callable (or None when ``optional``).
+
+    ``field`` names it (``"CircuitBreaker(clock)"``), ``shape`` says what it is called
+    with and returns (``"() -> seconds"``).
+    """
+    if value is None and optional:
+        return
+    allowed = f"a callable {shape}" + (" or None" if optional else "")
+    if not callable(value):
+        raise TypeError(f"{field} must be {allowed}, got {show(value)}")
+    if is_async(value):
+        raise TypeError(
+            f"{field} must be {allowed}, called synchronously; got the coroutine function "
+            f"{show(value)}, whose calls would return coroutines nobody awaits"
+        )
