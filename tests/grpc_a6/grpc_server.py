@@ -126,7 +126,8 @@ class Server:
     def count(self, name: str) -> int:
         return len(self.attempts.get(name, []))
 
-    async def start(self, port: int = 0) -> None:
+    async def start(self, port: int = 0, *, credentials: Any = None) -> None:
+        """Listen on 127.0.0.1 (``credentials``: ``grpc.ssl_server_credentials``, TLS)."""
         outer = self
 
         class Generic(grpc.GenericRpcHandler):  # type: ignore[misc]
@@ -135,7 +136,11 @@ class Server:
 
         self._server = aio.server()
         self._server.add_generic_rpc_handlers((Generic(),))
-        self.port = self._server.add_insecure_port(f"127.0.0.1:{port}")
+        address = f"127.0.0.1:{port}"
+        if credentials is None:
+            self.port = self._server.add_insecure_port(address)
+        else:
+            self.port = self._server.add_secure_port(address, credentials)
         await self._server.start()
 
     async def stop(self) -> None:
