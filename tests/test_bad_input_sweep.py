@@ -7,8 +7,7 @@ object is left as it was: the next good call works, its counters unchanged.
 
 Bad numbers on constructors are tests/test_bad_numbers.py and test_bad_numbers_core.py;
 this sweep covers the rest. The ``BUGS`` section at the end holds what the sweep found
-wrong (2026-11-27): the cases fixed since pass; the others are ``KNOWN``, strict xfails
-(each fails today; fixing one makes its xfail fail: then drop it from ``KNOWN``).
+wrong (2026-11-27), 64 cases, each fixed since: they must stay refused.
 """
 
 from __future__ import annotations
@@ -557,7 +556,7 @@ def test_accepted_values_stay_accepted_and_print() -> None:
 
 
 # ============================================================================================
-# BUGS: what the sweep found wrong. Fixed ones pass; KNOWN ones are strict xfails.
+# BUGS: what the sweep found wrong, each fixed since.
 # ============================================================================================
 
 
@@ -685,36 +684,7 @@ BUGS: list[Any] = [
 ]
 
 
-#: Still wrong: accepted (a sync callable for an async one or back, a bad type caught only
-#: later), or refused without naming the field. Left for a later change, each a strict xfail.
-KNOWN = {
-    "kv_retry_reason(error_map=dict)",
-    "kv_failure(error_map=str)",
-    "kv_exception(error_map=int)",
-    "kv_failure(with_cas=str)",
-    "grpc_failure(context=str)",
-    "raise_failure(request=str)",
-    "ErrorMap(errors=None)",
-    "ErrorMap(errors=list)",
-    "ErrorMap(errors={1: str})",
-    "ErrorCode(attrs=str)",
-    "ErrorCode(attrs=None)",
-    "ErrorCode(retry=s)",
-    "message_size=async",
-    "channel(target='')",
-    "compression=str",
-}
-_KNOWN = pytest.mark.xfail(strict=True, reason="known: not yet refused naming the field")
-
-
-def _known(cases: list[Any]) -> list[Any]:
-    return [
-        pytest.param(*c.values, id=c.id, marks=[*c.marks, _KNOWN]) if c.id in KNOWN else c
-        for c in cases
-    ]
-
-
-@pytest.mark.parametrize(("named", "call"), _known(BUGS))
+@pytest.mark.parametrize(("named", "call"), BUGS)
 def test_bug_bad_input_is_refused_naming_the_field(named: str, call: Call) -> None:
     _refused(call, named)
 
@@ -742,13 +712,12 @@ BUGS_GRPC: list[Any] = [
 ]
 
 
-@pytest.mark.parametrize(("named", "call"), _known(BUGS_GRPC))
+@pytest.mark.parametrize(("named", "call"), BUGS_GRPC)
 def test_bug_channel_keyword_is_refused_naming_it(named: str, call: Call) -> None:
     _grpc()
     _refused(call, named)
 
 
-@_KNOWN
 def test_bug_grpc_helpers() -> None:
     grpc = _grpc()
     failures = []

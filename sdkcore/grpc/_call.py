@@ -19,6 +19,7 @@ from .._context import AttemptEffect, ErrorContext
 from .._errors import CouchbaseException, RequestCanceledException, TimeoutException
 from .._reason import RetryReason
 from .._request import _DISPATCHING, Request, dispatching
+from .._untrusted import show as _show
 from ._controller import _Controller
 from ._gate import LocalRefusal
 from ._metadata import _client_trailing, _strip_attempts, _with_attempts
@@ -60,8 +61,13 @@ def call_context(error: BaseException) -> ErrorContext | None:
     exception chained from it, such as an outer request's failure). The context lists
     every attempt the channel made for the call: its A6 retries and transparent
     re-sends. None when the channel made no retry decision for it (a first answer is
-    grpc's error unchanged).
+    grpc's error unchanged). Anything but an exception instance raises TypeError.
     """
+    if not isinstance(error, BaseException):
+        raise TypeError(
+            "call_context(error) must be the exception a call raised (a grpc.aio.AioRpcError, "
+            f"or one chained from it), got {_show(error)}"
+        )
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:  # to the first AioRpcError

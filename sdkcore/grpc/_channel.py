@@ -17,6 +17,7 @@ from .._limiter import ConcurrencyLimiter
 from .._orchestrator import RetryOrchestrator
 from .._telemetry import Telemetry
 from .._throttle import AdaptiveThrottle
+from .._untrusted import show as _show
 from ._gate import GatedMultiCallable
 from ._hedged_call import _HedgedCall, _TracedHedgedCall
 from ._interceptors import (
@@ -170,6 +171,11 @@ def _build(
     retry_options: dict[str, Any],
     retry_budget: RetryBudget | None = None,
 ) -> aio.Channel:
+    if compression is not None and not isinstance(compression, grpc.Compression):
+        raise TypeError(
+            "compression must be a grpc.Compression (NoCompression, Deflate or Gzip) or None, "
+            f"got {_show(compression)}"
+        )
     if retry_budget is not None:
         if not isinstance(retry_budget, RetryBudget):
             raise TypeError(f"retry_budget must be an sdkcore.RetryBudget, got {retry_budget!r}")

@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._callables import sync_callable
 from .._latency import LatencyQuantile
 from .._orchestrator import RetryOrchestrator
 from .._telemetry import Telemetry
@@ -86,6 +87,11 @@ class _Controller:
             raise TypeError(
                 f"RetryController(target) must be a str (the server name), got {target!r}"
             )
+        if not target.strip():
+            raise ValueError(
+                "RetryController(target) must be a non-empty server name "
+                f'(e.g. "localhost:50051" or "dns:///host:443"), got {_show(target)}'
+            )
         if service_config is not None and not isinstance(service_config, ServiceConfig):
             service_config = ServiceConfig.from_json(service_config)
         for name, value in (
@@ -106,11 +112,9 @@ class _Controller:
             )
         if stats is not None and not isinstance(stats, RetryStats):
             raise TypeError(f"RetryController(stats=...) must be a RetryStats, got {stats!r}")
-        if message_size is not None and not callable(message_size):
-            raise TypeError(
-                "RetryController(message_size=...) must be a callable returning bytes, "
-                f"got {message_size!r}"
-            )
+        sync_callable(
+            message_size, "RetryController(message_size=...)", "(message) -> bytes", optional=True
+        )
         if hedge_delay is not None and not callable(hedge_delay):
             raise TypeError(
                 "RetryController(hedge_delay=...) must be a callable (method name) -> "

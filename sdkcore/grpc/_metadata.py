@@ -11,6 +11,8 @@ from typing import Any
 
 from grpc import aio
 
+from .._untrusted import show
+
 __all__ = [
     "DEFAULT_CHANNEL_BUFFER_LIMIT",
     "DEFAULT_PER_CALL_BUFFER_LIMIT",
@@ -43,13 +45,22 @@ def default_message_size(message: Any) -> int:
     return sys.getsizeof(message)
 
 
+def _bad_metadata(value: object) -> TypeError:
+    return TypeError(
+        "previous_rpc_attempts(error_or_metadata) must be the grpc.aio.AioRpcError a call "
+        "raised or a call's trailing metadata ((key, value) pairs), got "
+        f"{show(value)} ({type(value).__name__})"
+    )
+
+
 def previous_rpc_attempts(error_or_metadata: Any) -> int:
     """How many attempts preceded the final one (0 when the first attempt decided).
 
     A plain function. Pass the ``AioRpcError`` a call raised, or the trailing
     metadata of a finished call: ``previous_rpc_attempts(await
     call.trailing_metadata())`` (grpc.aio makes a call's metadata awaitable; the
-    count in it is not). A call object itself raises TypeError saying so.
+    count in it is not). A call object itself raises TypeError saying so, and so does
+    anything that is neither (not ``(key, value)`` pairs), naming ``error_or_metadata``.
 
     The count is the client's own: on a call that sdkcore retries (a method with a
     plan: a retryPolicy, transparent retries, throttling or a method timeout),
@@ -67,11 +78,16 @@ def previous_rpc_attempts(error_or_metadata: Any) -> int:
             )
         md = trailing()
     if not md:
-        return 0
+        if md is None or hasattr(md, "__iter__"):  # no trailing metadata
+            return 0
+        raise _bad_metadata(error_or_metadata)
     value: Any = None
-    for key, v in md:
-        if key == PREVIOUS_ATTEMPTS_KEY:
-            value = v
+    try:
+        for key, v in md:
+            if key == PREVIOUS_ATTEMPTS_KEY:
+                value = v
+    except (TypeError, ValueError):  # not (key, value) pairs
+        raise _bad_metadata(error_or_metadata) from None
     if isinstance(value, bytes):
         value = value.decode("ascii", "replace")
     if not isinstance(value, str) or not value.isascii() or not value.isdigit() or len(value) > 10:

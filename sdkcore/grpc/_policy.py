@@ -99,15 +99,33 @@ def time_out_at_deadline(request: Any, error: BaseException, *, book: bool = Tru
         request._finish(RequestState.CANCELLED, CancellationReason.TIMEOUT)
 
 
+def _bad_values(values: object) -> TypeError:
+    return TypeError(
+        "parse_pushback(values) must be an iterable of the metadata values "
+        f"(metadata.get_all({PUSHBACK_KEY!r}), possibly empty), got {_show(values)}"
+    )
+
+
 def parse_pushback(values: Iterable[str | bytes]) -> int | None:
     """Interpret the ``grpc-retry-pushback-ms`` values of one response.
 
     ``None`` when absent; the delay in ms (``0`` included: retry at once) for a
     single non-negative 32-bit integer in ASCII decimal; :data:`PUSHBACK_DONT_RETRY`
     for a negative, unparsable, out-of-range (however many digits) or repeated
-    value (A6: the server asks not to retry). Never raises for what a server sends.
+    value (A6: the server asks not to retry). Never raises for what a server sends;
+    ``values`` itself must be an iterable of values (``metadata.get_all(key)``), not a
+    single str or bytes (TypeError naming it).
     """
-    found: list[str | bytes] = list(values)
+    found: list[str | bytes]
+    if type(values) is list:  # metadata.get_all()
+        found = values
+    else:
+        if isinstance(values, (str, bytes)):
+            raise _bad_values(values)
+        try:
+            found = list(values)
+        except TypeError:
+            raise _bad_values(values) from None
     if not found:
         return None
     if len(found) > 1:
@@ -274,6 +292,23 @@ class A6RetryStrategy:
             raise ValueError(
                 "transparent_retry_limit must be an integer >= 0, got "
                 f"{_show(transparent_retry_limit)}"
+            )
+        if policy is not None and not isinstance(policy, RetryPolicy):
+            raise TypeError(
+                "A6RetryStrategy(policy) must be an sdkcore.grpc.RetryPolicy (a method's "
+                f"retryPolicy) or None (transparent retries only), got {_show(policy)}"
+            )
+        if throttler is not None and not isinstance(throttler, RetryThrottler):
+            raise TypeError(
+                "A6RetryStrategy(throttler) must be an sdkcore.grpc.RetryThrottler or None, "
+                f"got {_show(throttler)}"
+            )
+        if rng is not None and (
+            isinstance(rng, type) or not callable(getattr(rng, "random", None))
+        ):
+            raise TypeError(
+                "A6RetryStrategy(rng) must be a random.Random instance (anything with a "
+                f"random() -> float method) or None, got {_show(rng)}"
             )
         self._policy = policy
         self._throttler = throttler

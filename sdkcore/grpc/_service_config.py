@@ -140,12 +140,22 @@ def _token_ratio(inst: Any, attribute: Any, value: Any) -> None:
         )
 
 
+def _name_part(inst: Any, attribute: Any, value: Any) -> None:
+    if type(value) is not str and not isinstance(value, str):
+        raise TypeError(
+            f'{_where(inst, attribute)} must be a str ("" for every one), got {_shown(value)}'
+        )
+
+
 @attrs.frozen(slots=True)
 class MethodName:
-    """A ``methodConfig[].name[]`` entry: empty service means "every method" (the default)."""
+    """A ``methodConfig[].name[]`` entry: empty service means "every method" (the default).
 
-    service: str = ""
-    method: str = ""
+    ``service`` (``"pkg.Service"``) and ``method`` (``"Method"``) are str.
+    """
+
+    service: str = attrs.field(default="", validator=_name_part)
+    method: str = attrs.field(default="", validator=_name_part)
 
 
 @attrs.frozen(slots=True)
@@ -254,6 +264,11 @@ class ServiceConfig:
 
     def method_config(self, full_method: str) -> MethodConfig | None:
         """The config for ``"/pkg.Service/Method"``: exact match, then service, then default."""
+        if not isinstance(full_method, str):
+            raise TypeError(
+                "ServiceConfig.method_config(full_method) must be a str, the full method "
+                f'name ("/pkg.Service/Method"), got {_shown(full_method)}'
+            )
         service, method = _split_method(full_method)
         index = self._index
         found = index.get(MethodName(service, method))

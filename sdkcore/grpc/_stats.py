@@ -9,6 +9,8 @@ from typing import Any
 
 import attrs
 
+from .._untrusted import show as _show
+
 __all__ = ["HISTOGRAM_BUCKETS", "MethodRetryStats", "RetryStats"]
 
 #: Lower bounds of the A6 histogram buckets (">=1", ">=2", ..., ">=1000").
@@ -18,10 +20,27 @@ HISTOGRAM_BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 5, 10, 100, 1000)
 _REPR_METHODS = 8
 
 
+def _bad_retry_number(retry_number: object) -> None:
+    """Raise for a ``retry_number`` that is not an int >= 1 (an int subclass >= 1 passes)."""
+    if isinstance(retry_number, bool) or not isinstance(retry_number, int):
+        raise TypeError(
+            f"RetryStats.record_retry(retry_number) must be an int >= 1 (1 for the first "
+            f"retry), got {_show(retry_number)} ({type(retry_number).__name__})"
+        )
+    if retry_number < 1:
+        raise ValueError(f"retry_number must be >= 1, got {_show(retry_number)}")
+
+
+def _bad_method(method: object, what: str) -> TypeError:
+    return TypeError(
+        f'{what} must be a str, the full method name ("/pkg.Service/Method"), got {_show(method)}'
+    )
+
+
 def bucket_of(retry_number: int) -> int:
     """The bucket (its lower bound) the ``retry_number``-th retry (1-based) is counted in."""
-    if retry_number < 1:
-        raise ValueError(f"retry_number must be >= 1, got {retry_number}")
+    if type(retry_number) is not int or retry_number < 1:
+        _bad_retry_number(retry_number)
     if retry_number >= 1000:
         return 1000
     if retry_number >= 100:
@@ -79,34 +98,49 @@ class RetryStats:
         self._lock = threading.Lock()
         self._methods: dict[str, _Counters] = {}
 
-    def _get(self, method: str) -> _Counters:
-        c = self._methods.get(method)
+    def _get(self, method: str, what: str) -> _Counters:
+        # Checked only for a method not seen yet: a counted one is a str already.
+        try:
+            c = self._methods.get(method)
+        except TypeError:  # unhashable
+            raise _bad_method(method, what) from None
         if c is None:
+            if not isinstance(method, str):
+                raise _bad_method(method, what)
             c = self._methods.setdefault(method, _Counters())
         return c
 
     def record_retry(self, method: str, retry_number: int) -> None:
-        """The ``retry_number``-th retry attempt (1-based) of one call was started."""
+        """The ``retry_number``-th retry attempt (1-based) of one call was started.
+
+        ``method`` is a str and ``retry_number`` an int >= 1 (TypeError / ValueError
+        naming it otherwise; nothing is counted then).
+        """
         bucket = bucket_of(retry_number)
         with self._lock:
-            c = self._get(method)
+            c = self._get(method, "RetryStats.record_retry(method)")
             c.retries += 1
             c.hist[bucket] += 1
 
     def record_failed_retry(self, method: str) -> None:
         """A retry attempt ended with a non-OK status."""
         with self._lock:
-            self._get(method).failed += 1
+            self._get(method, "RetryStats.record_failed_retry(method)").failed += 1
 
     def record_transparent_retry(self, method: str) -> None:
         with self._lock:
-            self._get(method).transparent += 1
+            self._get(method, "RetryStats.record_transparent_retry(method)").transparent += 1
 
     def for_method(self, method: str) -> MethodRetryStats:
         """A snapshot for ``"/pkg.Service/Method"`` (all zero if never seen)."""
         with self._lock:
-            c = self._methods.get(method)
+            try:
+                c = self._methods.get(method)
+            except TypeError:  # unhashable
+                raise _bad_method(method, "RetryStats.for_method(method)") from None
             if c is None:
+                if not isinstance(method, str):
+                    raise _bad_method(method, "RetryStats.for_method(method)")
                 return MethodRetryStats()
             return MethodRetryStats(
                 c.retries, c.failed, c.transparent, MappingProxyType(dict(c.hist))

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import timedelta
 from types import MappingProxyType
 from typing import Any
 
 import attrs
+from attrs import field as _attrs_field
 
 from .._untrusted import LongInt as _LongInt
 from .._untrusted import parse_int as _parse_int
@@ -149,20 +150,78 @@ def _check_str(instance: object, attribute: attrs.Attribute[Any], value: object)
         )
 
 
+def _to_attrs(value: object) -> frozenset[str]:
+    """``ErrorCode.attrs``: an iterable of str (a list, set, frozenset...), not one str."""
+    if isinstance(value, (str, bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
+        raise TypeError(
+            "ErrorCode.attrs must be an iterable of str attribute names "
+            f'(e.g. frozenset({{"retry-now"}})), got {_show(value)}'
+        )
+    try:
+        items = frozenset(value)
+    except TypeError:  # an unhashable item (the iterable may be one-shot: show it whole)
+        raise TypeError(
+            f"ErrorCode.attrs must hold only str attribute names, got {_show(value)}"
+        ) from None
+    for item in items:
+        if not isinstance(item, str):
+            raise TypeError(
+                f"ErrorCode.attrs must hold only str attribute names, got {_show(item)} "
+                f"({type(item).__name__})"
+            )
+    return items
+
+
+def _check_retry(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not isinstance(value, RetrySpec):
+        raise TypeError(
+            f"ErrorCode.retry must be an sdkcore.mapping.RetrySpec or None, got {_show(value)}"
+        )
+
+
 @attrs.frozen(slots=True)
 class ErrorCode:
-    """One entry of the error map. ``code`` is the KV status (0..0xffff)."""
+    """One entry of the error map. ``code`` is the KV status (0..0xffff).
+
+    ``attrs`` is an iterable of str (stored as a frozenset; a single str is refused,
+    not split into characters) and ``retry`` a :class:`RetrySpec` or None.
+    """
 
     code: int = attrs.field(validator=_check_int(0, 0xFFFF))
     name: str = attrs.field(validator=_check_str)
     desc: str = attrs.field(validator=_check_str)
-    attrs: frozenset[str] = attrs.field(converter=frozenset)
-    retry: RetrySpec | None = None
+    attrs: frozenset[str] = attrs.field(converter=_to_attrs)
+    # (the ``attrs`` field above shadows the module in this class body)
+    retry: RetrySpec | None = _attrs_field(default=None, validator=_check_retry)
 
     @property
     def retry_indicated(self) -> bool:
         """True when the entry has the ``retry-now`` or ``retry-later`` attribute."""
         return not RETRY_ATTRIBUTES.isdisjoint(self.attrs)
+
+
+def _check_errors(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            "ErrorMap.errors must be a mapping of KV status (int) -> sdkcore.mapping.ErrorCode, "
+            f"got {_show(value)}"
+        )
+    for status, entry in value.items():
+        if isinstance(status, bool) or not isinstance(status, int):
+            raise TypeError(
+                f"ErrorMap.errors keys must be int KV statuses, got {_show(status)} "
+                f"({type(status).__name__})"
+            )
+        if not isinstance(entry, ErrorCode):
+            raise TypeError(
+                f"ErrorMap.errors[{_show(status)}] must be an sdkcore.mapping.ErrorCode, "
+                f"got {_show(entry)}"
+            )
+        if entry.code != status:
+            raise ValueError(
+                f"ErrorMap.errors[{_show(status)}] holds the entry for status "
+                f"0x{entry.code:x}: each key must be its entry's code"
+            )
 
 
 @attrs.frozen(slots=True, eq=False)
@@ -171,7 +230,7 @@ class ErrorMap:
 
     version: int = attrs.field(validator=_check_int(1, None))
     revision: int = attrs.field(validator=_check_int(0, None))
-    errors: Mapping[int, ErrorCode] = attrs.field()
+    errors: Mapping[int, ErrorCode] = attrs.field(validator=_check_errors)
     #: Statuses whose entry indicates a retry (precomputed for the hot path).
     retry_statuses: frozenset[int] = attrs.field(init=False)
 

@@ -427,6 +427,10 @@ def grpc_failure(
         raise TypeError(f"grpc_failure(read_only) must be a bool, got {_show(read_only)}")
     if not isinstance(message, str):
         raise TypeError(f"grpc_failure(message) must be a str, got {type(message).__name__}")
+    if context is not None and not isinstance(context, ErrorContext):
+        raise TypeError(
+            f"grpc_failure(context) must be an sdkcore.ErrorContext or None, got {_show(context)}"
+        )
     if isinstance(details, (str, bytes, Mapping)) or not isinstance(details, Iterable):
         raise TypeError(
             "grpc_failure(details) must be an iterable of status details (mappings with "

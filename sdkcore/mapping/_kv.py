@@ -215,6 +215,24 @@ def _check(value: object, what: str, maximum: int) -> int:
     return int(value)
 
 
+def _check_error_map(value: object, what: str) -> None:
+    if value is not None and not isinstance(value, ErrorMap):
+        raise TypeError(
+            f"{what} must be an sdkcore.mapping.ErrorMap (ErrorMap.from_json) or None, "
+            f"got {_show(value)}"
+        )
+
+
+def _check_bool(value: object, what: str) -> None:
+    if type(value) is not bool:
+        raise TypeError(f"{what} must be a bool (True or False), got {_show(value)}")
+
+
+def _check_context(value: object, what: str) -> None:
+    if value is not None and not isinstance(value, ErrorContext):
+        raise TypeError(f"{what} must be an sdkcore.ErrorContext or None, got {_show(value)}")
+
+
 def kv_retry_reason(
     status: int, opcode: int, error_map: ErrorMap | None = None
 ) -> RetryReason | None:
@@ -231,14 +249,18 @@ def kv_retry_reason(
       ``retry-later`` -> KV_ERROR_MAP_RETRY_INDICATED (an excluded pair of the rows
       above is final: the error map is not consulted for it);
     * everything else, success, and every DCP opcode -> None.
+
+    ``error_map`` must be an :class:`ErrorMap` or None (TypeError otherwise).
     """
     if (
         type(status) is not int
         or type(opcode) is not int
         or not (0 <= status <= 0xFFFF and 0 <= opcode <= 0xFF)
+        or (error_map is not None and type(error_map) is not ErrorMap)
     ):
         status = _check(status, "kv_retry_reason(status)", 0xFFFF)
         opcode = _check(opcode, "kv_retry_reason(opcode)", 0xFF)
+        _check_error_map(error_map, "kv_retry_reason(error_map)")
     row = _TABLE.get(status)
     if row is not None:
         return None if opcode in row[1] else row[0]
@@ -314,10 +336,20 @@ def kv_exception(
     * A status sdkcore does not know -> CouchbaseException naming the status and,
       when ``error_map`` has it, its name and description.
 
-    ``status`` 0 (SUCCESS) raises ValueError: it is not a failure.
+    ``status`` 0 (SUCCESS) raises ValueError: it is not a failure. ``error_map``
+    must be an :class:`ErrorMap` or None, ``with_cas`` a bool and ``context`` an
+    :class:`~sdkcore.ErrorContext` or None (TypeError otherwise).
     """
     status = _check(status, "kv_exception(status)", 0xFFFF)
     opcode = _check(opcode, "kv_exception(opcode)", 0xFF)
+    if (
+        (error_map is not None and type(error_map) is not ErrorMap)
+        or type(with_cas) is not bool
+        or (context is not None and type(context) is not ErrorContext)
+    ):
+        _check_error_map(error_map, "kv_exception(error_map)")
+        _check_bool(with_cas, "kv_exception(with_cas)")
+        _check_context(context, "kv_exception(context)")
     if status == KvStatus.SUCCESS:
         raise ValueError("kv_exception(status): 0x00 SUCCESS is not a failure")
     what = _describe(status, opcode, error_map)
@@ -349,15 +381,22 @@ def kv_failure(
     """:func:`kv_retry_reason` if the response is retryable, else :func:`kv_exception`.
 
     Use it in a ``send`` for ``RetryOrchestrator.execute`` together with
-    :func:`sdkcore.mapping.raise_failure`.
+    :func:`sdkcore.mapping.raise_failure`. The arguments are checked as there, also
+    when the response is retryable (a bad ``with_cas`` or ``context`` is refused either way).
     """
     if (
         type(status) is not int
         or type(opcode) is not int
         or not (0 <= status <= 0xFFFF and 0 <= opcode <= 0xFF)
+        or (error_map is not None and type(error_map) is not ErrorMap)
+        or type(with_cas) is not bool
+        or (context is not None and type(context) is not ErrorContext)
     ):
         status = _check(status, "kv_failure(status)", 0xFFFF)
         opcode = _check(opcode, "kv_failure(opcode)", 0xFF)
+        _check_error_map(error_map, "kv_failure(error_map)")
+        _check_bool(with_cas, "kv_failure(with_cas)")
+        _check_context(context, "kv_failure(context)")
     reason = kv_retry_reason(status, opcode, error_map)
     if reason is not None:
         return reason

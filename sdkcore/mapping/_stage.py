@@ -106,6 +106,10 @@ def raise_failure(
         raise TypeError(
             f"raise_failure(effect) must be an AttemptEffect or None, got {_show(effect)}"
         )
+    if request is not None and not isinstance(request, Request):
+        raise TypeError(
+            f"raise_failure(request) must be an sdkcore.Request or None, got {_show(request)}"
+        )
     if isinstance(result, RetryReason):
         raise RetryableError(result, cause=cause, effect=effect)
     if isinstance(result, BaseException):
