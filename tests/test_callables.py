@@ -92,6 +92,16 @@ def _flaky(count: dict[str, int], fails: int = 1) -> Any:
     return send
 
 
+def _sync_flaky(count: dict[str, int]) -> Any:
+    def send(request: Request) -> str:
+        count["n"] += 1
+        if count["n"] < 2:
+            raise RetryableError(KL)
+        return "ok"
+
+    return send
+
+
 def test_sleep_as_a_plain_function_returning_an_awaitable_still_waits() -> None:
     waited: list[float] = []
 
@@ -129,12 +139,7 @@ def test_sleep_that_raises_type_error_itself_keeps_its_error() -> None:
 
 def test_execute_sync_with_an_async_sleep_sends_no_retry() -> None:
     count = {"n": 0}
-
-    def send(request: Request) -> str:
-        count["n"] += 1
-        if count["n"] < 2:
-            raise RetryableError(KL)
-        return "ok"
+    send = _sync_flaky(count)
 
     async def sleep(seconds: float) -> None:
         raise AssertionError("never awaited")
@@ -148,12 +153,7 @@ def test_execute_sync_with_an_async_sleep_sends_no_retry() -> None:
 
 def test_execute_sync_with_a_sleep_returning_a_value_is_fine() -> None:
     count = {"n": 0}
-
-    def send(request: Request) -> str:
-        count["n"] += 1
-        if count["n"] < 2:
-            raise RetryableError(KL)
-        return "ok"
+    send = _sync_flaky(count)
 
     result = RetryOrchestrator().execute_sync(
         Request(idempotent=True), send, sleep=lambda seconds: seconds
