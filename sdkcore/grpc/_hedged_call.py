@@ -20,7 +20,7 @@ from grpc.aio import _base_call
 
 from .._hedge import answered_before_hedge
 from .._hooks import INSTANT_DELAYS
-from .._request import dispatching
+from .._request import Request, dispatching
 from ._call import Origin, outer_bound
 from ._controller import _Controller
 from ._finished import _ended_ok, _Readers
@@ -83,6 +83,7 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         self._waiter: asyncio.Future[None] | None = None
         self._ended = False
         self._cancelled = False
+        self._request: Request | None = None  # the runner's, once it runs (_adopt_request)
         if traced:  # a _TracedHedgedCall: its Request and trace start with hedge 0
             self._trace = trace = hedge_trace(
                 core, method, None if timeout is None else max(timeout, 1e-6), self._started, origin
@@ -160,6 +161,7 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
                 open_streamed=direct_opener(self._inner, self._message, self._compression),
                 deadline_from=self._deadline_from,
                 trace=self._trace,
+                on_request=self._adopt_request,
             )
         )
         driver.add_done_callback(self._driver_done)
@@ -174,6 +176,13 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             wait_for_ready=details.wait_for_ready,
             compression=self._compression,
         )
+
+    def _adopt_request(self, request: Request) -> None:
+        """The runner's Request: :meth:`cancel` cancels it too (``hedged_unary_unary``'s
+        ``on_request``), also when the call was cancelled before the runner made it."""
+        self._request = request
+        if self._cancelled:
+            request.cancel()
 
     def _driver_done(self, task: asyncio.Task[Any]) -> None:
         self._core._waiting.discard(self)
@@ -260,9 +269,15 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             return False
         self._cancelled = True
         self._stop_timer()
+        request = self._request
+        if request is not None:  # cuts the runner's copies whatever the task's cancel does
+            request.cancel()
         driver = self._driver
         if driver is not None:
             driver.cancel()
+            # Nothing left for the channel's close to cancel: out of its set now, not when
+            # the driver's done callback runs a turn later (the call is done already).
+            self._core._waiting.discard(self)
         self._first.cancel()
         self._wake()
         return True

@@ -23,7 +23,7 @@ try:  # grpc.aio's own call class (see _streamed_opener)
 except ImportError:  # pragma: no cover - depends on grpcio internals
     _UnaryStreamCall = None
 
-from .._context import AttemptEffect
+from .._context import AttemptEffect, CancellationReason
 from .._errors import (
     CouchbaseException,
     RequestCanceledException,
@@ -47,6 +47,7 @@ __all__ = ["HedgePlan", "hedged_unary_unary"]
 
 _OK = grpc.StatusCode.OK
 _PENDING: Any = object()  # committed on headers, the response is still to come
+_VIA_CONTEXT = CancellationReason.CANCELLED_VIA_CONTEXT  # the call's cancel(): see on_request
 
 
 class _ChannelClosed(Exception):
@@ -181,6 +182,7 @@ async def hedged_unary_unary(
     open_streamed: Callable[[Any], Any] | None = None,
     deadline_from: Origin | None = None,
     trace: CallTrace | None = None,
+    on_request: Callable[[Request], None] | None = None,
 ) -> Any:
     """Run one unary-unary call as A6 hedges; return the committed call or raise its error.
 
@@ -198,6 +200,14 @@ async def hedged_unary_unary(
     ``trace``: the call's telemetry (its Request is the runner's; rfc/0008); the caller
     ends it with the call (``_HedgedCall._driver_done``, :func:`traced_hedged_unary_unary`,
     which bounded ``details.timeout`` already). Here each hedge is an attempt of it.
+
+    ``on_request``: given the runner's Request as soon as it is made (the direct path's
+    call object), whose ``cancel()`` then cancels it with ``Request.cancel()`` as well as
+    this task. A request cancelled that way (CANCELLED_VIA_CONTEXT: nothing else holds
+    it) ends the call cancelled, whatever the runner saw afterwards: on Python 3.10,
+    which cannot count a task's cancellations, the task's own cancellation could be
+    taken for a cut of the runner's scopes (hedge 0 cut as another hedge won or
+    committed, the deadline) and lost (rfc/0004, "Cancellation").
     """
     method = details.method
     name: str = method.decode() if isinstance(method, bytes) else str(method)
@@ -425,17 +435,24 @@ async def hedged_unary_unary(
     request = (
         hedge_request(name, timeout, started, deadline_from) if trace is None else trace.request
     )
+    if on_request is not None:
+        on_request(request)
     winner: Any = None
     try:
-        index, winner, response = await run_hedged(
-            core.orchestrator,
-            request,
-            send,
-            plan.policy,
-            plan.throttler,
-            first_elapsed=loop.time() - sent_at,
-            finish=False,  # a hedge committed on its headers has no answer yet: see below
-        )
+        try:
+            index, winner, response = await run_hedged(
+                core.orchestrator,
+                request,
+                send,
+                plan.policy,
+                plan.throttler,
+                first_elapsed=loop.time() - sent_at,
+                finish=False,  # a hedge committed on its headers has no answer yet: see below
+            )
+        except Exception:
+            if request.cancellation_reason is _VIA_CONTEXT:  # the call's cancel()
+                raise asyncio.CancelledError() from None
+            raise
     except aio.AioRpcError as err:  # a fatal status: its own hedge's index, not that of
         final = _error(err, last[1] if last[1] >= 0 else last[0])  # a failure read after it
         if request.retry_attempts == 0:
@@ -483,6 +500,11 @@ async def hedged_unary_unary(
     # left the request pending (finish=False): a hedge committed on its headers may still
     # fail or be cancelled.
     call = winner
+    if request.cancellation_reason is _VIA_CONTEXT:  # the call's cancel() (3.10: absorbed)
+        call.cancel()
+        if trace is not None:
+            trace.attempt_end(attempts.get(index), asyncio.CancelledError())
+        raise asyncio.CancelledError()
     streamed = index > 0 and open_streamed is not None
     try:
         if streamed:

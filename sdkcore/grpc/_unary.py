@@ -93,6 +93,11 @@ async def unary_unary_call(
         c.release()
 
 
+def _read_error(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
     """A unary-unary call of the direct path: grpc.aio's call until an attempt fails.
 
@@ -251,9 +256,7 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             except aio.AioRpcError as err:
                 failure = err
             except BaseException as exc:
-                self._ended = True
-                self._c.ended(exc)
-                self._c.release()
+                self._end_without_status(exc)
                 raise
             if failure is None:
                 if not self._driving():
@@ -314,7 +317,13 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
                 except aio.AioRpcError as err:
                     return None, err
             call = self._call
-            code = await call.code()
+            try:
+                code = await call.code()
+            except aio.UsageError as exc:
+                # Refused inside the application's interceptors (the channel closed before
+                # they handed the first attempt on): over, without a status.
+                self._end_without_status(exc)
+                raise
             if self._driving():
                 continue
             if code is _OK:
@@ -341,7 +350,18 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         watcher = self._watcher
         if watcher is None:
             watcher = self._watcher = asyncio.get_running_loop().create_task(self._settled())
+            # Its error (a UsageError) is the readers' to raise: read here too, so that a
+            # call nobody reads does not log "Task exception was never retrieved".
+            watcher.add_done_callback(_read_error)
         return watcher
+
+    def _end_without_status(self, error: BaseException) -> None:
+        """The first attempt ended with no status (cancelled in flight, or refused inside
+        the application's interceptors): the call is over, ``error`` is its end."""
+        if not self._ended:
+            self._ended = True
+            self._c.ended(error)
+            self._c.release()
 
     def _trailing(self, call: Any, md: Any) -> Any:
         return _client_trailing(md, self._c.state.attempts - 1)
