@@ -64,15 +64,15 @@ Details = tuple[Any, ...]
 _Entry = tuple[int, int, Details]
 
 
+_MAX_INT = 2**31 - 1  # past any sample a process could hold: a bigger one is a typo
+
+
 def positive_int(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an int >= 1, got {show(value)} ({type(value).__name__})")
     if not 1 <= value <= _MAX_INT:
         raise ValueError(f"{what} must be an int >= 1 (at most {_MAX_INT}), got {show(value)}")
     return int(value)
-
-
-_MAX_INT = 2**31 - 1  # past any sample a process could hold: a bigger one is a typo
 
 
 def _micros(value: object, what: str) -> int | None:

@@ -500,11 +500,6 @@ async def hedged_unary_unary(
     # left the request pending (finish=False): a hedge committed on its headers may still
     # fail or be cancelled.
     call = winner
-    if request.cancellation_reason is _VIA_CONTEXT:  # the call's cancel() (3.10: absorbed)
-        call.cancel()
-        if trace is not None:
-            trace.attempt_end(attempts.get(index), asyncio.CancelledError())
-        raise asyncio.CancelledError()
     streamed = index > 0 and open_streamed is not None
     try:
         if streamed:

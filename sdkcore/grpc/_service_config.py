@@ -141,7 +141,7 @@ def _token_ratio(inst: Any, attribute: Any, value: Any) -> None:
 
 
 def _name_part(inst: Any, attribute: Any, value: Any) -> None:
-    if type(value) is not str and not isinstance(value, str):
+    if not isinstance(value, str):
         raise TypeError(
             f'{_where(inst, attribute)} must be a str ("" for every one), got {_shown(value)}'
         )

@@ -172,10 +172,7 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         if call.cancelled():
             # Cancelled before anyone drove it (call.cancel(), the channel closing): it is
             # over, and its replay buffer goes back to the channel.
-            self._ended = True
-            c = self._c
-            c.release()
-            c.ended(asyncio.CancelledError())  # its telemetry, if any
+            self._end_without_status(asyncio.CancelledError())
             return
         ok = _ended_ok(call)
         if ok:
@@ -192,12 +189,9 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             driver.add_done_callback(self._driver_done)
 
     def _driver_done(self, driver: asyncio.Task[Any]) -> None:
-        if driver.cancelled() and not self._ended:
+        if driver.cancelled():
             # call.cancel() before the task's first step: _drive never ran to end the call.
-            self._ended = True
-            c = self._c
-            c.release()
-            c.ended(asyncio.CancelledError())  # its telemetry, if any
+            self._end_without_status(asyncio.CancelledError())
 
     async def _drive(self, err: Any) -> Any:
         """The retry loop after the first failure: the successful call, or raise the error."""
@@ -356,12 +350,13 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         return watcher
 
     def _end_without_status(self, error: BaseException) -> None:
-        """The first attempt ended with no status (cancelled in flight, or refused inside
-        the application's interceptors): the call is over, ``error`` is its end."""
+        """The call ended with no status (cancelled before or in flight, or its first
+        attempt refused inside the application's interceptors): its replay buffer goes
+        back to the channel and its telemetry, if any, ends with ``error``. Once."""
         if not self._ended:
             self._ended = True
-            self._c.ended(error)
             self._c.release()
+            self._c.ended(error)
 
     def _trailing(self, call: Any, md: Any) -> Any:
         return _client_trailing(md, self._c.state.attempts - 1)
