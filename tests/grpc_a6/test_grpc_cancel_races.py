@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc import aio
 from grpc.aio import _call as aio_call
-from grpc_server import TEST_TIMEOUT, Server, abort
+from grpc_server import TEST_TIMEOUT, Server, abort, wait_until
 
 from sdkcore.grpc import insecure_channel, previous_rpc_attempts, retry_controller
 
@@ -256,3 +256,25 @@ async def test_a_fatal_status_reports_its_own_hedges_index(server: Server) -> No
     else:  # hedge 0's ABORTED was booked first after all: its own index
         assert info.value.code() is grpc.StatusCode.ABORTED
         assert previous_rpc_attempts(info.value) == 0
+
+
+async def test_a_cancelled_hedged_call_leaves_the_channels_close_set_at_once(
+    server: Server,
+) -> None:
+    """A hedged call whose runner started is in the set of calls the channel's close
+    cancels; ``call.cancel()`` takes it out at once (it is done as far as close goes), not a
+    turn later when the runner's task has ended (300 fuzz seeds once found it there)."""
+
+    async def hangs(request: bytes, context: Any, n: int) -> bytes:
+        await asyncio.sleep(10)
+        return b"late"
+
+    method = server.unary_unary("H", hangs)
+    async with insecure_channel(server.target, service_config=hedging_config("0.001s")) as ch:
+        waiting = retry_controller(ch)._waiting
+        call = ch.unary_unary(method)(b"x")
+        await asyncio.wait_for(wait_until(lambda: call in waiting), TEST_TIMEOUT)
+        assert call.cancel()
+        assert call not in waiting
+        with pytest.raises(asyncio.CancelledError):
+            await call
