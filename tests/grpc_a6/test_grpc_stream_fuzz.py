@@ -96,6 +96,21 @@ Assumptions (grpcio 1.85 as observed, or the documents), and points A6 leaves op
 * grpc's race also hits an attempt the server answered OK before reading the whole
   request stream: the answer arrives, then ``code()`` says INTERNAL (plain grpc.aio: 1
   in 200 such writer-style calls, measured); accepted there;
+* the same race in the other order: grpc.aio's ``write`` sets INTERNAL "Internal error
+  from Core" on the call when its send fails (``_AioCall.set_internal_error`` in
+  ``grpc/aio/_call.py``'s ``_write``) before the server's status has arrived, a read
+  then raises that INTERNAL, and the status received later replaces it, so ``code()``
+  says the server's status, OK included, or DEADLINE_EXCEEDED (seen on Python 3.13,
+  about 1 seed in 250; sdkcore passes both through from grpc's call); accepted when
+  ``code()`` is the status the server sent, or the deadline's at the deadline;
+* grpc.aio's intercepted call (what a channel with any interceptor returns for a
+  streaming method) awaits its interceptor chain in each accessor and answers a
+  ``CancelledError`` there with None (``initial_metadata()``) or CANCELLED
+  (``code()``), also when the cancellation was the awaiting task's own
+  (``grpc/aio/_interceptor.py``, grpcio 1.85). On Python 3.12+, where
+  ``asyncio.wait_for`` runs in the caller's task, a task cancelled in the loop turn
+  after it made the call then gets None and runs on, and the call with it (rfc/0003).
+  Accepted: None is not headers, and only after a cancellation;
 * a stream read that raised grpc's "Internal error from Core" with a response message
   left unread leaves grpc's ``_AioCall._handle_status_once_received`` task pending, also
   after the close (plain grpc.aio: 1 in 400 such calls, measured): that task is not
@@ -929,7 +944,7 @@ class World:
             if plan.want_md:
                 record.phase = "initial_metadata()"
                 got = await asyncio.wait_for(call.initial_metadata(), AWAIT)
-                record.md = tuple(got or ())
+                record.md = None if got is None else tuple(got)
                 record.md_seq = next(self.seq)
             if plan.shape == "SU":
                 record.phase = "await call"
@@ -1127,8 +1142,22 @@ class World:
             for at, what in cuts:
                 if at is not None and a.created > at:
                     problem(f"attempt {a.index} created after {what}")
-        if record.md_seq is not None or record.got_first is not None:
-            first = min(x for x in (record.md_seq, record.got_first) if x is not None)
+        # initial_metadata() answered None: no headers (the call was cancelled, its request
+        # iterator raised, or grpc.aio swallowed the task's cancellation: see the docstring).
+        got_md = record.md_seq if record.md is not None else None
+        if (
+            record.md is None
+            and record.md_seq is not None
+            and not (
+                record.cancel_seq is not None
+                or record.task_cancel_seq is not None
+                or record.raised is not None
+                or (close is not None and close < record.md_seq)
+            )
+        ):
+            problem("initial_metadata() returned None, yet nobody cancelled the call")
+        if got_md is not None or record.got_first is not None:
+            first = min(x for x in (got_md, record.got_first) if x is not None)
             for a in attempts:
                 if a.created > first:
                     problem(
@@ -1291,6 +1320,13 @@ class World:
             raced = raced and (
                 "INTERNAL" in self.ended_with(record, attempts[-1]) or self.at_deadline(record)
             )
+            # grpc's race in the other order: the write's INTERNAL raised by the read, then
+            # the server's status, received later, replaces it (see the docstring).
+            raced = raced or (
+                bool(attempts)
+                and error.details() == CORE_INTERNAL
+                and self.sent_late(record, attempts[-1], code)
+            )
             if code is not error.code() and not raced:  # grpc's race may set INTERNAL later
                 problem(f"code() is {code}, the call raised {error.code()}")
 
@@ -1368,6 +1404,16 @@ class World:
             if served is not None and served.outcome in CODES:
                 names.add(served.outcome)
         return names
+
+    def sent_late(self, record: Record, attempt: Attempt, code: Any) -> bool:
+        """Whether ``code`` is the status that ended ``attempt`` after grpc's INTERNAL:
+        the one the server sent (OK included), or DEADLINE_EXCEEDED when the call had
+        a deadline and the server sent no status (its handler was cut)."""
+        served = next((s for s in record.server if s.header == attempt.header), None)
+        sent = served is not None and (served.outcome in CODES or served.outcome == "OK")
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED and record.plan.timeout is not None:
+            return self.at_deadline(record) or not sent
+        return sent and served is not None and served.outcome == getattr(code, "name", None)
 
     def half_closed(self, record: Record, seen: ServerAttempt) -> bool:
         """Whether the server's EOF was the client's half-close.
