@@ -13,6 +13,13 @@ Cases (the call of ``bench_doors.py``: 3 retryable failures, zero backoff, succe
 (``asyncio.sleep(0)``), ``execute``, ``execute+deadline`` (``timeout=2.5``),
 ``maybe_retry`` (a hand-wired loop), ``happy+deadline`` (one successful call).
 
+Pieces (``--case piece-...``; not run by default): the parts of ``happy+deadline``, each
+alone as an awaited call in the same loop (``piece-loop``: the loop with an empty call):
+``piece-bare`` (the send), ``piece-request`` (``Request(timeout=2.5)``), ``piece-happy``
+(``execute`` without a deadline), ``piece-scope`` and ``piece-scope+deadline`` (the
+runtime's ``Scope`` without and with a deadline), ``piece-mark`` (the deadline-propagation
+mark), ``piece-clock`` (one ``time.monotonic()``).
+
 Trio cases (``--case trio-...``; not run by default): the same call under ``trio.run``.
 ``trio-hand`` (``trio.sleep(0)`` between attempts), ``trio-hand+scope`` (the same loop
 inside one ``trio.CancelScope`` with a deadline, what a deadline costs at the least on
@@ -51,7 +58,7 @@ import sys
 from pathlib import Path
 
 WORKLOAD = r"""
-import asyncio, logging, sys
+import asyncio, logging, math, sys
 import structlog
 structlog.configure(
     wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
@@ -98,9 +105,43 @@ async def main(case, calls):
                     continue
                 orch.succeed(request)
                 break
+    elif case.startswith("piece-"):  # one part of a call with a deadline, alone
+        from sdkcore import _runtime
+
+        rt = _runtime.current()
+        request = Request(idempotent=True, timeout=2.5)
+
+        async def piece(_=None):  # piece-loop: the loop and an awaited call, alone
+            pass
+
+        if case == "piece-bare":
+            piece = answer
+        elif case == "piece-request":
+            async def piece(_=None):
+                Request(idempotent=True, timeout=2.5)
+        elif case == "piece-happy":
+            async def piece(_=None):
+                await orch.execute(Request(idempotent=True, timeout=None), answer)
+        elif case == "piece-scope":
+            async def piece(_=None):
+                rt.Scope(math.inf).exit(None)
+        elif case == "piece-scope+deadline":
+            async def piece(_=None):
+                rt.Scope(rt.now() + 2.5).exit(None)
+        elif case == "piece-mark":
+            async def piece(_=None):
+                Request._dispatched_done(request._dispatching())
+        elif case == "piece-clock":
+            async def piece(_=None):
+                request._clock()
+        elif case != "piece-loop":
+            raise SystemExit(f"unknown case {case!r}")
+        for _ in range(calls):
+            await piece(None)
     else:
         raise SystemExit(f"unknown case {case!r}")
 
+answer = failing(0)  # the pieces' successful send
 asyncio.run(main(sys.argv[1], int(sys.argv[2])))
 """
 
@@ -292,6 +333,17 @@ finally:
 """
 
 CASES = ["hand", "hand-native", "execute", "execute+deadline", "maybe_retry", "happy+deadline"]
+#: The parts of ``happy+deadline``, each alone in the same loop (``piece-loop``: the loop itself).
+PIECES = [
+    "piece-loop",
+    "piece-bare",
+    "piece-request",
+    "piece-happy",
+    "piece-scope",
+    "piece-scope+deadline",
+    "piece-mark",
+    "piece-clock",
+]
 TRIO_CASES = ["trio-hand", "trio-hand+scope", "trio-execute", "trio-execute+deadline"]
 #: The gRPC cases and the case each is compared with (sdkcore's share: the difference).
 GRPC_CASES = {
@@ -343,7 +395,9 @@ def instructions(tree: Path, case: str, calls: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--tree", action="append", type=Path, help="a directory holding sdkcore/")
-    parser.add_argument("--case", action="append", choices=CASES + TRIO_CASES + list(GRPC_CASES))
+    parser.add_argument(
+        "--case", action="append", choices=CASES + PIECES + TRIO_CASES + list(GRPC_CASES)
+    )
     parser.add_argument("--calls", type=int, default=1000)
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
@@ -370,6 +424,9 @@ def main() -> None:
                     print(f"  {case:22s} {per_call:8d}  {per_call - seen[base]:+d} over {base}")
                 else:
                     print(f"  {case:22s} {per_call:8d}")
+                continue
+            if case in PIECES:
+                print(f"  {case:21s} {per_call:8d}")
                 continue
             if case in ("hand", "trio-hand"):
                 reference = per_call
