@@ -60,7 +60,6 @@ import itertools
 import math
 import random
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +67,24 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 import pytest
-from fuzz_kit import expected_balance, live_tasks, show
+from fuzz_kit import (
+    CountingBudget,
+    PlainError,
+    Step,
+    check_budget_totals,
+    check_drained,
+    check_in_retry,
+    check_request_budget,
+    check_timed_out,
+    random_breaker,
+    random_budget,
+    random_failure,
+    run_seed,
+    show,
+    small_backoff,
+    through_door,
+    with_permit,
+)
 
 from sdkcore import (
     AdaptiveConcurrencyLimiter,
@@ -86,7 +102,6 @@ from sdkcore import (
     RequestState,
     RetryableError,
     RetryAction,
-    RetryBudget,
     RetryOrchestrator,
     RetryReason,
     RetryStrategy,
@@ -103,39 +118,8 @@ SEEDS = range(40)
 SAFETY = 5.0  # seconds: a seed whose doors hang fails here instead of hanging the suite
 
 NOT_SENT = AttemptEffect.NOT_SENT
-NOT_APPLIED = AttemptEffect.NOT_APPLIED
 MAYBE = AttemptEffect.MAYBE_APPLIED
 R = RetryReason
-
-#: Reasons a send may fail with. Always-retry reasons wait RFC 0049's controlled backoff
-#: (up to 1 s) whatever the strategy: only requests with a timeout get them.
-REASONS = [
-    R.KV_LOCKED,
-    R.KV_TEMPORARY_FAILURE,
-    R.SOCKET_CLOSED_WHILE_IN_FLIGHT,  # maybe applied; never retried for a non-idempotent one
-    R.UNKNOWN,
-    R.SOCKET_NOT_AVAILABLE,  # not sent
-    R.SERVICE_NOT_AVAILABLE,
-    R.SERVICE_RESPONSE_CODE_INDICATED,
-    R.AUTHENTICATION_ERROR,  # terminal: the default strategy fails fast
-]
-ALWAYS_RETRY = [R.KV_NOT_MY_VBUCKET, R.KV_COLLECTION_OUTDATED]
-
-
-class PlainError(Exception):
-    """A non-retryable answer of the fake endpoint: the request fails with it, unchanged."""
-
-
-@dataclass
-class Step:
-    """One planned answer of the endpoint (the n-th send of a request; past the plan: ok)."""
-
-    delay: float  # seconds the send takes after its first checkpoint
-    kind: str = "ok"  # "ok", "retry" (RetryableError) or "plain" (PlainError)
-    reason: RetryReason | None = None
-    effect: AttemptEffect | None = None
-    hint: float | None = None  # RetryableError(retry_after=...)
-    reset: bool = False  # raised from a ConnectionResetError: a breaker failure
 
 
 @dataclass
@@ -215,47 +199,6 @@ class Record:
 CURRENT: contextvars.ContextVar[Record | None] = contextvars.ContextVar("CURRENT", default=None)
 
 
-class CountingBudget:
-    """A ``RetryBudget`` that counts what the orchestrator does with it."""
-
-    def __init__(self, inner: RetryBudget, problems: list[str]) -> None:
-        self.inner = inner
-        self.problems = problems
-        self.deposits = 0
-        self.granted = 0
-        self.refused = 0
-        self.refunds = 0
-
-    def deposit(self) -> None:
-        self.deposits += 1
-        record = CURRENT.get()
-        if record is not None:
-            record.deposits += 1
-        self.inner.deposit()
-
-    def try_withdraw(self) -> bool:
-        granted = self.inner.try_withdraw()
-        if granted:
-            self.granted += 1
-            record = CURRENT.get()
-            if record is not None:
-                record.withdrawn += 1
-        else:
-            self.refused += 1
-        return granted
-
-    def refund(self) -> None:
-        self.refunds += 1
-        record = CURRENT.get()
-        if record is not None:
-            record.refunded += 1
-        if self.refunds > self.granted:
-            self.problems.append(
-                f"budget: refund #{self.refunds} with only {self.granted} withdrawals granted"
-            )
-        self.inner.refund()
-
-
 def running_backend() -> str:
     """The event loop running this task: "asyncio" or "trio"."""
     import asyncio
@@ -270,10 +213,6 @@ def running_backend() -> str:
 def written_after(raws: list[RawSend], seq: int) -> list[RawSend]:
     """The sends that started after event ``seq`` and got past their first checkpoint."""
     return [r for r in raws if r.start > seq and r.written is not None]
-
-
-def small_backoff(retries: int) -> float:
-    return 0.001 * (1 + retries % 3)
 
 
 class SlowStrategy:
@@ -297,26 +236,11 @@ class World:
         self.seed = seed
         self.seq = itertools.count()
         self.problems: list[str] = []
-        self.budget: CountingBudget | None = None
-        if rng.random() < 0.6:
-            inner = RetryBudget(
-                ttl=10,
-                min_retries_per_sec=rng.choice([0, 0.2, 1, 10]),
-                retry_ratio=rng.choice([0.0, 0.2, 1.0]),
-            )
-            self.budget = CountingBudget(inner, self.problems)
+        self.budget: CountingBudget | None = random_budget(rng, self.problems, CURRENT.get)
         self.orch = RetryOrchestrator(
             max_requests_in_retry=rng.choice([2, 6, 32768]), retry_budget=self.budget
         )
-        self.breaker: CircuitBreaker | None = None
-        if rng.random() < 0.5:
-            self.breaker = CircuitBreaker(
-                volume_threshold=rng.randint(2, 8),
-                error_threshold_percentage=50,
-                sleep_window=rng.uniform(0.003, 0.015),
-                canary_timeout=0.03,
-                rolling_window=1.0,
-            )
+        self.breaker: CircuitBreaker | None = random_breaker(rng, 0.5)
         self.limiter: ConcurrencyLimiter | AdaptiveConcurrencyLimiter | None = None
         self.holder_bound = 0
         kind = rng.choice([None, "fixed", "adaptive"])
@@ -390,8 +314,7 @@ class World:
             return Step(delay, "plain")
         if roll < 0.2:
             return Step(delay, "ok")
-        reason = rng.choice(REASONS + ALWAYS_RETRY if bounded else REASONS)
-        effect = rng.choice([None, None, None, NOT_SENT, NOT_APPLIED, MAYBE])
+        reason, effect = random_failure(rng, bounded)
         hint = rng.choice([None, None, None, None, 0.002, 0.01])
         return Step(delay, "retry", reason, effect, hint, reset=rng.random() < 0.3)
 
@@ -427,11 +350,9 @@ class World:
         limiter = self.limiter
         if limiter is None:
             return await self._broken(record, attempt)
-        if record.plan.use_acquire:
-            async with limiter.acquire():
-                return await self._holding(record, attempt)
-        with limiter.guard():
-            return await self._holding(record, attempt)
+        return await with_permit(
+            limiter, record.plan.use_acquire, lambda: self._holding(record, attempt)
+        )
 
     async def _holding(self, record: Record, attempt: Dispatch) -> str:
         self.holders += 1
@@ -453,11 +374,7 @@ class World:
     async def endpoint(self, record: Record, attempt: Dispatch) -> str:
         raw = RawSend(attempt.index, next(self.seq), attempt.start)
         record.raws.append(raw)
-        in_retry = self.orch.requests_in_retry
-        if not 0 <= in_retry <= self.orch.max_requests_in_retry:
-            self.problems.append(
-                f"requests_in_retry {in_retry} outside [0, {self.orch.max_requests_in_retry}]"
-            )
+        check_in_retry(self.orch, self.problems)
         steps = record.plan.steps
         step = steps[record.next_step] if record.next_step < len(steps) else Step(0.0)
         record.next_step += 1
@@ -502,33 +419,11 @@ class World:
     async def door(self, record: Record) -> str:
         request = record.request
         assert request is not None
-        plan = record.plan
-        orch = self.orch
-        if plan.door == "execute":
 
-            async def send(r: Request) -> str:
-                return await self.dispatch(record, 0)
+        async def dispatch(index: int) -> str:
+            return await self.dispatch(record, index)
 
-            return await orch.execute(request, send)
-        if plan.door == "hedge":
-            assert plan.hedge is not None
-
-            async def copy(r: Request, index: int) -> str:
-                return await self.dispatch(record, index)
-
-            return await orch.hedge(request, copy, plan.hedge)
-        # the hand-wired loop, as the README shows it
-        while True:
-            try:
-                with orch.attempt(request):
-                    value = await self.dispatch(record, 0)
-            except RetryableError as exc:
-                await orch.maybe_retry(request, exc.reason, cause=exc, effect=exc.effect)
-                continue
-            except PlainError as exc:
-                raise orch.fail(request, exc) from None
-            orch.succeed(request)
-            return value
+        return await through_door(self.orch, request, record.plan.door, dispatch, record.plan.hedge)
 
     async def run_one(self, record: Record, tg: anyio.abc.TaskGroup) -> None:
         plan = record.plan
@@ -597,38 +492,26 @@ class World:
             record.caller_cancel = next(self.seq)
         scope.cancel()
 
-    async def stall(self, at: float, seconds: float) -> None:
-        await anyio.sleep(at)
-        time.sleep(seconds)  # noqa: ASYNC251 - blocks the event loop on purpose
-
     async def run(self) -> None:
         self.backend = running_backend()
-        before = live_tasks()
-        with anyio.move_on_after(SAFETY) as safety:
-            async with anyio.create_task_group() as tg:
-                self.tg = tg
-                for at, seconds in self.stalls:
-                    tg.start_soon(self.stall, at, seconds)
-                for record in self.records:
-                    tg.start_soon(self.run_one, record, tg)
-        if safety.cancelled_caught:
+
+        def start(tg: anyio.abc.TaskGroup) -> None:
+            self.tg = tg
+            for record in self.records:
+                tg.start_soon(self.run_one, record, tg)
+
+        timed_out, outlived = await run_seed(start, self.stalls, SAFETY)
+        if timed_out:
             hung = [r.plan.rid for r in self.records if r.outcome == "escaped"]
             self.problems.append(f"doors still running after {SAFETY} s: requests {hung}")
-        after = live_tasks()
-        if after != before:
-            self.problems.append(f"{after - before} task(s) outlived the task group")
+        if outlived:
+            self.problems.append(f"{outlived} task(s) outlived the task group")
 
     # -- the invariants ----------------------------------------------------------------------
     def check(self) -> None:
         for record in self.records:
             self.check_record(record)
-        if self.orch.requests_in_retry != 0:
-            self.problems.append(f"requests_in_retry is {self.orch.requests_in_retry} at the end")
-        limiter = self.limiter
-        if limiter is not None and (limiter.in_flight != 0 or limiter.queued != 0):
-            self.problems.append(
-                f"limiter: in_flight {limiter.in_flight}, queued {limiter.queued} at the end"
-            )
+        check_drained(self.orch, self.limiter, self.problems)
         if self.holders != 0:
             self.problems.append(f"{self.holders} dispatches still hold a permit at the end")
         self.check_budget()
@@ -696,10 +579,7 @@ class World:
             if not any(error is r.error for r in record.raws):
                 problem("raised a PlainError that none of its sends raised")
         elif isinstance(error, TimeoutException):
-            if plan.timeout is None:
-                problem("a request without a timeout timed out")
-            if request.cancellation_reason is not CancellationReason.TIMEOUT:
-                problem("a timeout whose request is not CANCELLED with TIMEOUT")
+            check_timed_out(plan.timeout, request, problem)
             # rfc/0001 "Ambiguity": ambiguous exactly when the request is not idempotent and
             # some attempt may have been applied (reported so, or cut in flight).
             maybe = any(
@@ -839,38 +719,29 @@ class World:
             else:
                 mine = sum(1 for before in dispatches[:-1] if before.effect is not NOT_SENT)
             spent += mine
-            if record.withdrawn - record.refunded != mine:
-                self.problems.append(
-                    f"budget: request {plan.rid} ({plan.door}, timeout {plan.timeout}, "
-                    f"{plan.interference}, outcome {record.outcome} {show(record.error)}): "
-                    f"{record.withdrawn} withdrawn - {record.refunded} refunded, but {mine} "
-                    f"spending retries sent; dispatches "
-                    f"{[(d.index, d.outcome, d.effect and d.effect.name) for d in dispatches]}"
-                )
-            # A request's first attempt deposits, once (a hedge deposits before its first
-            # copy runs, so a hedge cut that early deposited without an attempt).
-            if record.deposits > 1 or (dispatches and record.deposits != 1):
-                self.problems.append(
-                    f"budget: request {plan.rid} deposited {record.deposits} times for "
-                    f"{len(dispatches)} attempts"
-                )
-        net = budget.granted - budget.refunds
-        if net != spent:
-            self.problems.append(
-                f"budget: {budget.granted} withdrawals granted - {budget.refunds} refunds = "
-                f"{net}, but {spent} retries (or hedges) were sent that spend"
+            # Its own operations: net withdrawals as computed above; its first attempt
+            # deposits, once (a hedge deposits before its first copy runs, so a hedge cut
+            # that early deposited without an attempt).
+            check_request_budget(
+                plan.rid,
+                record,
+                mine,
+                len(dispatches),
+                self.problems,
+                about=f"{plan.door}, timeout {plan.timeout}, {plan.interference}, "
+                f"outcome {record.outcome} {show(record.error)}",
+                sends="dispatches "
+                f"{[(d.index, d.outcome, d.effect and d.effect.name) for d in dispatches]}",
             )
-        if not dispatched <= budget.deposits <= started:
-            self.problems.append(
-                f"budget: {budget.deposits} deposits for {dispatched} dispatched requests "
-                f"({started} started)"
-            )
-        wanted = expected_balance(budget.inner, budget.deposits, net)
-        if budget.inner.balance != wanted:
-            self.problems.append(
-                f"budget: balance {budget.inner.balance}, expected {wanted} from "
-                f"{budget.deposits} deposits and {net} net withdrawals"
-            )
+        check_budget_totals(
+            budget,
+            spent=spent,
+            dispatched=dispatched,
+            at_most=started,
+            problems=self.problems,
+            spending="retries (or hedges)",
+            at_most_are="started",
+        )
 
 
 @pytest.mark.parametrize("seed", SEEDS)

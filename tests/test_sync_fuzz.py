@@ -89,7 +89,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from fuzz_kit import expected_balance, show
+from fuzz_kit import (
+    CountingBudget,
+    PlainError,
+    Step,
+    Threads,
+    check_budget_totals,
+    check_drained,
+    check_in_retry,
+    check_request_budget,
+    check_timed_out,
+    random_breaker,
+    random_budget,
+    random_failure,
+    show,
+    small_backoff,
+)
 
 from sdkcore import (
     AdaptiveConcurrencyLimiter,
@@ -108,7 +123,6 @@ from sdkcore import (
     RequestState,
     RetryableError,
     RetryAction,
-    RetryBudget,
     RetryOrchestrator,
     RetryReason,
     RetryStrategy,
@@ -128,45 +142,9 @@ LONG_HINT = 2.0
 WAKE_BOUND = 1.0
 
 NOT_SENT = AttemptEffect.NOT_SENT
-NOT_APPLIED = AttemptEffect.NOT_APPLIED
 MAYBE = AttemptEffect.MAYBE_APPLIED
 R = RetryReason
 VIA_CONTEXT = CancellationReason.CANCELLED_VIA_CONTEXT
-
-#: Reasons a send may fail with. Always-retry reasons wait RFC 0049's controlled backoff
-#: (up to 1 s) whatever the strategy: only requests with a timeout get them.
-REASONS = [
-    R.KV_LOCKED,
-    R.KV_TEMPORARY_FAILURE,  # a rejection for the throttle
-    R.SOCKET_CLOSED_WHILE_IN_FLIGHT,  # maybe applied; never retried for a non-idempotent one
-    R.UNKNOWN,
-    R.SOCKET_NOT_AVAILABLE,  # not sent
-    R.SERVICE_NOT_AVAILABLE,  # not sent by default; a rejection when it was sent
-    R.SERVICE_RESPONSE_CODE_INDICATED,
-    R.AUTHENTICATION_ERROR,  # terminal: the default strategy fails fast
-]
-ALWAYS_RETRY = [R.KV_NOT_MY_VBUCKET, R.KV_COLLECTION_OUTDATED]
-
-
-class PlainError(Exception):
-    """A non-retryable answer of the fake endpoint: the request fails with it, unchanged."""
-
-
-@dataclass
-class Step:
-    """One planned answer of the endpoint (the n-th send of a request; past the plan: ok)."""
-
-    delay: float  # seconds the send blocks
-    # "ok"; "retry" (RetryableError); "plain" (PlainError); "expire": the send blocks for the
-    # request's time left, as a socket timeout set from request.time_left, and raises the
-    # builtin TimeoutError (rfc/0001 "The three doors": past the deadline, the timeout)
-    kind: str = "ok"
-    reason: RetryReason | None = None
-    effect: AttemptEffect | None = None
-    # RetryableError(retry_after=...); -1.0: "just before the deadline" (the time left then,
-    # less up to 0.3 ms), a wait that ends a hair before the deadline
-    hint: float | None = None
-    reset: bool = False  # raised from a ConnectionResetError: a breaker failure
 
 
 @dataclass
@@ -239,53 +217,8 @@ class Probe:
 CURRENT = threading.local()
 
 
-class CountingBudget:
-    """A ``RetryBudget`` that counts what the orchestrator does with it, per request."""
-
-    def __init__(self, inner: RetryBudget, problems: list[str]) -> None:
-        self.inner = inner
-        self.problems = problems
-        self.lock = threading.Lock()
-        self.deposits = 0
-        self.granted = 0
-        self.refused = 0
-        self.refunds = 0
-
-    @staticmethod
-    def _record() -> Record | None:
-        return getattr(CURRENT, "record", None)
-
-    def deposit(self) -> None:
-        with self.lock:
-            self.deposits += 1
-        record = self._record()
-        if record is not None:
-            record.deposits += 1
-        self.inner.deposit()
-
-    def try_withdraw(self) -> bool:
-        granted = self.inner.try_withdraw()
-        with self.lock:
-            if granted:
-                self.granted += 1
-            else:
-                self.refused += 1
-        record = self._record()
-        if granted and record is not None:
-            record.withdrawn += 1
-        return granted
-
-    def refund(self) -> None:
-        with self.lock:
-            self.refunds += 1
-            if self.refunds > self.granted:
-                self.problems.append(
-                    f"budget: refund #{self.refunds} with only {self.granted} withdrawals granted"
-                )
-        record = self._record()
-        if record is not None:
-            record.refunded += 1
-        self.inner.refund()
+def current_record() -> Record | None:
+    return getattr(CURRENT, "record", None)
 
 
 def is_rejection(error: BaseException) -> bool:
@@ -313,10 +246,6 @@ def describe(attempt: Attempt) -> tuple[str, str | None, str | None]:
     return attempt.outcome, reason and reason.name, effect and effect.name
 
 
-def small_backoff(retries: int) -> float:
-    return 0.001 * (1 + retries % 3)
-
-
 _GIVE_UP = RetryAction.no_retry(TemporaryFailureException)
 _PUSH = [RetryAction.with_duration(small_backoff(n)) for n in range(3)]
 
@@ -341,14 +270,7 @@ class World:
         self.seq = itertools.count()  # next() is atomic in CPython: one global order
         self.lock = threading.Lock()
         self.problems: list[str] = []
-        self.budget: CountingBudget | None = None
-        if rng.random() < 0.6:
-            inner = RetryBudget(
-                ttl=10,
-                min_retries_per_sec=rng.choice([0, 0.2, 1, 10]),
-                retry_ratio=rng.choice([0.0, 0.2, 1.0]),
-            )
-            self.budget = CountingBudget(inner, self.problems)
+        self.budget: CountingBudget | None = random_budget(rng, self.problems, current_record)
         self.orch = RetryOrchestrator(
             max_requests_in_retry=rng.choice([1, 3, 8, 32768, 32768]), retry_budget=self.budget
         )
@@ -375,15 +297,7 @@ class World:
             )
             self.holder_bound = 8
         self.holders = 0
-        self.breaker: CircuitBreaker | None = None
-        if rng.random() < 0.6:
-            self.breaker = CircuitBreaker(
-                volume_threshold=rng.randint(2, 8),
-                error_threshold_percentage=50,
-                sleep_window=rng.uniform(0.003, 0.015),
-                canary_timeout=0.03,
-                rolling_window=1.0,
-            )
+        self.breaker: CircuitBreaker | None = random_breaker(rng, 0.6)
         self.probes: list[Probe] = []
         # Shared strategies, as an application shares them between threads.
         self.strategies: dict[str, RetryStrategy | None] = {
@@ -404,7 +318,7 @@ class World:
         self.spins = [
             (rng.uniform(0.0, 0.05), rng.uniform(0.001, 0.005)) for _ in range(rng.randint(0, 4))
         ]
-        self.helpers: list[threading.Thread] = []  # cancellers, started while running
+        self.helpers = Threads(self.problems, self.lock)  # cancellers, started while running
 
     # -- the plan ----------------------------------------------------------------------------
     def plan(self, rid: int) -> Plan:
@@ -444,8 +358,7 @@ class World:
             return Step(delay, "ok")
         if roll < 0.24:
             return Step(delay, "expire")
-        reason = rng.choice(REASONS + ALWAYS_RETRY if bounded else REASONS)
-        effect = rng.choice([None, None, None, NOT_SENT, NOT_APPLIED, MAYBE])
+        reason, effect = random_failure(rng, bounded)
         hint = rng.choice([None, None, None, None, 0.002, 0.01, -1.0 if bounded else None])
         return Step(delay, "retry", reason, effect, hint, reset=rng.random() < 0.5)
 
@@ -536,11 +449,7 @@ class World:
 
     def endpoint(self, record: Record, attempt: Attempt) -> str:
         attempt.reached = True
-        in_retry = self.orch.requests_in_retry
-        if not 0 <= in_retry <= self.orch.max_requests_in_retry:
-            self.problems.append(
-                f"requests_in_retry {in_retry} outside [0, {self.orch.max_requests_in_retry}]"
-            )
+        check_in_retry(self.orch, self.problems)
         plan = record.plan
         steps = plan.steps
         number = record.next_step
@@ -550,12 +459,12 @@ class World:
             time.sleep(step.delay)
         if plan.interference == "cancel_in_send" and number == plan.cancel_on:
             # another thread cancels while this attempt is in flight; it answers afterwards
-            canceller = self.helper(self.cancel_request, record, 0.0)
+            canceller = self.helpers.start(self.cancel_request, record, 0.0)
             canceller.join(SAFETY)
         go = None
         if plan.interference == "cancel_on_answer" and number == plan.cancel_on:
             go = threading.Event()
-            self.helper(self.cancel_when, record, go)
+            self.helpers.start(self.cancel_when, record, go)
         try:
             return self.answer(record, step, number)
         finally:
@@ -579,7 +488,9 @@ class World:
         assert step.reason is not None
         hint = step.hint
         if plan.interference == "cancel_after_fail" and number == plan.cancel_on:
-            self.helper(self.cancel_request, record, self.rng_for(record).uniform(0.0, 0.002))
+            self.helpers.start(
+                self.cancel_request, record, self.rng_for(record).uniform(0.0, 0.002)
+            )
             if plan.timeout is None and not plan.custom_sleep:
                 hint = LONG_HINT
         if hint == -1.0:
@@ -597,20 +508,6 @@ class World:
         return random.Random(self.seed * 1000 + record.plan.rid)
 
     # -- the threads ---------------------------------------------------------------------------
-    def helper(self, target: Any, *args: Any) -> threading.Thread:
-        thread = threading.Thread(target=self.guarded, args=(target, *args), daemon=True)
-        with self.lock:
-            self.helpers.append(thread)
-        thread.start()
-        return thread
-
-    def guarded(self, target: Any, *args: Any) -> None:
-        """Run a helper; what it raises is a problem (never an unhandled thread exception)."""
-        try:
-            target(*args)
-        except BaseException as exc:
-            self.problems.append(f"helper {target.__name__} raised {exc!r}")
-
     def cancel_request(self, record: Record, wait: float) -> None:
         if wait:
             time.sleep(wait)
@@ -656,7 +553,7 @@ class World:
             retry_strategy=self.strategies[plan.strategy],
         )
         if plan.interference == "cancel_at":
-            self.helper(self.cancel_request, record, plan.interfere_at)
+            self.helpers.start(self.cancel_request, record, plan.interfere_at)
         try:
             if plan.custom_sleep:
                 record.value = self.orch.execute_sync(
@@ -680,11 +577,11 @@ class World:
             sys.setswitchinterval(self.switch)
         try:
             workers = [
-                threading.Thread(target=self.guarded, args=(self.worker, i), daemon=True)
+                threading.Thread(target=self.helpers.guarded, args=(self.worker, i), daemon=True)
                 for i in range(len(self.threads))
             ]
             spinners = [
-                threading.Thread(target=self.guarded, args=(self.spin, at, s), daemon=True)
+                threading.Thread(target=self.helpers.guarded, args=(self.spin, at, s), daemon=True)
                 for at, s in self.spins
             ]
             for thread in spinners + workers:
@@ -693,11 +590,11 @@ class World:
             for thread in spinners + workers:
                 thread.join(max(0.0, deadline - time.monotonic()))
             # the cancellers: every one was started by a worker (or by one of its sends)
-            for thread in list(self.helpers):
+            for thread in self.helpers.started():
                 thread.join(max(0.0, deadline - time.monotonic()))
         finally:
             sys.setswitchinterval(previous)
-        hung = [t for t in workers + spinners + self.helpers if t.is_alive()]
+        hung = [t for t in workers + spinners + self.helpers.started() if t.is_alive()]
         if hung:
             stuck = [r.plan.rid for r in self.records if r.end is None]
             self.problems.append(
@@ -709,13 +606,8 @@ class World:
         for record in self.records:
             if record.end is not None:
                 self.check_record(record)
-        if self.orch.requests_in_retry != 0:
-            self.problems.append(f"requests_in_retry is {self.orch.requests_in_retry} at the end")
         limiter = self.limiter
-        if limiter is not None and (limiter.in_flight != 0 or limiter.queued != 0):
-            self.problems.append(
-                f"limiter: in_flight {limiter.in_flight}, queued {limiter.queued} at the end"
-            )
+        check_drained(self.orch, limiter, self.problems)
         if self.holders != 0:
             self.problems.append(f"{self.holders} sends still hold a permit at the end")
         if limiter is not None:
@@ -767,10 +659,7 @@ class World:
             if request.state is not RequestState.FAILED:
                 problem("failed with the send's own error but the request is not FAILED")
         elif isinstance(error, TimeoutException):
-            if plan.timeout is None:
-                problem("a request without a timeout timed out")
-            if request.cancellation_reason is not CancellationReason.TIMEOUT:
-                problem("a timeout whose request is not CANCELLED with TIMEOUT")
+            check_timed_out(plan.timeout, request, problem)
             # rfc/0001 "Ambiguity": ambiguous exactly when the request is not idempotent and
             # some attempt may have been applied: one that said so, or a final error raised
             # past the deadline (execute_sync books it as an attempt cut in flight).
@@ -927,38 +816,27 @@ class World:
             dispatched += bool(attempts)
             mine = sum(1 for before in attempts[:-1] if before.effect is not NOT_SENT)
             spent += mine
-            if record.withdrawn - record.refunded != mine:
-                self.problems.append(
-                    f"budget: request {record.plan.rid} (idempotent={record.plan.idempotent}, "
-                    f"timeout {record.plan.timeout}, {record.plan.interference}, outcome "
-                    f"{record.outcome} {show(record.error)}, retry_attempts "
-                    f"{record.request and record.request.retry_attempts}): {record.withdrawn} "
-                    f"withdrawn - {record.refunded} refunded, but {mine} spending retries sent; "
-                    f"attempts {[(a.outcome, a.effect and a.effect.name) for a in attempts]}"
-                )
-            # execute_sync deposits once per request, before its first attempt
-            if record.deposits > 1 or (attempts and record.deposits != 1):
-                self.problems.append(
-                    f"budget: request {record.plan.rid} deposited {record.deposits} times for "
-                    f"{len(attempts)} attempts"
-                )
-        net = budget.granted - budget.refunds
-        if net != spent:
-            self.problems.append(
-                f"budget: {budget.granted} withdrawals granted - {budget.refunds} refunds = "
-                f"{net}, but {spent} retries were sent that spend"
+            # Its own operations: net withdrawals as computed above; execute_sync deposits
+            # once per request, before its first attempt.
+            plan = record.plan
+            check_request_budget(
+                plan.rid,
+                record,
+                mine,
+                len(attempts),
+                self.problems,
+                about=f"idempotent={plan.idempotent}, timeout {plan.timeout}, "
+                f"{plan.interference}, outcome {record.outcome} {show(record.error)}, "
+                f"retry_attempts {record.request and record.request.retry_attempts}",
+                sends=f"attempts {[(a.outcome, a.effect and a.effect.name) for a in attempts]}",
             )
-        if not dispatched <= budget.deposits <= len(self.records):
-            self.problems.append(
-                f"budget: {budget.deposits} deposits for {dispatched} dispatched requests "
-                f"({len(self.records)} in all)"
-            )
-        wanted = expected_balance(budget.inner, budget.deposits, net)
-        if budget.inner.balance != wanted:
-            self.problems.append(
-                f"budget: balance {budget.inner.balance}, expected {wanted} from "
-                f"{budget.deposits} deposits and {net} net withdrawals"
-            )
+        check_budget_totals(
+            budget,
+            spent=spent,
+            dispatched=dispatched,
+            at_most=len(self.records),
+            problems=self.problems,
+        )
 
     def check_throttle(self) -> None:
         throttle = self.throttle

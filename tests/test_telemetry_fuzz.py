@@ -96,7 +96,7 @@ import pytest
 
 pytest.importorskip("opentelemetry.sdk")
 
-from fuzz_kit import live_tasks, show
+from fuzz_kit import PlainError, Threads, run_seed, show, through_door, with_permit
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
@@ -153,10 +153,6 @@ REASONS = [
 #: only for requests with a timeout, whose deadline then caps the wait (a capped retry).
 ALWAYS_RETRY = [R.KV_NOT_MY_VBUCKET]
 GUARD_REASONS = (R.CIRCUIT_BREAKER_OPEN, R.CONCURRENCY_LIMITED)
-
-
-class PlainError(Exception):
-    """A non-retryable answer of the fake endpoint: the request fails with it, unchanged."""
 
 
 class Refused(Exception):
@@ -922,11 +918,9 @@ class World:
         limiter = self.guards.limiter
         if limiter is None or record.plan.nested:
             return await self.broken(record, call)
-        if record.plan.use_acquire:
-            async with limiter.acquire():
-                return await self.broken(record, call)
-        with limiter.guard():
-            return await self.broken(record, call)
+        return await with_permit(
+            limiter, record.plan.use_acquire, lambda: self.broken(record, call)
+        )
 
     async def broken(self, record: Record, call: Call) -> str:
         breaker = self.guards.breaker
@@ -1042,34 +1036,19 @@ class World:
         request = record.request
         assert request is not None
         plan, orch = record.plan, self.orch
-        if plan.door == "execute":
+        if plan.door != "bare":  # execute, hedge, or the README's loop ("hand")
 
-            async def send(r: Request) -> str:
-                return await self.dispatch(record, 0)
-
-            return await orch.execute(request, send)
-        if plan.door == "hedge":
-            assert plan.hedge is not None
-
-            async def copy(r: Request, index: int) -> str:
+            async def dispatch(index: int) -> str:
                 return await self.dispatch(record, index)
 
-            return await orch.hedge(request, copy, plan.hedge)
-        if plan.door == "hand":  # the README's loop
-            while True:
+            async def before_attempt() -> None:
                 if record.calls:
                     await self.pool_wait(record)
-                try:
-                    with orch.attempt(request):
-                        value = await self.dispatch(record, 0)
-                except RetryableError as exc:
-                    await orch.maybe_retry(request, exc.reason, cause=exc, effect=exc.effect)
-                    continue
-                except PlainError as exc:
-                    raise orch.fail(request, exc) from None
-                orch.succeed(request)
-                return value
-        while True:  # bare: the same loop without attempt()
+
+            return await through_door(
+                orch, request, plan.door, dispatch, plan.hedge, before_attempt
+            )
+        while True:  # bare: the README's loop without attempt()
             if record.calls:
                 await self.pool_wait(record)
             try:
@@ -1139,25 +1118,19 @@ class World:
         answered.set()
         await self.cancel_request(record, 0.0)
 
-    async def stall(self, at: float, seconds: float) -> None:
-        await anyio.sleep(at)
-        time.sleep(seconds)  # noqa: ASYNC251 - blocks the event loop on purpose
-
     async def run(self) -> None:
         self.scopes: dict[int, anyio.CancelScope] = {}
-        before = live_tasks()
-        with anyio.move_on_after(SAFETY) as safety:
-            async with anyio.create_task_group() as tg:
-                self.tg = tg
-                for at, seconds in self.stalls:
-                    tg.start_soon(self.stall, at, seconds)
-                for record in self.records:
-                    tg.start_soon(self.run_one, record)
-        if safety.cancelled_caught:
+
+        def start(tg: anyio.abc.TaskGroup) -> None:
+            self.tg = tg
+            for record in self.records:
+                tg.start_soon(self.run_one, record)
+
+        timed_out, outlived = await run_seed(start, self.stalls, SAFETY)
+        if timed_out:
             self.problems.append(f"doors still running after {SAFETY} s")
-        after = live_tasks()
-        if after != before:
-            self.problems.append(f"{after - before} task(s) outlived the doors")
+        if outlived:
+            self.problems.append(f"{outlived} task(s) outlived the doors")
 
 
 @pytest.mark.anyio
@@ -1193,8 +1166,8 @@ class SyncWorld:
         ]
         threads = rng.randint(4, 10)
         self.queues: list[list[Record]] = [self.records[i::threads] for i in range(threads)]
-        self.helpers: list[threading.Thread] = []
         self.helpers_lock = threading.Lock()
+        self.helpers = Threads(self.problems, self.helpers_lock)
         self.nested: list[Record] = []  # requests made inside sends (under helpers_lock)
 
     def send(self, record: Record) -> str:
@@ -1204,7 +1177,7 @@ class SyncWorld:
         if call.ordinal == 1 and record.plan.interference == "request_cancel":
             # From the first send on: a request cancelled before execute_sync looked at it
             # is refused there and records nothing (rfc/0008), which this would not tell.
-            self.helper(self.cancel_request, record, record.plan.interfere_at)
+            self.helpers.start(self.cancel_request, record, record.plan.interfere_at)
         try:
             value = self.limited(record, call)
         except RetryableError as exc:
@@ -1242,10 +1215,10 @@ class SyncWorld:
         mine = number == plan.cancel_on
         if mine and plan.interference == "cancel_in_send":
             # another thread cancels while this attempt is in flight; it answers afterwards
-            self.helper(self.cancel_request, record, 0.0).join(SAFETY)
+            self.helpers.start(self.cancel_request, record, 0.0).join(SAFETY)
         go = threading.Event()
         if mine and plan.interference == "cancel_on_answer":
-            self.helper(self.cancel_when, record, go)
+            self.helpers.start(self.cancel_when, record, go)
         try:
             if step.nested:
                 self.run_nested(record)
@@ -1258,23 +1231,10 @@ class SyncWorld:
             assert step.reason is not None
             if mine and plan.interference == "cancel_after_fail":
                 wait = random.Random(self.seed * 1000 + plan.rid).uniform(0.0, 0.001)
-                self.helper(self.cancel_request, record, wait)
+                self.helpers.start(self.cancel_request, record, wait)
             raise RetryableError(step.reason, effect=step.effect, retry_after=step.hint)
         finally:
             go.set()  # the canceller runs as the door takes the outcome in
-
-    def helper(self, target: Any, *args: Any) -> threading.Thread:
-        thread = threading.Thread(target=self.guarded, args=(target, *args), daemon=True)
-        with self.helpers_lock:
-            self.helpers.append(thread)
-        thread.start()
-        return thread
-
-    def guarded(self, target: Any, *args: Any) -> None:
-        try:
-            target(*args)
-        except BaseException as exc:  # pragma: no cover - reported below
-            self.problems.append(f"thread {target.__name__} raised {show(exc)}")
 
     def cancel_request(self, record: Record, wait: float) -> None:
         if wait:
@@ -1338,7 +1298,7 @@ class SyncWorld:
 
     def run(self) -> None:
         workers = [
-            threading.Thread(target=self.guarded, args=(self.worker, queue), daemon=True)
+            threading.Thread(target=self.helpers.guarded, args=(self.worker, queue), daemon=True)
             for queue in self.queues
         ]
         for thread in workers:
@@ -1346,8 +1306,7 @@ class SyncWorld:
         deadline = time.monotonic() + SAFETY
         for thread in workers:
             thread.join(max(0.0, deadline - time.monotonic()))
-        with self.helpers_lock:
-            helpers = list(self.helpers)
+        helpers = self.helpers.started()
         for thread in helpers:
             thread.join(max(0.0, deadline - time.monotonic()))
         alive = [t for t in workers + helpers if t.is_alive()]

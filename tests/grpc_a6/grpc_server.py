@@ -1,4 +1,5 @@
-"""Test helpers: a real grpc.aio server on 127.0.0.1 (port 0) with per-test generic handlers."""
+"""Test helpers: a real grpc.aio server on 127.0.0.1 (port 0) with per-test generic handlers,
+and client scenarios more than one test file plays against it."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import anyio
 import pytest
 
 grpc = pytest.importorskip("grpc")
 from grpc import aio  # noqa: E402
+
+from sdkcore.grpc import BackoffJitter, insecure_channel, retry_controller  # noqa: E402
 
 Handler = Callable[..., Awaitable[Any]] | Callable[..., AsyncIterator[Any]]
 
@@ -152,6 +156,33 @@ async def abort(context: Any, code: Any, *, trailing: tuple[tuple[str, str], ...
     if trailing:
         context.set_trailing_metadata(trailing)
     await context.abort(code, f"scripted {code.name}")
+
+
+async def cancel_while_waiting_to_retry(
+    server: Server, method: str, how: str, telemetry: Any = None
+) -> None:
+    """A call of ``method`` (whose attempts all fail with a retryable status) is ended while
+    it waits to retry, in a 16-24 s backoff (20 s, proportional jitter), by ``how``:
+    ``"call.cancel()"`` or ``"channel.close()"``; it raises ``asyncio.CancelledError``. The
+    channel (with ``telemetry``) is closed afterwards."""
+    with anyio.fail_after(TEST_TIMEOUT):
+        ch = insecure_channel(  # a 16-24 s backoff: the call is surely waiting in it
+            server.target,
+            service_config=retry_config(initial="20s", maximum="20s"),
+            telemetry=telemetry,
+            backoff_jitter=BackoffJitter.PROPORTIONAL,
+        )
+        orchestrator = retry_controller(ch).orchestrator
+        call = ch.unary_unary(method)(b"x")
+        pending = asyncio.ensure_future(call)
+        await wait_until(lambda: orchestrator.requests_in_retry == 1)
+        if how == "call.cancel()":
+            assert call.cancel()
+        else:
+            await ch.close()
+        with pytest.raises(asyncio.CancelledError):
+            await pending
+        await ch.close()
 
 
 class ReservedPort:

@@ -121,6 +121,32 @@ from typing import Any
 import pytest
 
 grpc = pytest.importorskip("grpc")
+from _fuzz_common import (  # noqa: E402
+    ACTIVE,
+    CODE,
+    DEADLINE_SLACK,
+    HANG,
+    OTHER,
+    PREV,
+    PUSHBACK,
+    RETRYABLE,
+    SETTLE,
+    active,
+    attempt_metadata,
+    channel_problems,
+    check_attempt_deadlines,
+    check_attempt_headers,
+    close_channel,
+    describe_close,
+    interfere_on_status,
+    ms,
+    name_of,
+    probe_calls,
+    run_calls,
+    settle,
+    show,
+    status_delay,
+)
 from fuzz_kit import leaked_tasks  # noqa: E402
 from grpc import aio  # noqa: E402
 from grpc.aio import _call as aio_call  # noqa: E402 - the probe (see the module docstring)
@@ -138,30 +164,11 @@ pytestmark = pytest.mark.asyncio
 SEEDS = range(20)
 #: A seed whose calls hang fails after this many seconds instead of hanging the suite.
 SAFETY = 6.0
-#: How long a "hang" step waits: far beyond any seed, so only a cancellation ends it.
-HANG = 30.0
-#: How long the server may take to see the cancellations of attempts still running when
-#: their calls ended (a cancellation travels as RST_STREAM). A bound, not a wait: the check
-#: ends as soon as they have. Generous: under two test runs at once one took over 0.5 s
-#: (seed 19); an attempt nobody cancelled would run for HANG.
-SETTLE = 2.0
-
-#: Slack when comparing an attempt's grpc deadline with the call's: sdkcore computes the
-#: time left on its monotonic clock, grpc.aio turns it into a wall-clock deadline a moment
-#: later (a pause in between, such as a garbage collection, moves it by as much), and
-#: the probe reads it back on both clocks. Milliseconds, not a retry's worth.
-DEADLINE_SLACK = 0.005
 
 KEY = "x-fuzz-call"
 HEADER = "x-fuzz-headers"
-PREV = "grpc-previous-rpc-attempts"
-PUSHBACK = "grpc-retry-pushback-ms"
 SERVICE = "fuzz.Svc"
 
-RETRYABLE = ("UNAVAILABLE", "ABORTED", "RESOURCE_EXHAUSTED")
-OTHER = ("INVALID_ARGUMENT", "NOT_FOUND")
-CODE = {name: getattr(grpc.StatusCode, name) for name in (*RETRYABLE, *OTHER)}
-NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 OK_NUMBER = grpc.StatusCode.OK.value[0]
 CANCELLED_NUMBER = grpc.StatusCode.CANCELLED.value[0]
 
@@ -293,19 +300,6 @@ class Record:
     task: Any = None
 
 
-#: The seed running now (the probe and the throttler spy report to it).
-ACTIVE: list[World] = []
-
-
-def _probe_init(original: Any) -> Any:
-    def __init__(self: Any, cython_call: Any, metadata: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, cython_call, metadata, *args, **kwargs)
-        if ACTIVE:
-            ACTIVE[0].created(self)
-
-    return __init__
-
-
 def _seen(call: Any, committed: bool = False) -> None:
     """sdkcore's code just got something of this attempt: its answer, status, headers or a
     message (``committed``: headers with metadata, or a message, A6 "commit")."""
@@ -382,10 +376,6 @@ def _spy_success(original: Any) -> Any:
     return record_success
 
 
-def ms(seconds: float) -> str:
-    return f"{seconds * 1000:.1f} ms"
-
-
 class World:
     """One seed: the config, the channel, the calls and what happened to them."""
 
@@ -450,11 +440,7 @@ class World:
         self.channel: Any = None
 
     def describe(self) -> str:
-        close = (
-            "no close"
-            if self.close_at is None
-            else f"close at {ms(self.close_at)} grace {self.grace}"
-        )
+        close = describe_close(self.close_at, self.grace)
         return f"seed {self.seed}: {self.mode}, {close}, config {self.config}"
 
     # -- the plan ----------------------------------------------------------------------------
@@ -473,11 +459,7 @@ class World:
         steps = [self.step(shape, bounded) for _ in range(rng.randint(1, 5))]
         interfere_at = rng.uniform(0.0, 0.05)
         if trigger == "status":
-            # 0: the loop's next step (call_soon), before the tasks waiting for the status
-            # run (as any callback or task already due then). Never from inside grpc's done
-            # callbacks: the application cannot run between grpc setting an attempt's
-            # status and sdkcore's own done callback.
-            interfere_at = rng.choice([0.0, 0.0, rng.uniform(0.0, 0.004)])
+            interfere_at = status_delay(rng)
         plan = Plan(
             cid=f"s{self.seed}c{i}",
             shape=shape,
@@ -542,7 +524,6 @@ class World:
         call._fuzz_attempt = attempt
         seq = self.seq
         problems = self.problems
-        interfere = self.interfere
 
         def done(c: Any) -> None:  # runs inside grpc as the status is set: never raise
             try:
@@ -558,15 +539,7 @@ class World:
                 problems.append(f"probe: {exc!r}")
 
         call.add_done_callback(done)
-        plan = record.plan
-        if plan.trigger == "status" and plan.interference != "none" and plan.cancel_on == index:
-            loop = asyncio.get_running_loop()
-            if plan.interfere_at:
-                call.add_done_callback(
-                    lambda _: loop.call_later(plan.interfere_at, interfere, record)
-                )
-            else:
-                call.add_done_callback(lambda _: loop.call_soon(interfere, record))
+        interfere_on_status(call, index, record, self.interfere)
 
     def throttle_op(self, throttler: Any, op: str, allowed: bool) -> None:
         if self.throttler is not None and throttler._current() is self.throttler._current():
@@ -574,10 +547,8 @@ class World:
 
     # -- the server --------------------------------------------------------------------------
     def _server_attempt(self, context: Any) -> tuple[Record | None, ServerAttempt, Step]:
-        md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
+        md, header, index = attempt_metadata(context)
         record = self.by_cid.get(md.get(KEY, ""))
-        header = md.get(PREV)
-        index = int(header) if header is not None and header.isdigit() else 0
         attempt = ServerAttempt(index, header, next(self.seq))
         if record is None:
             self.problems.append(f"the server saw an attempt of no call: {md}")
@@ -661,11 +632,11 @@ class World:
         factory = loop.get_task_factory()
         loop.set_task_factory(self.booking)
         try:
-            await self._run(loop)
+            await self._run()
         finally:
             loop.set_task_factory(factory)
 
-    async def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def _run(self) -> None:
         before = set(asyncio.all_tasks())
         self.server.unary_unary("U", self.unary)
         self.server.unary_stream("S", self.stream)
@@ -677,21 +648,16 @@ class World:
         self.start_milli = None if self.throttler is None else self.throttler.milli_tokens
         self.unary_mc = self.channel.unary_unary(f"/{SERVICE}/U")
         self.stream_mc = self.channel.unary_stream(f"/{SERVICE}/S")
-        tasks = [loop.create_task(self.run_call(r)) for r in self.records]
-        closer = None if self.close_at is None else loop.create_task(self.close())
-        _, pending = await asyncio.wait([*tasks, *([closer] if closer else [])], timeout=SAFETY)
-        if pending:
-            hung = [r.plan.cid for r in self.records if r.end is None]
-            self.problems.append(f"calls still running after {SAFETY} s: {hung}")
-            for task in pending:
-                task.cancel()
-            await asyncio.wait(pending, timeout=1.0)
+
+        def hung() -> None:
+            running = [r.plan.cid for r in self.records if r.end is None]
+            self.problems.append(f"calls still running after {SAFETY} s: {running}")
+
+        closer = None if self.close_at is None else self.close()
+        await run_calls([self.run_call(r) for r in self.records], closer, SAFETY, hung)
         # Attempts still running on the server once their calls ended: each must see its
         # cancellation soon (a "hang" step never ends by itself).
-        deadline = loop.time() + SETTLE
-        running = lambda: any(a.end is None for r in self.records for a in r.server)  # noqa: E731
-        while running() and loop.time() < deadline:  # noqa: ASYNC110 - no event to wait on
-            await asyncio.sleep(0.005)
+        await settle(lambda: any(a.end is None for r in self.records for a in r.server))
         self.left_on_server = [
             self.describe_record(r) for r in self.records if any(a.end is None for a in r.server)
         ]
@@ -702,23 +668,16 @@ class World:
         self.waiting = len(self.core._waiting)
         self.buffered = self.core.buffered_bytes
         if self.close_seq is None:
-            try:
-                await asyncio.wait_for(self.channel.close(), 2.0)
-            except BaseException as exc:
-                self.close_error = exc
+            self.close_error = await close_channel(self.channel, bound=2.0)
         # grpc.aio ends a closed channel's call tasks in its own time: a task is a leak if
         # it is still pending a while after the close.
-        leaked = await leaked_tasks(before, server_task)
-        self.leaked_tasks = leaked
+        self.leaked_tasks = await leaked_tasks(before, server_task)
 
     async def close(self) -> None:
         assert self.close_at is not None
         await asyncio.sleep(self.close_at)
         self.close_seq = next(self.seq)
-        try:
-            await self.channel.close(self.grace)
-        except BaseException as exc:
-            self.close_error = exc
+        self.close_error = await close_channel(self.channel, self.grace)
 
     async def run_call(self, record: Record) -> None:
         plan = record.plan
@@ -789,14 +748,9 @@ class World:
                 f"attempts the client created still open after their calls ended: "
                 f"{self.open_attempts}"
             )
-        if self.waiting:
-            self.problems.append(f"{self.waiting} call(s) left in the channel's waiting set")
         if self.buffered:
             self.problems.append(f"{self.buffered} bytes left in the channel's replay buffer")
-        if self.close_error is not None:
-            self.problems.append(f"closing the channel raised {self.close_error!r}")
-        if self.leaked_tasks:
-            self.problems.append(f"tasks left after the channel closed: {self.leaked_tasks}")
+        self.problems += channel_problems(self.waiting, self.close_error, self.leaked_tasks)
         self.check_throttle()
 
     def check_record(self, record: Record) -> None:
@@ -840,17 +794,7 @@ class World:
             problem(f"{len(attempts)} attempts created, at most {limit} allowed")
         if len(record.server) > limit:
             problem(f"the server saw {len(record.server)} attempts, at most {limit} allowed")
-        headers = [a.header for a in attempts]
-        wanted = [None if i == 0 else str(i) for i in range(len(attempts))]
-        if headers != wanted:
-            problem(f"grpc-previous-rpc-attempts of the attempts {headers}, expected {wanted}")
-        created = {a.header for a in attempts}
-        for seen in record.server:
-            if seen.header not in created:
-                problem(f"the server saw attempt {seen.header!r}, which the client never created")
-        server_headers = [a.header for a in record.server]
-        if len(set(server_headers)) != len(server_headers):
-            problem(f"the server saw an attempt twice: {server_headers}")
+        check_attempt_headers(attempts, record.server, problem)
 
         # -- when attempts were created --------------------------------------------------
         timeout = plan.timeout
@@ -859,15 +803,7 @@ class World:
         deadline_at = None
         if timeout is not None and attempts:
             deadline_at = attempts[0].created_at + timeout
-        for a in attempts:
-            # The call's deadline spans every attempt (A6 "Maximum Number of Retries"): an
-            # attempt made after it (a stalled loop) has no time left at all.
-            if deadline_at is not None and (
-                a.expires_at is None
-                or a.expires_at > max(deadline_at, a.created_at) + DEADLINE_SLACK
-            ):
-                late = "none" if a.expires_at is None else ms(a.expires_at - deadline_at)
-                problem(f"attempt {a.index}'s own deadline is past the call's: {late}")
+        check_attempt_deadlines(attempts, deadline_at, problem)
         cut = [x for x in (record.cancel_seq, record.caught) if x is not None]
         cut_at = min(cut) if cut else None
         for a in attempts[1:]:
@@ -1204,25 +1140,10 @@ class World:
                 )
 
 
-def name_of(code: int | None) -> str:
-    if code is None:
-        return "in flight"
-    status = NUMBER.get(code)
-    return f"code {code}" if status is None else status.name
-
-
-def show(error: BaseException | None) -> str:
-    if error is None:
-        return ""
-    if isinstance(error, aio.AioRpcError):
-        return f"AioRpcError({error.code().name}, {error.details()!r})"
-    return f"{type(error).__name__}({str(error)[:80]})"
-
-
 @pytest.fixture
 def probe(monkeypatch: pytest.MonkeyPatch) -> None:
     """The probe on grpc.aio's call class and the spy on the throttler, for one test."""
-    monkeypatch.setattr(aio_call.Call, "__init__", _probe_init(aio_call.Call.__init__))
+    probe_calls(monkeypatch)
     monkeypatch.setattr(
         aio_call.Call, "initial_metadata", _probe_initial_metadata(aio_call.Call.initial_metadata)
     )
@@ -1244,10 +1165,7 @@ async def test_grpc_channels_keep_their_promises_under_random_schedules(
     seed: int, server: Server, probe: None
 ) -> None:
     world = World(seed, server)
-    ACTIVE.append(world)
-    try:
+    with active(world):
         await world.run()
-    finally:
-        ACTIVE.remove(world)
     world.check()
     assert not world.problems, f"{world.describe()}\n" + "\n".join(world.problems)

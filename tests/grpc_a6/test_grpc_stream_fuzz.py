@@ -158,9 +158,27 @@ import anyio
 import pytest
 
 grpc = pytest.importorskip("grpc")
+from _fuzz_common import (  # noqa: E402
+    HANG,
+    PREV,
+    SETTLE,
+    active,
+    attempt_metadata,
+    check_attempt_deadlines,
+    check_attempt_headers,
+    close_channel,
+    describe_close,
+    interfere_on_status,
+    ms,
+    name_of,
+    probe_calls,
+    run_calls,
+    settle,
+    show,
+    status_delay,
+)
 from fuzz_kit import leaked_tasks  # noqa: E402
 from grpc import aio  # noqa: E402
-from grpc.aio import _call as aio_call  # noqa: E402 - the probe (see the module docstring)
 from grpc_server import Server, server_task  # noqa: E402
 
 from sdkcore.grpc import (  # noqa: E402
@@ -176,28 +194,17 @@ SEEDS = range(40)
 SAFETY = 5.0
 #: One await of the application (read, write, code(), ...): generous, never reached.
 AWAIT = 3.0
-#: How long a "hang" step waits: far beyond any seed, so only a cancellation ends it.
-HANG = 30.0
-#: How long the server may take to see the cancellations of attempts still running when
-#: their calls ended (a cancellation travels as RST_STREAM).
-#: A bound, not a wait (the check ends once they have); generous for loaded machines:
-#: test_grpc_fuzz.py once needed more than 0.5 s under two test runs at once.
-SETTLE = 2.0
 #: Server-side pause between sending headers and failing (see HEADERS_FLUSH in
 #: grpc_server.py; the checks hold either way, this only makes the case frequent).
 FLUSH = 0.01
-#: Slack when comparing an attempt's grpc deadline with the call's (clock reads).
-DEADLINE_SLACK = 0.005
 
 KEY = "x-sfuzz-call"
 ATT = "x-sfuzz-attempt"
-PREV = "grpc-previous-rpc-attempts"
 SERVICE = "sfuzz.Svc"
 SHAPES = ("US", "SU", "SS")  # unary-stream, stream-unary, stream-stream
 
 RETRYABLE = ("ABORTED", "UNAVAILABLE")
 CODES = {name: getattr(grpc.StatusCode, name) for name in (*RETRYABLE, "NOT_FOUND")}
-NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 INTERNAL_NUMBER = grpc.StatusCode.INTERNAL.value[0]
 #: grpc C-core's own status when a write races the server's abort (see the docstring).
 CORE_INTERNAL = "Internal error from Core"
@@ -206,25 +213,6 @@ REQUEST = re.compile(rb"q:(\w+):(\d+):\.*")
 RESPONSE = re.compile(rb"([re]):(\w+):(\d+):(\d+)")
 ANSWER = re.compile(rb"ok:(\w+):(\d+):(\d+)")
 DETAILS = re.compile(r"(\w+)/(\d+)/(\w+)")
-
-
-def ms(seconds: float) -> str:
-    return f"{seconds * 1000:.1f} ms"
-
-
-def name_of(code: int | None) -> str:
-    if code is None:
-        return "in flight"
-    status = NUMBER.get(code)
-    return f"code {code}" if status is None else status.name
-
-
-def show(error: BaseException | None) -> str:
-    if error is None:
-        return "-"
-    if isinstance(error, aio.AioRpcError):
-        return f"AioRpcError({error.code().name}, {error.details()!r})"
-    return f"{type(error).__name__}({str(error)[:80]})"
 
 
 @dataclass
@@ -385,22 +373,9 @@ class Record:
     live: Any = None  # a weak reference to the attempt the client made last
 
 
-#: The seed running now (the probe reports to it).
-ACTIVE: list[World] = []
-
-
-def _probe_init(original: Any) -> Any:
-    def __init__(self: Any, cython_call: Any, metadata: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, cython_call, metadata, *args, **kwargs)
-        if ACTIVE:
-            ACTIVE[0].created(self)
-
-    return __init__
-
-
 @pytest.fixture
 def probe(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(aio_call.Call, "__init__", _probe_init(aio_call.Call.__init__))
+    probe_calls(monkeypatch)
 
 
 def _uncancel() -> None:
@@ -450,11 +425,7 @@ class World:
         self.core_internal = 0
 
     def describe(self) -> str:
-        close = (
-            "no close"
-            if self.close_at is None
-            else f"close at {ms(self.close_at)} grace {self.grace}"
-        )
+        close = describe_close(self.close_at, self.grace)
         return (
             f"seed {self.seed}: per_call_buffer_limit {self.per_call_limit}, "
             f"channel_buffer_limit {self.channel_limit}, {close}, config {self.config}"
@@ -494,7 +465,7 @@ class World:
         trigger = "status" if rng.random() < 0.4 else "timer"
         interfere_at = rng.uniform(0.0, 0.06)
         if trigger == "status":
-            interfere_at = rng.choice([0.0, 0.0, rng.uniform(0.0, 0.004)])
+            interfere_at = status_delay(rng)
         bounded = (
             timeout is not None
             or self.close_at is not None
@@ -601,15 +572,7 @@ class World:
                 world.problem(record, f"probe: {exc!r}")
 
         call.add_done_callback(done)
-        plan = record.plan
-        if plan.trigger == "status" and plan.interference != "none" and plan.cancel_on == index:
-            loop = asyncio.get_running_loop()
-            if plan.interfere_at:
-                call.add_done_callback(
-                    lambda _: loop.call_later(plan.interfere_at, self.interfere, record)
-                )
-            else:
-                call.add_done_callback(lambda _: loop.call_soon(self.interfere, record))
+        interfere_on_status(call, index, record, self.interfere)
 
     def sized(self, message: Any) -> int:
         """The channel's ``message_size``: notes what the replay buffer is offered, and
@@ -661,10 +624,8 @@ class World:
 
     # -- the server --------------------------------------------------------------------------
     async def serve(self, shape: str, request: Any, context: Any) -> Any:
-        md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
+        md, header, index = attempt_metadata(context)
         record = self.by_cid.get(md.get(KEY, ""))
-        header = md.get(PREV)
-        index = int(header) if header is not None and header.isdigit() else 0
         attempt = ServerAttempt(index, header, next(self.seq))
         if record is None:
             self.problem(None, f"the server saw an attempt of no call: {md}")
@@ -784,11 +745,11 @@ class World:
         previous = loop.get_exception_handler()
         loop.set_exception_handler(self.loop_error)
         try:
-            await self._run(loop)
+            await self._run()
         finally:
             loop.set_exception_handler(previous)
 
-    async def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def _run(self) -> None:
         before = set(asyncio.all_tasks())
         self.handlers()
         self.channel = insecure_channel(
@@ -805,20 +766,15 @@ class World:
             )(f"/{SERVICE}/{s}")
             for s in SHAPES
         }
-        tasks = [loop.create_task(self.run_call(r)) for r in self.records]
-        closer = None if self.close_at is None else loop.create_task(self.close())
-        _, pending = await asyncio.wait([*tasks, *([closer] if closer else [])], timeout=SAFETY)
-        if pending:
+
+        def hung() -> None:
             for r in self.records:
                 if r.end is None:
                     self.problem(r, f"still running after {SAFETY} s, awaiting {r.phase}")
-            for task in pending:
-                task.cancel()
-            await asyncio.wait(pending, timeout=1.0)
-        deadline = loop.time() + SETTLE
-        running = lambda: any(a.end is None for r in self.records for a in r.server)  # noqa: E731
-        while running() and loop.time() < deadline:  # noqa: ASYNC110 - no event to wait on
-            await asyncio.sleep(0.005)
+
+        closer = None if self.close_at is None else self.close()
+        await run_calls([self.run_call(r) for r in self.records], closer, SAFETY, hung)
+        await settle(lambda: any(a.end is None for r in self.records for a in r.server))
         for r in self.records:
             left = [a.index for a in r.server if a.end is None]
             if left:
@@ -835,10 +791,7 @@ class World:
                 "every call was over",
             )
         if self.close_seq is None:
-            try:
-                await asyncio.wait_for(self.channel.close(), AWAIT)
-            except BaseException as exc:
-                self.close_error = exc
+            self.close_error = await close_channel(self.channel, bound=AWAIT)
         if self.close_error is not None:
             self.problem(None, f"closing the channel raised {self.close_error!r}")
         leaked = await leaked_tasks(before, server_task)
@@ -1073,17 +1026,7 @@ class World:
             problem(
                 f"the server saw {len(record.server)} attempts, maxAttempts is {self.max_attempts}"
             )
-        headers = [a.header for a in attempts]
-        wanted = [None if i == 0 else str(i) for i in range(len(attempts))]
-        if headers != wanted:
-            problem(f"grpc-previous-rpc-attempts of the attempts {headers}, expected {wanted}")
-        created = {a.header for a in attempts}
-        for seen in record.server:
-            if seen.header not in created:
-                problem(f"the server saw attempt {seen.header!r}, which the client never made")
-        server_headers = [a.header for a in record.server]
-        if len(set(server_headers)) != len(server_headers):
-            problem(f"the server saw an attempt twice: {server_headers}")
+        check_attempt_headers(attempts, record.server, problem)
 
         # -- each retry was allowed ----------------------------------------------------------
         for prev, a in itertools.pairwise(attempts):
@@ -1122,13 +1065,7 @@ class World:
         # -- cut: cancel, close, deadline, the end -------------------------------------------
         timeout = plan.timeout
         deadline_at = None if timeout is None or not attempts else attempts[0].created_at + timeout
-        for a in attempts:
-            if deadline_at is not None and (
-                a.expires_at is None
-                or a.expires_at > max(deadline_at, a.created_at) + DEADLINE_SLACK
-            ):
-                late = "none" if a.expires_at is None else ms(a.expires_at - deadline_at)
-                problem(f"attempt {a.index}'s own deadline is past the call's: {late}")
+        check_attempt_deadlines(attempts, deadline_at, problem)
         reading = record.caught is not None and record.caught_phase in ("read", "await call")
         cuts = [
             (record.cancel_seq, "call.cancel()"),
@@ -1461,7 +1398,7 @@ class World:
             f"message(s){' (ended)' if record.stream_done else ''}"
             f"{' + one interrupted write' if record.maybe is not None else ''}"
             f"{'' if record.writer_error is None else ', writer ' + show(record.writer_error)}\n"
-            f"    application: {record.outcome} {show(record.error)} while awaiting "
+            f"    application: {record.outcome} {show(record.error, none='-')} while awaiting "
             f"{record.caught_phase or record.phase}; got {len(record.got)} message(s) "
             f"{[m.decode() if isinstance(m, bytes) else m for m in record.got]}"
             f"{'' if record.md is None else f', md {record.md}'}"
@@ -1497,10 +1434,7 @@ async def test_streaming_calls_keep_their_promises_under_random_schedules(
     seed: int, server: Server, probe: None
 ) -> None:
     world = World(seed, server)
-    ACTIVE.append(world)
-    try:
+    with active(world):
         await world.run()
-    finally:
-        ACTIVE.remove(world)
     world.check()
     assert not world.problems, world.report()

@@ -23,6 +23,7 @@ from grpc_server import (  # noqa: E402
     ReservedPort,
     Server,
     abort,
+    cancel_while_waiting_to_retry,
     config_json,
     retry_config,
     wait_until,
@@ -803,25 +804,7 @@ async def test_a_call_ended_while_waiting_to_retry_is_cancelled(
     server: Server, otel: Otel, how: str
 ) -> None:
     method = server.unary_unary("M", fail_then_ok(99))
-    cfg = retry_config(initial="20s", maximum="20s")
-    with anyio.fail_after(TEST_TIMEOUT):
-        ch = insecure_channel(  # a 16-24 s backoff: the call is surely waiting in it
-            server.target,
-            service_config=cfg,
-            telemetry=otel.telemetry,
-            backoff_jitter=BackoffJitter.PROPORTIONAL,
-        )
-        orchestrator = retry_controller(ch).orchestrator
-        call = ch.unary_unary(method)(b"x")
-        pending = asyncio.ensure_future(call)
-        await wait_until(lambda: orchestrator.requests_in_retry == 1)
-        if how == "call.cancel()":
-            assert call.cancel()
-        else:
-            await ch.close()
-        with pytest.raises(asyncio.CancelledError):
-            await pending
-        await ch.close()
+    await cancel_while_waiting_to_retry(server, method, how, otel.telemetry)
     points = otel.grpc()
     assert value(points["grpc.client.attempt.duration"], grpc_status="ABORTED").count == 1
     assert value(points["grpc.client.call.duration"], grpc_status="CANCELLED").count == 1

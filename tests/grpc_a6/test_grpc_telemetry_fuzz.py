@@ -111,9 +111,29 @@ import pytest
 
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("opentelemetry.sdk")
+from _fuzz_common import (  # noqa: E402
+    ACTIVE,
+    CODE,
+    HANG,
+    OTHER,
+    PREV,
+    PUSHBACK,
+    RETRYABLE,
+    SETTLE,
+    active,
+    attempt_metadata,
+    channel_problems,
+    close_channel,
+    describe_close,
+    interfere_on_status,
+    probe_calls,
+    run_calls,
+    settle,
+    show,
+    status_delay,
+)
 from fuzz_kit import leaked_tasks  # noqa: E402
 from grpc import aio  # noqa: E402
-from grpc.aio import _call as aio_call  # noqa: E402 - the probe (see the module docstring)
 from grpc.aio import _interceptor as aio_interceptor  # noqa: E402
 from grpc_server import Server, server_task  # noqa: E402
 from opentelemetry import context as otel_context  # noqa: E402
@@ -132,24 +152,13 @@ pytestmark = pytest.mark.asyncio
 SEEDS = (*range(16), 49, 97, 98, 181)
 #: A seed whose calls hang fails after this many seconds instead of hanging the suite.
 SAFETY = 5.0
-#: A "hang" step: far beyond any seed, so only a cancellation ends it.
-HANG = 30.0
-#: How long the server may take to see the cancellation of attempts still running.
-#: A bound, not a wait (the check ends once they have); generous for loaded machines:
-#: test_grpc_fuzz.py once needed more than 0.5 s under two test runs at once.
-SETTLE = 2.0
 #: Slack on time comparisons between sdkcore's clock readings and the probe's.
 SLACK = 0.002
 
 KEY = "x-tel-call"
 HEADER = "x-tel-headers"
-PREV = "grpc-previous-rpc-attempts"
-PUSHBACK = "grpc-retry-pushback-ms"
 SERVICE = "test.Svc"  # grpc_server.Server serves every method under this name
 
-RETRYABLE = ("UNAVAILABLE", "ABORTED", "RESOURCE_EXHAUSTED")
-OTHER = ("INVALID_ARGUMENT", "NOT_FOUND")
-CODE = {name: getattr(grpc.StatusCode, name) for name in (*RETRYABLE, *OTHER)}
 NAME_OF = {code.value[0]: code.name for code in grpc.StatusCode}
 CANCELLED = grpc.StatusCode.CANCELLED.value[0]
 PUSHBACKS: tuple[tuple[str, ...], ...] = (
@@ -335,19 +344,6 @@ class LogRecords(logging.Handler):
         self.records.append(f"{record.name}: {record.getMessage()}")
 
 
-#: The seed running now (the probe reports to it).
-ACTIVE: list[World] = []
-
-
-def _probe_init(original: Any) -> Any:
-    def __init__(self: Any, cython_call: Any, metadata: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, cython_call, metadata, *args, **kwargs)
-        if ACTIVE:
-            ACTIVE[0].created(self)
-
-    return __init__
-
-
 def _probe_intercepted(original: Any) -> Any:
     def __init__(
         self: Any,
@@ -367,21 +363,14 @@ def _probe_intercepted(original: Any) -> Any:
 
 @pytest.fixture
 def probe(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(aio_call.Call, "__init__", _probe_init(aio_call.Call.__init__))
+    probe_calls(monkeypatch)
     intercepted = aio_interceptor.InterceptedUnaryUnaryCall
     monkeypatch.setattr(intercepted, "__init__", _probe_intercepted(intercepted.__init__))
 
 
 def ms(seconds: float) -> str:
+    """A duration in this harness's reports ("1.5ms"; _fuzz_common.ms writes "1.5 ms")."""
     return f"{seconds * 1000:.1f}ms"
-
-
-def show(error: BaseException | None) -> str:
-    if error is None:
-        return ""
-    if isinstance(error, aio.AioRpcError):
-        return f"AioRpcError({error.code().name}, {error.details()!r})"
-    return f"{type(error).__name__}({str(error)[:80]})"
 
 
 class World:
@@ -424,11 +413,7 @@ class World:
         self.close_error: BaseException | None = None
 
     def describe(self) -> str:
-        close = (
-            "no close"
-            if self.close_at is None
-            else f"close at {ms(self.close_at)} grace {self.grace}"
-        )
+        close = describe_close(self.close_at, self.grace, ms)
         return (
             f"seed {self.seed}: {close}, jitter {self.jitter.name}, "
             f"throttling {self.throttling}, interceptors {self.intercept}"
@@ -480,7 +465,7 @@ class World:
         # grpc.aio's and sdkcore's tasks for the call have been started but not yet run.
         interfere_at = 0.0 if rng.random() < 0.1 else rng.uniform(0.0, 0.06)
         if trigger == "status":
-            interfere_at = rng.choice([0.0, 0.0, rng.uniform(0.0, 0.004)])
+            interfere_at = status_delay(rng)
         return Plan(
             i=i,
             cid=f"s{self.seed}c{i}",
@@ -536,15 +521,7 @@ class World:
                 problems.append(f"probe: {exc!r}")
 
         call.add_done_callback(done)
-        plan = record.plan
-        if plan.trigger == "status" and plan.interference != "none" and plan.cancel_on == index:
-            loop = asyncio.get_running_loop()
-            if plan.interfere_at:
-                call.add_done_callback(
-                    lambda _: loop.call_later(plan.interfere_at, self.interfere, record)
-                )
-            else:
-                call.add_done_callback(lambda _: loop.call_soon(self.interfere, record))
+        interfere_on_status(call, index, record, self.interfere)
 
     def created_intercepted(self, metadata: Any) -> None:
         """sdkcore made an attempt's call through the application's interceptors."""
@@ -567,9 +544,7 @@ class World:
 
     # -- the server ---------------------------------------------------------------------
     def _server_attempt(self, record: Record, context: Any) -> tuple[ServerAttempt, Step]:
-        md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
-        header = md.get(PREV)
-        index = int(header) if header is not None and header.isdigit() else 0
+        _, _, index = attempt_metadata(context)
         attempt = ServerAttempt(index, time.monotonic())
         record.server.append(attempt)
         steps = record.plan.steps
@@ -628,7 +603,6 @@ class World:
 
     # -- the client ---------------------------------------------------------------------
     async def run(self, otel: Otel, ends: SpanEnds) -> None:
-        loop = asyncio.get_running_loop()
         before = set(asyncio.all_tasks())
         self.t0 = time.monotonic()
         for r in self.records:
@@ -646,44 +620,35 @@ class World:
             interceptors=[SeesTheSpan(self), SeesTheSpanStreaming(self)] if self.intercept else (),
         )
         self.core = retry_controller(self.channel)
-        tasks = [loop.create_task(self.run_call(r, otel)) for r in self.records]
-        closer = None if self.close_at is None else loop.create_task(self.close())
-        _, pending = await asyncio.wait([*tasks, *([closer] if closer else [])], timeout=SAFETY)
-        if pending:
-            hung = [r.plan.cid for r in self.records if r.end_at is None]
-            self.problems.append(f"calls still running after {SAFETY} s: {hung}")
-            for task in pending:
-                task.cancel()
-            await asyncio.wait(pending, timeout=1.0)
+
+        def hung() -> None:
+            running = [r.plan.cid for r in self.records if r.end_at is None]
+            self.problems.append(f"calls still running after {SAFETY} s: {running}")
+
+        closer = None if self.close_at is None else self.close()
+        await run_calls([self.run_call(r, otel) for r in self.records], closer, SAFETY, hung)
         # Attempts still running on the server once their calls ended must see their
         # cancellation soon; streams account a committed call's end in a task: wait for both.
-        deadline = loop.time() + SETTLE
-        while loop.time() < deadline and (  # noqa: ASYNC110 - no event to wait on
-            any(a.end is None for r in self.records for a in r.server)
-            or any(a.code is None for r in self.records for a in r.attempts)
-            or any(not name.startswith("app.") for name in ends.open_spans())
-        ):
-            await asyncio.sleep(0.005)
+        await settle(
+            lambda: (
+                any(a.end is None for r in self.records for a in r.server)
+                or any(a.code is None for r in self.records for a in r.attempts)
+                or any(not name.startswith("app.") for name in ends.open_spans())
+            )
+        )
         # A finished call left in the set is a leak; one still running (a call nobody awaits
         # whose reader was cancelled, no deadline, a copy the server never answers: seed
         # 273) is rightly there until it ends or the channel closes.
         self.waiting = sum(1 for call in self.core._waiting if call.done())
         if self.close_started is None:
-            try:
-                await asyncio.wait_for(self.channel.close(), 2.0)
-            except BaseException as exc:
-                self.close_error = exc
-        leaked = await leaked_tasks(before, server_task)
-        self.leaked_tasks = leaked
+            self.close_error = await close_channel(self.channel, bound=2.0)
+        self.leaked_tasks = await leaked_tasks(before, server_task)
 
     async def close(self) -> None:
         assert self.close_at is not None
         await asyncio.sleep(self.close_at)
         self.close_started = time.monotonic()
-        try:
-            await self.channel.close(self.grace)
-        except BaseException as exc:
-            self.close_error = exc
+        self.close_error = await close_channel(self.channel, self.grace)
 
     async def run_call(self, record: Record, otel: Otel) -> None:
         plan = record.plan
@@ -803,12 +768,7 @@ class World:
         failed = [e for e in events if e.get("event") == "telemetry.failed"]
         if failed:
             self.problems.append(f"telemetry.failed logged: {failed[:3]}")
-        if self.waiting:
-            self.problems.append(f"{self.waiting} call(s) left in the channel's waiting set")
-        if self.close_error is not None:
-            self.problems.append(f"closing the channel raised {self.close_error!r}")
-        if self.leaked_tasks:
-            self.problems.append(f"tasks left after the channel closed: {self.leaked_tasks}")
+        self.problems += channel_problems(self.waiting, self.close_error, self.leaked_tasks)
 
     def check_record(
         self,
@@ -1199,13 +1159,12 @@ async def test_grpc_telemetry_under_random_schedules(
     otel_logger = logging.getLogger("opentelemetry")
     otel_logger.addHandler(logs)
     world = World(seed, server)
-    ACTIVE.append(world)
     try:
-        with capture_retry_events() as events:
-            await world.run(otel, ends)
-        world.check(otel, ends, logs, events)
+        with active(world):
+            with capture_retry_events() as events:
+                await world.run(otel, ends)
+            world.check(otel, ends, logs, events)
     finally:
-        ACTIVE.remove(world)
         otel_logger.removeHandler(logs)
         otel.shutdown()
     if world.problems:  # the report alone: no traceback of the test's own code

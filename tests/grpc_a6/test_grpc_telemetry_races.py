@@ -23,7 +23,14 @@ import pytest
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("opentelemetry.sdk")
 from grpc import aio  # noqa: E402
-from grpc_server import TEST_TIMEOUT, Server, abort, retry_config, wait_until  # noqa: E402
+from grpc_server import (  # noqa: E402
+    TEST_TIMEOUT,
+    Server,
+    abort,
+    cancel_while_waiting_to_retry,
+    retry_config,
+    wait_until,
+)
 from hedge_server import (  # noqa: E402
     HedgeScript,
     block,
@@ -35,7 +42,7 @@ from hedge_server import (  # noqa: E402
 from opentelemetry.sdk.trace import SpanProcessor  # noqa: E402
 from telemetry_kit import Otel  # noqa: E402
 
-from sdkcore.grpc import BackoffJitter, insecure_channel, retry_controller  # noqa: E402
+from sdkcore.grpc import insecure_channel  # noqa: E402
 
 pytestmark = pytest.mark.asyncio
 
@@ -220,24 +227,7 @@ async def test_a_call_cancelled_in_its_backoff_reports_the_cancellation_it_raise
         return b""
 
     method = server.unary_unary("M", aborts)
-    with anyio.fail_after(TEST_TIMEOUT):
-        ch = insecure_channel(  # a 16-24 s backoff: the call surely waits in it
-            server.target,
-            service_config=retry_config(initial="20s", maximum="20s"),
-            telemetry=otel.telemetry,
-            backoff_jitter=BackoffJitter.PROPORTIONAL,
-        )
-        orchestrator = retry_controller(ch).orchestrator
-        call = ch.unary_unary(method)(b"x")
-        pending = asyncio.ensure_future(call)
-        await wait_until(lambda: orchestrator.requests_in_retry == 1)
-        if how == "call.cancel()":
-            assert call.cancel()
-        else:
-            await ch.close()
-        with pytest.raises(asyncio.CancelledError):
-            await pending
-        await ch.close()
+    await cancel_while_waiting_to_retry(server, method, how, otel.telemetry)
     assert outcomes(otel) == [("cancelled", "CancelledError")]
 
 
