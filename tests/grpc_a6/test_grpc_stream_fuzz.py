@@ -101,15 +101,16 @@ Assumptions (grpcio 1.85 as observed, or the documents), and points A6 leaves op
   ``grpc/aio/_call.py``'s ``_write``) before the server's status has arrived, a read
   then raises that INTERNAL, and the status received later replaces it, so ``code()``
   says the server's status, OK included, or DEADLINE_EXCEEDED (seen on Python 3.13,
-  about 1 seed in 250; sdkcore passes both through from grpc's call); accepted when
+  5 seeds in about 3,200; sdkcore passes both through from grpc's call); accepted when
   ``code()`` is the status the server sent, or the deadline's at the deadline;
 * grpc.aio's intercepted call (what a channel with any interceptor returns for a
   streaming method) awaits its interceptor chain in each accessor and answers a
   ``CancelledError`` there with None (``initial_metadata()``) or CANCELLED
   (``code()``), also when the cancellation was the awaiting task's own
-  (``grpc/aio/_interceptor.py``, grpcio 1.85). On Python 3.12+, where
-  ``asyncio.wait_for`` runs in the caller's task, a task cancelled in the loop turn
-  after it made the call then gets None and runs on, and the call with it (rfc/0003).
+  (``grpc/aio/_interceptor.py``, grpcio 1.85). A task cancelled in the loop turn after
+  it made the call then gets None and runs on, and the call with it (rfc/0003): with a
+  plain ``await`` on any Python; through this test's ``asyncio.wait_for`` only on 3.12+,
+  where it awaits in the caller's task.
   Accepted: None is not headers, and only after a cancellation;
 * a stream read that raised grpc's "Internal error from Core" with a response message
   left unread leaves grpc's ``_AioCall._handle_status_once_received`` task pending, also
