@@ -1091,8 +1091,8 @@ class World:
                 self.problems.append(f"throttle: failure at {milli} said allowed={allowed}")
         # What the calls saw: a success per call that answered OK (at least the ones the
         # application got, at most the ones with an OK attempt); a failure per attempt that
-        # ended with a status the policy retries (or hedges past), or a "don't retry"
-        # pushback (rfc/0003 table; A6 "Throttling"). Exactly for a retried call that ended
+        # ended with a status the policy retries (or hedges past), or failed with a "don't
+        # retry" pushback (rfc/0003 table; A6 "Throttling"). Exactly for a retried call that ended
         # with its own status and nobody interfered; at most that otherwise (a call cut
         # first never looks at its last status). Hedged calls: at most (a loser's status may
         # arrive after the call was decided and is then never looked at).
@@ -1104,10 +1104,13 @@ class World:
             costly = self.retryable if self.mode == "retry" else self.non_fatal if hedged else None
             if costly is None:
                 continue  # a hedged method's stream: no retry policy, nothing costs a token
+            # An OK answer is a success whatever pushback it carries (A6 counts a pushback
+            # only on a failed RPC, as grpc C-core's retry filter does).
             cost = sum(
                 1
                 for a in r.attempts
-                if name_of(a.code) in costly or pushback_of(a.trailing) == DONT_RETRY
+                if a.code != OK_NUMBER
+                and (name_of(a.code) in costly or pushback_of(a.trailing) == DONT_RETRY)
             )
             f_max += cost
             clean = (

@@ -486,6 +486,28 @@ async def test_dont_retry_pushback_on_a_non_retryable_status_still_costs_a_token
     assert events == []
 
 
+@pytest.mark.asyncio
+async def test_an_ok_answer_with_a_dont_retry_pushback_is_a_success_for_throttling(
+    server: Server,
+) -> None:
+    """A6 counts a pushback only on a failed RPC (grpc C-core's retry filter records an
+    OK status as a success first): an OK answer carrying "don't retry" gives a token back."""
+    dont_retry = (("grpc-retry-pushback-ms", "-1"),)
+    refused = server.unary_unary("Refused", fail_then_ok(99, grpc.StatusCode.NOT_FOUND, dont_retry))
+    answered = server.unary_unary("Answered", fail_then_ok(0, trailing=dont_retry))
+    cfg = retry_config(throttling={"maxTokens": 10, "tokenRatio": 1})
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(f"{server.target}", service_config=cfg) as ch:
+            throttler = retry_controller(ch).throttler
+            assert throttler is not None
+            full = throttler.milli_tokens
+            with pytest.raises(aio.AioRpcError):
+                await ch.unary_unary(refused)(b"x")
+            assert throttler.milli_tokens == full - 1000  # the refusal cost a token
+            assert await ch.unary_unary(answered)(b"x") == b"ok:x"
+            assert throttler.milli_tokens == full  # the OK answer gave it back
+
+
 # -- 8. the attempt's AioRpcError is the cause; what the server may have done ------------
 
 

@@ -1345,13 +1345,13 @@ class World:
 
     def sent_late(self, record: Record, attempt: Attempt, code: Any) -> bool:
         """Whether ``code`` is the status that ended ``attempt`` after grpc's INTERNAL:
-        the one the server sent (OK included), or DEADLINE_EXCEEDED when the call had
-        a deadline and the server sent no status (its handler was cut)."""
-        served = next((s for s in record.server if s.header == attempt.header), None)
-        sent = served is not None and (served.outcome in CODES or served.outcome == "OK")
+        the one the server sent (OK included), or DEADLINE_EXCEEDED when the call had a
+        deadline (grpc delivers a status only once every message was read: with messages
+        left unread, or the server's handler cut, the deadline ends the call)."""
         if code is grpc.StatusCode.DEADLINE_EXCEEDED and record.plan.timeout is not None:
-            return self.at_deadline(record) or not sent
-        return sent and served is not None and served.outcome == getattr(code, "name", None)
+            return True
+        served = next((s for s in record.server if s.header == attempt.header), None)
+        return served is not None and served.outcome == getattr(code, "name", None)
 
     def half_closed(self, record: Record, seen: ServerAttempt) -> bool:
         """Whether the server's EOF was the client's half-close.
