@@ -133,6 +133,8 @@ from sdkcore import (
 
 SEEDS = range(30)
 SAFETY = 5.0  # seconds: a seed whose threads are still running then fails instead of hanging
+#: The deadline of a request planned without one on a seed with a throttle (see World.plan).
+UNBOUNDED_UNDER_THROTTLE = 0.2
 #: A server hint planted where another thread cancels a request without a timeout in its
 #: backoff: execute_sync's default sleep must wake at the cancel, well before it is over.
 LONG_HINT = 2.0
@@ -336,6 +338,13 @@ class World:
             ["none", "cancel_at", "cancel_in_send", "cancel_after_fail", "cancel_on_answer"],
             weights=[4, 2, 2, 2, 3],
         )[0]
+        if timeout is None and self.throttle is not None:
+            # A throttle whose window holds many rejections and few accepts refuses almost
+            # every attempt, and each refusal it counts keeps it there (the SRE rule,
+            # rfc/0009 "Retrying a refusal"): a request without a deadline may then retry
+            # far past SAFETY (seed 278: 8,000 refusals in 5 s). Given a deadline after the
+            # draws, so every seed's other draws stay as they were.
+            timeout = UNBOUNDED_UNDER_THROTTLE
         return Plan(
             rid=rid,
             idempotent=idempotent,
