@@ -67,6 +67,7 @@ def execute_sync(
         )
     if request.state is not _PENDING:
         raise _failing.already_completed(request, None)
+    request._on_threads()  # Request.cancel() may come from another thread
     trace = None
     telemetry = self._telemetry
     if telemetry is not None and request._trace is None:

@@ -133,8 +133,7 @@ def timed_out(
     ``hint``: (the server's retry-after, the seconds left) when the request times
     out at once because the server asked for a wait past its deadline.
     """
-    request._reopen_for_timeout()
-    request._finish(RequestState.CANCELLED, CancellationReason.TIMEOUT)
+    request._time_out()
     log = _log.enabled(_log.INFO)
     previous: tuple[RetryReason | None, str | None] | None = None
     if in_flight:
