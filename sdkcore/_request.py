@@ -19,7 +19,7 @@ from ._action import RetryAction
 from ._context import CancellationReason, ErrorContext, client_context_text, describe_error
 from ._duration import MAX_SECONDS, to_seconds
 from ._reason import RetryReason
-from ._retry_state import _ENDING, RequestState, RetryState
+from ._retry_state import RequestState, RetryState
 from ._untrusted import show
 
 __all__ = ["DEFAULT_TIMEOUT", "DispatchInfo", "Request", "RequestState", "RetryStrategy"]
@@ -319,12 +319,8 @@ class Request(RetryState):
         ``cancel()`` itself is cut at its next await (on asyncio at the loop's next
         turn). Cancelling a completed request does nothing.
         """
-        _ENDING.acquire()  # whatever thread the door ending the request runs on
-        try:
-            ended = self._end(RequestState.CANCELLED, CancellationReason.CANCELLED_VIA_CONTEXT)
-        finally:
-            _ENDING.release()
-        if not ended:
+        # Locked whatever door runs the request: it may end it on another thread.
+        if not self._end_locked(RequestState.CANCELLED, CancellationReason.CANCELLED_VIA_CONTEXT):
             return  # completed already
         scope = self._cancel_scope
         if scope is not None:

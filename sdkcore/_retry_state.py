@@ -254,11 +254,7 @@ class RetryState:
         for :attr:`attempts`.
         """
         if self._threaded:
-            _ENDING.acquire()  # acquire()/release(): ``with`` cost twice as much here
-            try:
-                completed = self._end(RequestState.SUCCEEDED, None)
-            finally:
-                _ENDING.release()
+            completed = self._end_locked(RequestState.SUCCEEDED, None)
         else:  # written out: the call to _end is a quarter of this method's cost
             completed = self._state is _PENDING
             if completed:
@@ -273,9 +269,14 @@ class RetryState:
 
         True when this call completed it, False when it had completed already.
         """
-        if not self._threaded:
-            return self._end(state, why)
-        _ENDING.acquire()
+        if self._threaded:
+            return self._end_locked(state, why)
+        return self._end(state, why)
+
+    def _end_locked(self, state: RequestState, why: CancellationReason | None) -> bool:
+        """:meth:`_end` under ``_ENDING`` (``Request.cancel()``, and the endings of a request
+        ``execute_sync`` runs)."""
+        _ENDING.acquire()  # acquire()/release(): ``with`` cost twice as much here
         try:
             return self._end(state, why)
         finally:

@@ -118,15 +118,38 @@ def test_a_cancel_during_a_time_out_is_kept_or_refused_never_lost() -> None:
     assert request.state is RequestState.CANCELLED
 
 
-def test_an_async_doors_request_takes_no_lock_to_end() -> None:
+class _CountingLock:
+    """Stands in for ``_ENDING``: counts the acquisitions."""
+
+    def __init__(self) -> None:
+        self.acquired = 0
+
+    def acquire(self) -> bool:
+        self.acquired += 1
+        return True
+
+    def release(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["async-door", "execute_sync"])
+def test_only_a_thread_doors_request_takes_the_lock_to_end(
+    threaded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The async doors end a request on the loop's thread, where cancel() runs too: their
-    endings skip the lock (its cost: bench/README, "The ending's lock")."""
+    endings skip the lock (its cost: bench/README, "The ending's lock"); cancel() and the
+    endings of a request execute_sync runs take it."""
     from sdkcore import _retry_state
 
-    request = Request()
-    assert _retry_state._ENDING.acquire(blocking=False)
-    try:  # held elsewhere: an ending that took it would block here
-        assert request._succeeded() is True
-        assert request.state is RequestState.SUCCEEDED
-    finally:
-        _retry_state._ENDING.release()
+    lock = _CountingLock()
+    monkeypatch.setattr(_retry_state, "_ENDING", lock)
+    ended, failed, timed_out = Request(), Request(), Request()
+    if threaded:
+        for request in (ended, failed, timed_out):
+            request._on_threads()
+    assert ended._succeeded() is True
+    assert failed._finish(RequestState.FAILED) is True
+    timed_out._time_out()
+    assert lock.acquired == (3 if threaded else 0)
+    Request().cancel()
+    assert lock.acquired == (4 if threaded else 1)
