@@ -120,6 +120,7 @@ def timed_out(
     in_flight: bool = False,
     error: BaseException | None = None,
     hint: tuple[float, float] | None = None,
+    copies_cut: int = 0,
 ) -> TimeoutException:
     """Complete ``request`` as timed out; the exception to raise.
 
@@ -132,11 +133,15 @@ def timed_out(
     ``previous_reason`` and ``previous_error``.
     ``hint``: (the server's retry-after, the seconds left) when the request times
     out at once because the server asked for a wait past its deadline.
+    ``copies_cut``: a hedged request's copies cut in flight at the deadline, booked
+    already by the hedge runner (each maybe applied): reported as in flight.
     """
     request._time_out()
     log = _log.enabled(_log.INFO)
     previous: tuple[RetryReason | None, str | None] | None = None
-    if in_flight:
+    if copies_cut:
+        in_flight = True
+    elif in_flight:
         if log is not None:  # the failure before the cut, read before the cut is booked
             previous = (request.last_reason, describe_error(request.last_error))
         reason = error.reason if isinstance(error, RetryableError) else None
@@ -144,7 +149,9 @@ def timed_out(
     ambiguous = not request.idempotent and request.maybe_applied
     if log is not None:
         fields = event_fields(request, reason, strategy)  # caused_by: the last failure
-        if in_flight:  # the cut attempt's: what it raised, or the cut itself
+        if copies_cut:
+            fields["caused_by"] = f"{copies_cut} hedge(s) were cut in flight at the deadline"
+        elif in_flight:  # the cut attempt's: what it raised, or the cut itself
             fields["caused_by"] = (
                 f"attempt {request.failed_attempts} was cut in flight at the deadline"
                 if error is None
@@ -177,7 +184,7 @@ def timed_out(
         )
     else:
         what = "it was not applied on the server (unambiguous)"
-    history = _history(request, in_flight)
+    history = _history(request, in_flight, copies_cut)
     if hint is not None:
         wait, left = hint
         return cls(
@@ -190,14 +197,17 @@ def timed_out(
     return cls(f"request timed out {history}; {what}", context=context)
 
 
-def _history(request: Request, in_flight: bool) -> str:
-    """``after 9 retries (last: AUTHENTICATION_ERROR)``, and the attempt cut in flight."""
+def _history(request: Request, in_flight: bool, copies_cut: int = 0) -> str:
+    """``after 9 retries (last: AUTHENTICATION_ERROR)``, and the attempt (or a hedged
+    request's copies) cut in flight."""
     retries = request.retry_attempts
     text = f"after {retries} {'retry' if retries == 1 else 'retries'}"
     last = request.last_reason
     if last is not None:
         text += f" (last: {last.name})"
-    if in_flight:
+    if copies_cut:
+        text += f", {copies_cut} hedge(s) in flight at the deadline"
+    elif in_flight:
         text += f", attempt {request.failed_attempts} in flight at the deadline"
     return text
 

@@ -19,7 +19,9 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import _failing, _log, _runtime
+from ._action import RetryAction
 from ._context import AttemptEffect, CancellationReason, describe_error
+from ._decision import Verdict
 from ._errors import (
     CouchbaseException,
     InvalidArgumentException,
@@ -29,6 +31,7 @@ from ._errors import (
 from ._hooks import INSTANT_DELAYS
 from ._reason import RetryReason
 from ._request import Request, RequestState
+from ._strategy import sync_decide
 
 if TYPE_CHECKING:
     from ._core import OrchestratorCore, RetryBudgetLike
@@ -114,6 +117,7 @@ class _Chain:
         "budget",
         "clock",
         "cut",
+        "decide",
         "delay",
         "fatal",
         "first_elapsed",
@@ -125,10 +129,12 @@ class _Chain:
         "origin",
         "outstanding",
         "policy",
+        "refusal",
         "request",
         "result",
         "send",
         "stop",
+        "strategy",
         "throttler",
         "wake",
         "winner",
@@ -142,8 +148,15 @@ class _Chain:
         throttler: HedgeThrottler | None,
         clock: Callable[[], float],
         budget: RetryBudgetLike | None = None,
+        strategy: object = None,
     ) -> None:
         self.request = request
+        #: The request's strategy, asked through its synchronous ``decide`` whether a
+        #: non-fatal failure may be hedged past (None, or no synchronous ``decide``: the
+        #: policy's ``non_fatal`` alone decides).
+        self.strategy = strategy
+        self.decide = None if strategy is None else sync_decide(strategy)
+        self.refusal: RetryAction | None = None  # the strategy's no_retry that ended the chain
         self.budget = budget  # the orchestrator's retry budget: every hedge after the first
         self.clock = clock  # the event loop's clock
         self.send = send
@@ -268,7 +281,7 @@ class _Chain:
         except RetryableError as failure:
             self.outstanding -= 1
             non_fatal = self.policy.non_fatal
-            if non_fatal is None or failure.reason in non_fatal:
+            if (non_fatal is None or failure.reason in non_fatal) and self._allows(failure):
                 self._failed(attempt, failure)
             else:
                 self._fatal(attempt, failure)
@@ -306,6 +319,30 @@ class _Chain:
             wake = self.wake
             if wake is not None:
                 wake()
+
+    def _allows(self, failure: RetryableError) -> bool:
+        """Whether the request's strategy lets the chain go past ``failure`` (a non-fatal
+        reason): False when it refuses to retry the reason (e.g. a terminal error under
+        FastFailOnTerminalErrorRetryStrategy), kept in :attr:`refusal` for the final
+        error. An always-retry reason is not asked (RFC 0049's controlled backoff), nor a
+        strategy without a synchronous ``decide``. A strategy that raises ends the chain
+        with its error."""
+        decide = self.decide
+        reason = failure.reason
+        if decide is None or reason.always_retry or self.over:
+            return True
+        try:
+            action = decide(self.request, reason)
+        except Exception as exc:  # the chain ends with the strategy's error (logged)
+            _failing.strategy_failed(
+                self.request, reason, _failing.strategy_name(self.strategy), exc
+            )
+            self._end_with(exc)
+            return True  # booked as a failure; the chain is over
+        if type(action) is RetryAction and action.seconds is None:
+            self.refusal = action
+            return False
+        return True
 
     def _elapsed(self, attempt: _Attempt) -> float:
         """Seconds since ``attempt`` was sent (hedge 0 handed over: since its own send)."""
@@ -487,6 +524,15 @@ class _Chain:
         }
 
 
+#: ``retry.not_retried``'s ``why`` when every hedge sent failed, by what stopped more.
+_WHY_NOT_HEDGED = {
+    None: "hedges_exhausted",
+    "throttled": "throttled",
+    "pushback": "pushback",
+    "retry_budget": "retry_budget_exhausted",
+}
+
+
 def _text(error: BaseException) -> str:
     """A failure as hedging's events and contexts show it: bounded, and never raising."""
     if isinstance(error, RetryableError):
@@ -510,9 +556,11 @@ def _pushback(
     return float(value)
 
 
-def _timed_out(orchestrator: OrchestratorCore, request: Request) -> BaseException:
-    name = _failing.strategy_name(request.retry_strategy or orchestrator.default_strategy)
-    return _failing.timed_out(request, request.last_reason, name, request.clock())
+def _timed_out(request: Request, copies_cut: int = 0) -> BaseException:
+    """The hedged request's timeout; ``copies_cut``: copies cut in flight (booked)."""
+    return _failing.timed_out(
+        request, request.last_reason, "hedge", request.clock(), copies_cut=copies_cut
+    )
 
 
 def _with_extra(exc: BaseException, chain: _Chain, *, in_flight: bool) -> None:
@@ -583,6 +631,7 @@ async def run_hedged(
     *,
     first_elapsed: float | None = None,
     finish: bool = True,
+    ask_strategy: bool = True,
 ) -> T:
     """The body of :meth:`RetryOrchestrator.hedge` (see there and rfc/0004).
 
@@ -593,15 +642,21 @@ async def run_hedged(
     hedge the call committed to on its response headers, A6): the request is left
     pending for the caller to complete once the answer is in, and the caller reports
     a win by a copy other than the first (``RequestTrace.hedge_won``).
+    ``ask_strategy``: a non-fatal failure is hedged past only if the request's strategy
+    would retry its reason (:meth:`_Chain._allows`); False for the gRPC channels,
+    where A6's ``nonFatalStatusCodes`` alone decide.
     """
     check_hedge(request, send, policy, throttler)
     left = request.deadline - request.clock()
     if left <= 0.0:  # expired before the first attempt: nothing is sent
-        raise _timed_out(orchestrator, request)
+        raise _timed_out(request)
 
     rt = _runtime.current()
     orchestrator._deposit(request)  # the first attempt pays into the retry budget
-    chain = _Chain(request, send, policy, throttler, rt.now, orchestrator.retry_budget)
+    strategy = (request.retry_strategy or orchestrator.default_strategy) if ask_strategy else None
+    chain = _Chain(
+        request, send, policy, throttler, rt.now, orchestrator.retry_budget, strategy
+    )
     if first_elapsed is not None:
         chain.first_elapsed = first_elapsed
     runner = rt.Hedges(chain, chain.origin + left)
@@ -634,8 +689,22 @@ async def run_hedged(
         error: BaseException = _failing.already_completed(request, request.last_reason)
         _with_extra(error, chain, in_flight=any(a.outcome == _CANCELLED for a in chain.attempts))
         raise error from _failing.cause(request)
+    cut = sum(1 for a in chain.attempts if a.outcome == _CANCELLED)
     if chain.fatal is not None:
         fatal = chain.fatal
+        if isinstance(fatal, RetryableError) and chain.refusal is not None:
+            # The strategy refuses to retry the reason (a terminal error): its exception.
+            error = _failing.refused(
+                request,
+                fatal.reason,
+                Verdict.REFUSED,
+                chain.refusal,
+                _failing.strategy_name(strategy),
+                0,
+                method="decide",
+            )
+            _with_extra(error, chain, in_flight=cut > 0)
+            raise error from fatal.__cause__ or fatal
         if isinstance(fatal, RetryableError):
             request._finish(RequestState.CANCELLED, CancellationReason.NO_MORE_RETRIES)
             error = RequestCanceledException(
@@ -648,8 +717,8 @@ async def run_hedged(
         request._finish(RequestState.FAILED)
         raise fatal
     if chain.cut:  # the deadline: every hedge still in flight was cut and recorded as such
-        error = _timed_out(orchestrator, request)
-        _with_extra(error, chain, in_flight=any(a.outcome == _CANCELLED for a in chain.attempts))
+        error = _timed_out(request, cut)
+        _with_extra(error, chain, in_flight=cut > 0)
         raise error from _failing.cause(request)
     # Every copy failed (or no more could be sent and none is outstanding): the last
     # failure to arrive is the answer.
@@ -667,6 +736,19 @@ async def run_hedged(
         "pushback": "the server's pushback asked for no more hedges and the sent ones failed",
         "retry_budget": "the retry budget refused more hedges and the sent ones failed",
     }[chain.stop]
+    log = _log.enabled(_log.INFO)
+    if log is not None:
+        cancellation = request.cancellation_reason
+        effect = request.last_effect
+        log.info(
+            _log.EVENT_NOT_RETRIED,
+            **_failing.event_fields(request, last.reason, "hedge"),
+            why=_WHY_NOT_HEDGED[chain.stop],
+            cancellation_reason=None if cancellation is None else cancellation.name,
+            maybe_applied=request.maybe_applied,
+            effect=None if effect is None else effect.name,
+            detail=why,
+        )
     error = RequestCanceledException(
         f"not hedged further: {why}; the last failure was {last.reason.name}",
         context=request.error_context(last.reason, extra=chain.extra()),

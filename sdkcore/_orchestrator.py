@@ -1,16 +1,17 @@
-"""RetryOrchestrator: the three doors onto one retry rule (RFC 0049 "Retry Orchestration").
+"""RetryOrchestrator: the doors onto one retry rule (RFC 0049 "Retry Orchestration").
 
-How a failed attempt flows, on every door (rfc/0001, "Layers"):
+How a failed attempt flows, on every door (rfc/0001, "Layers and modules"):
 
-    door (execute / execute_sync / maybe_retry / hedge / the gRPC channels)
-      -> the strategy's action           sdkcore._strategy   (ask)
-      -> decide(...) -> Decision          sdkcore._decision   (pure)
-      -> book it on the Request           sdkcore._request    (its transitions)
+    door (execute / maybe_retry / attempt / execute_sync / hedge / the gRPC channels)
+      -> the strategy's answer            OrchestratorCore._ask (sdkcore._core)
+      -> decide(...) -> (Verdict, delay)  sdkcore._decision   (pure)
+      -> book it on the Request           sdkcore._retry_state (its transitions)
       -> wait, or raise the final error   sdkcore._runtime / sdkcore._failing
 
 The doors themselves live in :mod:`sdkcore._execute` (async), :mod:`sdkcore._execute_sync`
-(threads) and :mod:`sdkcore._hedge` (hedging); this class binds them by name.
-"""
+(threads) and :mod:`sdkcore._hedge` (hedging: its copies are timed by the HedgePolicy,
+and the strategy is only asked whether a failure may be hedged past); this class binds
+them by name."""
 
 from __future__ import annotations
 
@@ -127,8 +128,11 @@ class RetryOrchestrator(OrchestratorCore):
         next after each ``policy.delay`` without an answer, up to
         ``policy.max_attempts`` (capped). The first result wins and every other
         attempt is cancelled; its result is returned. ``RetryableError`` with a
-        non-fatal reason sends the next hedge at once (or after the pushback); any
-        other exception cancels everything and propagates. When every copy failed,
+        non-fatal reason sends the next hedge at once (or after the pushback), unless
+        the request's strategy refuses to retry that reason (its synchronous
+        ``decide``: e.g. a terminal error under the default strategy, which then ends
+        the request with its mapped exception); any other exception cancels
+        everything and propagates. When every copy failed,
         ``RequestCanceledException`` (NO_MORE_RETRIES) is raised for the *last*
         failure to arrive (its ``__cause__``). The request's timeout covers the
         whole chain (``UnambiguousTimeoutException``). ``throttler`` (e.g.

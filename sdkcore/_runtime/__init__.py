@@ -1,4 +1,4 @@
-"""The runtime layer: the only place that waits (rfc/0001, "Layers").
+"""The runtime layer: the only place that waits (rfc/0001, "The runtime layer").
 
 One small module per event loop, as anyio's ``_backends`` has, each with the same
 three waiting operations:

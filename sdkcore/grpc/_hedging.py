@@ -448,6 +448,7 @@ async def hedged_unary_unary(
                 plan.throttler,
                 first_elapsed=loop.time() - sent_at,
                 finish=False,  # a hedge committed on its headers has no answer yet: see below
+                ask_strategy=False,  # A6: the nonFatalStatusCodes alone decide
             )
         except Exception:
             if request.cancellation_reason is _VIA_CONTEXT:  # the call's cancel()

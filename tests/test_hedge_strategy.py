@@ -1,0 +1,166 @@
+"""RetryOrchestrator.hedge asks the request's strategy before hedging past a failure,
+and reports how a hedged request ended in the same events as the other doors (rfc/0004,
+"The strategy"; rfc/0001, "Log events"). On asyncio and trio."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+from sdkcore import (
+    AuthenticationFailureException,
+    BestEffortRetryStrategy,
+    FailFastRetryStrategy,
+    HedgePolicy,
+    Request,
+    RequestCanceledException,
+    RetryableError,
+    RetryAction,
+    RetryOrchestrator,
+    RetryReason,
+    UnambiguousTimeoutException,
+)
+from sdkcore.testing import capture_retry_events
+
+pytestmark = pytest.mark.anyio
+
+SAFETY = 10.0
+
+
+class Sends:
+    """send(request, index): copy ``i`` raises ``fail[i]`` at once, or blocks."""
+
+    def __init__(self, fail: dict[int, BaseException]) -> None:
+        self.fail = fail
+        self.sent: list[int] = []
+
+    async def __call__(self, request: Request, index: int) -> Any:
+        self.sent.append(index)
+        error = self.fail.get(index)
+        if error is not None:
+            raise error
+        await anyio.sleep_forever()
+
+
+def req(strategy: Any = None, timeout: float = 5.0) -> Request:
+    return Request(name="kv.get", idempotent=True, timeout=timeout, retry_strategy=strategy)
+
+
+async def test_a_terminal_reason_ends_the_hedges_with_the_strategys_error() -> None:
+    # The default strategy (FastFailOnTerminalError) maps AUTHENTICATION_ERROR to its
+    # exception: no further copy is sent, the one in flight is cut.
+    send = Sends({0: RetryableError(RetryReason.AUTHENTICATION_ERROR, "bad password")})
+    request = req()
+    with (
+        anyio.fail_after(SAFETY),
+        capture_retry_events() as events,
+        pytest.raises(AuthenticationFailureException) as info,
+    ):
+        await RetryOrchestrator().hedge(request, send, HedgePolicy(4, delay=0.05))
+    assert send.sent == [0]  # a terminal error is not hedged past
+    assert isinstance(info.value.__cause__, RetryableError)
+    assert info.value.context is not None
+    assert info.value.context.extra["hedges_sent"] == 1
+    refused = [e for e in events if e["event"] == "retry.not_retried"]
+    assert len(refused) == 1
+    assert refused[0]["why"] == "strategy_declined"
+    assert refused[0]["reason"] == "AUTHENTICATION_ERROR"
+
+
+async def test_fail_fast_ends_at_the_first_failure_but_a_slow_copy_is_still_hedged() -> None:
+    # FailFast never retries a failure; hedging for latency still sends the next copy.
+    send = Sends({1: RetryableError(RetryReason.KV_TEMPORARY_FAILURE)})
+    with anyio.fail_after(SAFETY):
+        with pytest.raises(RequestCanceledException) as info:
+            await RetryOrchestrator().hedge(
+                req(FailFastRetryStrategy()), send, HedgePolicy(4, delay=0.02)
+            )
+    assert send.sent == [0, 1]  # copy 1 went for latency; its failure ends the chain
+    assert "FailFastRetryStrategy declined" in str(info.value)
+
+
+async def test_best_effort_hedges_past_the_same_failures() -> None:
+    send = Sends(
+        {
+            0: RetryableError(RetryReason.AUTHENTICATION_ERROR),
+            1: RetryableError(RetryReason.KV_TEMPORARY_FAILURE),
+        }
+    )
+    with anyio.fail_after(SAFETY):
+        with pytest.raises(UnambiguousTimeoutException):
+            await RetryOrchestrator().hedge(
+                req(BestEffortRetryStrategy(), timeout=0.3), send, HedgePolicy(3, delay=0.02)
+            )
+    assert send.sent == [0, 1, 2]
+
+
+async def test_an_always_retry_reason_is_not_asked() -> None:
+    asked: list[RetryReason] = []
+
+    class Never(BestEffortRetryStrategy):
+        def decide(self, request: Request, reason: RetryReason) -> RetryAction:
+            asked.append(reason)
+            return RetryAction.no_retry()
+
+    send = Sends({0: RetryableError(RetryReason.KV_NOT_MY_VBUCKET)})  # always retry
+    with anyio.fail_after(SAFETY):
+        with pytest.raises(UnambiguousTimeoutException):
+            await RetryOrchestrator().hedge(
+                req(Never(), timeout=0.2), send, HedgePolicy(2, delay=0.02)
+            )
+    assert send.sent == [0, 1]
+    assert asked == []
+
+
+async def test_a_strategy_that_raises_ends_the_hedges_with_its_error() -> None:
+    class Broken(BestEffortRetryStrategy):
+        def decide(self, request: Request, reason: RetryReason) -> RetryAction:
+            raise KeyError("config missing")
+
+    send = Sends({0: RetryableError(RetryReason.KV_TEMPORARY_FAILURE)})
+    with anyio.fail_after(SAFETY), capture_retry_events() as events, pytest.raises(KeyError):
+        await RetryOrchestrator().hedge(req(Broken()), send, HedgePolicy(3, delay=1.0))
+    assert send.sent == [0]
+    assert [e["event"] for e in events if e["event"].startswith("retry.")] == [
+        "retry.strategy_failed"
+    ]
+
+
+async def test_every_copy_failing_logs_not_retried_at_info() -> None:
+    send = Sends({i: RetryableError(RetryReason.SERVICE_NOT_AVAILABLE) for i in range(3)})
+    with (
+        anyio.fail_after(SAFETY),
+        capture_retry_events() as events,
+        pytest.raises(RequestCanceledException, match="all 3 hedges failed"),
+    ):
+        await RetryOrchestrator().hedge(req(), send, HedgePolicy(3, delay=0.01))
+    ended = [e for e in events if e["event"] == "retry.not_retried"]
+    assert len(ended) == 1
+    assert ended[0]["log_level"] == "info"
+    assert ended[0]["why"] == "hedges_exhausted"
+    assert ended[0]["strategy"] == "hedge"
+    assert ended[0]["reason"] == "SERVICE_NOT_AVAILABLE"
+    assert ended[0]["cancellation_reason"] == "NO_MORE_RETRIES"
+    assert ended[0]["detail"] == "all 3 hedges failed"
+
+
+async def test_a_timeout_with_copies_in_flight_says_so_in_the_event_and_the_error() -> None:
+    send = Sends({})  # every copy hangs
+    request = req(timeout=0.15)
+    with (
+        anyio.fail_after(SAFETY),
+        capture_retry_events() as events,
+        pytest.raises(UnambiguousTimeoutException) as info,
+    ):
+        await RetryOrchestrator().hedge(request, send, HedgePolicy(2, delay=0.02))
+    timed_out = [e for e in events if e["event"] == "retry.timed_out"]
+    assert len(timed_out) == 1
+    assert timed_out[0]["in_flight"] is True
+    assert timed_out[0]["strategy"] == "hedge"
+    assert timed_out[0]["caused_by"] == "2 hedge(s) were cut in flight at the deadline"
+    assert "2 hedge(s) in flight at the deadline" in str(info.value)
+    assert info.value.context is not None
+    assert info.value.context.in_flight
+    assert request.maybe_applied
