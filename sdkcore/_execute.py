@@ -53,7 +53,7 @@ def _scope_fired(
 ) -> BaseException:
     """The exception for a request whose deadline scope fired (or ``Request.cancel()``)."""
     if request.cancellation_reason is CancellationReason.CANCELLED_VIA_CONTEXT:
-        return _failing.already_completed(request, request.last_reason)
+        return _failing.already_completed(request, request.last_reason, cut=in_flight)
     if error is not None and not isinstance(error, Exception):
         error = None  # the cancellation itself: not the attempt's failure
     return _failing.timed_out(
@@ -239,7 +239,7 @@ async def execute(
                     self._unsent(request, verdict)
                     raise
                 finally:
-                    self._in_retry -= 1  # counted by _settle (the loop's thread only)
+                    self._in_retry -= 1  # _leave_backoff(), written out (the loop's thread only)
                 if verdict is not _RETRY or request.state is not _PENDING:
                     self._unsent(request, verdict)
                     _resume(request, verdict, reason, strategy)
@@ -257,7 +257,9 @@ async def execute(
             scope.exit(None)
         if request.state is not _PENDING:  # Request.cancel() while the last attempt was in flight
             raise _traced_end(
-                trace, request, _failing.already_completed(request, request.last_reason)
+                trace,
+                request,
+                _failing.already_completed(request, request.last_reason, answered=True),
             )
         request._succeeded()
         if trace is not None:
@@ -357,10 +359,12 @@ async def maybe_retry(
 
     Call it once per failed attempt. ``cause`` is the attempt's failure (logged as
     ``caused_by``, kept as the context's ``last_error`` and chained as the final
-    exception's ``__cause__``); ``effect`` what is known about the server side
-    (default: from the reason's flags, see :class:`AttemptEffect`);
-    ``retry_after`` the wait the server asked for (default: ``cause.retry_after``
-    when ``cause`` is a RetryableError), see :class:`RetryableError`.
+    exception's ``__cause__``; a RetryableError counts as its own cause when it has
+    one, as on ``execute``); ``effect`` what is known about the server side
+    (default: ``cause.effect`` when ``cause`` is a RetryableError that has one, else
+    from the reason's flags, see :class:`AttemptEffect`); ``retry_after`` the wait
+    the server asked for (default: ``cause.retry_after`` when ``cause`` is a
+    RetryableError), see :class:`RetryableError`.
 
     Returns the delay waited once the caller should re-dispatch. Raises when it
     must not: the strategy's chosen exception or RequestCanceledException
@@ -383,8 +387,14 @@ async def maybe_retry(
         raise TypeError(
             f"maybe_retry(cause=...) must be the attempt's exception or None, got {cause!r}"
         )
-    if retry_after is None and isinstance(cause, RetryableError):
-        retry_after = cause.retry_after
+    if isinstance(cause, RetryableError):
+        # What the other doors book for a RetryableError: its hint and effect unless
+        # given, and its own cause as the attempt's failure (the final __cause__).
+        if retry_after is None:
+            retry_after = cause.retry_after
+        if effect is None:
+            effect = cause.effect
+        cause = cause.__cause__ or cause
     # Checked before anything is booked: a bad hint leaves the request as it was.
     hint = None if retry_after is None else to_seconds(retry_after, "maybe_retry(retry_after=...)")
     if request.state is not _PENDING:
@@ -418,9 +428,9 @@ async def maybe_retry(
             finally:
                 self._leave_backoff()
         else:
-            # The wait written out, as in execute: through _wait it is one more coroutine frame,
-            # 3% more instructions per maybe_retry (181.6k against 176.6k for the retried call of
-            # bench/bench_instructions.py).
+            # The wait written out, as in execute: through a shared wait coroutine it is one
+            # more frame, 3% more instructions per maybe_retry (181.6k against 176.6k for the
+            # retried call of bench/bench_instructions.py).
             try:
                 if self._sleep is None and not INSTANT_DELAYS.get():
                     await rt.sleep(delay)  # zero: one checkpoint
@@ -431,7 +441,7 @@ async def maybe_retry(
                 request._finish_by(exc)
                 raise
             finally:
-                self._in_retry -= 1  # counted by _settle (the loop's thread only)
+                self._in_retry -= 1  # _leave_backoff(), written out (the loop's thread only)
         if verdict is not _RETRY or request.state is not _PENDING:
             self._unsent(request, verdict)
             _resume(request, verdict, reason, strategy)
@@ -535,7 +545,7 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
         if request.cancelled:
             # Request.cancel() as the block ended: trio runs a task already woken by its
             # answer on, uncut. A cancelled request never reports success (as execute).
-            error = _failing.already_completed(request, request.last_reason)
+            error = _failing.already_completed(request, request.last_reason, answered=True)
             raise error
     finally:
         Request._dispatched_done(token)

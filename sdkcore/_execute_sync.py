@@ -171,7 +171,7 @@ def _loop(
                 "'await orchestrator.execute(request, send)' for an async send"
             )
         if not request._succeeded():  # Request.cancel() from another thread came first
-            raise _failing.already_completed(request, request.last_reason)
+            raise _failing.already_completed(request, request.last_reason, answered=True)
         return result
 
 

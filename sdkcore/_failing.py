@@ -69,7 +69,9 @@ def answered_by(reason: RetryReason, strategy: object) -> str:
     return strategy_name(None if reason.always_retry else strategy)
 
 
-def event_fields(request: Request, reason: RetryReason | None, strategy: str) -> dict[str, Any]:
+def event_fields(
+    request: Request, reason: RetryReason | None, strategy: str | None
+) -> dict[str, Any]:
     """The fields every retry.* event carries (built only when the level is enabled).
 
     ``attempt`` is the 1-based number of the attempt the event is about: the one
@@ -100,14 +102,69 @@ def cause(request: Request) -> BaseException | None:
     return error if isinstance(error, Exception) else None
 
 
-def already_completed(request: Request, reason: RetryReason | None) -> BaseException:
-    """The error for a door asked to go on with a completed (e.g. cancelled) request."""
-    context = request.error_context(reason)
-    if request.state is RequestState.CANCELLED:
-        return RequestCanceledException("request was cancelled", context=context)
-    return RuntimeError(
-        f"request {request.id} ({request.name!r}) has already {request.state.value}; "
-        f"it cannot be retried. Context: {context}"
+def already_completed(
+    request: Request, reason: RetryReason | None, *, cut: bool = False, answered: bool = False
+) -> BaseException:
+    """The error for a door asked to go on with a completed (e.g. cancelled) request.
+
+    For a request ended by ``Request.cancel()``: ``cut``, the cancellation cut the
+    attempt in flight; ``answered``, the attempt in flight answered after it and its
+    answer is dropped. Either way that attempt is booked as maybe applied, and the
+    message says whether the request may have been applied. Logs ``retry.cancelled``.
+    """
+    if request.state is not RequestState.CANCELLED:
+        return RuntimeError(
+            f"request {request.id} ({request.name!r}) has already {request.state.value}; "
+            f"it cannot be sent again. Context: {request.error_context(reason)}"
+        )
+    via_context = request.cancellation_reason is CancellationReason.CANCELLED_VIA_CONTEXT
+    text = "request was cancelled"
+    if via_context:
+        if (cut or answered) and request.in_flight:
+            request._attempt_failed(None, _MAYBE, None, request.clock())
+            number = request.failed_attempts
+            text += (
+                f" with attempt {number} in flight"
+                if cut
+                else f" as attempt {number} answered; its answer was dropped"
+            )
+        text += f"; {_applied(request)}"
+        _log_cancelled(request, reason, cut)
+    return RequestCanceledException(text, context=request.error_context(reason, in_flight=cut))
+
+
+def _applied(request: Request) -> str:
+    """What a request that ended without an answer may have done on the server."""
+    if not request.idempotent and request.maybe_applied:
+        return "it may have been applied on the server (ambiguous)"
+    if request.maybe_applied:  # idempotent: applying it again changes nothing
+        return (
+            "it may have reached the server, but it is idempotent, so it is safe to retry "
+            "(unambiguous)"
+        )
+    return "it was not applied on the server (unambiguous)"
+
+
+def _log_cancelled(request: Request, reason: RetryReason | None, cut: bool) -> None:
+    """``retry.cancelled``: info when a request that is not idempotent may have been
+    applied (the operator must know), else debug (the application asked for it)."""
+    ambiguous = not request.idempotent and request.maybe_applied
+    log = _log.enabled(_log.INFO if ambiguous else _log.DEBUG)
+    if log is None:
+        return
+    strategy = request.retry_strategy
+    effect = request.last_effect
+    timeout = request.timeout
+    (log.info if ambiguous else log.debug)(
+        _log.EVENT_CANCELLED,
+        **event_fields(request, reason, None if strategy is None else strategy_name(strategy)),
+        cancellation_reason=CancellationReason.CANCELLED_VIA_CONTEXT.name,
+        in_flight=cut,
+        ambiguous=ambiguous,
+        maybe_applied=request.maybe_applied,
+        effect=None if effect is None else effect.name,
+        timeout_ms=None if timeout is None else round(timeout.total_seconds() * 1000.0, 3),
+        elapsed_ms=round(request.elapsed.total_seconds() * 1000.0, 3),
     )
 
 
@@ -175,15 +232,7 @@ def timed_out(
         log.info(_log.EVENT_TIMED_OUT, **fields)
     context = request.error_context(reason, in_flight=in_flight)
     cls = AmbiguousTimeoutException if ambiguous else UnambiguousTimeoutException
-    if ambiguous:
-        what = "it may have been applied on the server (ambiguous)"
-    elif request.maybe_applied:  # idempotent: applying it again changes nothing
-        what = (
-            "it may have reached the server, but it is idempotent, so it is safe to retry "
-            "(unambiguous)"
-        )
-    else:
-        what = "it was not applied on the server (unambiguous)"
+    what = _applied(request)
     history = _history(request, in_flight, copies_cut)
     if hint is not None:
         wait, left = hint

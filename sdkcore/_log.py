@@ -48,6 +48,7 @@ __all__ = [
     "EVENT_BREAKER_OPENED",
     "EVENT_BUDGET_EXHAUSTED",
     "EVENT_BUDGET_RECOVERED",
+    "EVENT_CANCELLED",
     "EVENT_LIMITER_LIMIT_CHANGED",
     "EVENT_LIMITER_RECOVERED",
     "EVENT_LIMITER_REFUSING",
@@ -73,6 +74,9 @@ EVENT_NOT_RETRIED = "retry.not_retried"
 EVENT_TIMED_OUT = "retry.timed_out"
 #: warning: the retry strategy raised or returned something that is not a RetryAction.
 EVENT_STRATEGY_FAILED = "retry.strategy_failed"
+#: info when the request is not idempotent and may have been applied, else debug:
+#: ``Request.cancel()`` ended a request (reported by the door that ends it).
+EVENT_CANCELLED = "retry.cancelled"
 
 # Endpoint protection (rfc/0007). Fields: endpoint, cause, last_error; outcomes and
 # failures on the trip, trip_outcomes and trip_failures after it.

@@ -1,0 +1,139 @@
+"""What ``Request.cancel()`` tells the caller and the operator (rfc/0001, "Application cancel"):
+the exception says whether the request may have been applied, the attempt it cut (or whose
+answer it dropped) is booked as maybe applied, and ``retry.cancelled`` is logged (info for a
+request that is not idempotent and may have been applied, else debug)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+from sdkcore import (
+    AttemptEffect,
+    Request,
+    RequestCanceledException,
+    RetryableError,
+    RetryOrchestrator,
+    RetryReason,
+)
+from sdkcore.testing import capture_retry_events
+
+pytestmark = pytest.mark.anyio
+
+SAFETY = 10.0
+
+
+async def cancelled_in_flight(idempotent: bool) -> tuple[RequestCanceledException, Request, Any]:
+    request = Request(name="kv.replace", idempotent=idempotent, timeout=5.0)
+    caught: list[RequestCanceledException] = []
+
+    async def send(_: Request) -> None:
+        await anyio.sleep_forever()
+
+    async def run() -> None:
+        try:
+            await RetryOrchestrator().execute(request, send)
+        except RequestCanceledException as exc:
+            caught.append(exc)
+
+    with anyio.fail_after(SAFETY), capture_retry_events() as events:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await anyio.sleep(0.02)
+            request.cancel()
+    assert len(caught) == 1
+    return caught[0], request, events
+
+
+async def test_a_write_cancelled_in_flight_says_it_may_have_been_applied() -> None:
+    error, request, events = await cancelled_in_flight(idempotent=False)
+    assert "with attempt 1 in flight" in str(error)
+    assert "it may have been applied on the server (ambiguous)" in str(error)
+    assert request.maybe_applied
+    assert error.context is not None
+    assert error.context.in_flight
+    assert error.context.attempts[0].effect is AttemptEffect.MAYBE_APPLIED
+    (event,) = [e for e in events if e["event"] == "retry.cancelled"]
+    assert event["log_level"] == "info"
+    assert event["in_flight"] is True
+    assert event["ambiguous"] is True
+    assert event["maybe_applied"] is True
+    assert event["cancellation_reason"] == "CANCELLED_VIA_CONTEXT"
+    assert event["request_name"] == "kv.replace"
+
+
+async def test_an_idempotent_request_cancelled_in_flight_logs_at_debug() -> None:
+    error, _, events = await cancelled_in_flight(idempotent=True)
+    assert "safe to retry (unambiguous)" in str(error)
+    (event,) = [e for e in events if e["event"] == "retry.cancelled"]
+    assert event["log_level"] == "debug"
+    assert event["ambiguous"] is False
+
+
+async def test_cancelled_in_backoff_nothing_in_flight() -> None:
+    request = Request(name="kv.get", idempotent=False, timeout=5.0)
+    caught: list[RequestCanceledException] = []
+
+    async def send(_: Request) -> None:
+        raise RetryableError(RetryReason.KV_LOCKED)  # the server applied nothing
+
+    async def run() -> None:
+        try:
+            await RetryOrchestrator().execute(request, send)
+        except RequestCanceledException as exc:
+            caught.append(exc)
+
+    with anyio.fail_after(SAFETY), capture_retry_events() as events:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await anyio.sleep(0.05)
+            request.cancel()
+    (error,) = caught
+    assert "in flight" not in str(error)
+    assert "it was not applied on the server (unambiguous)" in str(error)
+    (event,) = [e for e in events if e["event"] == "retry.cancelled"]
+    assert event["in_flight"] is False
+    assert event["log_level"] == "debug"
+
+
+async def test_an_answer_after_the_cancel_is_dropped_and_said_so() -> None:
+    request = Request(name="kv.replace", idempotent=False, timeout=None)
+
+    async def send(req: Request) -> str:
+        req.cancel()  # the application cancels as the answer comes in
+        return "ok"
+
+    with pytest.raises(RequestCanceledException) as info:
+        await RetryOrchestrator().execute(request, send)
+    assert "as attempt 1 answered; its answer was dropped" in str(info.value)
+    assert "may have been applied on the server (ambiguous)" in str(info.value)
+    assert request.maybe_applied
+
+
+def test_execute_sync_says_the_same() -> None:
+    request = Request(name="kv.replace", idempotent=False, timeout=5.0)
+
+    def send(req: Request) -> str:
+        req.cancel()
+        return "ok"
+
+    with pytest.raises(RequestCanceledException) as info:
+        RetryOrchestrator().execute_sync(request, send)
+    assert "as attempt 1 answered; its answer was dropped" in str(info.value)
+    assert request.maybe_applied
+
+
+async def test_a_request_cancelled_before_it_was_sent() -> None:
+    request = Request(name="kv.get", idempotent=False)
+    request.cancel()
+
+    async def send(_: Request) -> str:
+        raise AssertionError("never sent")
+
+    with capture_retry_events() as events, pytest.raises(RequestCanceledException) as info:
+        await RetryOrchestrator().execute(request, send)
+    assert "it was not applied on the server (unambiguous)" in str(info.value)
+    assert not request.maybe_applied
+    assert [e["event"] for e in events] == ["retry.cancelled"]

@@ -1,0 +1,86 @@
+"""A RetryableError is booked the same way on every door: ``execute``, ``execute_sync`` and
+``maybe_retry(cause=...)`` keep its own cause as the attempt's failure (the final
+``__cause__`` and the context's ``last_error``), and its effect and hint (rfc/0001)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sdkcore import (
+    AttemptEffect,
+    FailFastRetryStrategy,
+    Request,
+    RequestCanceledException,
+    RetryableError,
+    RetryOrchestrator,
+    RetryReason,
+    UnambiguousTimeoutException,
+)
+
+pytestmark = pytest.mark.anyio
+
+TEMP = RetryReason.KV_TEMPORARY_FAILURE
+
+
+def failure() -> RetryableError:
+    try:
+        raise ConnectionResetError("peer reset")
+    except ConnectionResetError as exc:
+        return RetryableError(TEMP, "reset", cause=exc)
+
+
+def fail_fast(**kwargs: object) -> Request:
+    return Request(name="kv.get", retry_strategy=FailFastRetryStrategy(), **kwargs)  # type: ignore[arg-type]
+
+
+async def test_maybe_retry_books_a_retryable_errors_own_cause_as_execute_does() -> None:
+    orchestrator = RetryOrchestrator()
+
+    async def send(_: Request) -> None:
+        raise failure()
+
+    with pytest.raises(RequestCanceledException) as by_execute:
+        await orchestrator.execute(fail_fast(idempotent=True), send)
+
+    request = fail_fast(idempotent=True)
+    with pytest.raises(RequestCanceledException) as by_hand:
+        await orchestrator.maybe_retry(request, TEMP, cause=failure())
+
+    for info in (by_execute, by_hand):
+        assert type(info.value.__cause__) is ConnectionResetError
+        assert info.value.context is not None
+        assert info.value.context.last_error == "ConnectionResetError: peer reset"
+    assert type(request.last_error) is ConnectionResetError
+
+
+def test_execute_sync_books_the_same_cause() -> None:
+    def send(_: Request) -> None:
+        raise failure()
+
+    with pytest.raises(RequestCanceledException) as info:
+        RetryOrchestrator().execute_sync(fail_fast(idempotent=True), send)
+    assert type(info.value.__cause__) is ConnectionResetError
+
+
+async def test_maybe_retry_takes_the_errors_effect_unless_given() -> None:
+    # SERVICE_NOT_AVAILABLE alone lets a non-idempotent request retry (nothing was sent);
+    # the error says MAYBE_APPLIED, which narrows it: never sent twice (rfc/0001).
+    orchestrator = RetryOrchestrator()
+    request = Request(name="kv.replace", idempotent=False, timeout=1.0)
+    applied = RetryableError(RetryReason.SERVICE_NOT_AVAILABLE, effect=AttemptEffect.MAYBE_APPLIED)
+    with pytest.raises(RequestCanceledException, match="may have been applied"):
+        await orchestrator.maybe_retry(request, applied.reason, cause=applied)
+    assert request.maybe_applied
+
+    # The effect given explicitly wins over the error's.
+    request = Request(name="kv.replace", idempotent=False, timeout=0.001)
+
+    async def retry_until_it_ends() -> None:
+        while True:
+            await orchestrator.maybe_retry(
+                request, applied.reason, cause=applied, effect=AttemptEffect.NOT_SENT
+            )
+
+    with pytest.raises(UnambiguousTimeoutException):
+        await retry_until_it_ends()
+    assert not request.maybe_applied
