@@ -171,7 +171,7 @@ def _log_cancelled(request: Request, reason: RetryReason | None, cut: bool) -> N
 def timed_out(
     request: Request,
     reason: RetryReason | None,
-    strategy: str,
+    strategy: str | None,
     now: float,
     *,
     in_flight: bool = False,

@@ -399,13 +399,14 @@ class _Call:
                     # The first attempt's answer (a NOT_FOUND, say) on a call without
                     # telemetry: no Request exists, and none is built only to be failed.
                     raise final
-                time_out_at_deadline(request, final)  # DEADLINE_EXCEEDED: the request's timeout
+                # DEADLINE_EXCEEDED at the call's deadline: the request's timeout
+                timeout = time_out_at_deadline(request, final)
                 core.orchestrator.fail(request, final)
                 if self._retried():
                     # The channel's own attempts, for an outer request's context (rfc/0003).
                     if final is err:
                         final = self._final(err, copy=True)
-                    raise final from self._answer_context(request, err)
+                    raise final from self._answer_context(request, err, timeout)
                 raise final
         request = self.request
         st.transparent = kind
@@ -469,17 +470,25 @@ class _Call:
         st = self.state
         return st.attempts > 1 or st.transparent_retries > 0 or st.refused_retries > 0
 
-    def _answer_context(self, request: Request, err: Any) -> BaseException:
-        """An answer that ends a retried call: sdkcore's context of every attempt."""
+    def _answer_context(
+        self, request: Request, err: Any, timeout: TimeoutException | None = None
+    ) -> BaseException:
+        """An answer that ends a retried call: sdkcore's context of every attempt.
+
+        ``timeout``: the request's timeout when the answer was its deadline
+        (:func:`time_out_at_deadline`): that exception, with the same extras, so the
+        context names the attempt cut in flight, not a status no attempt had."""
         st = self.state
-        context = request.error_context(
-            status_reason(st.code),
-            extra={"grpc_status": err.code().name, "grpc_attempts": st.attempts},
-        )
-        exc = CouchbaseException(
-            f"gRPC call ended with {err.code().name} after {st.attempts} attempt(s)",
-            context=context,
-        )
+        extra = {"grpc_status": err.code().name, "grpc_attempts": st.attempts}
+        exc: CouchbaseException
+        if timeout is not None and timeout.context is not None:
+            timeout.context = timeout.context.evolve(extra={**timeout.context.extra, **extra})
+            exc = timeout
+        else:
+            exc = CouchbaseException(
+                f"gRPC call ended with {err.code().name} after {st.attempts} attempt(s)",
+                context=request.error_context(status_reason(st.code), extra=extra),
+            )
         exc.__cause__ = err
         return exc
 

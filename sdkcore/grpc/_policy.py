@@ -13,9 +13,10 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from .. import _failing
 from .._action import RetryAction
-from .._context import AttemptEffect, CancellationReason, ErrorContext
-from .._errors import RequestCanceledException
+from .._context import ErrorContext
+from .._errors import RequestCanceledException, TimeoutException
 from .._reason import RetryReason
 from .._request import Request, RequestState
 from .._untrusted import show as _show
@@ -75,28 +76,40 @@ _PUSHBACK_VALUE = re.compile(r"-?[0-9]+")
 _DEADLINE_EXCEEDED = GrpcCode.DEADLINE_EXCEEDED.value
 
 
-def time_out_at_deadline(request: Any, error: BaseException, *, book: bool = True) -> None:
+def time_out_at_deadline(
+    request: Any, error: BaseException, *, book: bool = True
+) -> TimeoutException | None:
     """End a call's ``request`` as timed out when ``error`` is the call's own deadline.
 
     DEADLINE_EXCEEDED once the request's time is up is its timeout, not a failure: the
     request ends CANCELLED with TIMEOUT (telemetry's outcome ``timeout``, as a deadline
-    reached in the backoff). ``book``: record ``error`` as the last attempt's failure
-    first. Anything else (a server's own DEADLINE_EXCEEDED with time left included)
-    leaves the request for the caller to fail.
+    reached in the backoff), logged as ``retry.timed_out`` as on the core's doors, and
+    the timeout's exception is returned (its context for the call's error, rfc/0003).
+    ``book``: record ``error`` as the last attempt's failure first: the attempt the
+    deadline cut in flight (maybe applied). Anything else (a server's own
+    DEADLINE_EXCEEDED with time left included) leaves the request for the caller to
+    fail, and returns None.
     """
     if request.state is not RequestState.PENDING:
-        return
+        return None
     code = getattr(error, "code", None)
     if not callable(code):
-        return
+        return None
     try:
         value = code().value[0]
     except Exception:  # not a grpc status
-        return
+        return None
     if value == _DEADLINE_EXCEEDED and request.deadline - request.clock() <= 0.0:
-        if book:
-            request._attempt_failed(None, AttemptEffect.MAYBE_APPLIED, error, request.clock())
-        request._finish(RequestState.CANCELLED, CancellationReason.TIMEOUT)
+        strategy = request.retry_strategy
+        return _failing.timed_out(
+            request,
+            request.last_reason,
+            None if strategy is None else _failing.strategy_name(strategy),
+            request.clock(),
+            in_flight=book,
+            error=error if book else None,
+        )
+    return None
 
 
 def _bad_values(values: object) -> TypeError:

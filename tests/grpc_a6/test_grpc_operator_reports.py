@@ -19,6 +19,7 @@ grpc = pytest.importorskip("grpc")
 from grpc import aio  # noqa: E402
 from grpc_server import TEST_TIMEOUT, Server, abort, retry_config  # noqa: E402
 
+from sdkcore import AttemptEffect, UnambiguousTimeoutException  # noqa: E402
 from sdkcore._context import describe_error  # noqa: E402
 from sdkcore.grpc import RetryThrottler, insecure_channel, retry_controller  # noqa: E402
 from sdkcore.testing import capture_retry_events  # noqa: E402
@@ -152,3 +153,38 @@ async def test_the_nested_error_text_says_the_attempt_count_once(server: Server)
     assert text.endswith(
         "(from RequestCanceledException: not retried: all 4 attempts (maxAttempts) used)"
     ), text
+
+
+async def test_a_retried_call_cut_by_its_deadline_logs_the_timeout_and_names_the_cut_attempt(
+    server: Server,
+) -> None:
+    """UNAVAILABLE, then an attempt that outlasts the call's deadline: the call's error is
+    grpc's DEADLINE_EXCEEDED, caused by sdkcore's timeout whose context names the attempt cut
+    in flight (no reason of its own), and ``retry.timed_out`` is logged as on the core's
+    doors. Before, nothing was logged and the context blamed a status no attempt had."""
+
+    async def fn(request: bytes, context: Any, attempt: int) -> bytes:
+        if attempt == 1:
+            await abort(context, grpc.StatusCode.UNAVAILABLE)
+        await anyio.sleep(5)
+        return b"late"
+
+    method = server.unary_unary("Slow", fn)
+    with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
+        async with insecure_channel(server.target, service_config=retry_config()) as ch:
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(method)(b"x", timeout=0.3)
+    assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    cause = info.value.__cause__
+    assert isinstance(cause, UnambiguousTimeoutException)
+    assert cause.context is not None
+    assert cause.context.in_flight
+    assert cause.context.reason is None
+    assert cause.context.extra["grpc_status"] == "DEADLINE_EXCEEDED"
+    assert cause.context.extra["grpc_attempts"] == 2
+    assert cause.context.attempts[-1].effect is AttemptEffect.MAYBE_APPLIED
+    assert "attempt 2 in flight at the deadline" in str(cause)
+    (timed_out,) = [e for e in events if e["event"] == "retry.timed_out"]
+    assert timed_out["in_flight"] is True
+    assert timed_out["previous_reason"] == "SERVICE_NOT_AVAILABLE"
+    assert timed_out["strategy"] == "A6RetryStrategy"
