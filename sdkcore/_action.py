@@ -10,6 +10,7 @@ import attrs
 from ._context import ErrorContext
 from ._duration import MAX_SECONDS, to_seconds
 from ._errors import CouchbaseException
+from ._untrusted import show
 
 __all__ = ["ExceptionFactory", "RetryAction"]
 
@@ -79,9 +80,17 @@ class RetryAction:
                     f"{duration!r}; use RetryAction.with_duration() for seconds"
                 )
             if chosen is not None:
-                raise ValueError("RetryAction: only a refusal (duration=None) takes an exception")
+                raise ValueError(
+                    f"RetryAction(exception=...): only a refusal (duration=None) takes an "
+                    f"exception, got exception={show(chosen)} with duration={duration!r}; "
+                    "refuse with RetryAction.no_retry(exception) instead"
+                )
             if why is not None:
-                raise ValueError("RetryAction: only a refusal (duration=None) takes why")
+                raise ValueError(
+                    f"RetryAction(why=...): only a refusal (duration=None) takes why, got "
+                    f"why={show(why)} with duration={duration!r}; "
+                    "refuse with RetryAction.no_retry(why=...) instead"
+                )
             seconds = duration.total_seconds()
             if seconds < 0:
                 raise ValueError(f"RetryAction(duration) must be >= 0 seconds, got {duration!r}")

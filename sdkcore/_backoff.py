@@ -8,13 +8,22 @@ from datetime import timedelta
 from ._duration import to_seconds
 from ._untrusted import show
 
-__all__ = ["Backoff", "best_effort_backoff", "controlled_backoff", "exponential_backoff"]
+__all__ = [
+    "CONTROLLED_STEPS",
+    "Backoff",
+    "best_effort_backoff",
+    "controlled_backoff",
+    "exponential_backoff",
+]
 
 #: A backoff calculator: retry attempt count (0-based) -> delay.
 Backoff = Callable[[int], "timedelta | float"]
 
 _CONTROLLED = tuple(timedelta(milliseconds=ms) for ms in (1, 10, 50, 100, 500))
 _CONTROLLED_MAX = timedelta(milliseconds=1000)
+#: How many controlled delays come before the maximum, which repeats from then on: the
+#: one length every user of the table reads (add a step above, and they all follow).
+CONTROLLED_STEPS = len(_CONTROLLED)
 
 
 def controlled_backoff(attempt: int) -> timedelta:
@@ -23,7 +32,7 @@ def controlled_backoff(attempt: int) -> timedelta:
         raise TypeError(f"controlled_backoff(attempt) must be an int >= 0, got {show(attempt)}")
     if attempt < 0:
         raise ValueError(f"controlled_backoff(attempt) must be >= 0, got {show(attempt)}")
-    return _CONTROLLED[attempt] if attempt < 5 else _CONTROLLED_MAX
+    return _CONTROLLED[attempt] if attempt < CONTROLLED_STEPS else _CONTROLLED_MAX
 
 
 def exponential_backoff(

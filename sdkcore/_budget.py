@@ -146,6 +146,11 @@ class RetryBudget:
         self._telemetry: Any = None  # set by Telemetry.watch
 
     @property
+    def name(self) -> str | None:
+        """The name its events, refusals and telemetry show (None when unnamed)."""
+        return self._name
+
+    @property
     def ttl(self) -> timedelta:
         return timedelta(seconds=self._ttl)
 

@@ -3,22 +3,26 @@
 :func:`decide` is pure: it reads the request's state, the reason, the strategy's
 action and the time, and returns a :class:`Decision`. It does no I/O, no logging and
 no waiting; the doors (``execute``, ``execute_sync``, ``maybe_retry``, the gRPC
-channels) carry it out. Every rule of the RFC's orchestration lives here, in order:
+channels) carry it out. Every rule of the RFC's orchestration lives here, checked in
+this order (the first that applies decides):
 
-1. Always-retry reasons (RFC "RetryReason", ``always_retry``) retry with the
-   controlled backoff; the strategy is not consulted.
-2. A strategy's refusal ends the request (its exception, or NO_MORE_RETRIES).
-3. A request that is not idempotent is never sent again once an attempt may have
-   been applied (``maybe_applied``: the attempt's effect, what actually happened),
-   whatever the reason's flags, always-retry included; nor after a reason that does
-   not allow retrying it (RFC "Network Time"), whatever the strategy said. The
-   cautious one of the two wins (rfc/0001, "Which wins: the effect or the flag").
-4. Backpressure: at ``max_requests_in_retry`` requests waiting, no more retries.
-5. Server hints: the wait is at least what the server asked for
-   (``RetryableError(retry_after=...)``, HTTP Retry-After, gRPC pushback); a hint
-   that ends past the deadline times the request out at once (rfc/0007).
-6. Capping (RFC "Capping the Retry Duration"): a backoff that reaches the deadline
-   waits only until the deadline, and the request then times out.
+1. The effect: a request that is not idempotent is never sent again once an attempt
+   may have been applied (``maybe_applied``: the attempt's effect, what actually
+   happened), whatever the reason's flags, always-retry included (rfc/0001, "Which
+   wins: the effect or the flag").
+2. Always-retry reasons (RFC "RetryReason", ``always_retry``) retry with the
+   controlled backoff; the strategy is not consulted, and rules 3 and 4 are skipped.
+3. The flag: a request that is not idempotent is never sent again after a reason
+   that does not allow retrying it (RFC "Network Time"), whatever the strategy said.
+4. A strategy's refusal ends the request (its exception, or NO_MORE_RETRIES).
+5. Backpressure: at ``max_requests_in_retry`` requests waiting, no more retries.
+6. Server hints: the wait is at least what the server asked for
+   (``RetryableError(retry_after=...)``, HTTP Retry-After, gRPC pushback); while time
+   is left, a hint that ends at or past the deadline times the request out at once,
+   naming the hint (rfc/0007). With no time left, rule 7 decides.
+7. Capping (RFC "Capping the Retry Duration"): a wait that reaches the deadline
+   waits only until the deadline, and the request then times out (at once when no
+   time is left).
 
 The retry budget is the one rule with state: the door withdraws from it only when
 :func:`decide` says RETRY and :func:`spends_budget` says the retry costs the server.
@@ -29,14 +33,16 @@ from __future__ import annotations
 import enum
 
 from ._action import RetryAction
-from ._backoff import controlled_backoff
+from ._backoff import CONTROLLED_STEPS, controlled_backoff
 from ._context import AttemptEffect
 from ._reason import RetryReason
 
 __all__ = ["CONTROLLED_SECONDS", "Decision", "Verdict", "decide", "spends_budget"]
 
 #: RFC 0049 "Controlled Backoff" in seconds, by retry count (the last one repeats).
-CONTROLLED_SECONDS = tuple(controlled_backoff(n).total_seconds() for n in range(6))
+CONTROLLED_SECONDS = tuple(
+    controlled_backoff(n).total_seconds() for n in range(CONTROLLED_STEPS + 1)
+)
 
 
 class Verdict(enum.Enum):
@@ -48,6 +54,7 @@ class Verdict(enum.Enum):
     TIME_OUT = "time_out"
     #: The server asked for a wait (``RetryableError(retry_after=...)``) that ends past
     #: the deadline: time out at once, naming the hint, instead of sleeping until then.
+    #: Only while time is left: past the deadline it is TIME_OUT, whatever the hint.
     HINT_PAST_DEADLINE = "hint_past_deadline"
     #: The strategy declined: fail with its exception, or NO_MORE_RETRIES.
     REFUSED = "strategy_declined"
@@ -95,7 +102,8 @@ def decide(
         # could apply it twice (an UNAVAILABLE answered by a server, a cut write).
         return Verdict.NOT_IDEMPOTENT, 0.0
     if reason.always_retry:
-        delay = CONTROLLED_SECONDS[retry_attempts if retry_attempts < 5 else 5]
+        last = CONTROLLED_STEPS  # the index of the delay that repeats
+        delay = CONTROLLED_SECONDS[retry_attempts if retry_attempts < last else last]
     else:
         assert action is not None
         if not (idempotent or reason.allows_non_idempotent_retry):
@@ -108,7 +116,9 @@ def decide(
     if requests_in_retry >= max_requests_in_retry:
         return Verdict.TOO_MANY, 0.0
     if hint is not None:
-        if hint >= time_left:
+        # The hint is blamed only when it is what pushes past the deadline: with no time
+        # left (a hint of 0 included) the request simply timed out (TIME_OUT, below).
+        if time_left > 0.0 and hint >= time_left:
             return Verdict.HINT_PAST_DEADLINE, 0.0
         if hint > delay:
             delay = hint

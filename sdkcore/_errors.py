@@ -86,21 +86,35 @@ class TimeoutException(CouchbaseException, TimeoutError):
 
 
 class AmbiguousTimeoutException(TimeoutException):
-    """Timed out after the request may have reached the server: it may or may not have run."""
+    """Timed out; the request is not idempotent and an attempt may have been applied
+    (``Request.maybe_applied``), so it may or may not have run: retrying it could apply
+    it twice."""
 
     default_message = "request timed out; it may have been applied on the server (ambiguous)"
 
 
 class UnambiguousTimeoutException(TimeoutException):
-    """Timed out; the request is idempotent or never reached the network, so nothing changed."""
+    """Timed out, and whether it ran does not matter: no attempt may have been applied
+    (none is ``AttemptEffect.MAYBE_APPLIED``), or the request is idempotent, so one that
+    may have been applied is safe to send again (applying it again changes nothing)."""
 
     default_message = "request timed out; it was not applied on the server (unambiguous)"
 
 
 class RequestCanceledException(CouchbaseException):
-    """The request was cancelled: no more retries, too many requests in retry, or by the app.
+    """The request was cancelled; ``context.cancellation_reason`` says why:
 
-    ``context.cancellation_reason`` says which.
+    * ``NO_MORE_RETRIES``: the strategy declined to retry (without an exception of its
+      own), a request that is not idempotent may not be sent again, or a hedged request
+      may send no more copies;
+    * ``TOO_MANY_REQUESTS_IN_RETRY``: ``max_requests_in_retry`` requests were waiting;
+    * ``RETRY_BUDGET_EXHAUSTED``: the retry budget refused the retry (or more hedges);
+    * ``CANCELLED_VIA_CONTEXT``: the application called ``Request.cancel()``.
+
+    A request that times out raises a :class:`TimeoutException` (``TIMEOUT``), and one
+    whose task is cancelled lets the task's own cancellation propagate
+    (``TASK_CANCELLED``); handing such a request to a door again raises this exception
+    with that reason. ``sdkcore.mapping`` also maps a gRPC ``CANCELLED`` status to it.
     """
 
     default_message = "request canceled"

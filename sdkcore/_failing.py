@@ -230,7 +230,7 @@ def timed_out(
             fields["previous_reason"] = None if previous[0] is None else previous[0].name
             fields["previous_error"] = previous[1]
         log.info(_log.EVENT_TIMED_OUT, **fields)
-    context = request.error_context(reason, in_flight=in_flight)
+    context = request.error_context(reason, strategy=strategy, in_flight=in_flight)
     cls = AmbiguousTimeoutException if ambiguous else UnambiguousTimeoutException
     what = _applied(request)
     history = _history(request, in_flight, copies_cut)
@@ -304,6 +304,7 @@ def refused(
     else:
         why = CancellationReason.NO_MORE_RETRIES
     request._finish(RequestState.CANCELLED, why)
+    budget_name = getattr(budget, "name", None) if verdict is Verdict.BUDGET_EXHAUSTED else None
     log = _log.enabled(_log.INFO)
     if log is not None:
         cancellation = request.cancellation_reason
@@ -316,8 +317,14 @@ def refused(
             maybe_applied=request.maybe_applied,
             effect=None if effect is None else effect.name,
             detail=None if action is None else action.why,
+            **({} if budget_name is None else {"budget": budget_name}),
         )
-    context = request.error_context(reason, strategy=strategy)
+    extra: dict[str, Any] | None = None
+    if action is not None and action.why is not None:
+        extra = {"detail": action.why}  # the strategy's own reason for refusing
+    if budget_name is not None:
+        extra = {**(extra or {}), "budget": budget_name}
+    context = request.error_context(reason, strategy=strategy, extra=extra)
     if verdict is Verdict.TOO_MANY:
         return RequestCanceledException(
             f"not retried: {max_requests_in_retry} requests are already waiting in retry "
@@ -326,8 +333,9 @@ def refused(
         )
     if verdict is Verdict.BUDGET_EXHAUSTED:
         balance = getattr(budget, "balance", None)
+        which = "" if budget_name is None else f" {budget_name!r}"
         return RequestCanceledException(
-            f"not retried: the retry budget is exhausted (balance {balance}) after "
+            f"not retried: the retry budget{which} is exhausted (balance {balance}) after "
             f"{reason.name}; too many requests are failing at once to retry them all",
             context=context,
         )
@@ -335,8 +343,10 @@ def refused(
         return _built(action.exception, context, f"{strategy}.{method}", reason)
     if verdict is Verdict.NOT_IDEMPOTENT:
         return RequestCanceledException(_not_idempotent(request, reason, action), context=context)
+    detail = "" if action is None or action.why is None else f": {action.why}"
     return RequestCanceledException(
-        f"not retried: {strategy} declined to retry after {reason.name}", context=context
+        f"not retried: {strategy} declined to retry after {reason.name}{detail}",
+        context=context,
     )
 
 

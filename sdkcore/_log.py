@@ -174,11 +174,11 @@ def _attach() -> bool:
 def _stdlib_event(event: str, fields: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """Render an event for a stdlib logger: ``retry.scheduled key=value ...``.
 
-    The fields are also on the LogRecord, as ``record.sdkcore`` (a dict), for
-    handlers that want them structured.
+    The event and its fields are also on the LogRecord, as ``record.sdkcore`` (a dict
+    whose ``event`` key is the event's name), for handlers that want them structured.
     """
     text = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in fields.items())
-    return (f"{event} {text}" if text else event), {"sdkcore": fields}
+    return (f"{event} {text}" if text else event), {"sdkcore": {"event": event, **fields}}
 
 
 class _Stdlib:

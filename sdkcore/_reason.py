@@ -2,7 +2,8 @@
 
 One row of the RFC table is one member here; the flags are the RFC's columns.
 ``after_dispatch`` is sdkcore's own column: it says whether a failure with this
-reason means the attempt may have reached the network (see rfc/0001).
+reason means the attempt may have reached the network, which gives the attempt's
+default effect (see rfc/0001 and ``sdkcore._context.DEFAULT_EFFECT``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ class RetryReason(enum.Enum):
     * ``always_retry``: retried with controlled backoff whatever the strategy
       says (e.g. NOT_MY_VBUCKET).
     * ``after_dispatch``: the failed attempt may have been written to the
-      network. Used to choose between ambiguous and unambiguous timeouts.
+      network. It decides the attempt's default effect (``DEFAULT_EFFECT``, used
+      when the failure names none): false, ``AttemptEffect.NOT_SENT``; true, sent
+      (NOT_APPLIED when ``allows_non_idempotent_retry``, else MAYBE_APPLIED). Hence
+      ``Request.reached_network``, and whether a retry spends the retry budget (a
+      NOT_SENT attempt's does not). A timeout is ambiguous only for a request that is
+      not idempotent and ``maybe_applied``, so this flag alone does not decide that.
     """
 
     # name = (value, allows_non_idempotent_retry, always_retry, after_dispatch)

@@ -22,7 +22,7 @@ from ._errors import (
     CouchbaseException,
     ScopeNotFoundException,
 )
-from ._reason import RetryReason
+from ._reason import RetryReason, suggest_member
 from ._request import Request, RetryStrategy
 from ._untrusted import show
 
@@ -80,7 +80,7 @@ class BestEffortRetryStrategy:
     def decide(self, request: Request, reason: RetryReason) -> RetryAction:
         """The synchronous decision every door uses (override it to refine the strategy)."""
         if type(reason) is not RetryReason or not isinstance(request, Request):
-            raise _refused(self, request, reason)
+            raise _bad_arguments(self, request, reason)
         if request.idempotent or reason.allows_non_idempotent_retry:
             attempt = request.retry_attempts
             if self._backoff is None:
@@ -93,12 +93,14 @@ class BestEffortRetryStrategy:
                 raise TypeError(
                     f"{type(self).__name__}: backoff({attempt}) returned None; a backoff must "
                     "return a timedelta or seconds >= 0 (to stop retrying, return "
-                    "RetryAction.no_retry() from retry_after instead)"
+                    "RetryAction.no_retry() from decide (or retry_after) instead)"
                 )
-            action = RetryAction.with_duration(
-                to_seconds(delay, f"{type(self).__name__}: backoff({attempt})")
-                if not isinstance(delay, timedelta)
-                else delay
+            # Checked here for both types, so a bad delay is named as the backoff's.
+            seconds = to_seconds(delay, f"{type(self).__name__}: backoff({attempt})")
+            action = (
+                RetryAction(delay)
+                if isinstance(delay, timedelta)
+                else RetryAction.with_duration(seconds)
             )
             self._memo = (delay, action)
             return action
@@ -108,17 +110,14 @@ class BestEffortRetryStrategy:
         return f"{type(self).__name__}(backoff={self._backoff!r})"
 
 
-def _refused(strategy: object, request: object, reason: object) -> TypeError:
+def _bad_arguments(strategy: object, request: object, reason: object) -> TypeError:
+    """The TypeError for a ``decide`` (or ``retry_after``) called with a bad argument."""
     name = f"{type(strategy).__name__}.decide(request, reason)"
     if not isinstance(request, Request):
         return TypeError(f"{name}: request must be an sdkcore.Request, got {show(request)}")
     return TypeError(
         f"{name}: reason must be an sdkcore.RetryReason member, got {show(reason)}"
-        + (
-            f" (use RetryReason.{reason})"
-            if isinstance(reason, str) and reason in RetryReason.__members__
-            else ""
-        )
+        + suggest_member(reason, RetryReason)
     )
 
 

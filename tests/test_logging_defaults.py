@@ -162,6 +162,7 @@ def test_an_app_without_structlog_never_loads_it_through_sdkcore() -> None:
         assert record.levelno == logging.WARNING, record.levelno
         assert record.getMessage().startswith("retry.strategy_failed request_id="), record.msg
         assert record.sdkcore["reason"] == "KV_LOCKED", record.sdkcore
+        assert record.sdkcore["event"] == "retry.strategy_failed", record.sdkcore
         print("ok")
         """
     )

@@ -551,7 +551,9 @@ async def test_maybe_retry_on_completed_request_fails_clearly() -> None:
     req = Request(name="kv.get", clock=vc.clock)
     await orch.execute(req, send)
     assert req.state is RequestState.SUCCEEDED
-    with pytest.raises(RuntimeError, match=r"has already succeeded; it cannot be sent again") as info:
+    with pytest.raises(
+        RuntimeError, match=r"has already succeeded; it cannot be sent again"
+    ) as info:
         await orch.maybe_retry(req, RetryReason.KV_LOCKED)
     assert str(req.id) in str(info.value)
     assert "kv.get" in str(info.value)

@@ -69,7 +69,7 @@ Assumptions, each from the documents or from grpcio 1.85 as observed:
   rule (a single ASCII decimal signed 32-bit integer; negative or unparsable: don't
   retry);
 * a pushback that would end past the deadline ends the call with DEADLINE_EXCEEDED at
-  once, before the deadline (sdkcore/_decision.py rule 5, rfc/0007);
+  once, before the deadline (sdkcore/_decision.py rule 6, rfc/0007);
 * the server is always reachable, so no A6 transparent retry can happen (an attempt
   re-sent with the same header would be reported).
 
@@ -898,7 +898,7 @@ class World:
                 if timeout is None:
                     problem("DEADLINE_EXCEEDED for a call without a deadline")
                 elif record.end_at < record.start_at + timeout and not any(
-                    # sdkcore's rule (sdkcore/_decision.py, rule 5; rfc/0007): a pushback
+                    # sdkcore's rule (sdkcore/_decision.py, rule 6; rfc/0007): a pushback
                     # that would end past the deadline times the call out at once.
                     (pushback := pushback_of(a.trailing)) is not None
                     and pushback >= 0
