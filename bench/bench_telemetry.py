@@ -170,7 +170,7 @@ class Floor:
         span = telemetry.tracer.start_span(
             "sdkcore.attempt",
             context=in_context(self.span),
-            attributes={"sdkcore.attempt.number": request._attempts + 1},
+            attributes={"sdkcore.attempt.number": request._retries + 1},
         )
         token = otel_context.attach(in_context(span))
         result = send(request)
@@ -180,7 +180,7 @@ class Floor:
 
     def end(self, request: Request) -> None:
         telemetry = self.telemetry
-        retries = request._attempts
+        retries = request._retries
         telemetry.request_duration.record(request._clock() - request._start, self.success)
         telemetry.request_retries.record(retries, self.attributes)
         span = self.span

@@ -27,7 +27,8 @@ _EMPTY: Mapping[str, Any] = MappingProxyType({})
 class CancellationReason(enum.Enum):
     """Why a request ended without a result from the server."""
 
-    #: The retry strategy declined to retry (RFC 0049 ``failRequest``).
+    #: Not retried (RFC 0049 ``failRequest``): the strategy declined, a request that is
+    #: not idempotent could be applied twice, or every hedge of a hedged request failed.
     NO_MORE_RETRIES = "NO_MORE_RETRIES"
     #: The orchestrator's limit of requests waiting in retry was reached.
     TOO_MANY_REQUESTS_IN_RETRY = "TOO_MANY_REQUESTS_IN_RETRY"
@@ -188,7 +189,8 @@ class AttemptRecord:
     ``number`` is 1-based (the first send is attempt 1). ``reason`` is the retry
     reason it failed with (None: it failed otherwise, or was cut in flight);
     ``error`` the failure as ``"Type: message"``; ``duration`` how long the attempt
-    was in flight (None when not measured, e.g. in a hand-wired loop);
+    was in flight (None when not measured: a hand-wired ``maybe_retry`` loop without
+    ``attempt()``);
     ``delay`` the backoff scheduled after it (None: not retried).
     """
 
@@ -229,10 +231,12 @@ class ErrorContext:
     retry_reasons: tuple[RetryReason, ...]
     timeout: timedelta | None
     elapsed: timedelta
-    #: The reason the failing call to ``maybe_retry`` was given, if any.
+    #: The retry reason of the failure the door was deciding on when the request ended
+    #: (None: no attempt failed with one, e.g. an attempt cut in flight).
     reason: RetryReason | None = None
     cancellation_reason: CancellationReason | None = None
-    #: The strategy that decided, by class name (``"controlled_backoff"`` for always-retry).
+    #: The strategy that decided, by class name (``"controlled_backoff"`` for always-retry,
+    #: ``"hedge"`` for a hedged request's timeout).
     strategy: str | None = None
     #: Free-form details added by mappers and adapters (status codes, server messages, ...).
     extra: Mapping[str, Any] = _EMPTY

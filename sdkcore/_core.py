@@ -90,11 +90,13 @@ class OrchestratorCore:
                 "RetryOrchestrator(default_strategy=...) must be a RetryStrategy instance (an "
                 f"object with a retry_after(request, reason) method), got {default_strategy!r}"
             )
-        if (
-            not isinstance(max_requests_in_retry, int)
-            or isinstance(max_requests_in_retry, bool)
-            or not 1 <= max_requests_in_retry <= _MAX_COUNT
-        ):
+        if not isinstance(max_requests_in_retry, int) or isinstance(max_requests_in_retry, bool):
+            raise TypeError(
+                "RetryOrchestrator(max_requests_in_retry=...) must be an integer >= 1 (at most "
+                f"{_MAX_COUNT}), got {show(max_requests_in_retry)} "
+                f"({type(max_requests_in_retry).__name__})"
+            )
+        if not 1 <= max_requests_in_retry <= _MAX_COUNT:
             raise ValueError(
                 "RetryOrchestrator(max_requests_in_retry=...) must be an integer >= 1 (at most "
                 f"{_MAX_COUNT}), got {show(max_requests_in_retry)}"
@@ -284,7 +286,7 @@ class OrchestratorCore:
                 raise
         return verdict, delay
 
-    def _unsent(self, request: Request, verdict: Verdict) -> None:
+    def _refund_unsent(self, request: Request, verdict: Verdict) -> None:
         """A retry that :meth:`_settle` booked is not sent (its backoff was cut, or the
         request completed meanwhile): the retry budget gets back what it paid for it."""
         budget = self._budget

@@ -44,10 +44,6 @@ def _check_request(request: object, door: str) -> None:
         raise TypeError(f"{door}: request must be an sdkcore.Request, got {request!r}")
 
 
-def _strategy_of(self: OrchestratorCore, request: Request) -> str:
-    return _failing.strategy_name(request.retry_strategy or self._default)
-
-
 def _scope_fired(
     self: OrchestratorCore, request: Request, error: BaseException | None, *, in_flight: bool
 ) -> BaseException:
@@ -59,7 +55,7 @@ def _scope_fired(
     return _failing.timed_out(
         request,
         request.last_reason,
-        _strategy_of(self, request),
+        _failing.strategy_of(request, self._default),
         request.clock(),
         in_flight=in_flight,
         error=error,
@@ -122,16 +118,6 @@ async def _cancellable_wait(
         scope.exit(None)
 
 
-def _resume(request: Request, verdict: Verdict, reason: RetryReason, strategy: Any) -> None:
-    """After the backoff: raise what ends the request instead of a re-dispatch."""
-    if request.state is not _PENDING:  # Request.cancel() during the backoff
-        raise _failing.already_completed(request, request.last_reason) from _failing.cause(request)
-    if verdict is Verdict.TIME_OUT:
-        raise _failing.timed_out(
-            request, request.last_reason, _failing.answered_by(reason, strategy), request.clock()
-        ) from _failing.cause(request)
-
-
 async def execute(
     self: OrchestratorCore, request: Request, send: Callable[[Request], Awaitable[T]]
 ) -> T:
@@ -167,7 +153,10 @@ async def execute(
     try:
         if deadline != _INF and deadline - request._clock() <= 0.0:  # expired: nothing is sent
             raise _failing.timed_out(
-                request, request.last_reason, _strategy_of(self, request), request._clock()
+                request,
+                request.last_reason,
+                _failing.strategy_of(request, self._default),
+                request._clock(),
             )
         if self._budget is not None:  # before the scope: a budget that raises arms nothing
             self._deposit(request)
@@ -179,13 +168,13 @@ async def execute(
         while True:
             request._begin_attempt(request._clock())
             if trace is not None:
-                handle = trace.attempt(request._attempts + 1)
+                handle = trace.attempt(request._retries + 1)
             pending = send(request)
             try:
                 result = await pending
             except TypeError:
                 # Checked only when it fails: one hasattr per attempt was about 1.3% of a
-                # retried call's instructions (bench/README, "bench_instructions.py", third pass).
+                # retried call's instructions (bench/README, "bench_doors.py", third pass).
                 if hasattr(pending, "__await__"):
                     raise  # send's own TypeError
                 raise TypeError(
@@ -236,13 +225,13 @@ async def execute(
                     else:
                         await _injected_wait(self, request, rt, delay)
                 except BaseException:
-                    self._unsent(request, verdict)
+                    self._refund_unsent(request, verdict)
                     raise
                 finally:
                     self._in_retry -= 1  # _leave_backoff(), written out (the loop's thread only)
                 if verdict is not _RETRY or request.state is not _PENDING:
-                    self._unsent(request, verdict)
-                    _resume(request, verdict, reason, strategy)
+                    self._refund_unsent(request, verdict)
+                    _failing.after_backoff(request, verdict, reason, strategy)
                 continue
             if trace is not None:
                 trace.attempt_end(handle, None)
@@ -368,9 +357,10 @@ async def maybe_retry(
 
     Returns the delay waited once the caller should re-dispatch. Raises when it
     must not: the strategy's chosen exception or RequestCanceledException
-    (NO_MORE_RETRIES / TOO_MANY_REQUESTS_IN_RETRY / CANCELLED_VIA_CONTEXT), a
-    TimeoutException when the backoff reaches the deadline (the deadline also
-    bounds a strategy that must be awaited), or whatever the strategy raised.
+    (NO_MORE_RETRIES / TOO_MANY_REQUESTS_IN_RETRY / RETRY_BUDGET_EXHAUSTED /
+    CANCELLED_VIA_CONTEXT), a TimeoutException when the backoff reaches the deadline
+    or the server's ``retry_after`` would pass it (the deadline also bounds a strategy
+    that must be awaited), or whatever the strategy raised.
     """
     _check_request(request, "maybe_retry(request, reason)")
     if type(reason) is not RetryReason:
@@ -417,12 +407,12 @@ async def maybe_retry(
         verdict, delay = self._settle(
             request, reason, action, strategy, gate(_DEBUG), cause, hint, now
         )
-        if delay > 0.0 and (self._sleep is None or not INSTANT_DELAYS.get()):
+        if delay > 0.0:  # as execute without a deadline: Request.cancel() can wake it
             # Request.cancel() wakes a real backoff early (the request is then found cancelled).
             try:
                 await _cancellable_wait(self, request, rt, delay)
             except BaseException as exc:
-                self._unsent(request, verdict)
+                self._refund_unsent(request, verdict)
                 request._finish_by(exc)
                 raise
             finally:
@@ -437,14 +427,14 @@ async def maybe_retry(
                 else:
                     await _injected_wait(self, request, rt, delay)
             except BaseException as exc:
-                self._unsent(request, verdict)
+                self._refund_unsent(request, verdict)
                 request._finish_by(exc)
                 raise
             finally:
                 self._in_retry -= 1  # _leave_backoff(), written out (the loop's thread only)
         if verdict is not _RETRY or request.state is not _PENDING:
-            self._unsent(request, verdict)
-            _resume(request, verdict, reason, strategy)
+            self._refund_unsent(request, verdict)
+            _failing.after_backoff(request, verdict, reason, strategy)
         if type(action) is RetryAction and action.seconds == delay and action.duration is not None:
             return action.duration  # the strategy's own timedelta: nothing to build
         return timedelta(seconds=delay)
@@ -506,9 +496,11 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
     now = request.clock()
     left = request.deadline - now
     if left <= 0.0:  # expired before the attempt: nothing is sent
-        if request._retry_unsent():  # the retry maybe_retry booked, and paid for, never goes
-            self._unsent(request, _RETRY)
-        expired = _failing.timed_out(request, request.last_reason, _strategy_of(self, request), now)
+        if request._has_unsent_retry():  # the retry maybe_retry booked, and paid for, never goes
+            self._refund_unsent(request, _RETRY)
+        expired = _failing.timed_out(
+            request, request.last_reason, _failing.strategy_of(request, self._default), now
+        )
         if self._telemetry is not None:
             (request._trace or self._telemetry.begin(request)).end(request, expired)
         raise expired

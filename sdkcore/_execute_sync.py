@@ -120,10 +120,10 @@ def _loop(
     deadline = request.deadline
     while True:
         if clock() >= deadline:
-            if request._retry_unsent():  # a backoff that ended past the deadline: not sent
-                self._unsent(request, Verdict.RETRY)
+            if request._has_unsent_retry():  # a backoff that ended past the deadline: not sent
+                self._refund_unsent(request, Verdict.RETRY)
             raise _failing.timed_out(
-                request, request.last_reason, _name(self, request), clock()
+                request, request.last_reason, _failing.strategy_of(request, self._default), clock()
             ) from _failing.cause(request)
         request._begin_attempt(clock())
         try:
@@ -139,7 +139,9 @@ def _loop(
             if now >= deadline:  # blocked past the deadline: the timeout, as for any error
                 # The attempt is booked with what it said of itself (a NOT_SENT one stays
                 # unambiguous), as execute books an attempt that failed at its deadline.
-                raise _failing.timed_out(request, reason, _name(self, request), now) from failed
+                raise _failing.timed_out(
+                    request, reason, _failing.strategy_of(request, self._default), now
+                ) from failed
             _retry(self, request, reason, failed, sleep, failure.retry_after, now)
             continue
         except Exception as exc:
@@ -148,7 +150,7 @@ def _loop(
                 raise _failing.timed_out(
                     request,
                     request.last_reason,
-                    _name(self, request),
+                    _failing.strategy_of(request, self._default),
                     now,
                     in_flight=True,
                     error=exc,
@@ -215,10 +217,6 @@ def _wait(request: Request, delay: float) -> None:
         request._set_cancel_hook(previous)
 
 
-def _name(self: OrchestratorCore, request: Request) -> str:
-    return _failing.strategy_name(request.retry_strategy or self._default)
-
-
 def _retry(
     self: OrchestratorCore,
     request: Request,
@@ -236,11 +234,16 @@ def _retry(
         if close is not None:
             close()  # never awaited: no warning
         request._finish(RequestState.FAILED)
+        method = _failing.asked(strategy)
+        fix = (
+            "Make its decide a plain def"
+            if method == "decide"
+            else "Use a built-in strategy, override its decide(request, reason) instead"
+        )
         raise TypeError(
             f"execute_sync needs a synchronous RetryStrategy; "
-            f"{_failing.strategy_name(strategy)}.retry_after returned "
-            "an awaitable. Use a built-in strategy, override its decide(request, reason) "
-            "instead, or 'await orchestrator.execute(...)'"
+            f"{_failing.strategy_name(strategy)}.{method} returned an awaitable. "
+            f"{fix}, or 'await orchestrator.execute(...)'"
         )
     verdict, delay = self._settle(
         request, reason, action, strategy, gate(DEBUG), failure, hint, now, threads=True
@@ -252,14 +255,12 @@ def _retry(
             else:
                 _blocking_sleep(sleep, delay)
     except BaseException as exc:
-        self._unsent(request, verdict)
+        self._refund_unsent(request, verdict)
         request._finish_by(exc)
         raise
     finally:
         self._leave_backoff(threads=True)
-    if request.state is not _PENDING:  # Request.cancel() from another thread
-        self._unsent(request, verdict)
-        raise _failing.already_completed(request, reason) from failure
-    if verdict is Verdict.TIME_OUT:
-        name = _failing.answered_by(reason, strategy)
-        raise _failing.timed_out(request, reason, name, request.clock()) from failure
+    if verdict is not Verdict.RETRY or request.state is not _PENDING:
+        # Request.cancel() from another thread, or a backoff capped at the deadline
+        self._refund_unsent(request, verdict)
+        _failing.after_backoff(request, verdict, reason, strategy)

@@ -1,9 +1,11 @@
 """How a request ends without an answer: the final exception and its log event.
 
-Each function here completes the request (through its transitions), logs the
-event of rfc/0001 "Log events" when its level is enabled, and returns the
-exception for the door to raise. No waiting and no decisions: those are
-:mod:`sdkcore._decision` and the runtime's.
+The ending functions (:func:`timed_out`, :func:`refused`, :func:`already_completed`,
+:func:`after_backoff`, :func:`strategy_failed`) complete the request through its
+transitions where it is not complete yet, log the event of rfc/0001 "Log events" when
+its level is enabled, and return (or raise) the exception for the door. The helpers
+beside them name strategies and build event fields and causes for those endings.
+No waiting and no decisions: those are :mod:`sdkcore._decision` and the runtime's.
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ from ._strategy import sync_decide
 from ._untrusted import show
 
 __all__ = [
+    "after_backoff",
     "already_completed",
+    "answered_by",
+    "asked",
     "bad_action",
     "cause",
     "event_fields",
@@ -43,6 +48,7 @@ __all__ = [
     "refused",
     "strategy_failed",
     "strategy_name",
+    "strategy_of",
     "timed_out",
 ]
 
@@ -61,6 +67,12 @@ def asked(strategy: object) -> str:
     """The strategy's method a door called for its answer (:func:`sync_decide`'s rule):
     ``decide`` or ``retry_after``. For error messages only."""
     return "retry_after" if sync_decide(strategy) is None else "decide"
+
+
+def strategy_of(request: Request, default: object) -> str:
+    """The name of the strategy that answers for ``request``: its own, else ``default``
+    (the orchestrator's)."""
+    return strategy_name(request.retry_strategy or default)
 
 
 def answered_by(reason: RetryReason, strategy: object) -> str:
@@ -100,6 +112,20 @@ def cause(request: Request) -> BaseException | None:
     """The ``__cause__`` of a final exception: the last attempt's failure, never a cancellation."""
     error = request.last_error
     return error if isinstance(error, Exception) else None
+
+
+def after_backoff(
+    request: Request, verdict: Verdict, reason: RetryReason, strategy: object
+) -> None:
+    """After a booked retry's backoff, raise what ends the request instead of sending it
+    again: ``Request.cancel()`` during the backoff, or a backoff capped at the deadline
+    (TIME_OUT, RFC 0049 "Capping the Retry Duration"). Returns when it is to be sent."""
+    if request.state is not RequestState.PENDING:
+        raise already_completed(request, request.last_reason) from cause(request)
+    if verdict is Verdict.TIME_OUT:
+        raise timed_out(
+            request, request.last_reason, answered_by(reason, strategy), request.clock()
+        ) from cause(request)
 
 
 def already_completed(

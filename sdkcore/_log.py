@@ -287,10 +287,11 @@ def gate() -> Callable[[int], Any]:
 
     Finding the logger (a capture, the application's structlog configuration, or the
     stdlib logger) costs about 5,700 instructions with structlog configured, 3% of a
-    retried ``execute`` (bench/README, "bench_instructions.py"); the returned ``at``
+    retried ``execute`` (bench/README, "bench_doors.py", third pass); the returned ``at``
     then costs one comparison
     or one ``isEnabledFor``, and sees runtime level changes. A door asks for the
-    gate once per request and calls ``at`` once per retry.
+    gate once per request; ``maybe_retry`` calls ``at`` once per retry, ``execute``
+    once per call, at its first failure (rfc/0001, "How a failed attempt flows").
     """
     events = CAPTURE.get()
     if events is not None:

@@ -46,8 +46,9 @@ _DISPATCHING: ContextVar[list[Any] | None] = ContextVar("sdkcore_dispatching", d
 def dispatching() -> Request | None:
     """The request whose attempt is being sent in this task or thread, if any.
 
-    None outside a door's ``send`` (``execute``, ``execute_sync``, ``attempt()``, a
-    hedge copy), and in a task spawned there once that dispatch has ended. The one
+    None outside a door's ``send`` (``execute`` when its request has a deadline,
+    ``execute_sync``, ``attempt()``, a hedge copy), and in a task spawned there once that
+    dispatch has ended. The one
     reader of ``_DISPATCHING``'s mark for the rest of sdkcore (the breaker, the gRPC
     channels): its shape stays this module's business.
     """
@@ -450,6 +451,10 @@ def _scope_left() -> float:
     loaded (an application that uses anyio loaded it; sdkcore never imports it).
     ``math.inf`` otherwise: asyncio's own ``asyncio.timeout()`` is not visible.
     ``-inf`` when the caller is already cancelled.
+
+    The trio half is the runtime's (``_runtime._trio.scope_left``); the anyio-on-asyncio
+    half stays here, read through ``sys.modules``, so that ``time_left`` read on a
+    thread without a loop (``execute_sync``) never loads the asyncio backend.
     """
     sniffio = sys.modules.get("sniffio")
     if sniffio is not None and sniffio.thread_local.name == "trio":

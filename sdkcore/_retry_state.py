@@ -50,7 +50,6 @@ class RetryState:
     """The retry half of a :class:`sdkcore.Request` (see the module's docstring)."""
 
     __slots__ = (
-        "_attempts",
         "_cancellation",
         "_dispatched",
         "_history",
@@ -59,6 +58,7 @@ class RetryState:
         "_last_reason",
         "_maybe_applied",
         "_reasons",
+        "_retries",
         "_sent",
         "_sent_at",
         "_state",
@@ -66,7 +66,7 @@ class RetryState:
     )
 
     def __init__(self) -> None:
-        self._attempts = 0
+        self._retries = 0
         self._reasons: list[RetryReason] = []  # distinct, first-seen order (a list: 100 B less)
         self._state = _PENDING
         self._cancellation: CancellationReason | None = None
@@ -85,7 +85,7 @@ class RetryState:
     @property
     def retry_attempts(self) -> int:
         """How many retries have happened (0 before the first retry)."""
-        return self._attempts
+        return self._retries
 
     @property
     def retry_reasons(self) -> tuple[RetryReason, ...]:
@@ -222,21 +222,21 @@ class RetryState:
 
     def _retry_booked(self, reason: RetryReason, delay: float | None) -> None:
         """The failed attempt is retried for ``reason`` after ``delay`` seconds."""
-        self._attempts += 1
+        self._retries += 1
         if reason not in self._reasons:
             self._reasons.append(reason)
         history = self._history
         if history:
             history[-1][4] = delay
 
-    def _retry_unsent(self) -> bool:
+    def _has_unsent_retry(self) -> bool:
         """A retry was booked (:meth:`_retry_booked`) and no attempt has begun since."""
         history = self._history
         return not self._in_flight and bool(history) and history[-1][4] is not None
 
     def _hedge_sent(self) -> None:
         """One more copy of a hedged request went out (a retry, by the RFC's count)."""
-        self._attempts += 1
+        self._retries += 1
 
     def _reason_seen(self, reason: RetryReason) -> None:
         """A hedge failed for ``reason``: listed in ``retry_reasons``."""

@@ -574,7 +574,7 @@ class RequestTrace:
                 span = telemetry.tracer.start_span(
                     "sdkcore.attempt",
                     context=in_context(parent),
-                    attributes={ATTEMPT_NUMBER: request._attempts + 1},
+                    attributes={ATTEMPT_NUMBER: request._retries + 1},
                 )
                 token = telemetry._context.attach(in_context(span))
             except Exception as exc:
@@ -697,7 +697,7 @@ class RequestTrace:
             return
         # Request.retry_attempts counts hedged copies too (RFC 0049): they are reported
         # by sdkcore.hedges, so a retry ratio never mistakes a hedge for a retry.
-        retries = request._attempts - self.hedges
+        retries = request._retries - self.hedges
         elapsed = request._clock() - request._start  # request.elapsed, without its timedelta
         cls = ""
         if state is _SUCCEEDED:

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from sdkcore import (
@@ -84,3 +86,18 @@ async def test_maybe_retry_takes_the_errors_effect_unless_given() -> None:
     with pytest.raises(UnambiguousTimeoutException):
         await retry_until_it_ends()
     assert not request.maybe_applied
+
+
+def test_execute_sync_names_an_async_decide_as_the_method_to_fix() -> None:
+    class AsyncDecide(FailFastRetryStrategy):
+        async def decide(self, request: Request, reason: RetryReason) -> Any:  # type: ignore[override]
+            raise AssertionError("never awaited")
+
+    def send(_: Request) -> None:
+        raise RetryableError(TEMP)
+
+    with pytest.raises(TypeError) as info:
+        RetryOrchestrator().execute_sync(Request(retry_strategy=AsyncDecide()), send)
+    assert "AsyncDecide.decide returned an awaitable. Make its decide a plain def" in str(
+        info.value
+    )
