@@ -279,7 +279,10 @@ def _history(request: Request, in_flight: bool, copies_cut: int = 0) -> str:
     text = f"after {retries} {'retry' if retries == 1 else 'retries'}"
     last = request.last_reason
     if last is not None:
-        text += f" (last: {last.name})"
+        if request._has_unsent_retry():  # RFC 0049 counts a retry when it is booked
+            text += f" (last: {last.name}; the last retry was due past the deadline, not sent)"
+        else:
+            text += f" (last: {last.name})"
     if copies_cut:
         text += f", {copies_cut} hedge(s) in flight at the deadline"
     elif in_flight:

@@ -587,8 +587,8 @@ async def test_timeout_headline_names_the_retries_and_the_last_reason() -> None:
     retries = req.retry_attempts
     assert retries == 10
     assert info.value.message == (
-        "request timed out after 10 retries (last: AUTHENTICATION_ERROR); it was not applied "
-        "on the server (unambiguous)"
+        "request timed out after 10 retries (last: AUTHENTICATION_ERROR; the last retry was due "
+        "past the deadline, not sent); it was not applied on the server (unambiguous)"
     )
     assert str(info.value).startswith(info.value.message + " {")  # the context follows
 
