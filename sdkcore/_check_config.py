@@ -223,10 +223,19 @@ def _policy(mc: MethodConfig, cap: int) -> str:
     parts = []
     retry = mc.retry_policy
     if retry is not None:
+        if retry.initial_backoff >= retry.max_backoff:
+            # every backoff is capped: the one actually used, not a growth that never happens
+            backoff = (
+                f"backoff {_seconds(retry.max_backoff)} every retry "
+                f"(initialBackoff {_seconds(retry.initial_backoff)} capped by maxBackoff)"
+            )
+        else:
+            backoff = (
+                f"backoff {_seconds(retry.initial_backoff)}, "
+                f"x{retry.backoff_multiplier:g} per retry, at most {_seconds(retry.max_backoff)}"
+            )
         parts.append(
-            f"retry: {_attempts(retry.max_attempts, cap)}; "
-            f"backoff {_seconds(retry.initial_backoff)}, "
-            f"x{retry.backoff_multiplier:g} per retry, at most {_seconds(retry.max_backoff)} "
+            f"retry: {_attempts(retry.max_attempts, cap)}; {backoff} "
             f"(jittered); retry on {_codes(retry.retryable_status_codes)}"
         )
     hedging = mc.hedging_policy

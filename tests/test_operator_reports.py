@@ -220,6 +220,23 @@ def test_check_config_leaves_ok_out_of_the_effective_policy(
     assert "methodConfig[1].hedgingPolicy.nonFatalStatusCodes[0]: OK is not a failure" in err
 
 
+def test_check_config_shows_the_backoff_used_when_max_backoff_caps_every_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    retry = {
+        "maxAttempts": 5,
+        "initialBackoff": "1s",
+        "maxBackoff": "0.1s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": ["UNAVAILABLE"],
+    }
+    config = {"methodConfig": [{"name": [{"service": "pkg.Kv"}], "retryPolicy": retry}]}
+    out, _ = _check(tmp_path, capsys, config)
+    flat = " ".join(out.split())
+    assert "backoff 0.1s every retry (initialBackoff 1s capped by maxBackoff)" in flat
+    assert "x2 per retry" not in flat
+
+
 # -- 5. explain names the retry_after a local refusal carries -------------------------------------
 
 
