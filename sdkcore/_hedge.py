@@ -392,8 +392,11 @@ class _Chain:
         self.request._attempt_failed(reason, effect, error, self.clock(), started=attempt.started)
         if effect is AttemptEffect.NOT_SENT and attempt.index > 0 and self.budget is not None:
             # Nothing reached the server (an OPEN breaker refused the copy, or it was cut
-            # before it began): the withdrawal it paid is given back, as a retry after a
-            # NOT_SENT attempt never spends (``_decision.spends_budget``).
+            # before it began): the withdrawal it paid is given back. The rule is the
+            # retry doors' (a retry that puts no load on the server costs nothing), kept
+            # the other way round: a retry is paid for after the attempt before it, and
+            # not at all when that one was NOT_SENT (``_decision.spends_budget``); a hedge
+            # is paid for when it is booked, before anyone knows, and refunded here.
             refund = getattr(self.budget, "refund", None)
             if refund is not None:
                 refund()
