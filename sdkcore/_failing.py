@@ -45,6 +45,7 @@ __all__ = [
     "cause",
     "event_fields",
     "keep_cause",
+    "log_not_retried",
     "refused",
     "strategy_failed",
     "strategy_name",
@@ -179,19 +180,47 @@ def _log_cancelled(request: Request, reason: RetryReason | None, cut: bool) -> N
     if log is None:
         return
     strategy = request.retry_strategy
-    effect = request.last_effect
-    timeout = request.timeout
     (log.info if ambiguous else log.debug)(
         _log.EVENT_CANCELLED,
         **event_fields(request, reason, None if strategy is None else strategy_name(strategy)),
         cancellation_reason=CancellationReason.CANCELLED_VIA_CONTEXT.name,
         in_flight=cut,
-        ambiguous=ambiguous,
-        maybe_applied=request.maybe_applied,
-        effect=None if effect is None else effect.name,
-        timeout_ms=None if timeout is None else round(timeout.total_seconds() * 1000.0, 3),
-        elapsed_ms=round(request.elapsed.total_seconds() * 1000.0, 3),
+        **_outcome_fields(request),
     )
+
+
+def _outcome_fields(request: Request) -> dict[str, Any]:
+    """What the events of a request that ended without an answer (``retry.timed_out``,
+    ``retry.cancelled``) say of its effect on the server and its time."""
+    effect = request.last_effect
+    timeout = request.timeout
+    return {
+        "ambiguous": not request.idempotent and request.maybe_applied,
+        "maybe_applied": request.maybe_applied,
+        "effect": None if effect is None else effect.name,
+        "timeout_ms": None if timeout is None else round(timeout.total_seconds() * 1000.0, 3),
+        "elapsed_ms": round(request.elapsed.total_seconds() * 1000.0, 3),
+    }
+
+
+def log_not_retried(
+    request: Request, reason: RetryReason, strategy: str, why: str, **fields: Any
+) -> None:
+    """``retry.not_retried`` (info) for a request that has just ended not retried, with
+    ``why`` and ``fields`` (``detail``, ``budget``) beside the common ones."""
+    log = _log.enabled(_log.INFO)
+    if log is not None:
+        cancellation = request.cancellation_reason
+        effect = request.last_effect
+        log.info(
+            _log.EVENT_NOT_RETRIED,
+            **event_fields(request, reason, strategy),
+            why=why,
+            cancellation_reason=None if cancellation is None else cancellation.name,
+            maybe_applied=request.maybe_applied,
+            effect=None if effect is None else effect.name,
+            **fields,
+        )
 
 
 def timed_out(
@@ -242,16 +271,8 @@ def timed_out(
             )
         if hint is not None:
             fields["retry_after_ms"] = round(hint[0] * 1000.0, 3)
-        effect = request.last_effect
-        timeout = request.timeout
-        fields.update(
-            in_flight=in_flight,
-            ambiguous=ambiguous,
-            maybe_applied=request.maybe_applied,
-            effect=None if effect is None else effect.name,
-            timeout_ms=None if timeout is None else round(timeout.total_seconds() * 1000.0, 3),
-            elapsed_ms=round(request.elapsed.total_seconds() * 1000.0, 3),
-        )
+        fields["in_flight"] = in_flight
+        fields.update(_outcome_fields(request))
         if previous is not None:
             fields["previous_reason"] = None if previous[0] is None else previous[0].name
             fields["previous_error"] = previous[1]
@@ -334,20 +355,14 @@ def refused(
         why = CancellationReason.NO_MORE_RETRIES
     request._finish(RequestState.CANCELLED, why)
     budget_name = getattr(budget, "name", None) if verdict is Verdict.BUDGET_EXHAUSTED else None
-    log = _log.enabled(_log.INFO)
-    if log is not None:
-        cancellation = request.cancellation_reason
-        effect = request.last_effect
-        log.info(
-            _log.EVENT_NOT_RETRIED,
-            **event_fields(request, reason, strategy),
-            why=verdict.value,
-            cancellation_reason=None if cancellation is None else cancellation.name,
-            maybe_applied=request.maybe_applied,
-            effect=None if effect is None else effect.name,
-            detail=None if action is None else action.why,
-            **({} if budget_name is None else {"budget": budget_name}),
-        )
+    log_not_retried(
+        request,
+        reason,
+        strategy,
+        verdict.value,
+        detail=None if action is None else action.why,
+        **({} if budget_name is None else {"budget": budget_name}),
+    )
     extra: dict[str, Any] | None = None
     if action is not None and action.why is not None:
         extra = {"detail": action.why}  # the strategy's own reason for refusing

@@ -737,19 +737,7 @@ async def run_hedged(
         "pushback": "the server's pushback asked for no more hedges and the sent ones failed",
         "retry_budget": "the retry budget refused more hedges and the sent ones failed",
     }[chain.stop]
-    log = _log.enabled(_log.INFO)
-    if log is not None:
-        cancellation = request.cancellation_reason
-        effect = request.last_effect
-        log.info(
-            _log.EVENT_NOT_RETRIED,
-            **_failing.event_fields(request, last.reason, "hedge"),
-            why=_WHY_NOT_HEDGED[chain.stop],
-            cancellation_reason=None if cancellation is None else cancellation.name,
-            maybe_applied=request.maybe_applied,
-            effect=None if effect is None else effect.name,
-            detail=why,
-        )
+    _failing.log_not_retried(request, last.reason, "hedge", _WHY_NOT_HEDGED[chain.stop], detail=why)
     error = RequestCanceledException(
         f"not hedged further: {why}; the last failure was {last.reason.name}",
         context=request.error_context(last.reason, extra=chain.extra()),

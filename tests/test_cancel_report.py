@@ -25,12 +25,12 @@ pytestmark = pytest.mark.anyio
 SAFETY = 10.0
 
 
-async def cancelled_in_flight(idempotent: bool) -> tuple[RequestCanceledException, Request, Any]:
-    request = Request(name="kv.replace", idempotent=idempotent, timeout=5.0)
+async def execute_then_cancel(
+    request: Request, send: Any, after: float
+) -> tuple[RequestCanceledException, list[Any]]:
+    """``execute(request, send)`` in a task, ``request.cancel()`` after ``after`` seconds:
+    the exception the caller got, and the events."""
     caught: list[RequestCanceledException] = []
-
-    async def send(_: Request) -> None:
-        await anyio.sleep_forever()
 
     async def run() -> None:
         try:
@@ -41,10 +41,20 @@ async def cancelled_in_flight(idempotent: bool) -> tuple[RequestCanceledExceptio
     with anyio.fail_after(SAFETY), capture_retry_events() as events:
         async with anyio.create_task_group() as tg:
             tg.start_soon(run)
-            await anyio.sleep(0.02)
+            await anyio.sleep(after)
             request.cancel()
     assert len(caught) == 1
-    return caught[0], request, events
+    return caught[0], events
+
+
+async def cancelled_in_flight(idempotent: bool) -> tuple[RequestCanceledException, Request, Any]:
+    request = Request(name="kv.replace", idempotent=idempotent, timeout=5.0)
+
+    async def send(_: Request) -> None:
+        await anyio.sleep_forever()
+
+    error, events = await execute_then_cancel(request, send, 0.02)
+    return error, request, events
 
 
 async def test_a_write_cancelled_in_flight_says_it_may_have_been_applied() -> None:
@@ -74,23 +84,11 @@ async def test_an_idempotent_request_cancelled_in_flight_logs_at_debug() -> None
 
 async def test_cancelled_in_backoff_nothing_in_flight() -> None:
     request = Request(name="kv.get", idempotent=False, timeout=5.0)
-    caught: list[RequestCanceledException] = []
 
     async def send(_: Request) -> None:
         raise RetryableError(RetryReason.KV_LOCKED)  # the server applied nothing
 
-    async def run() -> None:
-        try:
-            await RetryOrchestrator().execute(request, send)
-        except RequestCanceledException as exc:
-            caught.append(exc)
-
-    with anyio.fail_after(SAFETY), capture_retry_events() as events:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run)
-            await anyio.sleep(0.05)
-            request.cancel()
-    (error,) = caught
+    error, events = await execute_then_cancel(request, send, 0.05)
     assert "in flight" not in str(error)
     assert "it was not applied on the server (unambiguous)" in str(error)
     (event,) = [e for e in events if e["event"] == "retry.cancelled"]
