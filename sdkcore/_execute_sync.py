@@ -65,6 +65,8 @@ def execute_sync(
         raise TypeError(
             f"execute_sync(..., sleep) must be a callable (seconds) that blocks, got {sleep!r}"
         )
+    if sleep is time.sleep and self._sleep_clock is not None:
+        sleep = _virtual_sleep(self, request)
     if request.state is not _PENDING:
         raise _failing.already_completed(request, None)
     request._on_threads()  # Request.cancel() may come from another thread
@@ -97,6 +99,30 @@ def execute_sync(
     if trace is not None:
         trace.end(request, None)
     return result
+
+
+def _virtual_sleep(self: OrchestratorCore, request: Request) -> Callable[[float], None]:
+    """The backoff of ``execute_sync`` on an orchestrator that waits on a virtual clock.
+
+    Its sleep is async, which this door cannot await, and time.sleep would never move
+    that clock: a request on it would retry until the end of real time. The clock's
+    blocking counterpart waits instead (``VirtualClock.sleep_sync``); at the first
+    wait, as the async doors check, the request must run on that clock.
+    """
+    blocking = getattr(getattr(self._sleep, "__self__", None), "sleep_sync", None)
+
+    def sleep(seconds: float) -> None:
+        self._check_clock(request)
+        if not callable(blocking):
+            raise ValueError(
+                f"RetryOrchestrator(sleep={self._sleep!r}) waits on a virtual clock, which "
+                "execute_sync cannot await, and its clock has no sleep_sync: pass a "
+                "blocking sleep that moves the same clock, execute_sync(request, send, "
+                "sleep=...)"
+            )
+        blocking(seconds)
+
+    return sleep
 
 
 def _says_cancelled(error: Exception) -> bool:

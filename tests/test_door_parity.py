@@ -18,6 +18,7 @@ from sdkcore import (
     RetryReason,
     UnambiguousTimeoutException,
 )
+from sdkcore.testing import VirtualClock
 
 pytestmark = pytest.mark.anyio
 
@@ -101,3 +102,52 @@ def test_execute_sync_names_an_async_decide_as_the_method_to_fix() -> None:
     assert "AsyncDecide.decide returned an awaitable. Make its decide a plain def" in str(
         info.value
     )
+
+
+def test_execute_sync_waits_on_the_orchestrators_virtual_clock() -> None:
+    # Before: time.sleep never moved the virtual clock, and the request retried forever.
+    clock = VirtualClock()
+    orchestrator = RetryOrchestrator(sleep=clock.sleep)
+    request = Request(idempotent=True, timeout=1.0, clock=clock.clock)
+
+    def send(_: Request) -> None:
+        raise RetryableError(RetryReason.KV_LOCKED)
+
+    with pytest.raises(UnambiguousTimeoutException):
+        orchestrator.execute_sync(request, send)
+    assert clock.now - 1000.0 >= 1.0  # the waits moved the clock to the deadline
+    assert sum(clock.sleeps) >= 0.99
+
+
+def test_execute_sync_on_a_virtual_clock_refuses_a_request_on_the_real_one() -> None:
+    clock = VirtualClock()
+    request = Request(idempotent=True, timeout=1.0)  # time.monotonic
+
+    def send(_: Request) -> None:
+        raise RetryableError(RetryReason.KV_LOCKED)
+
+    # at the first wait, as the async doors check
+    with pytest.raises(ValueError, match=r"Request\(clock=<the same clock>\.clock\)"):
+        RetryOrchestrator(sleep=clock.sleep).execute_sync(request, send)
+    assert clock.sleeps == []
+
+
+def test_execute_sync_names_a_virtual_clock_without_a_blocking_sleep() -> None:
+    class AsyncOnly:
+        now = 0.0
+
+        def clock(self) -> float:
+            return self.now
+
+        async def sleep(self, seconds: float) -> None:
+            self.now += seconds
+
+    def send(_: Request) -> None:
+        raise RetryableError(RetryReason.KV_LOCKED)
+
+    clock = AsyncOnly()
+    request = Request(idempotent=True, timeout=1.0, clock=clock.clock)
+    with pytest.raises(ValueError, match="its clock has no sleep_sync"):
+        RetryOrchestrator(sleep=clock.sleep).execute_sync(request, send)
+    # a request that needs no wait runs as before
+    assert RetryOrchestrator(sleep=clock.sleep).execute_sync(Request(), lambda _: 42) == 42

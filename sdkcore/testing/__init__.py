@@ -286,8 +286,9 @@ class VirtualClock:
     """A monotonic clock that only moves when slept on.
 
     Pass ``clock`` to ``Request(clock=...)`` and ``sleep`` to
-    ``RetryOrchestrator(sleep=...)``: backoffs then take no real time and
-    ``sleeps`` records each requested delay.
+    ``RetryOrchestrator(sleep=...)`` (``sleep_sync`` to ``execute_sync(...,
+    sleep=...)``): backoffs then take no real time and ``sleeps`` records each
+    requested delay.
     """
 
     def __init__(self, start: float = 1000.0) -> None:
@@ -306,6 +307,12 @@ class VirtualClock:
         self.now += _seconds(seconds, "VirtualClock.sleep(seconds)")
         self.sleeps.append(seconds)
         await anyio.lowlevel.checkpoint()
+
+    def sleep_sync(self, seconds: float) -> None:
+        """:meth:`sleep` for ``execute_sync(..., sleep=clock.sleep_sync)``: moves the clock
+        and records the delay, without blocking."""
+        self.now += _seconds(seconds, "VirtualClock.sleep_sync(seconds)")
+        self.sleeps.append(seconds)
 
 
 _LAZY = {"GrpcStatus", "ScriptedGrpcServer", "grpc_server"}
