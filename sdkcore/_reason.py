@@ -92,13 +92,31 @@ def suggest_member(value: object, enum_type: type[enum.Enum]) -> str:
     """How a TypeError for a value that is not a member of ``enum_type`` ends.
 
     A member's name given as a string (``"SERVICE_NOT_AVAILABLE"``, any case) gets
-    the spelling to use instead (``RetryReason.SERVICE_NOT_AVAILABLE``); anything
-    else gets an example member.
+    the spelling to use instead (``RetryReason.SERVICE_NOT_AVAILABLE``). For a
+    reason, a server's status (another enum's member, e.g. ``KvStatus.LOCKED``) or an
+    exception gets how to turn it into one; anything else gets an example member, never
+    the most restrictive one (UNKNOWN).
     """
     cls = enum_type.__name__
     if isinstance(value, str):
         name = value.strip().upper().removeprefix(f"{cls.upper()}.")
         if name in enum_type.__members__:
             return f"; use {cls}.{name}, not the string {value!r}"
-    example = next(iter(enum_type.__members__))
+    if enum_type is RetryReason:
+        if isinstance(value, BaseException):
+            return (
+                "; an exception is not a reason: raise it as RetryableError(reason, cause=...)"
+                " when it is retryable, else end the request with it (orchestrator.fail)"
+            )
+        if isinstance(value, enum.Enum):
+            return (
+                f"; {type(value).__name__}.{value.name} is a status, not a retry reason: map "
+                "it with sdkcore.mapping (kv_retry_reason, kv_failure, grpc_failure)"
+            )
+    example = _EXAMPLES.get(cls) or next(iter(enum_type.__members__))
     return f"; pass a member such as {cls}.{example}"
+
+
+#: The member an error message shows as an example (by enum name): a common one, and
+#: for an effect the cautious one.
+_EXAMPLES = {"RetryReason": "KV_LOCKED", "AttemptEffect": "MAYBE_APPLIED"}

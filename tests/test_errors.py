@@ -223,8 +223,21 @@ def test_a_reason_given_as_its_name_suggests_the_member() -> None:
         RetryableError("SERVICE_NOT_AVAILABLE")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"use AttemptEffect\.MAYBE_APPLIED"):
         RetryableError(RetryReason.UNKNOWN, effect="maybe_applied")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"pass a member such as RetryReason\.UNKNOWN"):
+    with pytest.raises(TypeError, match=r"pass a member such as RetryReason\.KV_LOCKED"):
         RetryableError(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"pass a member such as AttemptEffect\.MAYBE_APPLIED"):
+        RetryableError(RetryReason.UNKNOWN, effect=3)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_a_status_or_an_exception_given_as_a_reason_says_how_to_map_it() -> None:
+    from sdkcore.mapping import KvStatus
+
+    orchestrator = RetryOrchestrator()
+    with pytest.raises(TypeError, match=r"KvStatus\.LOCKED is a status, not a retry reason"):
+        await orchestrator.maybe_retry(Request(), KvStatus.LOCKED)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"an exception is not a reason"):
+        await orchestrator.maybe_retry(Request(), KeyError("k"))  # type: ignore[arg-type]
 
 
 @pytest.mark.anyio

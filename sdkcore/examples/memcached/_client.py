@@ -22,15 +22,15 @@ import anyio.abc
 import anyio.lowlevel
 
 from sdkcore import (
+    AdaptiveThrottle,
     CircuitBreaker,
+    OrphanReporter,
     Request,
     RetryableError,
     RetryOrchestrator,
     RetryReason,
     RetryStrategy,
 )
-from sdkcore._orphans import OrphanReporter  # sdkcore.OrphanReporter
-from sdkcore._throttle import AdaptiveThrottle
 from sdkcore.mapping import KvOpcode, kv_request
 
 from . import _protocol as proto

@@ -13,16 +13,16 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from sdkcore import (
+    AdaptiveConcurrencyLimiter,
+    AdaptiveThrottle,
     CircuitBreaker,
     CircuitState,
+    ConcurrencyLimiter,
     RetryableError,
     RetryReason,
     TimeoutException,
     describe_error,
 )
-from sdkcore._adaptive_limiter import AdaptiveConcurrencyLimiter
-from sdkcore._limiter import ConcurrencyLimiter
-from sdkcore._throttle import AdaptiveThrottle
 from sdkcore.mapping import kv_failure, raise_failure
 
 from ._protocol import Response

@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Any
 
 from sdkcore import (
+    AdaptiveThrottle,
     CircuitBreaker,
     Request,
     RetryableError,
@@ -27,7 +28,6 @@ from sdkcore import (
     RetryReason,
     RetryStrategy,
 )
-from sdkcore._throttle import AdaptiveThrottle
 from sdkcore.mapping import KvOpcode, kv_request
 
 from . import _protocol as proto
