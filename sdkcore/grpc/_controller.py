@@ -200,7 +200,9 @@ class _Controller:
 
         grpc C-core never gets a retry policy: a ``grpc.service_config`` option is
         refused (pass ``service_config=`` instead) and resolver-provided configs are
-        ignored (``grpc.service_config_disable_resolution`` 1). Its retry filter is
+        ignored (``grpc.service_config_disable_resolution`` 1); what C-core applies
+        itself (load balancing, message size limits) reaches it as that option, without
+        the parts sdkcore runs (``ServiceConfig.for_grpc``, rfc/0003). Its retry filter is
         off (``grpc.enable_retries`` 0) unless ``options`` asks for it with
         ``("grpc.enable_retries", 1)``: then C-core also does A6 transparent retries
         of streams the server never saw, but it replaces the
@@ -243,6 +245,10 @@ class _Controller:
             out.append((key, value))
         out.append((_OPT_ENABLE_RETRIES, native))
         out.append((_OPT_NO_RESOLVED_CONFIG, 1))
+        config = self.service_config
+        if config is not None and config.for_grpc is not None:
+            # what grpc C-core applies itself: load balancing, message size limits
+            out.append((_OPT_SERVICE_CONFIG, config.for_grpc))
         return out
 
     def bind_channel(self, channel: Any) -> None:

@@ -223,6 +223,12 @@ class ServiceConfig:
 
     method_configs: tuple[MethodConfig, ...] = ()
     retry_throttling: RetryThrottlingPolicy | None = None
+    #: What grpc C-core applies itself, as JSON (None: nothing): the config without the
+    #: parts sdkcore runs (retryPolicy, hedgingPolicy, timeout, waitForReady,
+    #: retryThrottling), i.e. ``loadBalancingConfig``/``loadBalancingPolicy``,
+    #: ``healthCheckConfig`` and each method's ``maxRequestMessageBytes``/
+    #: ``maxResponseMessageBytes`` (rfc/0003, "What grpc C-core still applies").
+    for_grpc: str | None = attrs.field(default=None, eq=False, repr=False)
     _index: Mapping[MethodName, MethodConfig] = attrs.field(
         default=attrs.Factory(lambda self: _index_of(self.method_configs), takes_self=True),
         eq=False,
@@ -356,6 +362,23 @@ def _is_number(v: object) -> bool:
         return False
 
 
+#: The parts of a method config grpc C-core applies on an sdkcore channel.
+_GRPC_METHOD_KEYS = ("maxRequestMessageBytes", "maxResponseMessageBytes")
+
+
+def _for_grpc(obj: Mapping[str, Any]) -> str | None:
+    """:attr:`ServiceConfig.for_grpc` of a valid config ``obj``."""
+    rest = {k: v for k, v in obj.items() if k not in ("methodConfig", "retryThrottling")}
+    methods = []
+    for raw in obj.get("methodConfig") or ():
+        sizes = {k: raw[k] for k in _GRPC_METHOD_KEYS if k in raw}
+        if sizes and "name" in raw:
+            methods.append({"name": raw["name"], **sizes})
+    if methods:
+        rest["methodConfig"] = methods
+    return json.dumps(rest) if rest else None
+
+
 class _Parser:
     def __init__(self) -> None:
         self.errors: list[ServiceConfigViolation] = []
@@ -383,7 +406,7 @@ class _Parser:
             throttling = self.throttling("retryThrottling", obj["retryThrottling"])
         if self.errors:
             raise ServiceConfigError(self.errors)
-        return ServiceConfig(tuple(configs), throttling)
+        return ServiceConfig(tuple(configs), throttling, _for_grpc(obj))
 
     # -- methodConfig -------------------------------------------------------------
     def method_config(
