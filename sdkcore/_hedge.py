@@ -443,7 +443,9 @@ class _Chain:
         pushback = None
         hook = self.policy.pushback
         try:
-            if self.throttler is not None:
+            if self.throttler is not None and effect is not AttemptEffect.NOT_SENT:
+                # A copy refused before anything was sent (a breaker, a limiter) is no
+                # failure of the server's: A6 counts none for throttling.
                 self.throttler.record_failure()
             if hook is not None:
                 pushback = _pushback(hook, failure)

@@ -380,8 +380,8 @@ def _channel(**kwargs: Any) -> object:
 CHANNEL_REFUSED: list[Any] = [
     pytest.param("target", {"target": None}, id="target=None"),
     pytest.param("target", {"target": 5}, id="target=int"),
-    pytest.param("from_json(data)", {"service_config": 5}, id="service_config=int"),
-    pytest.param("from_json(data)", {"service_config": [1]}, id="service_config=list"),
+    pytest.param("service_config must be", {"service_config": 5}, id="service_config=int"),
+    pytest.param("service_config must be", {"service_config": [1]}, id="service_config=list"),
     pytest.param("options", {"options": "x"}, id="options=str"),
     pytest.param("options", {"options": {"a": 1}}, id="options=dict"),
     pytest.param("enabled", {"retries_enabled": "yes"}, id="retries_enabled=str"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._callables import sync_callable
@@ -93,6 +93,12 @@ class _Controller:
                 f'(e.g. "localhost:50051" or "dns:///host:443"), got {_show(target)}'
             )
         if service_config is not None and not isinstance(service_config, ServiceConfig):
+            if not isinstance(service_config, (str, bytes, bytearray, Mapping)):
+                raise TypeError(
+                    "service_config must be a ServiceConfig, its JSON (str or bytes) or a "
+                    f"Mapping of it, or None, got {_show(service_config)} "
+                    f"({type(service_config).__name__})"
+                )
             service_config = ServiceConfig.from_json(service_config)
         for name, value in (
             ("per_call_buffer_limit", per_call_buffer_limit),

@@ -247,14 +247,13 @@ async def hedged_unary_unary(
 
     def failed(err: Any, index: int) -> BaseException:
         """A hedge failed without headers: RetryableError if non-fatal, else ``err``."""
-        if index > 0:
-            stats.record_failed_retry(name)
         last[0] = index
         code = err.code().value[0]
         last_status[0] = status_name(code)
         if isinstance(err, LocalRefusal):
             # The channel's limiter or throttle refused this copy: nothing was sent
-            # (its cause is their RetryableError, effect NOT_SENT; rfc/0009).
+            # (its cause is their RetryableError, effect NOT_SENT; rfc/0009). As on the
+            # retry path, no failed retry, nor a throttling failure (_Chain._failed).
             refusal = err.__cause__
             if isinstance(refusal, RetryableError):
                 # Caused by the refusal's UNAVAILABLE: the call's status if it is the last.
@@ -265,6 +264,8 @@ async def hedged_unary_unary(
                     effect=AttemptEffect.NOT_SENT,
                     retry_after=refusal.retry_after,
                 )
+        if index > 0:
+            stats.record_failed_retry(name)
         if code in non_fatal:
             # The server answered: whatever the status, it may have applied the call.
             failure = RetryableError(

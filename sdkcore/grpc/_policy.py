@@ -194,7 +194,6 @@ class CallState:
         "code",
         "commit_why",
         "committed",
-        "details",
         "pushback",
         "refused_retries",
         "transparent",
@@ -208,7 +207,6 @@ class CallState:
         self.backoff_n = 0
         #: Status code (int) of the last failed attempt.
         self.code = -1
-        self.details = ""
         #: ``parse_pushback`` of the last failed attempt.
         self.pushback: int | None = None
         #: True once response headers or a message reached the application, or the

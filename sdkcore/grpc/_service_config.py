@@ -179,7 +179,8 @@ class RetryPolicy:
 
 @attrs.frozen(slots=True)
 class HedgingPolicy:
-    """A6 ``hedgingPolicy`` (parsed and validated; executing it is a separate feature)."""
+    """A6 ``hedgingPolicy``: run by the channel helpers for unary-unary calls (rfc/0004,
+    ``sdkcore.grpc._hedging``); the streaming calls of such a method are not hedged."""
 
     max_attempts: int = attrs.field(validator=_attempts)
     hedging_delay: timedelta = attrs.field(
@@ -402,7 +403,7 @@ class _Parser:
                     if mc is not None:
                         configs.append(mc)
         throttling = None
-        if "retryThrottling" in obj:
+        if obj.get("retryThrottling") is not None:  # JSON null: unset, as in proto3
             throttling = self.throttling("retryThrottling", obj["retryThrottling"])
         if self.errors:
             raise ServiceConfigError(self.errors)
@@ -416,19 +417,22 @@ class _Parser:
             self.err(path, f"must be an object, got {_kind(raw)}")
             return None
         names = self.names(f"{path}.name", raw.get("name"), seen)
+        # A field set to JSON null is unset (proto3 JSON), as grpc reads it.
         retry = hedging = None
-        if "retryPolicy" in raw:
+        if raw.get("retryPolicy") is not None:
             retry = self.retry_policy(f"{path}.retryPolicy", raw["retryPolicy"])
-        if "hedgingPolicy" in raw:
+        if raw.get("hedgingPolicy") is not None:
             hedging = self.hedging_policy(f"{path}.hedgingPolicy", raw["hedgingPolicy"])
-        if "retryPolicy" in raw and "hedgingPolicy" in raw:
+        if raw.get("retryPolicy") is not None and raw.get("hedgingPolicy") is not None:
             self.err(
                 path,
                 "may set retryPolicy or hedgingPolicy, not both (A6: one policy per method)",
             )
         timeout = None
-        if "timeout" in raw:
-            timeout = self.duration(f"{path}.timeout", raw["timeout"], positive=True)
+        if raw.get("timeout") is not None:
+            timeout = self.duration(f"{path}.timeout", raw["timeout"], positive=False)
+            if timeout is not None and not timeout:  # "0s": no timeout, as grpc reads it
+                timeout = None
         wait_for_ready = raw.get("waitForReady")
         if wait_for_ready is not None and not isinstance(wait_for_ready, bool):
             self.err(f"{path}.waitForReady", f"must be true or false, got {_show(wait_for_ready)}")

@@ -2,9 +2,10 @@
 
 The channel helpers drive grpc.aio's unary-unary multi-callable directly
 (:class:`_UnaryCall`): the first attempt is grpc.aio's own call, with no task and no
-interceptor of sdkcore around it, and the retry loop (a task) starts only when an
-attempt fails. A channel built by hand with :meth:`RetryController.interceptors`
-uses :func:`unary_unary_call`, the same loop inside grpc.aio's interceptor chain.
+interceptor of sdkcore around it, and the retry loop starts only when an attempt
+fails, in the task that awaits the call (in a task of its own when nobody awaits
+it). A channel built by hand with :meth:`RetryController.interceptors` uses
+:func:`unary_unary_call`, the same loop inside grpc.aio's interceptor chain.
 """
 
 from __future__ import annotations

@@ -101,3 +101,18 @@ async def test_a_response_size_limit_is_enforced_as_by_grpc(server: Server) -> N
         "native": grpc.StatusCode.RESOURCE_EXHAUSTED,
         "sdkcore": grpc.StatusCode.RESOURCE_EXHAUSTED,
     }
+
+
+def test_null_fields_are_unset_and_a_zero_timeout_is_none_as_grpc_reads_them() -> None:
+    config = ServiceConfig.from_json(
+        {
+            "methodConfig": [
+                {"name": [{"service": "a.B"}], "retryPolicy": None, "timeout": "0s"},
+            ],
+            "retryThrottling": None,
+        }
+    )
+    (method,) = config.method_configs
+    assert method.retry_policy is None
+    assert method.timeout is None
+    assert config.retry_throttling is None

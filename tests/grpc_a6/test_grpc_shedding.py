@@ -209,3 +209,29 @@ async def test_hedged_call_all_refused_fails_unavailable(server: Server) -> None
     assert "hedge-limit" in info.value.details()
     assert script.count == 0
     assert limiter.in_flight == 0
+
+
+async def test_a_hedged_copy_refused_locally_costs_no_token_and_no_failed_retry(
+    server: Server,
+) -> None:
+    """As on the retry path: a copy the limiter refused was never sent, so it takes no
+    A6 throttle token and is no failed retry (before: a token and a failed retry each)."""
+    from hedge_server import HedgeScript, hedging_config, ok
+
+    from sdkcore.grpc import RetryThrottler, retry_controller
+
+    script = HedgeScript(server, "M", {0: ok(0.2, b"slow"), 1: ok(0.0, b"fast")})
+    config = hedging_config(
+        max_attempts=2, delay="0.01s", throttling={"maxTokens": 100, "tokenRatio": 0.1}
+    )
+    async with insecure_channel(
+        server.target, service_config=config, limiter=ConcurrencyLimiter(1)
+    ) as ch:
+        with anyio.fail_after(TEST_TIMEOUT):
+            assert await ch.unary_unary(script.method)(b"x") == b"slow"
+        controller = retry_controller(ch)
+        throttler = controller.throttler
+        assert isinstance(throttler, RetryThrottler)
+        assert throttler.tokens == 100  # full: the refusal took none, the OK call adds none
+        assert controller.stats.for_method(script.method).failed_retry_attempts == 0
+    assert script.count == 1
