@@ -234,14 +234,17 @@ def insecure_channel(
 ) -> aio.Channel:
     """A ``grpc.aio`` insecure channel whose calls are retried by sdkcore (A6).
 
-    ``service_config`` supplies the retry policies and throttling; it is applied
-    by sdkcore and never handed to grpcio (a ``grpc.service_config`` option is
-    rejected); grpcio's own retries are off (see
+    ``service_config`` supplies the retry policies and throttling, which sdkcore
+    runs and never hands to grpcio; grpcio gets the rest (load balancing, message
+    size limits: ``ServiceConfig.for_grpc``), and a ``grpc.service_config`` option is
+    rejected; grpcio's own retries are off (see
     :meth:`RetryController.channel_options` for the one opt-in).
     ``retries_enabled=False`` turns every retry off. ``interceptors`` run inside
     the retry loop, once per attempt. ``retry_budget``: an :class:`sdkcore.RetryBudget`
     shared with other channels and orchestrators (each call's first attempt deposits,
-    each retry withdraws; A6 ``retryThrottling`` still applies when the config sets it).
+    on every method sdkcore runs: all of them unless ``transparent_retries=False``
+    leaves a method without a method config to grpc.aio alone; each retry withdraws;
+    A6 ``retryThrottling`` still applies when the config sets it).
     ``telemetry``: an :class:`sdkcore.Telemetry`; the channel records gRPC's standard
     metrics (A66 ``grpc.client.attempt.*``/``grpc.client.call.duration``, A96
     ``grpc.client.call.retries``/``transparent_retries``/``hedges``/``retry_delay``) and
