@@ -36,7 +36,7 @@ from .._request import _DISPATCHING, Request, dispatching
 from ._call import Origin, _Since, answered, outer_bound
 from ._controller import _Controller
 from ._finished import _FinishedUnaryCall
-from ._gate import LocalRefusal
+from ._gate import Gate, GatedMultiCallable, LocalRefusal, RefusedUnaryStreamCall, _hold, _refusal
 from ._metadata import _client_trailing, _strip_attempts, _with_attempts
 from ._plans import HedgePlan, _method_name, _pushback_ms
 from ._policy import PUSHBACK_DONT_RETRY, status_reason, time_out_at_deadline
@@ -601,8 +601,13 @@ def direct_opener(inner: Any, message: Any, compression: Any) -> Callable[[Any],
     """:func:`_streamed_opener` for the direct path: from grpc.aio's multi-callable ``inner``.
 
     Only when the channel has no unary-unary interceptor of the application's (a
-    hedge opened as a unary-stream RPC would skip it); otherwise None.
+    hedge opened as a unary-stream RPC would skip it); otherwise None. A channel's
+    limiter or throttle (``GatedMultiCallable``) is kept: each hedge opened this way
+    passes its gate, as a unary call would.
     """
+    gate = None
+    if isinstance(inner, GatedMultiCallable):
+        gate, inner = inner._gate, inner._inner
     if _UnaryStreamCall is None or getattr(inner, "_interceptors", True):
         return None
     try:
@@ -616,17 +621,31 @@ def direct_opener(inner: Any, message: Any, compression: Any) -> Callable[[Any],
         return None
 
     def open_call(d: Any) -> Any:
-        return _UnaryStreamCall(
-            message,
-            None if d.timeout is None else time.time() + d.timeout,
-            init_metadata(d.metadata, compression),
-            d.credentials,
-            d.wait_for_ready,
-            channel,
-            method,
-            serializer,
-            deserializer,
-            loop,
-        )
+        held = None
+        if gate is not None:
+            try:
+                held = gate.enter()
+            except Exception as exc:  # the limiter's or throttle's refusal: nothing sent
+                return RefusedUnaryStreamCall(_refusal(exc))
+        try:
+            call = _UnaryStreamCall(
+                message,
+                None if d.timeout is None else time.time() + d.timeout,
+                init_metadata(d.metadata, compression),
+                d.credentials,
+                d.wait_for_ready,
+                channel,
+                method,
+                serializer,
+                deserializer,
+                loop,
+            )
+        except BaseException as exc:
+            if held is not None:
+                Gate.exit(held, exc)
+            raise
+        if held is not None:
+            _hold(held, call)
+        return call
 
     return open_call

@@ -235,3 +235,20 @@ async def test_a_hedged_copy_refused_locally_costs_no_token_and_no_failed_retry(
         assert throttler.tokens == 100  # full: the refusal took none, the OK call adds none
         assert controller.stats.for_method(script.method).failed_retry_attempts == 0
     assert script.count == 1
+
+
+async def test_a_gated_channel_commits_a_hedge_on_its_headers(server: Server) -> None:
+    """A limiter keeps commit-on-headers: hedge 1 is opened as a unary-stream call inside
+    the gate, so its headers stop hedge 2 and cancel hedge 0 (before: hedge 1 was a unary
+    call through the gate, and hedge 2 went out)."""
+    from hedge_server import HedgeScript, headers_then, hedging_config, ok
+
+    script = HedgeScript(server, "M", {1: headers_then(ok(0.4, b"from 1"))})
+    limiter = ConcurrencyLimiter(100)
+    async with insecure_channel(
+        server.target, service_config=hedging_config(delay="0.05s"), limiter=limiter
+    ) as ch:
+        with anyio.fail_after(TEST_TIMEOUT):
+            assert await ch.unary_unary(script.method)(b"x") == b"from 1"
+    assert script.count == 2  # committed on hedge 1's headers: hedge 2 never sent
+    assert limiter.in_flight == 0  # every hedge's permit given back
