@@ -62,11 +62,14 @@ def previous_rpc_attempts(error_or_metadata: Any) -> int:
     count in it is not). A call object itself raises TypeError saying so, and so does
     anything that is neither (not ``(key, value)`` pairs), naming ``error_or_metadata``.
 
-    The count is the client's own: on a call that sdkcore retries (a method with a
-    plan: a retryPolicy, transparent retries, throttling or a method timeout),
-    sdkcore replaces any ``grpc-previous-rpc-attempts`` the server put in its
-    trailing metadata, and sets it only when retries happened. A value that is
-    not a non-negative integer of at most 10 digits counts as 0.
+    The count is the client's own on a call that sdkcore retries (a method with a
+    retryPolicy or hedgingPolicy, throttling, a limiter, telemetry, or a call that
+    started without a connection and may be re-sent transparently): sdkcore replaces
+    any ``grpc-previous-rpc-attempts`` the server put in its trailing metadata, and
+    sets it only when retries happened. A call that can never be retried (no policy,
+    started on a READY channel: grpc.aio's own call, rfc/0003 "The direct path")
+    returns what the server sent, as on a plain grpc.aio channel. A value that is not
+    a non-negative integer of at most 10 digits counts as 0.
     """
     md = error_or_metadata
     trailing = getattr(md, "trailing_metadata", None)

@@ -492,7 +492,7 @@ class _Parser:
             self.err(
                 f"{path}.maxAttempts",
                 f"must be an integer >= 2 and <= {_INT32_MAX} (an int32), written as a JSON "
-                f'number or a string of one (3 or "3"), got {_show(v)}',
+                f'integer (no fraction) or a string of one (3 or "3"), got {_show(v)}',
             )
             return 0
         return n
@@ -607,7 +607,7 @@ class _Parser:
                 self.err(
                     f"{path}.maxTokens",
                     f"must be an integer in (0, {_MAX_TOKENS_LIMIT}], written as a JSON "
-                    f'number or a string of one (10 or "10"), got {_show(v)}',
+                    f'integer (no fraction) or a string of one (10 or "10"), got {_show(v)}',
                 )
             else:
                 max_tokens = n

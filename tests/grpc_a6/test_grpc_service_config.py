@@ -51,11 +51,12 @@ RP = "methodConfig[0].retryPolicy"
 HP = "methodConfig[0].hedgingPolicy"
 #: What maxAttempts must be (retryPolicy and hedgingPolicy alike).
 ATTEMPTS_RULE = (
-    "must be an integer >= 2 and <= 2147483647 (an int32), written as a JSON number or a "
-    'string of one (3 or "3")'
+    "must be an integer >= 2 and <= 2147483647 (an int32), written as a JSON integer (no "
+    'fraction) or a string of one (3 or "3")'
 )
 TOKENS_RULE = (
-    'must be an integer in (0, 1000], written as a JSON number or a string of one (10 or "10")'
+    "must be an integer in (0, 1000], written as a JSON integer (no fraction) or a string of one "
+    '(10 or "10")'
 )
 MULTIPLIER_RULE = (
     'must be a finite number > 0, written as a JSON number or a string of one (2 or "2")'
