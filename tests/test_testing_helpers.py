@@ -458,3 +458,17 @@ async def test_a_repeated_exception_instance_step_carries_each_requests_own_cont
         seen.append((context.request_id, context.request_name))
     assert [n for _, n in seen] == ["first", "second"]
     assert seen[0][0] != seen[1][0]
+
+
+def test_scripted_send_sync_plays_the_script_for_execute_sync() -> None:
+    from sdkcore import RetryOrchestrator
+    from sdkcore.mapping import KvStatus
+    from sdkcore.testing import Delay, ScriptedSend, instant_retries
+
+    script = ScriptedSend([KvStatus.LOCKED, Delay(0.01, then=RetryReason.KV_LOCKED), b"value"])
+    request = Request(name="get", idempotent=True)
+    with instant_retries():
+        assert RetryOrchestrator().execute_sync(request, script.sync) == b"value"
+    assert script.calls == 3
+    assert script.seen == [0, 1, 2]
+    assert request.retry_reasons == (RetryReason.KV_LOCKED,)

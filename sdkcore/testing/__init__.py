@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import time
 from collections.abc import Generator, Iterable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -256,6 +257,19 @@ class ScriptedSend(Generic[T]):
         await anyio.lowlevel.checkpoint()
         while isinstance(step, Delay):
             await anyio.sleep(step.seconds)
+            step = step.then
+        return self._play(step)
+
+    def sync(self, request: Request, index: int | None = None) -> T:
+        """The same script as a blocking ``send``: ``execute_sync(request, script.sync)``
+        (a :class:`Delay` blocks in ``time.sleep``). It shares the script's position
+        and counters with the async ``send``."""
+        step = self._next(index)
+        self.calls += 1
+        self.seen.append(request.retry_attempts)
+        self.indexes.append(index)
+        while isinstance(step, Delay):
+            time.sleep(step.seconds)
             step = step.then
         return self._play(step)
 
