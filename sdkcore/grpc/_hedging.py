@@ -483,6 +483,14 @@ async def hedged_unary_unary(
     except RequestCanceledException as exc:
         cause = exc.__cause__
         if isinstance(cause, aio.AioRpcError):  # every hedge failed: the last one's status
+            if exc.context is not None:  # the keys a retried call's context has too
+                exc.context = exc.context.evolve(
+                    extra={
+                        **exc.context.extra,
+                        "grpc_status": cause.code().name,
+                        "grpc_attempts": flight[0],
+                    }
+                )
             raise _error(cause, last[0]) from exc
         raise
     finally:

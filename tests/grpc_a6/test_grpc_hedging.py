@@ -32,6 +32,7 @@ from hedge_server import (  # noqa: E402
 from sdkcore.grpc import (  # noqa: E402
     ServiceConfig,
     ServiceConfigError,
+    call_context,
     insecure_channel,
     previous_rpc_attempts,
     retry_controller,
@@ -134,6 +135,12 @@ async def test_all_fail_returns_the_last_failure(server: Server) -> None:
     assert stats.retry_attempts == 2
     assert stats.failed_retry_attempts == 2
     assert err.__cause__ is None or isinstance(err.__cause__, Exception)
+    # its context has the keys a retried call's has, beside the hedges'
+    context = call_context(err)
+    assert context is not None
+    assert context.extra["grpc_status"] == "ABORTED"
+    assert context.extra["grpc_attempts"] == 3
+    assert context.extra["hedges_sent"] == 3
 
 
 async def test_without_non_fatal_codes_every_failure_is_fatal(server: Server) -> None:
