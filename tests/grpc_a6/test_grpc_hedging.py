@@ -222,9 +222,11 @@ async def test_method_timeout_covers_the_chain(server: Server) -> None:
 
 async def test_headers_commit_on_arrival(server: Server) -> None:
     """Hedge 0 is cancelled when hedge 1's headers arrive, not when hedge 1 ends."""
-    script = HedgeScript(server, "M", {1: headers_then(ok(0.4, b"from 1"))})
+    # hedge 1's headers have a whole hedging delay (0.2 s) to arrive before hedge 2 is due:
+    # with 0.05 s this test timed out once on a loaded machine (the likely cause)
+    script = HedgeScript(server, "M", {1: headers_then(ok(0.6, b"from 1"))})
     with anyio.fail_after(TEST_TIMEOUT):
-        result, c, _ = await call(server, script, hedging_config(delay="0.05s"))
+        result, c, _ = await call(server, script, hedging_config(delay="0.2s"))
         await wait_until(lambda: script.cancelled() == {0})
     assert result == b"from 1"
     assert previous_rpc_attempts(await c.trailing_metadata()) == 1

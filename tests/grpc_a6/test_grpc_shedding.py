@@ -243,10 +243,10 @@ async def test_a_gated_channel_commits_a_hedge_on_its_headers(server: Server) ->
     call through the gate, and hedge 2 went out)."""
     from hedge_server import HedgeScript, headers_then, hedging_config, ok
 
-    script = HedgeScript(server, "M", {1: headers_then(ok(0.4, b"from 1"))})
+    script = HedgeScript(server, "M", {1: headers_then(ok(0.6, b"from 1"))})
     limiter = ConcurrencyLimiter(100)
     async with insecure_channel(
-        server.target, service_config=hedging_config(delay="0.05s"), limiter=limiter
+        server.target, service_config=hedging_config(delay="0.2s"), limiter=limiter
     ) as ch:
         with anyio.fail_after(TEST_TIMEOUT):
             assert await ch.unary_unary(script.method)(b"x") == b"from 1"
