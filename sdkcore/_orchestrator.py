@@ -23,6 +23,7 @@ from ._context import AttemptEffect
 from ._core import DEFAULT_MAX_REQUESTS_IN_RETRY, OrchestratorCore
 from ._errors import CouchbaseException
 from ._hedge import check_hedge, run_hedged
+from ._reason import suggest_member
 from ._request import Request, RequestState
 
 if TYPE_CHECKING:  # imported at their first use (sdkcore.HedgePolicy), see sdkcore._hedge
@@ -80,12 +81,23 @@ class RetryOrchestrator(OrchestratorCore):
         if trace is not None:
             trace.end(request, None)
 
-    def fail(self, request: Request, error: BaseException) -> BaseException:
+    def fail(
+        self,
+        request: Request,
+        error: BaseException,
+        *,
+        effect: AttemptEffect = AttemptEffect.MAYBE_APPLIED,
+    ) -> BaseException:
         """Fail ``request`` with ``error`` (a non-retryable answer); returns ``error`` to raise.
 
         For hand-wired loops, to match :meth:`succeed`: the attempt is recorded
         (``last_error``), the request completes as failed, and a CouchbaseException
         without a context gets the request's. ``raise orchestrator.fail(request, exc)``.
+        ``effect``: what is known of the attempt on the server; by default it may have
+        been applied (nothing proves otherwise), ``AttemptEffect.NOT_APPLIED`` for an
+        answer that proves it was not (a replace answered "not found"), ``NOT_SENT``
+        for a failure before anything was written. It is what the error's context
+        (``attempts``) and ``Request.maybe_applied`` report.
         Given the caller's cancellation (a BaseException that is not an Exception), the
         request completes CANCELLED (``TASK_CANCELLED``) and no attempt is recorded, as
         when the cancellation cuts ``execute``. Does not complete a request that already
@@ -97,10 +109,15 @@ class RetryOrchestrator(OrchestratorCore):
             )
         if not isinstance(error, BaseException):
             raise TypeError(f"fail(request, error): error must be an exception, got {error!r}")
+        if type(effect) is not AttemptEffect:
+            raise TypeError(
+                f"fail(effect=...) must be an AttemptEffect, got {effect!r}"
+                + suggest_member(effect, AttemptEffect)
+            )
         pending = request.state is RequestState.PENDING
         if pending:
             if isinstance(error, Exception):
-                request._attempt_failed(None, AttemptEffect.MAYBE_APPLIED, error, request.clock())
+                request._attempt_failed(None, effect, error, request.clock())
             # The caller's cancellation (or another BaseException) ends it CANCELLED
             # (TASK_CANCELLED), as on every other door: it is no answer of an attempt.
             request._finish_by(error)

@@ -13,6 +13,7 @@ from sdkcore import (
     FailFastRetryStrategy,
     Request,
     RequestCanceledException,
+    RequestState,
     RetryableError,
     RetryOrchestrator,
     RetryReason,
@@ -151,3 +152,24 @@ def test_execute_sync_names_a_virtual_clock_without_a_blocking_sleep() -> None:
         RetryOrchestrator(sleep=clock.sleep).execute_sync(request, send)
     # a request that needs no wait runs as before
     assert RetryOrchestrator(sleep=clock.sleep).execute_sync(Request(), lambda _: 42) == 42
+
+
+async def test_fail_books_the_effect_the_caller_knows() -> None:
+    # A replace answered "not found": the server proves nothing was applied.
+    orchestrator = RetryOrchestrator()
+    request = Request(name="kv.replace", idempotent=False)
+    with orchestrator.attempt(request):
+        pass  # the attempt went out and came back with the answer below
+    error = orchestrator.fail(request, KeyError("not found"), effect=AttemptEffect.NOT_APPLIED)
+    assert isinstance(error, KeyError)
+    assert not request.maybe_applied
+    assert request.attempts[-1].effect is AttemptEffect.NOT_APPLIED
+
+    plain = Request(name="kv.replace", idempotent=False)
+    orchestrator.fail(plain, KeyError("?"))
+    assert plain.maybe_applied  # the default: nothing proves otherwise
+
+    untouched = Request(name="kv.replace")
+    with pytest.raises(TypeError, match=r"fail\(effect=\.\.\.\) must be an AttemptEffect"):
+        orchestrator.fail(untouched, KeyError("?"), effect="not_applied")  # type: ignore[arg-type]
+    assert untouched.state is RequestState.PENDING
