@@ -126,13 +126,14 @@ def outer_bound(outer: Request, timeout: float | None) -> tuple[float | None, Or
     return float(left), outer._deadline_from or (outer.id, outer.name, outer._timeout_s)
 
 
-def call_timeout(plan: _Plan, timeout: float | None) -> tuple[float | None, Origin | None]:
+def call_timeout(plan: Any, timeout: float | None) -> tuple[float | None, Origin | None]:
     """A call's timeout in seconds (None: none), and where it came from when an outer
     request's time left set it (see :func:`outer_bound`; else None).
 
     The earliest of the call's own ``timeout``, its method config's (grpc C-core applies
     the same min) and, for a call made inside a request's send, that request's time
-    left; at least 1 us. One rule for every call an sdkcore channel makes.
+    left; at least 1 us. One rule for every call an sdkcore channel makes (``plan``: a
+    retry plan or a hedging plan, for its ``timeout``).
     """
     if plan.timeout is not None and (timeout is None or plan.timeout < timeout):
         timeout = plan.timeout

@@ -20,8 +20,8 @@ from grpc.aio import _base_call
 
 from .._hedge import answered_before_hedge
 from .._hooks import INSTANT_DELAYS
-from .._request import Request, dispatching
-from ._call import Origin, outer_bound
+from .._request import Request
+from ._call import call_timeout
 from ._controller import _Controller
 from ._finished import _ended_ok, _Readers
 from ._hedging import direct_opener, hedge_trace, hedged_unary_unary
@@ -54,12 +54,7 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         compression: Any,
         traced: bool = False,
     ) -> None:
-        if plan.timeout is not None and (timeout is None or plan.timeout < timeout):
-            timeout = plan.timeout
-        origin: Origin | None = None
-        outer = dispatching()
-        if outer is not None:  # made inside a request's send: never outlive it
-            timeout, origin = outer_bound(outer, timeout)
+        timeout, origin = call_timeout(plan, timeout)
         self._deadline_from = origin
         if wait_for_ready is None:
             wait_for_ready = plan.wait_for_ready

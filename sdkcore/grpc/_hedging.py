@@ -33,7 +33,7 @@ from .._errors import (
 from .._hedge import answered_before_hedge, run_hedged
 from .._hooks import INSTANT_DELAYS
 from .._request import _DISPATCHING, Request, dispatching
-from ._call import Origin, _Since, answered, outer_bound
+from ._call import Origin, _Since, answered, call_timeout, outer_bound
 from ._controller import _Controller
 from ._finished import _FinishedUnaryCall
 from ._gate import Gate, GatedMultiCallable, LocalRefusal, RefusedUnaryStreamCall, _hold, _refusal
@@ -137,15 +137,7 @@ async def traced_hedged_unary_unary(
 ) -> Any:
     """The interceptor path of a hedged call on a channel with telemetry: the call's
     trace starts before hedge 0 and ends with the call (:func:`hedged_unary_unary`)."""
-    timeout = details.timeout
-    if plan.timeout is not None and (timeout is None or plan.timeout < timeout):
-        timeout = plan.timeout
-    deadline_from: Origin | None = None
-    outer = dispatching()
-    if outer is not None:  # made inside a request's send: never outlive it
-        timeout, deadline_from = outer_bound(outer, timeout)
-    if timeout is not None:
-        timeout = max(timeout, 1e-6)
+    timeout, deadline_from = call_timeout(plan, details.timeout)
     started = time.monotonic()
     trace = hedge_trace(core, details.method, timeout, started, deadline_from)
     details = aio.ClientCallDetails(
