@@ -70,10 +70,11 @@ def asked(strategy: object) -> str:
     return "retry_after" if sync_decide(strategy) is None else "decide"
 
 
-def strategy_of(request: Request, default: object) -> str:
+def strategy_of(request: Request, default: object = None) -> str | None:
     """The name of the strategy that answers for ``request``: its own, else ``default``
-    (the orchestrator's)."""
-    return strategy_name(request.retry_strategy or default)
+    (the orchestrator's); None when it has neither (a gRPC call's own request)."""
+    strategy = request.retry_strategy or default
+    return None if strategy is None else strategy_name(strategy)
 
 
 def answered_by(reason: RetryReason, strategy: object) -> str:
@@ -179,10 +180,9 @@ def _log_cancelled(request: Request, reason: RetryReason | None, cut: bool) -> N
     log = _log.enabled(_log.INFO if ambiguous else _log.DEBUG)
     if log is None:
         return
-    strategy = request.retry_strategy
     (log.info if ambiguous else log.debug)(
         _log.EVENT_CANCELLED,
-        **event_fields(request, reason, None if strategy is None else strategy_name(strategy)),
+        **event_fields(request, reason, strategy_of(request)),
         cancellation_reason=CancellationReason.CANCELLED_VIA_CONTEXT.name,
         in_flight=cut,
         **_outcome_fields(request),

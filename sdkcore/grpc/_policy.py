@@ -100,11 +100,10 @@ def time_out_at_deadline(
     except Exception:  # not a grpc status
         return None
     if value == _DEADLINE_EXCEEDED and request.deadline - request.clock() <= 0.0:
-        strategy = request.retry_strategy
         return _failing.timed_out(
             request,
             request.last_reason,
-            None if strategy is None else _failing.strategy_name(strategy),
+            _failing.strategy_of(request),
             request.clock(),
             in_flight=book,
             error=error if book else None,
