@@ -529,12 +529,19 @@ class _Chain:
         }
 
 
-#: ``retry.not_retried``'s ``why`` when every hedge sent failed, by what stopped more.
-_WHY_NOT_HEDGED = {
-    None: "hedges_exhausted",
-    "throttled": "throttled",
-    "pushback": "pushback",
-    "retry_budget": "retry_budget_exhausted",
+#: When every hedge sent failed, by what stopped more (``_Chain.stop``): the ``why`` of
+#: ``retry.not_retried``, and the message's words (``{sent}``: the hedges sent).
+_NOT_HEDGED = {
+    None: ("hedges_exhausted", "all {sent} hedges failed"),
+    "throttled": ("throttled", "hedging throttled after the sent hedges failed"),
+    "pushback": (
+        "pushback",
+        "the server's pushback asked for no more hedges and the sent ones failed",
+    ),
+    "retry_budget": (
+        "retry_budget_exhausted",
+        "the retry budget refused more hedges and the sent ones failed",
+    ),
 }
 
 
@@ -686,13 +693,13 @@ async def run_hedged(
         if trace is not None and chain.winner > 0:
             trace.hedge_won()
         return chain.result  # type: ignore[no-any-return]
+    cut = sum(1 for a in chain.attempts if a.outcome == _CANCELLED)  # copies cut in flight
     if request.cancelled:
         # Request.cancel(), also after a copy's final error arrived but before the caller
         # resumed: the caller gets the cancellation (rfc/0001, "Application cancel").
         error: BaseException = _failing.already_completed(request, request.last_reason)
-        _with_extra(error, chain, in_flight=any(a.outcome == _CANCELLED for a in chain.attempts))
+        _with_extra(error, chain, in_flight=cut > 0)
         raise error from _failing.cause(request)
-    cut = sum(1 for a in chain.attempts if a.outcome == _CANCELLED)
     if chain.fatal is not None:
         fatal = chain.fatal
         if isinstance(fatal, RetryableError) and chain.refusal is not None:
@@ -703,7 +710,7 @@ async def run_hedged(
                 Verdict.REFUSED,
                 chain.refusal,
                 _failing.strategy_name(strategy),
-                0,
+                max_requests_in_retry=0,  # named only in a TOO_MANY refusal
                 method="decide",
             )
             _with_extra(error, chain, in_flight=cut > 0)
@@ -733,13 +740,9 @@ async def run_hedged(
         if chain.stop == "retry_budget"
         else CancellationReason.NO_MORE_RETRIES,
     )
-    why = {
-        None: f"all {len(chain.attempts)} hedges failed",
-        "throttled": "hedging throttled after the sent hedges failed",
-        "pushback": "the server's pushback asked for no more hedges and the sent ones failed",
-        "retry_budget": "the retry budget refused more hedges and the sent ones failed",
-    }[chain.stop]
-    _failing.log_not_retried(request, last.reason, "hedge", _WHY_NOT_HEDGED[chain.stop], detail=why)
+    event_why, why = _NOT_HEDGED[chain.stop]
+    why = why.format(sent=len(chain.attempts))
+    _failing.log_not_retried(request, last.reason, "hedge", event_why, detail=why)
     error = RequestCanceledException(
         f"not hedged further: {why}; the last failure was {last.reason.name}",
         context=request.error_context(last.reason, extra=chain.extra()),
