@@ -226,26 +226,29 @@ def _refusal(exc: BaseException) -> LocalRefusal:
     return error
 
 
-def _refused(exc: BaseException) -> RefusedUnaryUnaryCall:
-    return RefusedUnaryUnaryCall(_refusal(exc))
-
-
 class GatedMultiCallable:
     """grpc.aio's unary-unary multi-callable ``inner`` with the channel's :class:`Gate`
-    around every call it makes (each one attempt of sdkcore's)."""
+    around every call it makes (each one attempt of sdkcore's).
 
-    __slots__ = ("_gate", "_inner")
+    ``refused``: the call class a refusal is made into (a hedge opened as a
+    unary-stream call passes :class:`RefusedUnaryStreamCall`, sdkcore._hedging).
+    """
 
-    def __init__(self, gate: Gate, inner: Any) -> None:
+    __slots__ = ("_gate", "_inner", "_refused")
+
+    def __init__(
+        self, gate: Gate, inner: Any, refused: type[RefusedCall] = RefusedUnaryUnaryCall
+    ) -> None:
         self._gate = gate
         self._inner = inner
+        self._refused = refused
 
     def __call__(self, request: Any, **kwargs: Any) -> Any:
         gate = self._gate
         try:
             held = gate.enter()
         except Exception as exc:  # the limiter's or throttle's RetryableError
-            return _refused(exc)
+            return self._refused(_refusal(exc))
         try:
             call = self._inner(request, **kwargs)
         except BaseException as exc:  # nothing sent (a closed channel's UsageError)

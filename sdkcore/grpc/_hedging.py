@@ -36,7 +36,7 @@ from .._request import _DISPATCHING, Request, dispatching
 from ._call import Origin, _Since, answered, call_timeout, outer_bound
 from ._controller import _Controller
 from ._finished import _FinishedUnaryCall
-from ._gate import Gate, GatedMultiCallable, LocalRefusal, RefusedUnaryStreamCall, _hold, _refusal
+from ._gate import GatedMultiCallable, LocalRefusal, RefusedUnaryStreamCall
 from ._metadata import _client_trailing, _strip_attempts, _with_attempts
 from ._plans import HedgePlan, _method_name, _pushback_ms
 from ._policy import PUSHBACK_DONT_RETRY, status_reason, time_out_at_deadline
@@ -621,31 +621,19 @@ def direct_opener(inner: Any, message: Any, compression: Any) -> Callable[[Any],
         return None
 
     def open_call(d: Any) -> Any:
-        held = None
-        if gate is not None:
-            try:
-                held = gate.enter()
-            except Exception as exc:  # the limiter's or throttle's refusal: nothing sent
-                return RefusedUnaryStreamCall(_refusal(exc))
-        try:
-            call = _UnaryStreamCall(
-                message,
-                None if d.timeout is None else time.time() + d.timeout,
-                init_metadata(d.metadata, compression),
-                d.credentials,
-                d.wait_for_ready,
-                channel,
-                method,
-                serializer,
-                deserializer,
-                loop,
-            )
-        except BaseException as exc:
-            if held is not None:
-                Gate.exit(held, exc)
-            raise
-        if held is not None:
-            _hold(held, call)
-        return call
+        return _UnaryStreamCall(
+            message,
+            None if d.timeout is None else time.time() + d.timeout,
+            init_metadata(d.metadata, compression),
+            d.credentials,
+            d.wait_for_ready,
+            channel,
+            method,
+            serializer,
+            deserializer,
+            loop,
+        )
 
+    if gate is not None:  # through the channel's gate, as its unary calls go
+        return GatedMultiCallable(gate, open_call, RefusedUnaryStreamCall)
     return open_call
