@@ -236,7 +236,8 @@ class ScriptedSend(Generic[T]):
         self.seen: list[int] = []
         self.indexes: list[int | None] = []
 
-    def _next(self, index: int | None) -> Any:
+    def _next(self, request: Request, index: int | None) -> Any:
+        """The step of this attempt, counted (``calls``, ``seen``, ``indexes``)."""
         key: int | None = None if None in self._scripts else index
         steps = self._scripts.get(key)
         if steps is None:
@@ -247,13 +248,13 @@ class ScriptedSend(Generic[T]):
             )
         position = self._positions[key]
         self._positions[key] = position + 1
-        return steps[min(position, len(steps) - 1)]
-
-    async def __call__(self, request: Request, index: int | None = None) -> T:
-        step = self._next(index)
         self.calls += 1
         self.seen.append(request.retry_attempts)
         self.indexes.append(index)
+        return steps[min(position, len(steps) - 1)]
+
+    async def __call__(self, request: Request, index: int | None = None) -> T:
+        step = self._next(request, index)
         await anyio.lowlevel.checkpoint()
         while isinstance(step, Delay):
             await anyio.sleep(step.seconds)
@@ -264,10 +265,7 @@ class ScriptedSend(Generic[T]):
         """The same script as a blocking ``send``: ``execute_sync(request, script.sync)``
         (a :class:`Delay` blocks in ``time.sleep``). It shares the script's position
         and counters with the async ``send``."""
-        step = self._next(index)
-        self.calls += 1
-        self.seen.append(request.retry_attempts)
-        self.indexes.append(index)
+        step = self._next(request, index)
         while isinstance(step, Delay):
             time.sleep(step.seconds)
             step = step.then
@@ -318,14 +316,16 @@ class VirtualClock:
 
     async def sleep(self, seconds: float) -> None:
         """Move the clock by ``seconds`` (finite, >= 0) and record it in ``sleeps``."""
-        self.now += _seconds(seconds, "VirtualClock.sleep(seconds)")
-        self.sleeps.append(seconds)
+        self._slept(seconds, "VirtualClock.sleep(seconds)")
         await anyio.lowlevel.checkpoint()
 
     def sleep_sync(self, seconds: float) -> None:
         """:meth:`sleep` for ``execute_sync(..., sleep=clock.sleep_sync)``: moves the clock
         and records the delay, without blocking."""
-        self.now += _seconds(seconds, "VirtualClock.sleep_sync(seconds)")
+        self._slept(seconds, "VirtualClock.sleep_sync(seconds)")
+
+    def _slept(self, seconds: float, what: str) -> None:
+        self.now += _seconds(seconds, what)
         self.sleeps.append(seconds)
 
 
