@@ -32,8 +32,8 @@ from .._errors import (
 )
 from .._hedge import answered_before_hedge, run_hedged
 from .._hooks import INSTANT_DELAYS
-from .._request import _DISPATCHING, Request, dispatching
-from ._call import Origin, _Since, answered, call_timeout, outer_bound
+from .._request import _DISPATCHING, Request
+from ._call import Origin, _Since, answered, call_timeout
 from ._controller import _Controller
 from ._finished import _FinishedUnaryCall
 from ._gate import GatedMultiCallable, LocalRefusal, RefusedUnaryStreamCall
@@ -128,21 +128,32 @@ def hedge_trace(
     return core._tel.call(method, request, started)
 
 
-async def traced_hedged_unary_unary(
+async def intercepted_hedged_unary_unary(
     core: _Controller,
     plan: HedgePlan,
     continuation: Callable[..., Any],
     details: Any,
     message: Any,
 ) -> Any:
-    """The interceptor path of a hedged call on a channel with telemetry: the call's
-    trace starts before hedge 0 and ends with the call (:func:`hedged_unary_unary`)."""
+    """The interceptor path of a hedged call: its timeout bounded (:func:`call_timeout`),
+    then :func:`hedged_unary_unary`. On a channel with telemetry the call's trace starts
+    before hedge 0 and ends with the call."""
     timeout, deadline_from = call_timeout(plan, details.timeout)
     started = time.monotonic()
-    trace = hedge_trace(core, details.method, timeout, started, deadline_from)
     details = aio.ClientCallDetails(
         details.method, timeout, details.metadata, details.credentials, details.wait_for_ready
     )
+    if core._tel is None:
+        return await hedged_unary_unary(
+            core,
+            plan,
+            continuation,
+            details,
+            message,
+            started=started,
+            deadline_from=deadline_from,
+        )
+    trace = hedge_trace(core, details.method, timeout, started, deadline_from)
     try:
         call = await hedged_unary_unary(
             core,
@@ -168,8 +179,8 @@ async def hedged_unary_unary(
     details: Any,
     message: Any,
     *,
+    started: float,
     first: Any = None,
-    started: float | None = None,
     sent_at: float | None = None,
     open_streamed: Callable[[Any], Any] | None = None,
     deadline_from: Origin | None = None,
@@ -183,15 +194,17 @@ async def hedged_unary_unary(
     delay passes (or it fails with a non-fatal status) does the generic runner take
     over, with that attempt as hedge 0 and header-aware hedges after it.
 
-    The direct path (``_hedged_call``) sends hedge 0 and waits for it itself: it
-    passes ``first`` (that call), ``started`` (time.monotonic() when it was made),
-    ``sent_at`` (the loop time it was sent), ``open_streamed`` (how to open hedges
-    as unary-stream RPCs, or None) and ``deadline_from`` (the outer request whose time
-    left bounded ``details.timeout``, or None).
+    Its callers bound ``details.timeout`` first (:func:`call_timeout`: the method
+    config's timeout, an outer request's time left, the 1 us floor) and pass
+    ``started`` (time.monotonic() when the call was made) and ``deadline_from`` (the
+    outer request whose time left bounded the timeout, or None). The direct path
+    (``_hedged_call``) sends hedge 0 and waits for it itself: it also passes ``first``
+    (that call), ``sent_at`` (the loop time it was sent) and ``open_streamed`` (how to
+    open hedges as unary-stream RPCs, or None).
 
     ``trace``: the call's telemetry (its Request is the runner's; rfc/0008); the caller
-    ends it with the call (``_HedgedCall._driver_done``, :func:`traced_hedged_unary_unary`,
-    which bounded ``details.timeout`` already). Here each hedge is an attempt of it.
+    ends it with the call (``_HedgedCall._driver_done``,
+    :func:`intercepted_hedged_unary_unary`). Here each hedge is an attempt of it.
 
     ``on_request``: given the runner's Request as soon as it is made (the direct path's
     call object), whose ``cancel()`` then cancels it with ``Request.cancel()`` as well as
@@ -203,17 +216,7 @@ async def hedged_unary_unary(
     """
     method = details.method
     name: str = method.decode() if isinstance(method, bytes) else str(method)
-    timeout = details.timeout
-    if plan.timeout is not None and (timeout is None or plan.timeout < timeout):
-        timeout = plan.timeout
-    if first is None and trace is None:  # the interceptor path (else bounded already)
-        outer = dispatching()
-        if outer is not None:  # made inside a request's send: never outlive it
-            timeout, deadline_from = outer_bound(outer, timeout)
-    if timeout is not None:
-        timeout = max(timeout, 1e-6)
-    if started is None:
-        started = time.monotonic()
+    timeout = details.timeout  # bounded by the caller (call_timeout)
     wait_for_ready = (
         details.wait_for_ready if details.wait_for_ready is not None else plan.wait_for_ready
     )

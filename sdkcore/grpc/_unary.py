@@ -22,7 +22,7 @@ from .._request import dispatching
 from ._call import _Call, _TracedCall, call_timeout, outer_details, within_outer
 from ._controller import _Controller
 from ._finished import _ended_ok, _FinishedUnaryCall, _Readers
-from ._hedging import hedged_unary_unary, traced_hedged_unary_unary
+from ._hedging import intercepted_hedged_unary_unary
 from ._metadata import _client_trailing, _strip_attempts
 from ._plans import _Plan
 
@@ -43,11 +43,9 @@ async def unary_unary_call(
             budget = core.orchestrator.retry_budget
             if budget is not None:  # the call's first attempt pays into the retry budget
                 budget.deposit()
-            if core._tel is not None:
-                return await traced_hedged_unary_unary(
-                    core, hedging, continuation, details, request
-                )
-            return await hedged_unary_unary(core, hedging, continuation, details, request)
+            return await intercepted_hedged_unary_unary(
+                core, hedging, continuation, details, request
+            )
     plan = core.plan(details.method)
     if plan is None:
         outer = dispatching()
