@@ -26,11 +26,11 @@ from ._metadata import _client_trailing, _strip_attempts, _with_attempts
 from ._plans import _Plan
 from ._policy import (
     CALL_STATE_KEY,
-    PUSHBACK_DONT_RETRY,
     PUSHBACK_KEY,
     REASON_TRANSPARENT,
     CallState,
     TransparentKind,
+    costs_token,
     parse_pushback,
     status_reason,
     time_out_at_deadline,
@@ -390,10 +390,13 @@ class _Call:
             if policy is None or st.code not in policy.retryable_status_codes:
                 # An ordinary answer, not a retry decision: the call fails with it and
                 # the orchestrator (and its retry log) never sees it.
-                if st.pushback == PUSHBACK_DONT_RETRY and policy is not None:
-                    throttler = core.throttler
-                    if throttler is not None:  # A6: counts for throttling whatever the status
-                        throttler.record_failure()
+                throttler = core.throttler
+                if (
+                    throttler is not None
+                    and policy is not None
+                    and costs_token(st.code, policy.retryable_status_codes, st.pushback)
+                ):
+                    throttler.record_failure()  # a "don't retry" pushback, whatever the status
                 final = self._final(err)
                 request = self._request
                 if request is None:

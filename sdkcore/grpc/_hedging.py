@@ -39,7 +39,7 @@ from ._finished import _FinishedUnaryCall
 from ._gate import GatedMultiCallable, LocalRefusal, RefusedUnaryStreamCall
 from ._metadata import _client_trailing, _strip_attempts, _with_attempts
 from ._plans import HedgePlan, _method_name, _pushback_ms
-from ._policy import PUSHBACK_DONT_RETRY, status_reason, time_out_at_deadline
+from ._policy import costs_token, status_reason, time_out_at_deadline
 from ._status import status_name
 from ._telemetry import CallTrace
 
@@ -270,17 +270,15 @@ async def hedged_unary_unary(
                 effect=AttemptEffect.MAYBE_APPLIED,
             )
             return failure
-        if throttler is not None and _pushback_ms(err) == PUSHBACK_DONT_RETRY:
-            throttler.record_failure()  # A6: a "don't retry" pushback counts
+        if throttler is not None and costs_token(code, non_fatal, _pushback_ms(err)):
+            throttler.record_failure()  # fatal: a "don't retry" pushback, whatever the status
         return err  # type: ignore[no-any-return]
 
     def committed_failure(err: Any, index: int) -> Any:
         """The committed hedge ended with ``err``: account it, return the final error."""
         if index > 0:
             stats.record_failed_retry(name)
-        if throttler is not None and (
-            err.code().value[0] in non_fatal or _pushback_ms(err) == PUSHBACK_DONT_RETRY
-        ):
+        if throttler is not None and costs_token(err.code().value[0], non_fatal, _pushback_ms(err)):
             throttler.record_failure()
         return _error(err, index)
 

@@ -35,6 +35,7 @@ __all__ = [
     "BackoffJitter",
     "CallState",
     "TransparentKind",
+    "costs_token",
     "parse_pushback",
     "status_reason",
     "time_out_at_deadline",
@@ -109,6 +110,18 @@ def time_out_at_deadline(
             error=error if book else None,
         )
     return None
+
+
+def costs_token(status: int, retried: frozenset[int], pushback: int | None) -> bool:
+    """A6's throttling rule: whether a failed attempt costs the channel a token.
+
+    It does when its status is one the method's policy retries (``retried``: a
+    retryPolicy's retryableStatusCodes, a hedgingPolicy's nonFatalStatusCodes) or
+    when the server's pushback asked not to retry, whatever the status. Every other
+    answer (and an OK call) is a success for the throttler. The one statement of the
+    rule: retried, hedged and streaming calls all ask it.
+    """
+    return status in retried or pushback == PUSHBACK_DONT_RETRY
 
 
 def _bad_values(values: object) -> TypeError:
@@ -377,7 +390,7 @@ class A6RetryStrategy:
         pushback = state.pushback
         allowed = True
         throttler = self._throttler
-        if throttler is not None and (retryable or pushback == PUSHBACK_DONT_RETRY):
+        if throttler is not None and costs_token(code, policy.retryable_status_codes, pushback):
             allowed = throttler.record_failure()
         if not retryable:
             return _refusal(f"status {status_name(code)} is not in retryableStatusCodes", state)

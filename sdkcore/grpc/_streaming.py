@@ -18,7 +18,7 @@ from .._request import dispatching
 from ._call import _Call, _TracedCall, outer_details
 from ._controller import _Controller
 from ._metadata import _client_trailing
-from ._policy import PUSHBACK_DONT_RETRY, PUSHBACK_KEY, parse_pushback, time_out_at_deadline
+from ._policy import PUSHBACK_KEY, costs_token, parse_pushback, time_out_at_deadline
 from ._replay import _ReplayBuffer
 
 __all__: list[str] = []
@@ -431,7 +431,7 @@ def _account_end(
     if throttler is not None and policy is not None:
         # The same rule as for an attempt that can still be retried (_policy._status).
         pushback = parse_pushback(trailing.get_all(PUSHBACK_KEY)) if trailing else None
-        if code.value[0] in policy.retryable_status_codes or pushback == PUSHBACK_DONT_RETRY:
+        if costs_token(code.value[0], policy.retryable_status_codes, pushback):
             throttler.record_failure()
 
 

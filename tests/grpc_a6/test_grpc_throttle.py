@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sdkcore.grpc import RetryThrottler, throttler_for_target
+from sdkcore.grpc._policy import PUSHBACK_DONT_RETRY, costs_token
 
 
 def test_basic_sequence() -> None:
@@ -81,3 +82,19 @@ def test_token_ratio_uses_three_decimals() -> None:
 def test_bad_arguments(max_tokens: float, ratio: float, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         RetryThrottler(max_tokens, ratio)
+
+
+@pytest.mark.parametrize(
+    ("status", "pushback", "costs"),
+    [
+        (14, None, True),  # UNAVAILABLE, retried by the policy
+        (14, 100, True),  # a pushback delay does not change a retried status
+        (5, None, False),  # NOT_FOUND: an ordinary answer, a success for the throttler
+        (5, 100, False),  # a pushback delay alone costs nothing
+        (5, -1, True),  # "don't retry" pushback costs a token whatever the status (A6)
+        (14, -1, True),
+    ],
+)
+def test_costs_token_is_a6s_rule(status: int, pushback: int | None, costs: bool) -> None:
+    assert PUSHBACK_DONT_RETRY == -1
+    assert costs_token(status, frozenset({14}), pushback) is costs
