@@ -54,18 +54,26 @@ class _ChannelClosed(Exception):
     """The channel refused a later hedge (it was closed): ends the hedging (fatal)."""
 
 
-def _error(err: Any, previous: int) -> Any:
-    """``err`` reporting which hedge's status it is (``grpc-previous-rpc-attempts``)."""
+def _note(sent: int) -> str:
+    """``"sdkcore: N hedges; "`` when the call sent more than one copy, else ``""``: the
+    start of its error's debug string, as a retried call's ``"sdkcore: N attempts; "``."""
+    return f"sdkcore: {sent} hedges; " if sent > 1 else ""
+
+
+def _error(err: Any, previous: int, sent: int = 1) -> Any:
+    """``err`` reporting which hedge's status it is (``grpc-previous-rpc-attempts``) and,
+    in its debug string, how many copies the call sent (``sent``)."""
     trailing = err.trailing_metadata()
     corrected = _client_trailing(trailing, previous)
-    if corrected is trailing:
+    note = _note(sent)
+    if corrected is trailing and not note:
         return err
     return aio.AioRpcError(
         err.code(),
         err.initial_metadata(),
         corrected,
         err.details(),
-        err.debug_error_string(),
+        note + (err.debug_error_string() or ""),
     )
 
 
@@ -280,7 +288,7 @@ async def hedged_unary_unary(
             stats.record_failed_retry(name)
         if throttler is not None and costs_token(err.code().value[0], non_fatal, _pushback_ms(err)):
             throttler.record_failure()
-        return _error(err, index)
+        return _error(err, index, flight[0])  # 0 before the runner: hedge 0 alone
 
     # -- hedge 0: a plain unary call, awaited up to the hedging delay -------------------
     loop = asyncio.get_running_loop()
@@ -449,8 +457,9 @@ async def hedged_unary_unary(
                 raise asyncio.CancelledError() from None
             raise
     except aio.AioRpcError as err:  # a fatal status: its own hedge's index, not that of
-        final = _error(err, last[1] if last[1] >= 0 else last[0])  # a failure read after it
-        if request.retry_attempts == 0:
+        sent = request.retry_attempts + 1  # a failure read after it; hedges count as retries
+        final = _error(err, last[1] if last[1] >= 0 else last[0], sent)  # (RFC 0049)
+        if sent == 1:
             raise final from None  # the first hedge's answer: grpc's error, as without hedging
         raise _copy(final) from _fatal_context(request, err)
     except _ChannelClosed:
@@ -471,7 +480,7 @@ async def hedged_unary_unary(
             aio.Metadata(),
             _with_attempts(aio.Metadata(), previous) if previous else aio.Metadata(),
             "Deadline Exceeded",
-            why,
+            _note(previous + 1) + why,
         ) from exc
     except RequestCanceledException as exc:
         cause = exc.__cause__
@@ -484,7 +493,7 @@ async def hedged_unary_unary(
                         "grpc_attempts": flight[0],
                     }
                 )
-            raise _error(cause, last[0]) from exc
+            raise _error(cause, last[0], flight[0]) from exc
         raise
     finally:
         if winner is not first and not isinstance(adopted, BaseException):

@@ -118,6 +118,8 @@ async def test_non_fatal_then_fatal(server: Server) -> None:
     assert previous_rpc_attempts(err) == 1
     assert script.count == 2
     assert stats.failed_retry_attempts == 1
+    # a log line printing the error shows the copies sent, as a retried call's attempts
+    assert err.debug_error_string().startswith("sdkcore: 2 hedges; ")
 
 
 async def test_all_fail_returns_the_last_failure(server: Server) -> None:
@@ -141,6 +143,7 @@ async def test_all_fail_returns_the_last_failure(server: Server) -> None:
     assert context.extra["grpc_status"] == "ABORTED"
     assert context.extra["grpc_attempts"] == 3
     assert context.extra["hedges_sent"] == 3
+    assert err.debug_error_string().startswith("sdkcore: 3 hedges; ")
 
 
 async def test_without_non_fatal_codes_every_failure_is_fatal(server: Server) -> None:
@@ -150,6 +153,7 @@ async def test_without_non_fatal_codes_every_failure_is_fatal(server: Server) ->
     assert isinstance(err, aio.AioRpcError)
     assert err.code() is UNAVAILABLE
     assert script.count == 1
+    assert "sdkcore:" not in err.debug_error_string()  # one copy: grpc's error unchanged
 
 
 @pytest.mark.parametrize("value", ["-1", "soon"])
@@ -218,6 +222,9 @@ async def test_method_timeout_covers_the_chain(server: Server) -> None:
     assert isinstance(err, aio.AioRpcError)
     assert err.code() is grpc.StatusCode.DEADLINE_EXCEEDED
     assert 2 <= script.count <= 4
+    note = err.debug_error_string()
+    assert note.startswith(("sdkcore: 2 hedges; ", "sdkcore: 3 hedges; ", "sdkcore: 4 hedges; "))
+    assert "deadline reached with" in note
 
 
 async def test_headers_commit_on_arrival(server: Server) -> None:
@@ -244,6 +251,18 @@ async def test_headers_then_non_fatal_status_is_final(server: Server) -> None:
     assert isinstance(err, aio.AioRpcError)
     assert err.code() is UNAVAILABLE
     assert script.count == 1
+
+
+async def test_a_later_hedge_committed_then_failing_says_how_many_went(server: Server) -> None:
+    """Hedge 1 commits on its headers, then fails: its status is the call's, and the
+    debug string says two copies went out."""
+    script = HedgeScript(server, "M", {1: headers_then(fail(ABORTED, 0.1))})
+    with anyio.fail_after(TEST_TIMEOUT):
+        err, _, _ = await call(server, script, hedging_config(delay="0.1s"))
+    assert isinstance(err, aio.AioRpcError)
+    assert err.code() is ABORTED
+    assert previous_rpc_attempts(err) == 1
+    assert err.debug_error_string().startswith("sdkcore: 2 hedges; ")
 
 
 async def test_application_cancel_reaches_every_hedge(server: Server) -> None:
