@@ -366,10 +366,14 @@ class _Call:
         trailing = err.trailing_metadata()
         st.pushback = parse_pushback(trailing.get_all(PUSHBACK_KEY)) if trailing else None
         kind = None
+        never_left = False  # no connection: the attempt was not sent (its effect)
         if isinstance(err, LocalRefusal):
-            # The channel's limiter or throttle refused the attempt: nothing was sent,
-            # as when no connection could be made (A6 case 1; rfc/0009).
-            kind = TransparentKind.NEVER_SENT
+            # The channel's limiter or throttle refused the attempt: it never left the
+            # client (A6 case 1; rfc/0009), re-sent transparently unless those are off.
+            if core.transparent_retries:
+                kind = TransparentKind.NEVER_SENT
+            else:
+                never_left = True
         elif (
             not self.ready_at_start
             and not st.committed
@@ -377,11 +381,13 @@ class _Call:
             and not trailing
             and core._connectivity() is _TRANSIENT_FAILURE
         ):
-            # A6 case 1, from facts the server cannot set: the channel had no connection
-            # when the attempt started and is failing to connect now, and nothing at all
-            # came back (no headers, no trailers). grpc C-core fails such an RPC at once
-            # without wait_for_ready; it never reached a transport.
-            kind = TransparentKind.NEVER_SENT
+            # From facts the server cannot set: the channel had no connection when the
+            # attempt started and is failing to connect now, and nothing at all came back
+            # (no headers, no trailers): it never reached a transport. grpc C-core fails
+            # such an RPC at once without wait_for_ready (fail fast), and its retry policy
+            # takes the UNAVAILABLE as any attempt's: so does this channel (rfc/0003,
+            # "Fail fast"), knowing that nothing was sent.
+            never_left = True
         # A failed retry attempt is counted once, when it is over: a transparent
         # re-send continues the same A6 attempt.
         if kind is None:
@@ -417,7 +423,8 @@ class _Call:
         committed = st.committed
         if kind is None:
             # The server answered: whatever the status, it may have applied the call.
-            reason, effect = status_reason(st.code), AttemptEffect.MAYBE_APPLIED
+            reason = status_reason(st.code)
+            effect = AttemptEffect.NOT_SENT if never_left else AttemptEffect.MAYBE_APPLIED
         else:
             reason, effect = REASON_TRANSPARENT, AttemptEffect.NOT_SENT
         if owner is not None:

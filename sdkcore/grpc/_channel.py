@@ -104,7 +104,7 @@ class _Channel(_aio_channel.Channel):  # type: ignore[misc]
         if core._tel is not None:  # the telemetry of every call (rfc/0008)
             return DirectMultiCallable(core, plan, inner, method, _TracedUnaryCall)
         if plan.strategy.policy is None and core.gate is None and core.throttler is None:
-            # Retried only transparently, and only when it starts without a connection.
+            # Never sent again: no retryPolicy, and no gate whose refusal is re-sent.
             return FirstAttemptMultiCallable(core, plan, inner, method)
         return DirectMultiCallable(core, plan, inner, method)
 

@@ -49,8 +49,11 @@ class _Controller:
     * ``max_attempts_cap``: the client cap on maxAttempts (A6 default 5).
     * ``backoff_jitter``: :class:`BackoffJitter` (the 2017 text or the 2024 amendment).
     * ``per_call_buffer_limit`` / ``channel_buffer_limit``: replay buffer limits in bytes.
-    * ``transparent_retries``: A6 transparent retries when no connection could be
-      made (needs :meth:`bind_channel`; see rfc/0003).
+    * ``transparent_retries``: A6 transparent retries of attempts the channel's
+      ``limiter``/``throttle`` refused (they never left the client), and the check that
+      books an attempt that found no connection as not sent (needs :meth:`bind_channel`;
+      such an attempt fails fast to the retry policy either way, as grpcio's; rfc/0003,
+      "Fail fast").
     * ``stats``: a :class:`RetryStats` to record into (a new one by default).
     * ``message_size``: bytes of a request message (default :func:`default_message_size`).
     * ``limiter`` / ``throttle``: an :class:`sdkcore.ConcurrencyLimiter` (or
@@ -262,8 +265,8 @@ class _Controller:
 
         The channel helpers do this. It lets the interceptor see the channel's
         connectivity state, which is what recognises "no connection could be
-        made" (A6 transparent retry case 1); without it that case goes to the
-        retry policy like any other UNAVAILABLE.
+        made": the attempt then goes to the retry policy booked as not sent
+        (rfc/0003, "Fail fast"); without it, as maybe applied.
         """
         self._channel = weakref.ref(channel)
 

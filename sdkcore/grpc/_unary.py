@@ -30,7 +30,6 @@ __all__: list[str] = []
 
 _OK = grpc.StatusCode.OK
 _CANCELLED = grpc.StatusCode.CANCELLED
-_READY = grpc.ChannelConnectivity.READY
 
 
 async def unary_unary_call(
@@ -572,13 +571,13 @@ class DirectMultiCallable(aio.UnaryUnaryMultiCallable):  # type: ignore[misc]
 class FirstAttemptMultiCallable(DirectMultiCallable):
     """A method without a retryPolicy, on a channel without a gate, throttling or telemetry.
 
-    Only an A6 transparent retry could send such a call again, and sdkcore makes one
-    only when the channel had no connection as the call started (A6 case 1; rfc/0003,
-    "The direct path"). A call that starts on a READY channel, or on a channel
-    with transparent retries off, can therefore never be retried: it is grpc.aio's
-    own call, with what sdkcore owes it (the method config's timeout and waitForReady,
-    an outer request's deadline, its first attempt paid into the retry budget, no
-    application-set ``grpc-previous-rpc-attempts``) and nothing wrapped around it
+    Such a call is never sent again: without a retryPolicy only a transparent retry
+    could, and the channel makes those only for attempts its gate refused (a call that
+    finds no connection fails fast with UNAVAILABLE, as grpcio's; rfc/0003, "Fail
+    fast"). So it is grpc.aio's own call, with what sdkcore owes it (the method
+    config's timeout and waitForReady, an outer request's deadline, its first attempt
+    paid into the retry budget, no application-set ``grpc-previous-rpc-attempts``) and
+    nothing wrapped around it
     (bench/README, "bench_grpc_cpu.py", issue 24). Any other call is a
     :class:`_UnaryCall`, as on a retried method.
     """
@@ -594,17 +593,6 @@ class FirstAttemptMultiCallable(DirectMultiCallable):
         compression: Any = None,
     ) -> Any:
         core = self._core
-        if core.transparent_retries:
-            state = core._connectivity()
-            if state is not None and state is not _READY:  # a transparent retry may follow
-                return super().__call__(
-                    request,
-                    timeout=timeout,
-                    metadata=metadata,
-                    credentials=credentials,
-                    wait_for_ready=wait_for_ready,
-                    compression=compression,
-                )
         plan = self._plan
         budget = core.orchestrator.retry_budget
         if budget is not None:  # every call's first attempt pays into the retry budget

@@ -59,15 +59,15 @@ async def test_a_call_on_a_ready_channel_is_grpc_aio_own(server: Server) -> None
             assert await call == b"ok:x"
 
 
-async def test_a_call_before_the_channel_connected_may_be_retried_transparently(
-    server: Server,
-) -> None:
+async def test_a_call_before_the_channel_connected_is_grpc_aio_own(server: Server) -> None:
+    """No transparent retry can follow a connection failure (it fails fast, rfc/0003): a
+    call made before the channel connected is grpc.aio's own call, as on a READY one."""
     method = server.unary_unary("M", ok)
     with anyio.fail_after(TEST_TIMEOUT):
         async with insecure_channel(server.target) as ch:
             assert ch.get_state() is not READY
             call = ch.unary_unary(method)(b"x")
-            assert not grpc_own(call)  # sdkcore's: a transparent retry may follow
+            assert grpc_own(call)
             assert await call == b"ok:x"
 
 

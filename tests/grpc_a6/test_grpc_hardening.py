@@ -575,15 +575,20 @@ async def test_never_sent_attempts_make_a_timeout_unambiguous(
     monkeypatch.setattr(_call, "Request", _Recording)
     _Recording.made = []
     with ReservedPort() as port, anyio.fail_after(TEST_TIMEOUT):
-        async with insecure_channel(port.target, service_config=retry_config()) as ch:
+        # No connection: each attempt fails fast with UNAVAILABLE (as grpcio's) and is
+        # retried by the policy, until the deadline cuts a backoff.
+        cfg = retry_config(max_attempts=5, initial="0.2s", maximum="0.2s")
+        async with insecure_channel(
+            port.target, service_config=cfg, backoff_jitter=BackoffJitter.PROPORTIONAL
+        ) as ch:
             with pytest.raises(aio.AioRpcError) as info:
                 await ch.unary_unary("/test.Svc/M")(b"x", timeout=0.3)
     assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
     assert isinstance(info.value.__cause__, UnambiguousTimeoutException)
     request = _Recording.made[0]
-    assert request.attempts, "the transparent retries are recorded"
+    assert request.attempts, "the attempts that found no connection are recorded"
     assert {a.effect for a in request.attempts} == {AttemptEffect.NOT_SENT}
-    assert {a.reason for a in request.attempts} == {RetryReason.SOCKET_NOT_AVAILABLE}
+    assert {a.reason for a in request.attempts} == {RetryReason.SERVICE_NOT_AVAILABLE}
 
 
 async def _drain_into(call: Any, got: list[bytes]) -> None:

@@ -20,7 +20,6 @@ pytest.importorskip("opentelemetry.sdk.metrics")
 from grpc import aio  # noqa: E402
 from grpc_server import (  # noqa: E402
     TEST_TIMEOUT,
-    ReservedPort,
     Server,
     abort,
     cancel_while_waiting_to_retry,
@@ -59,11 +58,6 @@ pytestmark = pytest.mark.asyncio
 ABORTED = grpc.StatusCode.ABORTED
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT
-FAST_RECONNECT = [
-    ("grpc.initial_reconnect_backoff_ms", 50),
-    ("grpc.min_reconnect_backoff_ms", 50),
-    ("grpc.max_reconnect_backoff_ms", 100),
-]
 
 #: A66 and A96, as written there: name -> (kind, unit, attribute keys).
 STANDARD = {
@@ -412,36 +406,44 @@ async def test_targets_are_canonical_as_grpc_resolves_them() -> None:
 # -- transparent retries and hedges (A96) --------------------------------------------------
 
 
-async def test_a_transparent_retry(otel: Otel) -> None:
-    """No connection could be made: transparent retries until the server listens (A6);
-    A96 counts them apart, and each is an attempt with transparent-retry true (A72)."""
-    server = Server()
+async def test_a_transparent_retry(server: Server, otel: Otel) -> None:
+    """An attempt the channel's limiter refused never left the client: it is re-sent
+    transparently (A6) until the permit frees; A96 counts the re-sends apart, and each is
+    an attempt with transparent-retry true (A72)."""
+    release = asyncio.Event()
+
+    async def held(request: bytes, context: Any, attempt: int) -> bytes:
+        await release.wait()
+        return b"held"
+
+    hold = server.unary_unary("Hold", held)
     method = server.unary_unary("M", fail_then_ok(0))
-    with ReservedPort() as port:
-        try:
-            with anyio.fail_after(TEST_TIMEOUT):
-                async with insecure_channel(
-                    port.target,
-                    service_config=retry_config(max_attempts=2),
-                    options=FAST_RECONNECT,
-                    telemetry=otel.telemetry,
-                ) as ch:
-                    stats = retry_controller(ch).stats
-                    pending = asyncio.ensure_future(ch.unary_unary(method)(b"x", timeout=10))
-                    await wait_until(lambda: stats.for_method(method).transparent_retries >= 1)
-                    await server.start(port.port)
-                    port.release()
-                    assert await pending == b"ok"
-                    transparent = stats.for_method(method).transparent_retries
-        finally:
-            await server.stop()
+    limiter = sdkcore.ConcurrencyLimiter(1)
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target,
+            service_config=retry_config(max_attempts=2),
+            limiter=limiter,
+            telemetry=otel.telemetry,
+        ) as ch:
+            stats = retry_controller(ch).stats
+            first = asyncio.ensure_future(ch.unary_unary(hold)(b"x"))
+            await wait_until(lambda: limiter.in_flight == 1)
+            pending = asyncio.ensure_future(ch.unary_unary(method)(b"x", timeout=10))
+            await wait_until(lambda: stats.for_method(method).transparent_retries >= 1)
+            release.set()
+            assert await first == b"held"
+            assert await pending == b"ok"
+            transparent = stats.for_method(method).transparent_retries
     points = otel.grpc()
     assert "grpc.client.call.retries" not in points  # no A6 retry
-    resent = value(points["grpc.client.call.transparent_retries"])
+    resent = value(points["grpc.client.call.transparent_retries"], grpc_method="test.Svc/M")
     assert (resent.count, resent.sum) == (1, transparent)
-    assert value(points["grpc.client.attempt.started"]).value == transparent + 1
-    assert value(points["grpc.client.attempt.duration"], grpc_status="OK").count == 1
-    assert value(points["grpc.client.attempt.duration"], grpc_status="UNAVAILABLE").count == (
+    started = value(points["grpc.client.attempt.started"], grpc_method="test.Svc/M")
+    assert started.value == transparent + 1
+    durations = points["grpc.client.attempt.duration"]
+    assert value(durations, grpc_method="test.Svc/M", grpc_status="OK").count == 1
+    assert value(durations, grpc_method="test.Svc/M", grpc_status="UNAVAILABLE").count == (
         transparent
     )
     attempts = sorted(

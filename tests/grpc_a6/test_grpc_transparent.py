@@ -4,6 +4,7 @@ neither may do (a server cannot make its own status look like a transparent case
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 import anyio
@@ -20,6 +21,7 @@ from grpc_server import (  # noqa: E402
 )
 from h2_server import RawH2Server  # noqa: E402
 
+from sdkcore import AttemptEffect, ConcurrencyLimiter  # noqa: E402
 from sdkcore.grpc import (  # noqa: E402
     RetryController,
     insecure_channel,
@@ -89,56 +91,110 @@ async def test_server_sent_connection_failure_text_without_service_config(server
 
 
 @pytest.mark.asyncio
-async def test_transparent_retry_until_server_is_reachable() -> None:
-    """No connection could be made (channel in TRANSIENT_FAILURE, nothing received): the
-    call is retried transparently until the server listens; no A6 attempt is used."""
+async def test_no_connection_fails_fast_as_grpcio() -> None:
+    """No connection can be made and the call does not wait for ready: UNAVAILABLE at once,
+    as grpcio's own channel answers (rfc/0003, "Fail fast"). UNAVAILABLE is not retryable
+    here, so no attempt follows."""
+    cfg = retry_config(codes=("ABORTED",))
+    codes: dict[str, str] = {}
+    with ReservedPort() as port, anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(port.target, service_config=cfg) as ch:
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary("/test.Svc/M")(b"x", timeout=30)
+            codes["sdkcore"] = info.value.code().name
+            stats = retry_stats(ch).for_method("/test.Svc/M")
+        async with aio.insecure_channel(port.target) as plain:
+            with pytest.raises(aio.AioRpcError) as info:
+                await plain.unary_unary("/test.Svc/M")(b"x", timeout=30)
+            codes["grpc.aio"] = info.value.code().name
+    # (TEST_TIMEOUT is far below the calls' 30 s: neither waited for its deadline)
+    assert codes == {"sdkcore": "UNAVAILABLE", "grpc.aio": "UNAVAILABLE"}
+    assert (stats.retry_attempts, stats.transparent_retries) == (0, 0)
+
+
+@pytest.mark.asyncio
+async def test_no_connection_is_retried_by_the_policy() -> None:
+    """With UNAVAILABLE retryable, each attempt that finds no connection is an A6 attempt
+    (maxAttempts, a throttling token), as grpc C-core's retry filter counts it."""
+    cfg = retry_config(max_attempts=3, throttling={"maxTokens": 10, "tokenRatio": 0.1})
+    with ReservedPort() as port, anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(port.target, service_config=cfg) as ch:
+            throttler = retry_controller(ch).throttler
+            assert throttler is not None
+            before = throttler.milli_tokens
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary("/test.Svc/M")(b"x", timeout=30)
+            stats = retry_stats(ch).for_method("/test.Svc/M")
+            spent = before - throttler.milli_tokens
+    assert info.value.code() is UNAVAILABLE
+    assert info.value.debug_error_string().startswith("sdkcore: 3 attempts; ")
+    assert (stats.retry_attempts, stats.transparent_retries) == (2, 0)
+    assert spent == 3000  # one token per failed attempt with a retryable status
+
+
+@pytest.mark.asyncio
+async def test_wait_for_ready_waits_for_the_server() -> None:
+    """wait_for_ready=True: grpc C-core holds the call until the channel is READY, as on a
+    plain channel; no attempt fails, none is retried."""
     server = Server()
     method = server.unary_unary("M", ok())
-    cfg = retry_config(max_attempts=2, throttling={"maxTokens": 10, "tokenRatio": 0.1})
     with ReservedPort() as port:
         try:
             with anyio.fail_after(TEST_TIMEOUT):
                 async with insecure_channel(
-                    port.target, service_config=cfg, options=FAST_RECONNECT
+                    port.target, service_config=retry_config(), options=FAST_RECONNECT
                 ) as ch:
-                    stats = retry_stats(ch)
-                    throttler = retry_controller(ch).throttler
-                    assert throttler is not None
-                    before = throttler.milli_tokens
-                    call = ch.unary_unary(method)(b"x", timeout=10)
+                    call = ch.unary_unary(method)(b"x", timeout=10, wait_for_ready=True)
                     pending = asyncio.ensure_future(call)
-                    await wait_until(lambda: stats.for_method(method).transparent_retries >= 1)
+                    await asyncio.sleep(0.3)
                     assert not pending.done()
                     await server.start(port.port)
                     port.release()
                     assert await pending == b"ok:x"
-                    assert throttler.milli_tokens == before
-                    snapshot = stats.for_method(method)
+                    stats = retry_stats(ch).for_method(method)
         finally:
             await server.stop()
-    assert snapshot.transparent_retries >= 1
-    assert snapshot.retry_attempts == 0
+    assert (stats.retry_attempts, stats.transparent_retries) == (0, 0)
     assert server.count("M") == 1
-    assert PREV not in server.attempts["M"][0]
+
+
+def _holds_one(limiter: ConcurrencyLimiter) -> bool:
+    return limiter.in_flight == 1
 
 
 @pytest.mark.asyncio
-async def test_transparent_retries_can_be_switched_off() -> None:
-    method = "/test.Svc/M"
-    # UNAVAILABLE is not retryable here: only a transparent retry could retry it.
-    cfg = retry_config(codes=("ABORTED",))
-    outcomes: dict[bool, tuple[str, int]] = {}
-    with ReservedPort() as port, anyio.fail_after(TEST_TIMEOUT):
+async def test_transparent_retries_can_be_switched_off(server: Server) -> None:
+    """The transparent re-send of an attempt the channel's own limiter refused (it never
+    left the client, A6 case 1): on, the call waits for the permit and succeeds; off, the
+    refusal's UNAVAILABLE goes to the retry policy, which does not retry it here."""
+    release = asyncio.Event()
+
+    async def held(request: bytes, context: Any, attempt: int) -> bytes:
+        if request == b"first":
+            await release.wait()
+        return b"ok:" + request
+
+    method = server.unary_unary("M", held)
+    cfg = retry_config(codes=("ABORTED",))  # UNAVAILABLE: only a transparent retry resends it
+    outcomes: dict[bool, str] = {}
+    with anyio.fail_after(TEST_TIMEOUT):
         for enabled in (True, False):
+            release.clear()
+            limiter = ConcurrencyLimiter(1)
             async with insecure_channel(
-                port.target, service_config=cfg, transparent_retries=enabled
+                server.target, service_config=cfg, limiter=limiter, transparent_retries=enabled
             ) as ch:
-                with pytest.raises(aio.AioRpcError) as info:
-                    await ch.unary_unary(method)(b"x", timeout=0.5)
-                count = retry_stats(ch).for_method(method).transparent_retries
-                outcomes[enabled] = (info.value.code().name, min(count, 1))
-    # On: retried until the deadline. Off: the first failure is final.
-    assert outcomes == {True: ("DEADLINE_EXCEEDED", 1), False: ("UNAVAILABLE", 0)}
+                first = asyncio.ensure_future(ch.unary_unary(method)(b"first"))
+                await wait_until(functools.partial(_holds_one, limiter))
+                second = asyncio.ensure_future(ch.unary_unary(method)(b"second", timeout=10))
+                await asyncio.sleep(0.1)
+                release.set()
+                try:
+                    outcomes[enabled] = (await second).decode()
+                except aio.AioRpcError as err:
+                    outcomes[enabled] = err.code().name
+                assert await first == b"ok:first"
+    assert outcomes == {True: "ok:second", False: "UNAVAILABLE"}
 
 
 def goaway_first(n: int) -> str:
@@ -298,12 +354,12 @@ def status(code: Any) -> Any:
 
 
 @pytest.mark.asyncio
-async def test_a_retry_resent_transparently_fails_once() -> None:
-    """Retry 1 first finds no connection (transparent re-send), then fails with a status:
-    one retry attempt, one failed retry attempt, one transparent retry."""
+async def test_a_retry_that_finds_no_connection_is_an_attempt_known_not_sent() -> None:
+    """Retry 1 finds no connection: it fails fast and is an A6 attempt of its own (not a
+    transparent re-send), booked as not sent; retry 2 then fails with a status."""
     from sdkcore.grpc._call import _Call
 
-    cfg = retry_config(max_attempts=2, initial="0.001s", maximum="0.001s")
+    cfg = retry_config(max_attempts=3, initial="0.001s", maximum="0.001s")
     controller = RetryController("resent-retry.invalid:1", cfg)
     channel = FakeChannel()
     controller.bind_channel(channel)
@@ -318,16 +374,22 @@ async def test_a_retry_resent_transparently_fails_once() -> None:
         c.next_details()  # attempt 2 (retry 1), no connection
         await c.failed(status(UNAVAILABLE))
         channel.state = grpc.ChannelConnectivity.READY
-        details = c.next_details()  # attempt 2 re-sent
-        assert dict(details.metadata)[PREV] == "1"
+        details = c.next_details()  # attempt 3 (retry 2)
+        assert dict(details.metadata)[PREV] == "2"
         with pytest.raises(aio.AioRpcError):
             await c.failed(status(grpc.StatusCode.ABORTED))
     stats = controller.stats.for_method(method)
     assert (stats.retry_attempts, stats.failed_retry_attempts, stats.transparent_retries) == (
-        1,
-        1,
-        1,
+        2,
+        2,
+        0,
     )
+    effects = [a.effect for a in c.request.attempts]
+    assert effects == [
+        AttemptEffect.MAYBE_APPLIED,
+        AttemptEffect.NOT_SENT,
+        AttemptEffect.MAYBE_APPLIED,
+    ]
 
 
 @pytest.mark.asyncio
