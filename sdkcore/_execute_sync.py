@@ -29,6 +29,7 @@ __all__ = ["execute_sync"]
 T = TypeVar("T")
 
 _PENDING = RequestState.PENDING
+_WAIT_MAX = 86400.0  # seconds: the longest single wait of a backoff (see _wait)
 _MAYBE = AttemptEffect.MAYBE_APPLIED
 _VIA_CONTEXT = CancellationReason.CANCELLED_VIA_CONTEXT
 
@@ -238,6 +239,12 @@ def _wait(request: Request, delay: float) -> None:
     previous = request._set_cancel_hook(wake)
     try:
         if request.state is _PENDING:  # cancelled before the hook was set: no wait
+            # A day at most per wait: Event.wait raises OverflowError past
+            # threading.TIMEOUT_MAX (a delay RetryAction accepts), so a longer one waits again.
+            while delay > _WAIT_MAX:
+                if wake.event.wait(_WAIT_MAX):
+                    return
+                delay -= _WAIT_MAX
             wake.event.wait(delay)
     finally:
         request._set_cancel_hook(previous)

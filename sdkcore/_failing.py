@@ -73,7 +73,9 @@ def asked(strategy: object) -> str:
 def strategy_of(request: Request, default: object = None) -> str | None:
     """The name of the strategy that answers for ``request``: its own, else ``default``
     (the orchestrator's); None when it has neither (a gRPC call's own request)."""
-    strategy = request.retry_strategy or default
+    strategy: object = request.retry_strategy
+    if strategy is None:  # (not ``or``: a strategy may be falsy)
+        strategy = default
     return None if strategy is None else strategy_name(strategy)
 
 

@@ -172,7 +172,7 @@ class FastFailOnTerminalErrorRetryStrategy(BestEffortRetryStrategy):
             return _SCOPE
         if reason is RetryReason.COLLECTION_NOT_FOUND:
             return _COLLECTION
-        return BestEffortRetryStrategy.decide(self, request, reason)
+        return super().decide(request, reason)  # the next in the MRO: a mixin's too
 
 
 #: The built-ins' ``retry_after``: a strategy whose ``retry_after`` is one of these

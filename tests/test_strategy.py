@@ -23,6 +23,7 @@ from sdkcore import (
     Request,
     RequestCanceledException,
     RequestState,
+    RetryableError,
     RetryAction,
     RetryOrchestrator,
     RetryReason,
@@ -538,3 +539,63 @@ async def test_strategy_returning_garbage_is_a_clear_type_error(strategy: Any) -
     assert req.retry_attempts == 0
     assert req.completed
     assert vc.sleeps == []
+
+
+class _EmptyTable(BestEffortRetryStrategy):
+    """A strategy that is falsy (an empty table of reasons it retries): it refuses all."""
+
+    def __len__(self) -> int:
+        return 0
+
+    def decide(self, request: Request, reason: RetryReason) -> RetryAction:
+        return RetryAction.no_retry()
+
+
+async def test_a_falsy_strategy_is_still_the_requests_strategy() -> None:
+    """``request.retry_strategy or default`` replaced a falsy strategy by the default."""
+    sends = 0
+
+    async def send(request: Request) -> str:
+        nonlocal sends
+        sends += 1
+        raise RetryableError(RetryReason.KV_LOCKED)
+
+    vc = VirtualClock()
+    orch = RetryOrchestrator(sleep=vc.sleep)
+    request = Request(idempotent=True, timeout=10, clock=vc.clock, retry_strategy=_EmptyTable())
+    with pytest.raises(RequestCanceledException, match="_EmptyTable"):
+        await orch.execute(request, send)
+    assert sends == 1
+
+    sync_sends = 0
+
+    def send_sync(request: Request) -> str:
+        nonlocal sync_sends
+        sync_sends += 1
+        raise RetryableError(RetryReason.KV_LOCKED)
+
+    request = Request(idempotent=True, timeout=0.5, retry_strategy=_EmptyTable())
+    with pytest.raises(RequestCanceledException, match="_EmptyTable"):
+        RetryOrchestrator().execute_sync(request, send_sync)
+    assert sync_sends == 1
+
+
+class _LockedLonger(BestEffortRetryStrategy):
+    def decide(self, request: Request, reason: RetryReason) -> RetryAction:
+        if reason is RetryReason.KV_LOCKED:
+            return RetryAction.with_duration(ms(200))
+        return super().decide(request, reason)
+
+
+class _FastFailLockedLonger(FastFailOnTerminalErrorRetryStrategy, _LockedLonger):
+    """A mixin after FastFail in the MRO: FastFail's decide must reach it."""
+
+
+async def test_fast_fail_passes_on_to_the_next_class_in_the_mro() -> None:
+    req = await request_with_attempts(0, idempotent=True)
+    action = _FastFailLockedLonger().decide(req, RetryReason.KV_LOCKED)
+    assert action.duration == ms(200)
+    # the terminal reasons are still FastFail's
+    assert built(_FastFailLockedLonger().decide(req, RetryReason.AUTHENTICATION_ERROR)) is (
+        AuthenticationFailureException
+    )

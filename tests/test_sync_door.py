@@ -234,3 +234,25 @@ def test_backpressure_across_threads_is_exact() -> None:
         t.join(10)
     assert sorted(outcomes) == ["TOO_MANY_REQUESTS_IN_RETRY"] * 5 + ["ok"] * 3
     assert orch.requests_in_retry == 0
+
+
+def test_a_backoff_longer_than_threading_can_wait_is_still_a_wait() -> None:
+    """A strategy's delay of 1e10 s (RetryAction accepts it) made Event.wait raise
+    OverflowError; it is a wait that Request.cancel() ends, as on the async doors."""
+
+    class Forever(BestEffortRetryStrategy):
+        def decide(self, request: Request, reason: RetryReason) -> RetryAction:
+            return RetryAction.with_duration(1e10)
+
+    def send(request: Request) -> str:
+        raise RetryableError(RetryReason.KV_LOCKED)
+
+    request = Request(idempotent=True, timeout=None, retry_strategy=Forever())
+    cancel = threading.Timer(0.1, request.cancel)
+    cancel.start()
+    try:
+        with pytest.raises(RequestCanceledException):
+            RetryOrchestrator().execute_sync(request, send)
+    finally:
+        cancel.cancel()
+    assert request.retry_attempts == 1
