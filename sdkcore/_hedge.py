@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import _failing, _log, _runtime
@@ -151,9 +151,8 @@ class _Chain:
         strategy: object = None,
     ) -> None:
         self.request = request
-        #: The request's strategy, asked through its synchronous ``decide`` whether a
-        #: non-fatal failure may be hedged past (None, or no synchronous ``decide``: the
-        #: policy's ``non_fatal`` alone decides).
+        #: The request's strategy, asked whether a non-fatal failure may be hedged past
+        #: (:meth:`_answer`); None: the policy's ``non_fatal`` alone decides.
         self.strategy = strategy
         self.decide = None if strategy is None else sync_decide(strategy)
         self.refusal: RetryAction | None = None  # the strategy's no_retry that ended the chain
@@ -324,15 +323,23 @@ class _Chain:
         """Whether the request's strategy lets the chain go past ``failure`` (a non-fatal
         reason): False when it refuses to retry the reason (e.g. a terminal error under
         FastFailOnTerminalErrorRetryStrategy), kept in :attr:`refusal` for the final
-        error. An always-retry reason is not asked (RFC 0049's controlled backoff), nor a
-        strategy without a synchronous ``decide``. A strategy that raises ends the chain
-        with its error."""
-        decide = self.decide
+        error. An always-retry reason is not asked (RFC 0049's controlled backoff). A
+        strategy that raises, or answers with something that is not a RetryAction, ends
+        the chain with its error."""
         reason = failure.reason
-        if decide is None or reason.always_retry or self.over:
+        if self.strategy is None or reason.always_retry or self.over:
             return True
         try:
-            action = decide(self.request, reason)
+            action = self._answer(reason)
+            if action is _UNASKED:  # it waits for I/O: not asked (see _answer)
+                return True
+            if type(action) is not RetryAction:
+                raise _failing.bad_action(
+                    _failing.strategy_name(self.strategy),
+                    reason,
+                    action,
+                    _failing.asked(self.strategy),
+                )
         except Exception as exc:  # the chain ends with the strategy's error (logged)
             _failing.strategy_failed(
                 self.request, reason, _failing.strategy_name(self.strategy), exc
@@ -343,6 +350,31 @@ class _Chain:
             self.refusal = action
             return False
         return True
+
+    def _answer(self, reason: RetryReason) -> object:
+        """The strategy's answer for ``reason``, if it can be had without waiting: its
+        synchronous ``decide`` (:func:`sync_decide`), else its ``retry_after``'s answer
+        (a plain method's, or a coroutine's that returns without suspending, as the
+        README's ``async def retry_after`` refinements do when they only read the
+        request). A coroutine that suspends (it waits for I/O) is closed and
+        :data:`_UNASKED` returned: the chain decides in the failed copy's turn and never waits
+        (rfc/0004, "The strategy")."""
+        decide = self.decide
+        if decide is not None:
+            return decide(self.request, reason)
+        answer = self.strategy.retry_after(self.request, reason)  # type: ignore[attr-defined]
+        if type(answer) is RetryAction:
+            return answer
+        if isinstance(answer, Coroutine):
+            try:
+                answer.send(None)
+            except StopIteration as done:  # it returned without suspending
+                return done.value
+            answer.close()
+            return _UNASKED
+        if hasattr(answer, "__await__"):  # another awaitable: it cannot be driven here
+            return _UNASKED
+        return answer  # not a RetryAction: the strategy's error (see _allows)
 
     def _elapsed(self, attempt: _Attempt) -> float:
         """Seconds since ``attempt`` was sent (hedge 0 handed over: since its own send)."""
@@ -528,6 +560,9 @@ class _Chain:
             "hedges": [a.as_dict(self.origin) for a in self.attempts],
         }
 
+
+#: :meth:`_Chain._answer` for a strategy whose answer needs a wait: it is not asked.
+_UNASKED = object()
 
 #: When every hedge sent failed, by what stopped more (``_Chain.stop``): the ``why`` of
 #: ``retry.not_retried``, and the message's words (``{sent}``: the hedges sent).

@@ -13,6 +13,7 @@ from sdkcore import (
     AuthenticationFailureException,
     BestEffortRetryStrategy,
     FailFastRetryStrategy,
+    FastFailOnTerminalErrorRetryStrategy,
     HedgePolicy,
     Request,
     RequestCanceledException,
@@ -164,3 +165,96 @@ async def test_a_timeout_with_copies_in_flight_says_so_in_the_event_and_the_erro
     assert info.value.context is not None
     assert info.value.context.in_flight
     assert request.maybe_applied
+
+
+class NoRobots(BestEffortRetryStrategy):
+    """README's refinement: an ``async def retry_after`` that only reads the request."""
+
+    async def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:
+        if request.client_context.get("isRobotRequest"):
+            return RetryAction.no_retry()
+        return await super().retry_after(request, reason)
+
+
+class NoRobotsPlain(BestEffortRetryStrategy):
+    """The same refinement as a plain (synchronous) ``retry_after``."""
+
+    def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:  # type: ignore[override]
+        if request.client_context.get("isRobotRequest"):
+            return RetryAction.no_retry()
+        return self.decide(request, reason)
+
+
+@pytest.mark.parametrize("strategy", [NoRobots, NoRobotsPlain])
+async def test_a_retry_after_refinement_is_asked(strategy: type[BestEffortRetryStrategy]) -> None:
+    send = Sends({0: RetryableError(RetryReason.KV_TEMPORARY_FAILURE)})
+    robot = Request(
+        name="kv.get",
+        idempotent=True,
+        timeout=5.0,
+        retry_strategy=strategy(),
+        client_context={"isRobotRequest": True},
+    )
+    with anyio.fail_after(SAFETY), pytest.raises(RequestCanceledException, match="declined"):
+        await RetryOrchestrator().hedge(robot, send, HedgePolicy(4, delay=1.0))
+    assert send.sent == [0]  # refused: not hedged past
+    # a request that is not a robot's is hedged past the same failure
+    send = Sends({0: RetryableError(RetryReason.KV_TEMPORARY_FAILURE), 1: RuntimeError("end")})
+    human = Request(name="kv.get", idempotent=True, timeout=5.0, retry_strategy=strategy())
+    with anyio.fail_after(SAFETY), pytest.raises(RuntimeError, match="end"):
+        await RetryOrchestrator().hedge(human, send, HedgePolicy(4, delay=1.0))
+    assert send.sent == [0, 1]
+
+
+async def test_a_fast_fail_subclass_wrapping_retry_after_keeps_its_terminal_errors() -> None:
+    audited: list[RetryReason] = []
+
+    class Audited(FastFailOnTerminalErrorRetryStrategy):
+        async def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:
+            audited.append(reason)
+            return await super().retry_after(request, reason)
+
+    send = Sends({0: RetryableError(RetryReason.AUTHENTICATION_ERROR, "bad password")})
+    with anyio.fail_after(SAFETY), pytest.raises(AuthenticationFailureException):
+        await RetryOrchestrator().hedge(req(Audited()), send, HedgePolicy(3, delay=1.0))
+    assert send.sent == [0]
+    assert audited == [RetryReason.AUTHENTICATION_ERROR]
+
+
+async def test_a_retry_after_that_waits_is_not_asked_and_not_left_unawaited() -> None:
+    """A coroutine that suspends (it waits for I/O) cannot be waited for in the failed
+    copy's turn: it is closed, never run to its end, and the policy alone decides."""
+    finished: list[bool] = []
+
+    class Remote(BestEffortRetryStrategy):
+        async def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:
+            await anyio.sleep(0.001)  # asks a service
+            finished.append(True)
+            return RetryAction.no_retry()
+
+    send = Sends(
+        {0: RetryableError(RetryReason.KV_TEMPORARY_FAILURE), 1: RuntimeError("the second")}
+    )
+    with anyio.fail_after(SAFETY), pytest.raises(RuntimeError, match="the second"):
+        await RetryOrchestrator().hedge(req(Remote()), send, HedgePolicy(3, delay=1.0))
+    assert send.sent == [0, 1]
+    assert finished == []
+
+
+async def test_a_retry_after_answering_nonsense_ends_the_hedges_with_a_type_error() -> None:
+    class Forgot(BestEffortRetryStrategy):
+        async def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:
+            super().decide(request, reason)  # (the return forgotten)
+            return None  # type: ignore[return-value]
+
+    send = Sends({0: RetryableError(RetryReason.KV_TEMPORARY_FAILURE)})
+    with (
+        anyio.fail_after(SAFETY),
+        capture_retry_events() as events,
+        pytest.raises(TypeError, match=r"Forgot\.retry_after.*must return a RetryAction"),
+    ):
+        await RetryOrchestrator().hedge(req(Forgot()), send, HedgePolicy(3, delay=1.0))
+    assert send.sent == [0]
+    assert [e["event"] for e in events if e["event"] == "retry.strategy_failed"] == [
+        "retry.strategy_failed"
+    ]
