@@ -205,7 +205,12 @@ async def execute(
                     rt = rt or _runtime.current()
                 action = self._ask(request, reason, strategy, decides)
                 if type(action) is not RetryAction and hasattr(action, "__await__"):
-                    action = await _awaited(request, reason, action, strategy)
+                    if scope is None:  # no deadline's scope: Request.cancel() needs one of its own
+                        action = await _bounded(
+                            self, request, reason, rt, action, _failing.strategy_name(strategy)
+                        )
+                    else:
+                        action = await _awaited(request, reason, action, strategy)
                     now = request._clock()
                 verdict, delay = self._settle(  # request._last_error: the failure just booked
                     request,

@@ -12,9 +12,11 @@ import pytest
 
 from sdkcore import (
     AttemptEffect,
+    BestEffortRetryStrategy,
     Request,
     RequestCanceledException,
     RetryableError,
+    RetryAction,
     RetryOrchestrator,
     RetryReason,
 )
@@ -135,3 +137,27 @@ async def test_a_request_cancelled_before_it_was_sent() -> None:
     assert "it was not applied on the server (unambiguous)" in str(info.value)
     assert not request.maybe_applied
     assert [e["event"] for e in events] == ["retry.cancelled"]
+
+
+@pytest.mark.parametrize("deadline", [None, 5.0])
+async def test_cancel_cuts_an_async_strategy_execute_is_waiting_for(deadline: float | None) -> None:
+    """Without a deadline execute armed no scope, so Request.cancel() waited for a slow
+    async strategy to answer before it was seen; maybe_retry's did not."""
+    answered: list[bool] = []
+
+    class Slow(BestEffortRetryStrategy):
+        async def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:
+            await anyio.sleep(SAFETY)  # asks a slow service
+            answered.append(True)
+            return RetryAction.with_duration(0.001)
+
+    async def send(_: Request) -> None:
+        raise RetryableError(RetryReason.KV_LOCKED)
+
+    request = Request(name="kv.get", idempotent=True, timeout=deadline, retry_strategy=Slow())
+    started = anyio.current_time()
+    error, _ = await execute_then_cancel(request, send, 0.05)
+    assert anyio.current_time() - started < SAFETY / 2  # not after the strategy answered
+    assert answered == []
+    assert "cancelled" in str(error)
+    assert request.retry_attempts == 0  # no retry was booked
