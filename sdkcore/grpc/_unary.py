@@ -216,6 +216,8 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
                 except aio.AioRpcError as failure:
                     err = failure
                     continue
+                except aio.UsageError:  # refused inside the application's interceptors
+                    raise self._refused() from None
                 c.succeeded()
                 return call
         except BaseException as exc:
@@ -248,6 +250,15 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             except aio.AioRpcError as err:
                 failure = err
             except BaseException as exc:
+                if isinstance(exc, asyncio.CancelledError):
+                    # The awaiting task was cancelled: the call is cancelled with it, as
+                    # grpc.aio's is, also when its first attempt had failed in that turn
+                    # (no retry may follow: its readers say CANCELLED).
+                    if self._driving():  # a reader's task already began the retry loop
+                        self.cancel()
+                    else:
+                        self._cancelled = True
+                        self._result = (None, None)
                 self._end_without_status(exc)
                 raise
             if failure is None:
@@ -316,7 +327,7 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
                 # they handed the first attempt on): over, without a status.
                 self._end_without_status(exc)
                 raise
-            if self._driving():
+            if self._driving() or self._result is not None:
                 continue
             if code is _OK:
                 self._ok()
@@ -324,7 +335,8 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             try:
                 await call  # over: raises its error (or CancelledError) at once
             except aio.AioRpcError as err:
-                self._first_failed(err)
+                if self._result is None:  # (not cancelled with its awaiting task meanwhile)
+                    self._first_failed(err)
             else:  # pragma: no cover - a status other than OK always raises
                 return call, None
 

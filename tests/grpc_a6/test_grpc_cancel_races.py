@@ -278,3 +278,42 @@ async def test_a_cancelled_hedged_call_leaves_the_channels_close_set_at_once(
         assert call not in waiting
         with pytest.raises(asyncio.CancelledError):
             await call
+
+
+class _Passthrough(aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(details, request)
+
+
+@pytest.mark.parametrize("interceptor", [False, True], ids=["plain", "app_interceptor"])
+async def test_the_awaiting_task_cancelled_as_the_first_attempt_failed_ends_the_call(
+    server: Server, interceptor: bool
+) -> None:
+    """The awaiting task is cancelled in the turn after the first attempt's UNAVAILABLE (a
+    retryable status) came in, before it resumed: the call is cancelled with it and nothing
+    more is sent. It was left pending, and a later reader (or, with an application
+    interceptor, the call's own watcher) sent a retry after the cancel and answered OK."""
+
+    async def fn(request: bytes, context: Any, n: int) -> bytes:
+        if n == 1:
+            await abort(context, grpc.StatusCode.UNAVAILABLE)
+        return b"ok"
+
+    method = server.unary_unary("M", fn)
+    loop = asyncio.get_running_loop()
+    async with insecure_channel(
+        server.target,
+        service_config=retry_config(["UNAVAILABLE"]),
+        interceptors=[_Passthrough()] if interceptor else None,
+    ) as ch:
+        call = ch.unary_unary(method)(b"x")
+        task = asyncio.ensure_future(call)
+        call._call.add_done_callback(lambda _: loop.call_soon(task.cancel))
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, TEST_TIMEOUT)
+        await asyncio.sleep(0.05)  # nobody reads the call meanwhile
+        assert server.count("M") == 1
+        assert await asyncio.wait_for(call.code(), TEST_TIMEOUT) is grpc.StatusCode.CANCELLED
+        assert call.cancelled()
+        assert call.done()
+    assert server.count("M") == 1

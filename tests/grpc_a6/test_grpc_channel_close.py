@@ -31,6 +31,7 @@ from grpc_server import (  # noqa: E402
 )
 from hedge_server import UNAVAILABLE, HedgeScript, block, fail, hedging_config  # noqa: E402
 
+from sdkcore import RetryOrchestrator  # noqa: E402
 from sdkcore.grpc import BackoffJitter, RetryController, insecure_channel, retry_stats  # noqa: E402
 from sdkcore.testing import capture_retry_events  # noqa: E402
 
@@ -365,3 +366,44 @@ async def test_hedge_zero_failing_during_a_grace_sends_no_other_hedge(
             assert exc.code() is code
         await asyncio.sleep(0.1)
     assert script.count == 1
+
+
+class _Passthrough(aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(details, request)
+
+
+@pytest.mark.parametrize("interceptor", [False, True], ids=["plain", "app_interceptor"])
+async def test_close_starting_as_a_backoff_ends_ends_the_call_cancelled(
+    server: Server, interceptor: bool
+) -> None:
+    """``close(grace)`` starts in the turn the backoff ends, so the retry attempt is refused.
+    With an application interceptor the refusal came out of ``await call`` as grpc's raw
+    ``UsageError`` ("Channel is closed.") instead of the cancellation rfc/0003 promises."""
+    method = server.unary_unary("Failing", always())
+    holder: dict[str, Any] = {}
+
+    async def sleep(seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def end_backoff_and_close() -> None:
+            done.set_result(None)  # the backoff ends...
+            holder["close"] = asyncio.ensure_future(holder["ch"].close(0.5))  # ...as close starts
+
+        loop.call_later(seconds, end_backoff_and_close)
+        await done
+
+    cfg = retry_config(max_attempts=5, initial="0.05s", maximum="0.05s")
+    with anyio.fail_after(TEST_TIMEOUT):
+        ch = holder["ch"] = insecure_channel(
+            server.target,
+            service_config=cfg,
+            orchestrator=RetryOrchestrator(sleep=sleep),
+            interceptors=[_Passthrough()] if interceptor else None,
+        )
+        call = ch.unary_unary(method)(b"x")
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert await call.code() is grpc.StatusCode.CANCELLED
+        await holder["close"]
