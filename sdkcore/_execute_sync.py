@@ -77,7 +77,8 @@ def execute_sync(
         trace = telemetry._request_trace(telemetry, request)
     token = request._dispatching()  # requests made inside send keep within this deadline
     try:
-        self._deposit(request)  # a budget that raises fails the request: recorded below
+        if request.clock() < request.deadline:  # expired: nothing is sent, nor paid (_loop)
+            self._deposit(request)  # a budget that raises fails the request: recorded below
         result = _loop(self, request, send, sleep, trace)
     except Exception as exc:
         if request.cancellation_reason is _VIA_CONTEXT and not _says_cancelled(exc):

@@ -11,10 +11,12 @@ import pytest
 from sdkcore import (
     AttemptEffect,
     FailFastRetryStrategy,
+    HedgePolicy,
     Request,
     RequestCanceledException,
     RequestState,
     RetryableError,
+    RetryBudget,
     RetryOrchestrator,
     RetryReason,
     UnambiguousTimeoutException,
@@ -173,3 +175,45 @@ async def test_fail_books_the_effect_the_caller_knows() -> None:
     with pytest.raises(TypeError, match=r"fail\(effect=\.\.\.\) must be an AttemptEffect"):
         orchestrator.fail(untouched, KeyError("?"), effect="not_applied")  # type: ignore[arg-type]
     assert untouched.state is RequestState.PENDING
+
+
+class _CountingBudget(RetryBudget):
+    def __init__(self) -> None:
+        super().__init__()
+        self.deposits = 0
+
+    def deposit(self) -> None:
+        self.deposits += 1
+        super().deposit()
+
+
+@pytest.mark.parametrize("door", ["execute", "hedge", "attempt", "execute_sync"])
+async def test_an_expired_request_pays_nothing_into_the_retry_budget(door: str) -> None:
+    """Nothing is sent for a request whose deadline passed before its first attempt: no
+    door pays a first attempt into the budget (execute_sync did)."""
+    clock = VirtualClock()
+    budget = _CountingBudget()
+    orchestrator = RetryOrchestrator(retry_budget=budget)
+    request = Request(name="kv.get", idempotent=True, timeout=1.0, clock=clock.clock)
+    clock.advance(2.0)
+    sent: list[int] = []
+
+    async def send(request: Request, index: int = 0) -> str:
+        sent.append(index)
+        return "ok"
+
+    async def run() -> None:
+        if door == "execute":
+            await orchestrator.execute(request, send)
+        elif door == "hedge":
+            await orchestrator.hedge(request, send, HedgePolicy(2, delay=0.01))
+        elif door == "attempt":
+            with orchestrator.attempt(request):
+                await send(request)
+        else:
+            orchestrator.execute_sync(request, lambda r: sent.append(0) or "ok")
+
+    with pytest.raises(UnambiguousTimeoutException):
+        await run()
+    assert sent == []
+    assert budget.deposits == 0

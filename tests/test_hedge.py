@@ -20,6 +20,7 @@ from sdkcore import (
     RequestCanceledException,
     RequestState,
     RetryableError,
+    RetryBudget,
     RetryOrchestrator,
     RetryReason,
     UnambiguousTimeoutException,
@@ -862,3 +863,46 @@ async def test_caller_cancellation_is_plain_cancellation_not_a_group(delay: floa
     assert [type(e) for e in seen] == [anyio.get_cancelled_exc_class()]
     assert sends == (3 if delay < 1 else 1)
     assert request.state is RequestState.CANCELLED
+
+
+class _CancelOnWithdraw(RetryBudget):
+    """A budget that cancels the caller's scope as a copy after the first is booked (it
+    withdraws then): the cancellation lands after the booking, before the copy's task ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scope: anyio.CancelScope | None = None
+        self.refunds = 0
+
+    def try_withdraw(self) -> bool:
+        granted = super().try_withdraw()
+        if self.scope is not None:
+            self.scope.cancel()
+        return granted
+
+    def refund(self) -> None:
+        self.refunds += 1
+        super().refund()
+
+
+async def test_a_copy_booked_as_the_caller_is_cancelled_is_never_sent() -> None:
+    """trio starts every task it was given, also one whose scope was cancelled after it was
+    booked, and ran the copy's send up to its first await after the caller's cancellation."""
+    budget = _CancelOnWithdraw()
+    sent: list[int] = []
+
+    async def send(request: Request, index: int) -> None:
+        sent.append(index)  # (the write that must not happen after the cancel)
+        await anyio.sleep_forever()
+
+    request = Request(name="kv.get", idempotent=True, timeout=10.0)
+    before = live_tasks()
+    with anyio.fail_after(10), anyio.CancelScope() as scope:
+        budget.scope = scope
+        await RetryOrchestrator(retry_budget=budget).hedge(
+            request, send, HedgePolicy(3, delay=0.01)
+        )
+    assert scope.cancelled_caught
+    assert sent == [0]
+    assert budget.refunds == 1  # the copy that never went gives its withdrawal back
+    assert live_tasks() == before

@@ -115,7 +115,7 @@ class Hedges:
                     scope.cancel()
 
                 def start(attempt: object) -> None:
-                    nursery.start_soon(chain.run, attempt)
+                    nursery.start_soon(self._copy, attempt)
 
                 while True:
                     if not chain.over and (scope.cancel_called or now() >= self.deadline):
@@ -140,6 +140,21 @@ class Hedges:
         self.scope = None
         if scope.cancel_called and not chain.over:  # the deadline or Request.cancel()
             chain.cut = True
+
+
+    async def _copy(self, attempt: object) -> None:
+        """One copy's task. trio starts every task it was given, also one whose scope was
+        cancelled after the copy was booked (the caller's cancellation in the same turn),
+        and runs it up to its first checkpoint: ``send`` would run until its first await.
+        A task that begins cancelled sends nothing; the copy is booked as not sent."""
+        chain = self.chain
+        if trio.current_effective_deadline() == -math.inf:  # begun cancelled
+            chain.unsent(attempt)
+            wake = chain.wake
+            if wake is not None:
+                wake()
+            return
+        await chain.run(attempt)
 
 
 def _unwrap(group: BaseExceptionGroup[BaseException]) -> NoReturn:
