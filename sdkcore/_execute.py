@@ -299,7 +299,7 @@ def _failed(
                 _give_context(request, exc)
         raise exc
     except BaseException as final:  # the error, our timeout, or what the scope re-raised
-        request._finish_by(final)
+        _failing.finish_by(request, final)
         if trace is not None:
             trace.end(request, final)
         raise
@@ -418,7 +418,7 @@ async def maybe_retry(
                 await _cancellable_wait(self, request, rt, delay)
             except BaseException as exc:
                 self._refund_unsent(request, verdict)
-                request._finish_by(exc)
+                _failing.finish_by(request, exc)
                 raise
             finally:
                 self._leave_backoff()
@@ -433,7 +433,7 @@ async def maybe_retry(
                     await _injected_wait(self, request, rt, delay)
             except BaseException as exc:
                 self._refund_unsent(request, verdict)
-                request._finish_by(exc)
+                _failing.finish_by(request, exc)
                 raise
             finally:
                 self._in_retry -= 1  # _leave_backoff(), written out (the loop's thread only)
@@ -473,7 +473,7 @@ async def _bounded(
         if isinstance(exc, Exception):
             _failing.strategy_failed(request, reason, strategy, exc)
         else:
-            request._finish_by(exc)
+            _failing.finish_by(request, exc)
         raise
     request._set_cancel_hook(previous)
     if scope.exit(None):
@@ -547,7 +547,7 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
     finally:
         Request._dispatched_done(token)
         if error is not None and not isinstance(error, Exception):
-            request._finish_by(error)  # the caller's cancellation ends the request (never retried)
+            _failing.finish_by(request, error)  # the caller's cancellation (never retried)
         if trace is not None:
             trace.attempt_end(handle, error)
             if request.completed:  # the deadline or Request.cancel() ended it here

@@ -188,8 +188,8 @@ def _loop(
             request._attempt_failed(None, _MAYBE, exc, now)
             request._finish_by(exc)
             raise
-        except BaseException as exc:
-            request._finish_by(exc)
+        except BaseException as exc:  # the caller's own (a KeyboardInterrupt): in flight
+            _failing.finish_by(request, exc)
             raise
         if hasattr(result, "__await__"):
             close = getattr(result, "close", None)
@@ -290,7 +290,7 @@ def _retry(
                 _blocking_sleep(sleep, delay)
     except BaseException as exc:
         self._refund_unsent(request, verdict)
-        request._finish_by(exc)
+        _failing.finish_by(request, exc)
         raise
     finally:
         self._leave_backoff(threads=True)

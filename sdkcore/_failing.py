@@ -159,8 +159,26 @@ def already_completed(
                 else f" as attempt {number} answered; its answer was dropped"
             )
         text += f"; {_applied(request)}"
-        _log_cancelled(request, reason, cut)
+        _log_cancelled(request, reason, cut, CancellationReason.CANCELLED_VIA_CONTEXT)
     return RequestCanceledException(text, context=request.error_context(reason, in_flight=cut))
+
+
+def finish_by(request: Request, exc: BaseException) -> None:
+    """``request`` ends with ``exc``, what its caller gets: FAILED for an error. The
+    caller's own cancellation (its task's, a cancel scope's; a KeyboardInterrupt) ends it
+    CANCELLED (TASK_CANCELLED): an attempt it cut in flight is booked maybe applied, as
+    ``Request.cancel()`` books one, and ``retry.cancelled`` is logged (info when a request
+    that is not idempotent may have been applied). Nothing happens to a request that has
+    already ended (a timeout, ``Request.cancel()``)."""
+    if isinstance(exc, Exception) or request.state is not RequestState.PENDING:
+        request._finish_by(exc)
+        return
+    cut = request.in_flight
+    if cut:
+        request._attempt_failed(None, _MAYBE, None, request.clock())
+    request._finish_by(exc)
+    if request.cancellation_reason is CancellationReason.TASK_CANCELLED:
+        _log_cancelled(request, request.last_reason, cut, CancellationReason.TASK_CANCELLED)
 
 
 def _applied(request: Request) -> str:
@@ -175,9 +193,12 @@ def _applied(request: Request) -> str:
     return "it was not applied on the server (unambiguous)"
 
 
-def _log_cancelled(request: Request, reason: RetryReason | None, cut: bool) -> None:
+def _log_cancelled(
+    request: Request, reason: RetryReason | None, cut: bool, why: CancellationReason
+) -> None:
     """``retry.cancelled``: info when a request that is not idempotent may have been
-    applied (the operator must know), else debug (the application asked for it)."""
+    applied (the operator must know), else debug (the application asked for it). ``why``:
+    ``Request.cancel()`` (CANCELLED_VIA_CONTEXT) or the caller's own (TASK_CANCELLED)."""
     ambiguous = not request.idempotent and request.maybe_applied
     log = _log.enabled(_log.INFO if ambiguous else _log.DEBUG)
     if log is None:
@@ -185,7 +206,7 @@ def _log_cancelled(request: Request, reason: RetryReason | None, cut: bool) -> N
     (log.info if ambiguous else log.debug)(
         _log.EVENT_CANCELLED,
         **event_fields(request, reason, strategy_of(request)),
-        cancellation_reason=CancellationReason.CANCELLED_VIA_CONTEXT.name,
+        cancellation_reason=why.name,
         in_flight=cut,
         **_outcome_fields(request),
     )

@@ -716,7 +716,7 @@ async def run_hedged(
         finally:
             request._set_cancel_hook(previous)
     except BaseException as exc:
-        request._finish_by(exc)
+        _failing.finish_by(request, exc)
         raise
 
     if chain.winner is not None:

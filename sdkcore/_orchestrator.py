@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from . import _execute, _execute_sync
+from . import _execute, _execute_sync, _failing
 from ._context import AttemptEffect
 from ._core import DEFAULT_MAX_REQUESTS_IN_RETRY, OrchestratorCore
 from ._errors import CouchbaseException
@@ -120,7 +120,7 @@ class RetryOrchestrator(OrchestratorCore):
                 request._attempt_failed(None, effect, error, request.clock())
             # The caller's cancellation (or another BaseException) ends it CANCELLED
             # (TASK_CANCELLED), as on every other door: it is no answer of an attempt.
-            request._finish_by(error)
+            _failing.finish_by(request, error)
         if isinstance(error, CouchbaseException) and error.context is None:
             error.context = request.error_context(request.last_reason)
         trace = request._trace

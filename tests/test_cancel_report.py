@@ -13,6 +13,7 @@ import pytest
 from sdkcore import (
     AttemptEffect,
     BestEffortRetryStrategy,
+    CancellationReason,
     Request,
     RequestCanceledException,
     RetryableError,
@@ -161,3 +162,49 @@ async def test_cancel_cuts_an_async_strategy_execute_is_waiting_for(deadline: fl
     assert answered == []
     assert "cancelled" in str(error)
     assert request.retry_attempts == 0  # no retry was booked
+
+
+async def caller_cancels(request: Request, send: Any, after: float) -> list[Any]:
+    """``execute(request, send)`` inside a cancel scope the caller cancels after ``after``
+    seconds (its own cancellation, not ``Request.cancel()``): the events."""
+    with anyio.fail_after(SAFETY), capture_retry_events() as events:
+        with anyio.move_on_after(after) as scope:
+            await RetryOrchestrator().execute(request, send)
+        assert scope.cancelled_caught
+    return events
+
+
+@pytest.mark.parametrize("deadline", [None, 5.0])
+async def test_the_callers_own_cancellation_of_a_write_in_flight_is_reported(
+    deadline: float | None,
+) -> None:
+    """The caller's cancellation cut a write in flight: the operator sees it (it logged
+    nothing), and the request says it may have been applied, as after Request.cancel()."""
+    request = Request(name="kv.replace", idempotent=False, timeout=deadline)
+
+    async def send(_: Request) -> None:
+        await anyio.sleep_forever()
+
+    events = await caller_cancels(request, send, 0.02)
+    assert request.cancellation_reason is CancellationReason.TASK_CANCELLED
+    assert request.maybe_applied
+    assert request.error_context().attempts[-1].effect is AttemptEffect.MAYBE_APPLIED
+    (event,) = [e for e in events if e["event"] == "retry.cancelled"]
+    assert event["log_level"] == "info"
+    assert event["cancellation_reason"] == "TASK_CANCELLED"
+    assert event["in_flight"] is True
+    assert event["ambiguous"] is True
+
+
+async def test_the_callers_own_cancellation_in_backoff_is_reported_at_debug() -> None:
+    request = Request(name="kv.replace", idempotent=False, timeout=5.0)
+
+    async def send(_: Request) -> None:
+        raise RetryableError(RetryReason.KV_LOCKED)  # the server applied nothing
+
+    events = await caller_cancels(request, send, 0.05)
+    assert not request.maybe_applied
+    (event,) = [e for e in events if e["event"] == "retry.cancelled"]
+    assert event["log_level"] == "debug"
+    assert event["cancellation_reason"] == "TASK_CANCELLED"
+    assert event["in_flight"] is False
