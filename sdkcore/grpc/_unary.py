@@ -135,6 +135,7 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         self._watcher: asyncio.Task[Any] | None = None
         self._ended = False
         self._cancelled = False
+        self._abandoned = False  # its awaiting task was cancelled: no retry (see _abandon)
         self._call = self._attempt()
         # The retry loop must run even if nobody awaits the call: the first attempt's
         # end starts it (a failure) or does the success's bookkeeping.
@@ -180,8 +181,34 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         elif not self._awaited:  # nobody awaits the call: the loop runs in a task
             self._first_failed(None)
 
+    def _abandon(self) -> None:
+        """The awaiting task was cancelled as the first attempt ended or before: the call is
+        cancelled with it, as grpc.aio's is, unless its answer is in (an OK stands, as
+        grpc.aio's cancel() of a finished call changes nothing). A first attempt that
+        failed is not retried: the call ends CANCELLED, also when the failure came in the
+        turn of the cancellation (known at once, or when a reader or the watcher of an
+        application interceptor's call reads it: :meth:`_first_failed`)."""
+        if self._driving():  # a reader's task already began the retry loop
+            self.cancel()
+            return
+        call = self._call
+        ok = _ended_ok(call) if call.done() else False
+        if ok:
+            self._ok()
+            return
+        self._abandoned = True
+        if ok is False:  # failed, or cancelled in flight with the task
+            self._cancelled = True
+            self._result = (None, None)
+
     def _first_failed(self, err: Any) -> None:
-        """Start the retry loop in a task (once): ``err`` is the first attempt's, or None."""
+        """Start the retry loop in a task (once): ``err`` is the first attempt's, or None.
+        For a call abandoned by its awaiting task (:meth:`_abandon`), none: it is cancelled."""
+        if self._abandoned:
+            self._cancelled = True
+            self._result = (None, None)
+            self._end_without_status(asyncio.CancelledError())
+            return
         if not self._driving():
             driver = self._driver = asyncio.get_running_loop().create_task(self._drive(err))
             driver.add_done_callback(self._driver_done)
@@ -250,15 +277,10 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             except aio.AioRpcError as err:
                 failure = err
             except BaseException as exc:
-                if isinstance(exc, asyncio.CancelledError):
-                    # The awaiting task was cancelled: the call is cancelled with it, as
-                    # grpc.aio's is, also when its first attempt had failed in that turn
-                    # (no retry may follow: its readers say CANCELLED).
-                    if self._driving():  # a reader's task already began the retry loop
-                        self.cancel()
-                    else:
-                        self._cancelled = True
-                        self._result = (None, None)
+                if isinstance(exc, asyncio.CancelledError) and not self._ended:
+                    self._abandon()
+                    if self._abandoned and self._result is None:
+                        raise  # its outcome is known once read (an interceptor's call)
                 self._end_without_status(exc)
                 raise
             if failure is None:
