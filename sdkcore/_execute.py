@@ -139,6 +139,8 @@ async def execute(
         )
     if request.state is not _PENDING:
         raise _failing.already_completed(request, None)
+    if request._in_flight or request._history:  # another call is sending it
+        raise _failing.in_use(request, "execute(request, send)")
     deadline = request.deadline
     rt: Any = None  # the runtime layer, looked up when the call first waits
     scope = previous = token = None

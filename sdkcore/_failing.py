@@ -163,6 +163,16 @@ def already_completed(
     return RequestCanceledException(text, context=request.error_context(reason, in_flight=cut))
 
 
+def in_use(request: Request, door: str) -> RuntimeError:
+    """The refusal of a door handed a request another call is already sending: a request
+    is one operation, and two loops over it would send it twice (a write too)."""
+    attempts = request.failed_attempts + (1 if request.in_flight else 0)
+    return RuntimeError(
+        f"{door}: request {request.id} ({request.name!r}) is already being sent by another "
+        f"call ({attempts} attempt(s) so far); build one Request per operation"
+    )
+
+
 def finish_by(request: Request, exc: BaseException) -> None:
     """``request`` ends with ``exc``, what its caller gets: FAILED for an error. The
     caller's own cancellation (its task's, a cancel scope's; a KeyboardInterrupt) ends it

@@ -660,6 +660,8 @@ def check_hedge(request: Any, send: Any, policy: Any, throttler: Any) -> None:
         )
     if request.state is not RequestState.PENDING:
         raise _failing.already_completed(request, None)
+    if request._in_flight or request._history:  # another call is sending it
+        raise _failing.in_use(request, "hedge(request, send, policy)")
     if not request.idempotent:
         raise InvalidArgumentException(
             f"hedge(): request {request.id} ({request.name!r}) is not idempotent; hedging sends "

@@ -217,3 +217,47 @@ async def test_an_expired_request_pays_nothing_into_the_retry_budget(door: str) 
         await run()
     assert sent == []
     assert budget.deposits == 0
+
+
+async def test_a_request_already_being_sent_is_refused_by_every_door() -> None:
+    """One Request handed to two calls at once: the second is refused before it sends
+    anything (both sent a write of the same request, and the loser was told it was
+    cancelled with nothing about its own attempt). The first call and the request go on."""
+    import anyio
+
+    entered = anyio.Event()
+    release = anyio.Event()
+    writes: list[str] = []
+
+    async def first_send(request: Request) -> str:
+        writes.append("first")
+        entered.set()
+        await release.wait()
+        return "done"
+
+    async def second_send(request: Request, index: int = 0) -> str:
+        writes.append("second")
+        return "done"
+
+    orchestrator = RetryOrchestrator()
+    request = Request(name="kv.replace", idempotent=True, timeout=5.0)
+    results: list[str] = []
+
+    async def run_first() -> None:
+        results.append(await orchestrator.execute(request, first_send))
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_first)
+            await entered.wait()
+            with pytest.raises(RuntimeError, match=r"already being sent by another call"):
+                await orchestrator.execute(request, second_send)
+            with pytest.raises(RuntimeError, match=r"already being sent by another call"):
+                await orchestrator.hedge(request, second_send, HedgePolicy(2, delay=0.01))
+            with pytest.raises(RuntimeError, match=r"already being sent by another call"):
+                orchestrator.execute_sync(request, lambda r: writes.append("sync") or "x")
+            assert request.state is RequestState.PENDING  # left as it was
+            release.set()
+    assert writes == ["first"]
+    assert results == ["done"]
+    assert request.state is RequestState.SUCCEEDED
