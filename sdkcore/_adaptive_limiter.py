@@ -40,7 +40,7 @@ from ._errors import RetryableError
 from ._permits import TOKEN, Permits, permits, text
 from ._request import dispatching
 
-__all__ = ["AdaptiveConcurrencyLimiter", "AdaptivePermit"]
+__all__ = ["AdaptiveAcquire", "AdaptiveConcurrencyLimiter", "AdaptiveGuard", "AdaptivePermit"]
 
 SMOOTHING = 0.2  # Gradient2 ``smoothing``
 TOLERANCE = 1.5  # Gradient2 ``rttTolerance``
@@ -115,6 +115,12 @@ class AdaptiveConcurrencyLimiter(Permits):
     rises past that or a dispatch times out. So it grows to what the endpoint serves
     without queueing (and up to half as much again) and shrinks when concurrency
     makes the endpoint slower. The algorithm and its parameters: rfc/0009.
+
+    Unlike :class:`ConcurrencyLimiter`'s one shared guard, ``guard()`` and
+    ``acquire()`` return a new object per call: it times its dispatch. Write
+    ``with limiter.guard():`` (``async with limiter.acquire():``) around each
+    dispatch; an object entered again while in use raises RuntimeError and takes
+    nothing.
 
     What a dispatch's end counts for: an answer (the block returned, or raised an
     error the endpoint answered with) is a round-trip sample; a timeout (a
@@ -248,16 +254,27 @@ class AdaptiveConcurrencyLimiter(Permits):
         )
 
     # -- the dispatch side ----------------------------------------------------------
-    def guard(self) -> AdaptivePermit:
-        """``with limiter.guard():``: a permit now, or a refusal (no queue)."""
-        permit = _new_permit(AdaptivePermit)  # no __init__ frame: one per dispatch
+    def guard(self) -> AdaptiveGuard:
+        """``with limiter.guard():``: a permit now, or a refusal (no queue).
+
+        A new object per call (it times one dispatch): entered again while in use, it
+        raises RuntimeError.
+        """
+        permit = _new(AdaptiveGuard)  # built as __init__ would, without its frame
         permit._limiter = self
+        permit._free = True
+        permit._held = 0
         return permit
 
-    def acquire(self) -> AdaptivePermit:
-        """``async with limiter.acquire():``: a permit, waiting in line if ``max_queued`` allows."""
-        permit = _new_permit(AdaptivePermit)
+    def acquire(self) -> AdaptiveAcquire:
+        """``async with limiter.acquire():``: a permit, waiting in line if ``max_queued`` allows.
+
+        A new object per call, as :meth:`guard`'s.
+        """
+        permit = _new(AdaptiveAcquire)
         permit._limiter = self
+        permit._free = True
+        permit._held = 0
         return permit
 
     def _hint(self) -> float | None:
@@ -506,39 +523,41 @@ class AdaptiveConcurrencyLimiter(Permits):
 
 
 class AdaptivePermit:
-    """One dispatch's permit (``guard()`` or ``acquire()``): it times the dispatch.
+    """One dispatch's permit: what ``guard()``'s and ``acquire()``'s objects share.
 
-    The common path takes no lock: a token popped on enter, appended on exit, and the
-    round trip appended to the limiter's pending samples, counted by whoever next
-    finds a window over or ``PENDING`` samples waiting. Built without ``__init__``
-    (``guard()`` sets ``_limiter``); ``_held`` is set once the permit is held: the
-    permits in flight then, this one included, negative for one of a probe's.
+    Unlike :class:`ConcurrencyLimiter`'s one shared guard, each call of ``guard()`` or
+    ``acquire()`` builds one of these: it times its dispatch. The common path takes
+    no lock: a token popped on enter, appended on exit, and the round trip appended to
+    the limiter's pending samples, counted by whoever next finds a window over or
+    ``PENDING`` samples waiting.
+
+    Its state: ``_free`` is there while no dispatch uses the object. The enter that
+    claims it deletes it, one step (CPython deletes a slot at once, or fails if it is
+    gone), so a second enter while it is in use (a ``guard()`` kept and shared by
+    overlapping dispatches) is refused with a RuntimeError and takes nothing, rather
+    than overwriting the first one's state and leaking its permit; the exit puts it
+    back, and the object may be entered again. ``_held`` is 0 unless a permit is
+    held: then the permits in flight when it was taken, this one included, negative
+    for one of a probe's. ``_start`` is when the dispatch started.
     """
 
-    __slots__ = ("_held", "_limiter", "_start")
+    __slots__ = ("_free", "_held", "_limiter", "_start")
 
     _limiter: AdaptiveConcurrencyLimiter
+    _free: bool
     _held: int
     _start: float
 
-    def __enter__(self) -> None:
-        limiter = self._limiter
-        self._start = limiter._clock()  # before the permit: a clock that raises takes none
-        if limiter._waiters or limiter._debt or limiter._probing:
-            if limiter._waiters or not self._take_slow():
-                raise limiter._full()
-            if limiter._shedding:
-                limiter._regained(self._undo)
-            return
-        tokens = limiter._tokens
-        try:
-            tokens.pop()
-        except IndexError:
-            raise limiter._full() from None
-        held = limiter._cap - len(tokens)
-        self._held = held if held > 0 else 1  # racing a falling limit: never 0 (ended)
-        if limiter._shedding:  # the first permit after refusals (else False)
-            limiter._regained(self._undo)
+    def _in_use(self, usage: str) -> RuntimeError:
+        """The error of a second enter while the object is in use (``usage``: the fix)."""
+        name = self._limiter._name
+        label = f" {name!r}" if name else ""
+        return RuntimeError(
+            f"AdaptiveConcurrencyLimiter{label}: this permit object is in use by another "
+            f"dispatch: write `{usage}` around each dispatch, a new object each time "
+            "(unlike ConcurrencyLimiter's shared guard, it times one dispatch); "
+            "nothing was taken"
+        )
 
     def _take_slow(self) -> bool:
         """A permit while a debt is owed or a probe runs (under the lock)."""
@@ -555,56 +574,33 @@ class AdaptivePermit:
         held = held if held > 0 else 1
         self._held = -held if limiter._probing and limiter._tag() else held
 
-    async def __aenter__(self) -> None:
-        limiter = self._limiter
-        self._start = limiter._clock()
-        if not limiter._waiters and not limiter._debt and not limiter._probing:
-            tokens = limiter._tokens
-            try:
-                tokens.pop()
-            except IndexError:
-                pass
-            else:
-                held = limiter._cap - len(tokens)
-                self._held = held if held > 0 else 1
-                if limiter._shedding:
-                    limiter._regained(self._undo)
-                return
-        elif not limiter._waiters and self._take_slow():
-            if limiter._shedding:
-                limiter._regained(self._undo)
-            return
-        await limiter._queue()  # the permit is ours from here: no await until held
-        try:
-            self._start = limiter._clock()  # the round trip starts with the permit
-        except BaseException:
-            limiter._give_back()
-            raise
-        with limiter._lock:
-            self._hold_locked()
-
-    def __exit__(
+    def _exit(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        try:
-            held = self._held
-        except AttributeError:
-            return  # never entered
-        limiter = self._limiter
-        if exc is not None or held <= 0:
-            self._end(exc, held)
+        """The dispatch ended: give the permit back and count its round trip."""
+        held = self._held
+        if not held:
+            return  # holds no permit: never entered, or its block ended already
+        if exc is not None or held < 0:
+            try:
+                self._end(exc, held)
+            finally:
+                self._free = True
             return
         # an answer (the common case), written out: this runs once per dispatch
         self._held = 0
+        limiter = self._limiter
+        start = self._start
+        self._free = True  # its state read: the object may take another dispatch
         try:
             end = limiter._clock()
         except Exception:  # a clock that raises: no sample, the permit still comes back
             end = _NAN
-        limiter._tokens.append(True)
-        rtt = end - self._start
+        limiter._tokens.append(TOKEN)
+        rtt = end - start
         if 0.0 < rtt < _INF:  # also refuses NaN (a broken clock)
             pending = limiter._pending
             pending.append((end, rtt, held))
@@ -618,7 +614,7 @@ class AdaptivePermit:
         self._end(None, self._held, ignore=True)
 
     def _end(self, exc: BaseException | None, held: int, ignore: bool = False) -> None:
-        """``__exit__`` of a dispatch that raised, or of one of a probe's; ``ignore``:
+        """The exit of a dispatch that raised, or of one of a probe's; ``ignore``:
         of one that never ran."""
         if not held:
             return  # already ended
@@ -657,13 +653,90 @@ class AdaptivePermit:
         if limiter._waiters or limiter._debt:
             limiter._settle()
 
+
+class AdaptiveGuard(AdaptivePermit):
+    """What :meth:`AdaptiveConcurrencyLimiter.guard` returns: ``with`` only, as
+    :class:`ConcurrencyLimiter`'s guard (``async with`` is a TypeError)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        try:
+            del self._free  # claimed: an overlapping enter of this object fails here
+        except AttributeError:
+            raise self._in_use("with limiter.guard():") from None
+        limiter = self._limiter
+        try:
+            self._start = limiter._clock()  # before the permit: a clock that raises takes none
+            if limiter._waiters or limiter._debt or limiter._probing:
+                if limiter._waiters or not self._take_slow():
+                    raise limiter._full()
+            else:
+                tokens = limiter._tokens
+                try:
+                    tokens.pop()
+                except IndexError:
+                    raise limiter._full() from None
+                held = limiter._cap - len(tokens)
+                self._held = held if held > 0 else 1  # racing a falling limit: never 0
+            if limiter._shedding:  # the first permit after refusals (else False)
+                limiter._regained(self._undo)
+        except BaseException:
+            self._free = True  # refused, or its permit given back (_undo): nothing held
+            raise
+
+    __exit__ = AdaptivePermit._exit  # no frame more per dispatch
+
+
+class AdaptiveAcquire(AdaptivePermit):
+    """What :meth:`AdaptiveConcurrencyLimiter.acquire` returns: ``async with`` only, as
+    :class:`ConcurrencyLimiter`'s (a plain ``with`` would skip the queue: a TypeError)."""
+
+    __slots__ = ()
+
+    async def __aenter__(self) -> None:
+        try:
+            del self._free  # claimed (see AdaptivePermit), across the wait in line too
+        except AttributeError:
+            raise self._in_use("async with limiter.acquire():") from None
+        limiter = self._limiter
+        try:
+            self._start = limiter._clock()
+            if not limiter._waiters and not limiter._debt and not limiter._probing:
+                tokens = limiter._tokens
+                try:
+                    tokens.pop()
+                except IndexError:
+                    pass
+                else:
+                    held = limiter._cap - len(tokens)
+                    self._held = held if held > 0 else 1
+                    if limiter._shedding:
+                        limiter._regained(self._undo)
+                    return
+            elif not limiter._waiters and self._take_slow():
+                if limiter._shedding:
+                    limiter._regained(self._undo)
+                return
+            await limiter._queue()  # the permit is ours from here: no await until held
+            try:
+                self._start = limiter._clock()  # the round trip starts with the permit
+            except BaseException:
+                limiter._give_back()
+                raise
+            with limiter._lock:
+                self._hold_locked()
+        except BaseException:
+            self._free = True  # refused, cut in line, or its permit given back: nothing held
+            raise
+
     async def __aexit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.__exit__(exc_type, exc, tb)
+        self._exit(exc_type, exc, tb)
 
 
-_new_permit = object.__new__
+_new = object.__new__  # a permit object without an __init__ frame: one per dispatch

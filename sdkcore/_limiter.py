@@ -32,7 +32,10 @@ class ConcurrencyLimiter(Permits):
       sent (inside ``execute``, ``hedge``, ``attempt()``): a tenth of the time it had
       left when it queued, at least 2 ms and at most 20 ms, before it; or with the
       caller's cancellation, which is re-raised. A caller that leaves the queue
-      never takes a permit with it nor holds up the ones behind.
+      never takes a permit with it nor holds up the ones behind. A caller handed its
+      permit takes one checkpoint with it before its block runs, so a cancellation
+      requested as the permit arrived (``Request.cancel()``, a hedge cutting its
+      losers) cuts it there, nothing sent, and the permit goes to the next in line.
 
     The permit is given back when the block ends, however it ends (an exception,
     a cancellation, ``KeyboardInterrupt``). ``limit``, ``in_flight`` and ``queued``
@@ -42,9 +45,11 @@ class ConcurrencyLimiter(Permits):
     the events (``""`` when unnamed).
 
     Events (info): ``limiter.refusing`` at the first refusal after a permit was granted
-    (``limit``, ``in_flight``, ``queued``), and ``limiter.recovered`` at the next permit
-    granted (``refused``: the refusals in between, ``duration_ms``: since the first of
-    them, on ``clock``, seconds, monotonic, default ``time.monotonic``).
+    (``limit``, ``in_flight``, ``queued``), and ``limiter.recovered`` at the first permit
+    granted a quiet second (``EPISODE_QUIET``) or more after the last refusal: a permit
+    granted between two refusals does not end the episode (``refused``: the refusals
+    in it, ``duration_ms``: since the first of them, on ``clock``, seconds, monotonic,
+    default ``time.monotonic``).
     """
 
     __slots__ = ("_acquirer", "_clock", "_guard")

@@ -313,7 +313,10 @@ class Permits:
         Refused at once when the queue is full or the dispatching request has no time
         left; a wait ends just before that request's deadline (a refusal) and on
         any cancellation (re-raised). Either way the waiter leaves the queue, and a
-        permit handed to it meanwhile goes on to the next in line.
+        permit handed to it meanwhile goes on to the next in line. A waiter handed its
+        permit takes one checkpoint with it before returning (its ``wait()``), so a
+        cancellation requested as the permit arrived cuts it here, not in the caller's
+        block.
         """
         request = dispatching()
         left = math.inf if request is None else request._left()
@@ -393,10 +396,11 @@ def _resolve(future: Any) -> None:
 class _AsyncioWaiter:
     """A caller waiting on asyncio: a future of its loop, resolved from any thread."""
 
-    __slots__ = ("future", "granted", "loop", "thread")
+    __slots__ = ("future", "granted", "loop", "sleep", "thread")
 
     def __init__(self) -> None:
         asyncio = sys.modules["asyncio"]  # the running loop's: loaded
+        self.sleep = asyncio.sleep
         self.loop = asyncio.get_running_loop()
         self.future = self.loop.create_future()
         self.thread = threading.get_ident()
@@ -404,6 +408,12 @@ class _AsyncioWaiter:
 
     async def wait(self) -> None:
         await self.future
+        # One turn of the loop with the permit before the caller's block runs: a
+        # cancellation requested after the hand-over cuts it here, and ``_queue`` passes
+        # the permit on (trio's wait does the same). Task.cancel() in the turn of the
+        # hand-over raises at the await above already; anyio's cancel scopes skip a task
+        # whose future is done and cancel it a turn later, here.
+        await self.sleep(0)
 
     def wake(self) -> bool:
         if threading.get_ident() == self.thread:
@@ -419,7 +429,7 @@ class _AsyncioWaiter:
 class _TrioWaiter:
     """A caller waiting on trio: an event of its run, set from any thread."""
 
-    __slots__ = ("event", "granted", "thread", "token")
+    __slots__ = ("checkpoint", "event", "granted", "thread", "token")
 
     def __init__(self) -> None:
         trio = sys.modules["trio"]  # the running loop's: loaded
@@ -427,9 +437,17 @@ class _TrioWaiter:
         self.token = trio.lowlevel.current_trio_token()
         self.thread = threading.get_ident()
         self.granted = False
+        self.checkpoint = trio.lowlevel.checkpoint
 
     async def wait(self) -> None:
         await self.event.wait()
+        # Setting the event rescheduled this task at once, so a cancellation requested
+        # after the hand-over (Request.cancel() in the same turn; a hedge whose winner
+        # ended as it gave the permit back, its runner cutting the losers in the next
+        # step) would reach it only at the block's first checkpoint, after its code ran:
+        # a write, perhaps. One checkpoint with the permit raises it here instead, and
+        # ``_queue`` passes the permit on, as asyncio's wait does.
+        await self.checkpoint()
 
     def wake(self) -> bool:
         if threading.get_ident() == self.thread:

@@ -447,6 +447,135 @@ def test_a_clock_that_raises_never_leaks_a_permit() -> None:
     assert limiter.in_flight == 0
 
 
+def test_a_guard_kept_and_entered_again_while_in_use_is_refused_and_leaks_nothing() -> None:
+    # ConcurrencyLimiter.guard() is one shared object, so a caller may keep it; this
+    # limiter's object times one dispatch: entered by a second one while in use, it
+    # refuses (before: the second overwrote the first's state, a permit leaked for good)
+    limiter = AdaptiveConcurrencyLimiter(4, 1, 4, name="node:11210")
+    guard = limiter.guard()
+    with guard:
+        with pytest.raises(RuntimeError, match="in use by another dispatch") as caught:
+            guard.__enter__()
+        assert "with limiter.guard():" in str(caught.value)  # what to write instead
+        assert "'node:11210'" in str(caught.value)
+        assert limiter.in_flight == 1  # the refused enter took nothing
+    assert limiter.in_flight == 0
+    with guard:  # one dispatch after the other: the object may be used again
+        assert limiter.in_flight == 1
+    guard.__exit__(None, None, None)  # an exit too many gives nothing back twice
+    assert limiter.in_flight == 0
+
+
+@pytest.mark.anyio
+async def test_a_kept_guard_shared_by_overlapping_tasks_never_leaks() -> None:
+    limiter = AdaptiveConcurrencyLimiter(4, 1, 4)
+    guard = limiter.guard()
+    release = anyio.Event()
+    outcomes: list[str] = []
+
+    async def dispatch() -> None:
+        try:
+            with guard:
+                outcomes.append("sent")
+                await release.wait()
+        except RuntimeError:
+            outcomes.append("refused")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(dispatch)
+        await wait_until(lambda: limiter.in_flight == 1)
+        tg.start_soon(dispatch)
+        await wait_until(lambda: len(outcomes) == 2)
+        release.set()
+    assert outcomes == ["sent", "refused"]
+    assert limiter.in_flight == 0
+
+
+@pytest.mark.anyio
+async def test_an_acquire_kept_and_entered_again_while_in_line_is_refused() -> None:
+    limiter = AdaptiveConcurrencyLimiter(1, 1, 1, max_queued=4)
+    acquire = limiter.acquire()
+    got: list[int] = []
+
+    async def waiter() -> None:
+        async with acquire:
+            got.append(1)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            with limiter.guard():
+                tg.start_soon(waiter)
+                await wait_until(lambda: limiter.queued == 1)
+                with pytest.raises(RuntimeError, match=r"async with limiter\.acquire"):
+                    await acquire.__aenter__()  # in use while it waits in line
+                assert (limiter.in_flight, limiter.queued) == (1, 1)
+    assert got == [1]
+    assert (limiter.in_flight, limiter.queued) == (0, 0)
+    with limiter.guard(), anyio.CancelScope() as scope:  # cut in line: free again
+        scope.cancel()
+        async with acquire:
+            pytest.fail("the permit is held")
+    assert scope.cancelled_caught
+    async with acquire:
+        assert limiter.in_flight == 1
+    assert limiter.in_flight == 0
+
+
+def test_a_refused_enter_leaves_the_object_usable() -> None:
+    limiter = AdaptiveConcurrencyLimiter(1, 1, 1)
+    guard = limiter.guard()
+    with limiter.guard(), pytest.raises(RetryableError):
+        guard.__enter__()  # no permit free: refused
+    with guard:  # the refusal did not keep the object
+        assert limiter.in_flight == 1
+    assert limiter.in_flight == 0
+
+
+def test_one_kept_guard_shared_by_32_threads_never_leaks() -> None:
+    limiter = AdaptiveConcurrencyLimiter(64, 1, 64)
+    guard = limiter.guard()
+    barrier = threading.Barrier(32)
+    counts = {"sent": 0, "in use": 0}
+    lock = threading.Lock()
+
+    def work() -> None:
+        barrier.wait()
+        for _ in range(50):
+            try:
+                with guard:
+                    time.sleep(0.0001)  # overlap: another thread finds it in use
+                outcome = "sent"
+            except RuntimeError:
+                outcome = "in use"
+            with lock:
+                counts[outcome] += 1
+
+    threads = [threading.Thread(target=work) for _ in range(32)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert counts["sent"] + counts["in use"] == 32 * 50
+    assert counts["sent"] >= 1
+    assert limiter.in_flight == 0  # before: one permit leaked per overlap
+
+
+@pytest.mark.anyio
+async def test_the_wrong_with_is_a_type_error_as_on_the_fixed_limiter() -> None:
+    # acquire() under a plain `with` would skip the queue, guard() under `async with`
+    # hides a sync refusal: both refused, as ConcurrencyLimiter's objects refuse them
+    limiter = AdaptiveConcurrencyLimiter(1, 1, 1, max_queued=4)
+    with pytest.raises(TypeError, match="asynchronous context manager protocol"):
+        async with limiter.guard():  # type: ignore[attr-defined]
+            pytest.fail("not entered")
+    with (
+        pytest.raises(TypeError, match="context manager protocol"),
+        limiter.acquire(),  # type: ignore[attr-defined]
+    ):
+        pytest.fail("not entered")
+    assert (limiter.in_flight, limiter.queued) == (0, 0)
+
+
 @pytest.mark.anyio
 async def test_queued_waiters_are_fifo_cancellable_and_take_nothing_with_them() -> None:
     limiter = AdaptiveConcurrencyLimiter(1, 1, 1, max_queued=4)

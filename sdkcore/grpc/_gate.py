@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 from grpc import aio
 from grpc._common import CYGRPC_STATUS_CODE_TO_STATUS_CODE
+from grpc._cython import cygrpc
 from grpc.aio import _base_call
 
 from .._adaptive_limiter import AdaptiveConcurrencyLimiter
@@ -38,6 +39,8 @@ from .._untrusted import show as _show
 __all__: list[str] = []
 
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+_DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED
+_READY = cygrpc.ConnectivityState.ready
 _EMPTY = aio.Metadata()
 
 
@@ -50,18 +53,35 @@ class LocalRefusal(aio.AioRpcError):  # type: ignore[misc]
 
 
 class _Outcome(Exception):
-    """How an admitted attempt ended, for the throttle's ``is_rejection`` (its ``code()``)."""
+    """How an admitted attempt ended: its status (``code()``, for the throttle's
+    ``is_rejection``) and, as ``__cause__``, what it says about the endpoint's latency
+    in the words of the adaptive limiter's judge (``_adaptive_limiter._judge``): a
+    ``TimeoutError`` (a drop; always for DEADLINE_EXCEEDED), a ``ConnectionError``
+    (nothing); none: an answer (a round-trip sample)."""
 
-    def __init__(self, code: grpc.StatusCode) -> None:
+    def __init__(self, code: grpc.StatusCode, cause: BaseException | None = None) -> None:
         super().__init__(code.name)
         self._code = code
+        if cause is None and code is _DEADLINE_EXCEEDED:
+            cause = TimeoutError("gRPC DEADLINE_EXCEEDED: the attempt timed out")
+        self.__cause__ = cause
 
     def code(self) -> grpc.StatusCode:
         return self._code
 
 
 def _ended(call: Any) -> BaseException | None:
-    """None (OK), CancelledError, or an :class:`_Outcome` with the status of a done call."""
+    """None (OK), CancelledError, or an :class:`_Outcome` with the status of a done call.
+
+    Two statuses are not answers (rfc/0009, "On gRPC channels"): DEADLINE_EXCEEDED is
+    a timeout (the attempt's deadline cutting it, or the server's own), a drop for the
+    adaptive limiter; UNAVAILABLE with
+    nothing received (no headers, no trailers) while the channel has no connection
+    (not READY) is a connection that could not be made or was lost, which says nothing
+    about latency (the facts ``_call.py`` books such an attempt "never left" on; a
+    server's UNAVAILABLE comes over a ready connection). Every other status is the
+    endpoint's answer: its round trip is a sample.
+    """
     cython = getattr(call, "_cython_call", None)
     if cython is None:
         return None  # not grpc.aio's own call (an application interceptor's): an accept
@@ -70,10 +90,23 @@ def _ended(call: Any) -> BaseException | None:
     if cython.cancelled():
         return asyncio.CancelledError()
     try:
-        code = CYGRPC_STATUS_CODE_TO_STATUS_CODE[cython._status.code()]
+        status = cython._status
+        code = CYGRPC_STATUS_CODE_TO_STATUS_CODE[status.code()]
     except Exception:  # no status readable: counted as an accept by the throttle
-        code = grpc.StatusCode.UNKNOWN
+        return _Outcome(grpc.StatusCode.UNKNOWN)
+    if code is _UNAVAILABLE and _no_connection(cython, status):
+        return _Outcome(code, ConnectionError("gRPC UNAVAILABLE: no connection to the target"))
     return _Outcome(code)
+
+
+def _no_connection(cython: Any, status: Any) -> bool:
+    """Nothing came back for the attempt and its channel is not connected now."""
+    try:
+        if cython._initial_metadata or status.trailing_metadata():
+            return False  # the server sent something: it answered
+        return bool(cython._channel.check_connectivity_state(False) != _READY)
+    except Exception:  # grpc.aio's internals moved: an answer, as before
+        return False
 
 
 class Gate:

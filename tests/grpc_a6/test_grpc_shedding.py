@@ -252,3 +252,85 @@ async def test_a_gated_channel_commits_a_hedge_on_its_headers(server: Server) ->
             assert await ch.unary_unary(script.method)(b"x") == b"from 1"
     assert script.count == 2  # committed on hedge 1's headers: hedge 2 never sent
     assert limiter.in_flight == 0  # every hedge's permit given back
+
+
+# -- what an attempt's status teaches the adaptive limiter (rfc/0009) ----------------------
+
+
+async def _gate_settled(limiter: AdaptiveConcurrencyLimiter) -> None:
+    """The permits come back in grpc.aio's done callbacks: wait for them."""
+    with anyio.fail_after(TEST_TIMEOUT):
+        while limiter.in_flight:  # noqa: ASYNC110 - polls the limiter's gauge
+            await asyncio.sleep(0.001)
+
+
+async def test_attempts_cut_by_their_deadline_halve_an_adaptive_limit(server: Server) -> None:
+    """DEADLINE_EXCEEDED is a timeout, a drop: the limit halves, as it does for a
+    TimeoutError under execute() (before: a round-trip sample of the deadline's length,
+    so a slow endpoint whose calls all timed out kept its limit and taught the
+    baseline the deadline)."""
+    slow = asyncio.Event()  # set when the test ends: no call is answered in time
+
+    async def fn(request: bytes, context: Any, n: int) -> bytes:
+        await slow.wait()
+        return b"late"
+
+    method = server.unary_unary("Slow", fn)
+    limiter = AdaptiveConcurrencyLimiter(initial_limit=20, name="slow")
+    try:
+        async with insecure_channel(server.target, limiter=limiter) as ch:
+            for _ in range(3):
+                with pytest.raises(aio.AioRpcError) as info:
+                    await ch.unary_unary(method)(b"x", timeout=0.05)
+                assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+                await _gate_settled(limiter)
+    finally:
+        slow.set()
+    assert limiter.limit <= 10  # halved at least once (20 before: never shrank)
+    assert limiter.baseline_rtt is None  # a drop teaches no round trip
+
+
+async def test_connection_refused_attempts_count_for_nothing() -> None:
+    """UNAVAILABLE with nothing received while the channel cannot connect: no round
+    trip was measured (before: each fast failure was a sample, and the baseline learned
+    was a fraction of a millisecond, against which every real answer is "slow")."""
+    import socket
+
+    closed = socket.socket()  # bound, never listening: connections are refused
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    limiter = AdaptiveConcurrencyLimiter(initial_limit=20, name="unreachable")
+    try:
+        async with insecure_channel(
+            f"127.0.0.1:{port}", limiter=limiter, transparent_retry_limit=0
+        ) as ch:
+            with anyio.fail_after(TEST_TIMEOUT):
+                for _ in range(25):  # more than a window's 10 samples, twice
+                    with pytest.raises(aio.AioRpcError) as info:
+                        await ch.unary_unary("/test.Svc/M")(b"x", timeout=TEST_TIMEOUT)
+                    assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+                    await _gate_settled(limiter)
+    finally:
+        closed.close()
+    assert limiter.baseline_rtt is None
+    assert limiter.limit == 20
+
+
+async def test_a_servers_own_unavailable_is_still_a_round_trip(server: Server) -> None:
+    """The answer of a server that is up (over a ready connection) is a sample, whatever
+    its status: only a connection that could not be made counts for nothing."""
+
+    async def fn(request: bytes, context: Any, n: int) -> bytes:
+        await abort(context, grpc.StatusCode.UNAVAILABLE)
+        return b""
+
+    method = server.unary_unary("M", fn)
+    limiter = AdaptiveConcurrencyLimiter(initial_limit=20, name="answers")
+    async with insecure_channel(server.target, limiter=limiter, transparent_retry_limit=0) as ch:
+        with anyio.fail_after(TEST_TIMEOUT):
+            for _ in range(25):
+                with pytest.raises(aio.AioRpcError) as info:
+                    await ch.unary_unary(method)(b"x")
+                assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+                await _gate_settled(limiter)
+    assert limiter.baseline_rtt is not None  # a window of answers closed
