@@ -268,6 +268,10 @@ class OrchestratorCore:
                 self._leave_backoff(threads)
                 verdict = Verdict.BUDGET_EXHAUSTED
         if verdict is not _RETRY and verdict is not _TIME_OUT:
+            if request.state is not RequestState.PENDING:
+                # Request.cancel() (from another thread) while the strategy decided: the
+                # cancellation is the answer, not the strategy's refusal.
+                raise _failing.already_completed(request, reason) from _failing.cause(request)
             raise self._refusal(request, reason, verdict, action, strategy, failure, hint, left)
         request._retry_booked(reason, delay)
         trace = request._trace

@@ -208,3 +208,43 @@ async def test_the_callers_own_cancellation_in_backoff_is_reported_at_debug() ->
     assert event["log_level"] == "debug"
     assert event["cancellation_reason"] == "TASK_CANCELLED"
     assert event["in_flight"] is False
+
+
+class _CancelledWhileDeciding(BestEffortRetryStrategy):
+    """Request.cancel() lands while the strategy decides (from another thread on the
+    sync door), and the strategy then declines."""
+
+    def decide(self, request: Request, reason: RetryReason) -> RetryAction:
+        request.cancel()
+        return RetryAction.no_retry()
+
+
+@pytest.mark.parametrize("door", ["execute", "execute_sync"])
+async def test_a_cancel_during_a_declining_strategy_is_reported_as_the_cancel(door: str) -> None:
+    """The message blamed the strategy ("declined to retry") for a request the caller had
+    cancelled, and no retry.cancelled was logged."""
+
+    async def send(_: Request) -> None:
+        raise RetryableError(RetryReason.KV_LOCKED)
+
+    def send_sync(_: Request) -> None:
+        raise RetryableError(RetryReason.KV_LOCKED)
+
+    request = Request(
+        name="kv.get", idempotent=True, timeout=5.0, retry_strategy=_CancelledWhileDeciding()
+    )
+
+    async def run() -> None:
+        if door == "execute":
+            await RetryOrchestrator().execute(request, send)
+        else:
+            RetryOrchestrator().execute_sync(request, send_sync)
+
+    with capture_retry_events() as events, pytest.raises(RequestCanceledException) as info:
+        await run()
+    assert "request was cancelled" in str(info.value)
+    assert "declined" not in str(info.value)
+    assert request.cancellation_reason is CancellationReason.CANCELLED_VIA_CONTEXT
+    names = [e["event"] for e in events]
+    assert "retry.cancelled" in names
+    assert "retry.not_retried" not in names
