@@ -211,8 +211,17 @@ class Request(RetryState):
 
     @property
     def retry_strategy(self) -> RetryStrategy | None:
-        """The per-request strategy, or None for the orchestrator's default."""
+        """The per-request strategy, or None for the orchestrator's default. Fixed when
+        the request is built (``Request(retry_strategy=...)``)."""
         return self._strategy
+
+    @retry_strategy.setter
+    def retry_strategy(self, value: object) -> None:
+        raise AttributeError(
+            f"Request.retry_strategy is fixed when the request is built (request {self._id}, "
+            f"{self._name!r}): pass Request(..., retry_strategy=...) for a new request, or "
+            "RetryOrchestrator(strategy) for the default of every request"
+        )
 
     @property
     def client_context(self) -> Mapping[str, Any]:

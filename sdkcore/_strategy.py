@@ -9,8 +9,10 @@ a built-in by overriding ``decide`` and calling ``super().decide(...)``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 from ._action import RetryAction
 from ._backoff import Backoff, best_effort_backoff
@@ -57,6 +59,18 @@ class BestEffortRetryStrategy:
 
     __slots__ = ("_backoff", "_memo")
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass that refines under a name sdkcore never calls is told at once."""
+        super().__init_subclass__(**kwargs)
+        for name in _NOT_CALLED:
+            if name in cls.__dict__:
+                warnings.warn(
+                    f"{cls.__name__}.{name}() is never called by sdkcore: override "
+                    "decide(request, reason) (synchronous, every door) or retry_after("
+                    "request, reason) (may be async) instead",
+                    stacklevel=2,
+                )
+
     def __init__(self, backoff: Backoff | None = None) -> None:
         sync_callable(
             backoff,
@@ -83,9 +97,13 @@ class BestEffortRetryStrategy:
             raise _bad_arguments(self, request, reason)
         if request.idempotent or reason.allows_non_idempotent_retry:
             attempt = request.retry_attempts
-            if self._backoff is None:
+            try:
+                backoff = self._backoff
+            except AttributeError:
+                raise _not_initialised(self) from None
+            if backoff is None:
                 return _DEFAULT_ACTIONS[attempt] if attempt < 64 else _DEFAULT_LAST
-            delay = self._backoff(attempt)
+            delay = backoff(attempt)
             memo = self._memo
             if delay == memo[0] and type(delay) is type(memo[0]):
                 return memo[1]
@@ -107,7 +125,24 @@ class BestEffortRetryStrategy:
         return _NO_RETRY
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(backoff={self._backoff!r})"
+        try:
+            return f"{type(self).__name__}(backoff={self._backoff!r})"
+        except AttributeError:  # its __init__ did not call super().__init__()
+            return f"{type(self).__name__}(<not initialised>)"
+
+
+#: Method names a refinement may mistake for sdkcore's (RFC 0049's Java spelling, the
+#: other libraries'): a subclass defining one is warned (:meth:`__init_subclass__`).
+_NOT_CALLED = ("should_retry", "shouldRetry", "retryAfter", "decide_async")
+
+
+def _not_initialised(strategy: object) -> TypeError:
+    name = type(strategy).__name__
+    return TypeError(
+        f"{name}.__init__ did not call super().__init__(): BestEffortRetryStrategy's state "
+        f"(its backoff) is not set; add super().__init__() (or super().__init__(backoff=...)) "
+        f"to {name}.__init__"
+    )
 
 
 def _bad_arguments(strategy: object, request: object, reason: object) -> TypeError:

@@ -599,3 +599,37 @@ async def test_fast_fail_passes_on_to_the_next_class_in_the_mro() -> None:
     assert built(_FastFailLockedLonger().decide(req, RetryReason.AUTHENTICATION_ERROR)) is (
         AuthenticationFailureException
     )
+
+
+def test_a_refinement_under_a_name_sdkcore_never_calls_is_warned() -> None:
+    with pytest.warns(UserWarning, match=r"ShouldRetry\.should_retry\(\) is never called"):
+
+        class ShouldRetry(BestEffortRetryStrategy):
+            def should_retry(self, request: Request, reason: RetryReason) -> bool:
+                return False
+
+    with pytest.warns(UserWarning, match=r"retryAfter\(\) is never called.*override decide"):
+
+        class JavaSpelling(BestEffortRetryStrategy):
+            async def retryAfter(self, request: Request, reason: RetryReason) -> RetryAction:
+                return RetryAction.no_retry()
+
+
+async def test_a_subclass_that_forgot_super_init_is_told_so() -> None:
+    class Forgot(BestEffortRetryStrategy):
+        def __init__(self) -> None:
+            self.extra = 1  # (super().__init__() forgotten)
+
+    strategy = Forgot.__new__(Forgot)
+    strategy.__init__()  # type: ignore[misc]
+    req = await request_with_attempts(0, idempotent=True)
+    with pytest.raises(TypeError, match=r"Forgot\.__init__ did not call super\(\)\.__init__\(\)"):
+        strategy.decide(req, RetryReason.KV_LOCKED)
+    assert repr(strategy) == "Forgot(<not initialised>)"
+
+
+def test_a_requests_strategy_cannot_be_changed_and_says_how_to_choose_one() -> None:
+    request = Request(name="kv.get", idempotent=True)
+    with pytest.raises(AttributeError, match=r"fixed when the request is built.*retry_strategy="):
+        request.retry_strategy = FailFastRetryStrategy()  # type: ignore[misc]
+    assert request.retry_strategy is None
