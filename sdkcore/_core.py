@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from . import _failing, _log
 from ._action import RetryAction
 from ._decision import Decision, Verdict, decide, spends_budget
-from ._errors import CouchbaseException
 from ._reason import RetryReason
 from ._request import Request, RequestState
 from ._strategy import FastFailOnTerminalErrorRetryStrategy, RetryStrategy, sync_decide
@@ -329,8 +328,7 @@ class OrchestratorCore:
                 self._budget,
                 _failing.asked(strategy),
             )
-        if isinstance(exc, CouchbaseException):
-            _failing.keep_cause(exc, failure)
+        _failing.keep_cause(exc, failure)
         return exc
 
     def _deposit(self, request: Request) -> None:

@@ -25,7 +25,6 @@ from ._context import (
 from ._decision import Verdict
 from ._errors import (
     AmbiguousTimeoutException,
-    CouchbaseException,
     RequestCanceledException,
     RetryableError,
     TimeoutException,
@@ -436,10 +435,20 @@ def _built(
     """What a refusal's exception factory built: an exception instance, or a TypeError
     naming the strategy's method that ``answered`` (``Name.decide``) and the factory
     (``raise`` would say only "exceptions must derive from BaseException")."""
-    built = factory(context)
+    name = getattr(factory, "__qualname__", None) or repr(factory)
+    try:
+        built = factory(context)
+    except Exception as exc:  # (a CouchbaseException subclass whose __init__ takes no context=)
+        error = TypeError(
+            f"{answered}(request, {reason!r}) refused with "
+            f"RetryAction.no_retry(exception={name}), and calling it with the request's "
+            f"ErrorContext raised {type(exc).__name__}: {show(exc)}; the factory must return an "
+            "exception instance, e.g. lambda context: MyException(context=context)"
+        )
+        error.__cause__ = exc
+        return error
     if isinstance(built, BaseException):
         return built
-    name = getattr(factory, "__qualname__", None) or repr(factory)
     return TypeError(
         f"{answered}(request, {reason!r}) refused with "
         f"RetryAction.no_retry(exception={name}), and that factory returned {show(built)} "
@@ -493,7 +502,8 @@ def bad_action(strategy: str, reason: RetryReason, action: object, method: str) 
     )
 
 
-def keep_cause(exc: CouchbaseException, failure: BaseException | None) -> None:
-    """A final exception without a cause gets the attempt's failure as its ``__cause__``."""
-    if exc.__cause__ is None and failure is not None:
+def keep_cause(exc: BaseException, failure: BaseException | None) -> None:
+    """A final exception without a cause gets the attempt's failure as its ``__cause__``
+    (also one a strategy's exception factory built: rfc/0001, "Final exception's cause")."""
+    if exc.__cause__ is None and failure is not None and exc is not failure:
         exc.__cause__ = failure

@@ -633,3 +633,46 @@ def test_a_requests_strategy_cannot_be_changed_and_says_how_to_choose_one() -> N
     with pytest.raises(AttributeError, match=r"fixed when the request is built.*retry_strategy="):
         request.retry_strategy = FailFastRetryStrategy()  # type: ignore[misc]
     assert request.retry_strategy is None
+
+
+class _AppError(Exception):
+    pass
+
+
+class _OwnInit(CouchbaseException):
+    def __init__(self, message: str) -> None:  # (no context= keyword)
+        super().__init__(message)
+
+
+@pytest.mark.parametrize(
+    ("factory", "expected", "text"),
+    [
+        (lambda context: _AppError("no robots"), _AppError, "no robots"),
+        (_OwnInit, TypeError, r"_OwnInit\), and calling it with the request's ErrorContext raised"),
+        (lambda context: 1 / 0, TypeError, r"raised ZeroDivisionError"),
+    ],
+)
+async def test_a_refusals_exception_factory_keeps_the_cause_and_names_its_own_failure(
+    factory: Any, expected: type[BaseException], text: str
+) -> None:
+    """An application exception a factory built kept no __cause__ (only a
+    CouchbaseException did); a factory that raised escaped raw, naming neither the
+    strategy nor no_retry."""
+
+    class Refuses(BestEffortRetryStrategy):
+        def decide(self, request: Request, reason: RetryReason) -> RetryAction:
+            return RetryAction.no_retry(exception=factory)
+
+    failure = RetryableError(RetryReason.KV_LOCKED, "locked")
+
+    async def send(request: Request) -> str:
+        raise failure
+
+    request = Request(name="kv.get", idempotent=True, timeout=5, retry_strategy=Refuses())
+    with pytest.raises(expected, match=text) as info:
+        await RetryOrchestrator().execute(request, send)
+    if expected is _AppError:
+        assert info.value.__cause__ is failure
+    else:
+        assert "Refuses.decide" in str(info.value)
+        assert info.value.__cause__ is not None
