@@ -297,14 +297,17 @@ class _Chain:
             self._fatal(attempt, exc)
         except BaseException:
             self.outstanding -= 1
+            # Cut in flight: it may have reached the server, unless it was cut where nothing
+            # is sent yet (a limiter's queue): then not sent, its budget withdrawal refunded.
+            unsent = Request._dispatch_was_unsent(mark)
             latency = self.latency
-            if latency is not None and self.winner is not None:  # superseded: as Finagle,
-                # but known only to be longer (a first copy cut at delay + the hedge's
-                # latency is not placed there: see LatencyQuantile.record)
+            if latency is not None and self.winner is not None and not unsent:
+                # superseded: as Finagle, but known only to be longer (a first copy cut at
+                # delay + the hedge's latency is not placed there: LatencyQuantile.record)
                 latency.record(self._elapsed(attempt), cut=True)
             attempt.outcome = _CANCELLED
-            # cut in flight: it may have reached the server
-            self._book(attempt, None, AttemptEffect.MAYBE_APPLIED, None)
+            effect = AttemptEffect.NOT_SENT if unsent else AttemptEffect.MAYBE_APPLIED
+            self._book(attempt, None, effect, None)
             self._log_cancelled(attempt)
             raise
         else:

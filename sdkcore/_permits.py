@@ -37,7 +37,7 @@ from ._context import AttemptEffect
 from ._errors import RetryableError
 from ._log import EPISODE_QUIET
 from ._reason import RetryReason
-from ._request import dispatching
+from ._request import dispatch_unsent, dispatching
 from ._untrusted import show
 
 __all__ = ["LIMITED", "MAX_PERMITS", "Permits", "permits", "text"]
@@ -380,6 +380,8 @@ class Permits:
                 # the margin above, or the caller): nothing was sent, and the attempt is
                 # booked so, or the door would take it for cut in flight, maybe applied.
                 request._attempt_failed(LIMITED, _NOT_SENT, None, request.clock())
+            else:  # a hedge's copy (its chain books it from the dispatch's mark)
+                dispatch_unsent()
             raise
         if scope is not None and scope.exit(None):  # granted as the deadline passed
             self._give_back()

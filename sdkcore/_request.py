@@ -43,6 +43,15 @@ _EMPTY: Mapping[str, Any] = MappingProxyType({})
 _DISPATCHING: ContextVar[list[Any] | None] = ContextVar("sdkcore_dispatching", default=None)
 
 
+def dispatch_unsent() -> None:
+    """The dispatch marked in this task or thread was cut before it sent anything (a
+    caller cancelled in a limiter's queue): the door that owns the mark books its attempt
+    as not sent (a hedge's copy: :meth:`Request._dispatch_was_unsent`)."""
+    mark = _DISPATCHING.get()
+    if mark is not None:
+        mark[2] = True
+
+
 def dispatching() -> Request | None:
     """The request whose attempt is being sent in this task or thread, if any.
 
@@ -343,9 +352,15 @@ class Request(RetryState):
         Returns the mark, for :meth:`_dispatched_done` (same task or thread) when the
         dispatch ends: requests built in between inherit this request's deadline.
         """
-        mark: list[Any] = [self, None]
+        mark: list[Any] = [self, None, False]  # the request, the token, unsent (dispatch_unsent)
         mark[1] = _DISPATCHING.set(mark)
         return mark
+
+    @staticmethod
+    def _dispatch_was_unsent(mark: Any) -> bool:
+        """Whether the dispatch of ``mark`` was cut before it sent anything
+        (:func:`dispatch_unsent`)."""
+        return bool(mark[2])
 
     @staticmethod
     def _dispatched_done(mark: Any) -> None:

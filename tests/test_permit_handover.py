@@ -23,6 +23,7 @@ from sdkcore import (
     HedgePolicy,
     Request,
     RequestCanceledException,
+    RetryBudget,
     RetryOrchestrator,
 )
 
@@ -36,6 +37,16 @@ pytestmark = [
     pytest.mark.anyio,
     pytest.mark.parametrize("make", LIMITERS, ids=["fixed", "adaptive"]),
 ]
+
+
+class _Refunds(RetryBudget):
+    def __init__(self) -> None:
+        super().__init__()
+        self.refunds = 0
+
+    def refund(self) -> None:
+        self.refunds += 1
+        super().refund()
 
 
 async def wait_until(condition: Callable[[], bool]) -> None:
@@ -124,9 +135,11 @@ async def test_hedge_copies_queued_behind_the_winner_are_never_sent(
     make: Callable[[], Limiter],
 ) -> None:
     limiter = make()
-    orchestrator = RetryOrchestrator()
+    budget = _Refunds()
+    orchestrator = RetryOrchestrator(retry_budget=budget)
     sent: list[int] = []
     answer = anyio.Event()
+    request = Request(name="kv.get", idempotent=True, timeout=5.0)
 
     async def send(request: Request, index: int) -> bytes:
         async with limiter.acquire():
@@ -138,7 +151,6 @@ async def test_hedge_copies_queued_behind_the_winner_are_never_sent(
     result: list[bytes] = []
 
     async def run() -> None:
-        request = Request(name="kv.get", idempotent=True, timeout=5.0)
         result.append(await orchestrator.hedge(request, send, HedgePolicy(3, delay=0.001)))
 
     async with anyio.create_task_group() as tg:
@@ -148,3 +160,8 @@ async def test_hedge_copies_queued_behind_the_winner_are_never_sent(
     assert result == [b"copy0"]
     assert sent == [0]  # nothing of the losers went out after the winner
     assert (limiter.in_flight, limiter.queued) == (0, 0)
+    # The losers waited in the queue: booked not sent, their withdrawals given back (they
+    # were booked maybe applied, and the budget drained by copies that never left).
+    effects = [a.effect for a in request.error_context().attempts]
+    assert effects.count(AttemptEffect.NOT_SENT) == 2
+    assert budget.refunds == 2
