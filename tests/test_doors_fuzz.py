@@ -149,6 +149,7 @@ class Dispatch:
     effect: AttemptEffect | None = None  # what sdkcore books for it when it failed
     reason: RetryReason | None = None
     booked: int = 0  # request.retry_attempts when it ended (for a hedge: copies booked)
+    reached: bool = False  # it got past the limiter (to the breaker and the endpoint)
 
 
 @dataclass
@@ -336,7 +337,9 @@ class World:
             raise
         except BaseException:
             attempt.outcome = "cancelled"
-            attempt.effect = MAYBE  # a cut copy is booked maybe applied (hedge)
+            # A cut copy is booked maybe applied (hedge), unless it was cut while it waited
+            # for a permit in the limiter's queue: nothing was sent, not sent and refunded.
+            attempt.effect = MAYBE if attempt.reached else NOT_SENT
             raise
         else:
             attempt.outcome = "ok"
@@ -366,6 +369,7 @@ class World:
             self.holders -= 1
 
     async def _broken(self, record: Record, attempt: Dispatch) -> str:
+        attempt.reached = True
         if self.breaker is None:
             return await self.endpoint(record, attempt)
         with self.breaker.guard():
