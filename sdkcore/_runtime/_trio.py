@@ -141,7 +141,6 @@ class Hedges:
         if scope.cancel_called and not chain.over:  # the deadline or Request.cancel()
             chain.cut = True
 
-
     async def _copy(self, attempt: object) -> None:
         """One copy's task. trio starts every task it was given, also one whose scope was
         cancelled after the copy was booked (the caller's cancellation in the same turn),
