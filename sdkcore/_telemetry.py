@@ -327,6 +327,11 @@ class Telemetry:
         The label is kept while the target stays watched here (watching it again
         changes nothing, unless ``name`` gives an unnamed target a new one). ``name``
         for a target that has a name of its own must be that name (else ValueError).
+
+        Each counter of the target (a breaker's transitions, one series per state, and
+        rejections; a budget's or a limiter's rejections) is started at 0 for its label
+        here, so its series exists from the first collection and ``rate()`` sees the
+        first burst.
         """
         if name is not None and not isinstance(name, str):
             raise TypeError(f"Telemetry.watch(name=...) must be a str or None, got {name!r}")
@@ -365,9 +370,43 @@ class Telemetry:
         with self._lock:
             self._label(watched, target, own or name)
             watched.add(target)
+        self._zero_counters(target)
         if not isinstance(target, (AdaptiveThrottle, LatencyQuantile)):
             target._telemetry = self  # it calls back on its transitions and refusals
         return target
+
+    def _zero_counters(self, target: Any) -> None:
+        """Start each of ``target``'s counter series at 0 (``add(0)``), as it is watched.
+
+        A counter series appears at its first add: one first scraped at N shows no
+        increase, so Prometheus' ``rate()``/``increase()`` would miss the first burst of
+        transitions or refusals. Started at 0, each series is there from the first
+        collection. (The throttle's refusals are observed, a point at every collection.)
+        """
+        endpoint = self._labels.get(target, "")
+        counters: list[tuple[str, Any, dict[str, str]]]
+        if isinstance(target, CircuitBreaker):
+            counters = [
+                (
+                    "circuit_breaker.transitions",
+                    self.breaker_transitions,
+                    {ENDPOINT: endpoint, BREAKER_STATE: state},
+                )
+                for state in _STATE_VALUE
+            ]
+            counters.append(
+                ("circuit_breaker.rejections", self.breaker_rejections, {ENDPOINT: endpoint})
+            )
+        elif isinstance(target, RetryBudget):
+            counters = [("retry_budget.rejections", self.budget_rejections, {ENDPOINT: endpoint})]
+        elif isinstance(target, Permits):
+            counters = [
+                ("concurrency_limiter.rejections", self.limiter_rejections, {ENDPOINT: endpoint})
+            ]
+        else:  # a throttle (observed) or a hedge delay (no counter)
+            return
+        for kind, counter, attributes in counters:
+            self._guard(kind, counter.add, 0, attributes)
 
     def _label(self, group: weakref.WeakSet[Any], target: Any, name: str | None) -> None:
         """Give ``target`` its ``sdkcore.endpoint`` value in ``group`` (under the lock)."""

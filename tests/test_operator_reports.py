@@ -70,12 +70,13 @@ def test_an_open_unnamed_breaker_is_not_hidden_by_a_closed_one(otel: Otel) -> No
     assert _points(otel, STATE) == {"unnamed-1": 1, "unnamed-2": 0}
     assert otel.telemetry.label(a) == "unnamed-1"
     assert otel.telemetry.label(b) == "unnamed-2"
-    # The counters use the same label as the gauge.
+    # The counters use the same label as the gauge (each at 0 from the watch: rfc/0008).
     transitions = otel.metrics()["sdkcore.circuit_breaker.transitions"].points
-    assert transitions == [({ENDPOINT: "unnamed-1", STATE: "open"}, 1)]
+    assert {attributes[ENDPOINT] for attributes, _ in transitions} == {"unnamed-1", "unnamed-2"}
+    assert [(a, n) for a, n in transitions if n] == [({ENDPOINT: "unnamed-1", STATE: "open"}, 1)]
     with pytest.raises(RetryableError), a.guard():
         pass  # pragma: no cover - refused
-    assert _points(otel, "sdkcore.circuit_breaker.rejections") == {"unnamed-1": 1}
+    assert _points(otel, "sdkcore.circuit_breaker.rejections") == {"unnamed-1": 1, "unnamed-2": 0}
 
 
 def test_labels_are_stable_and_never_reused(otel: Otel) -> None:
@@ -110,7 +111,10 @@ def test_unnamed_budgets_limiters_throttles_and_hedge_delays_are_told_apart(otel
     assert set(_points(otel, "sdkcore.concurrency_limiter.limit")) == both
     assert set(_points(otel, "sdkcore.throttle.rejection_probability")) == both
     assert set(_points(otel, "sdkcore.hedge.delay")) == both
-    assert _points(otel, "sdkcore.concurrency_limiter.rejections") == {"unnamed-2": 1}
+    assert _points(otel, "sdkcore.concurrency_limiter.rejections") == {
+        "unnamed-1": 0,
+        "unnamed-2": 1,
+    }
     assert len(budgets) == len(throttles) == 2
 
 

@@ -1,14 +1,18 @@
 """``sdkcore demo --metrics-port`` scraped by a real Prometheus: its sums equal the reports.
 
 A Prometheus on 127.0.0.1 (temp config and storage, one job of three static targets,
-scraped every second) starts first; once it scrapes, three demo processes
+scraped every 250 ms: the breakers' state is a sampled gauge, and the demo's breaker is
+open for about a second) starts first; once it scrapes, three demo processes
 (``--metrics-port P --linger --json``) run at once, so it sees each from its start.
 Once every demo has printed its report and Prometheus has scraped it after that, the
 HTTP query API must give, per demo (``sum by (instance)``) and for the fleet (``sum``),
 the report's ``counts``: requests, retries and hedges of the demo's own orchestrators,
 the channels' calls, breaker transitions by state, budget refusals (exactly), and the
 channels' A96 retries and hedges (at least the report's: see AT_LEAST). The README's
-Dashboards queries run on the same data; the Prometheus names are the ones rfc/0006
+Dashboards queries run on the same data (its open-time query at this scrape interval,
+as the README says to write it), and none is 0 where the reports say something
+happened: retries, each demo's budget refusals, breaker openings, the seconds a breaker
+was open (and no more than the demo ran). The Prometheus names are the ones rfc/0006
 and the README list.
 
 Needs ``prometheus`` and ``memcached`` (the breaker transitions come from the
@@ -40,6 +44,8 @@ FLEET = 3
 LINGER = 45
 #: Everything (start, runs, scrapes) must be done within this many seconds.
 BUDGET = 50.0
+#: Prometheus scrapes every demo this often.
+SCRAPE_INTERVAL_MS = 250
 
 #: OpenTelemetry instrument -> the name Prometheus stores (dots become underscores, the
 #: unit ``s`` adds ``_seconds``, a counter ``_total``; ``{...}`` units add nothing).
@@ -70,6 +76,8 @@ class Demo:
     report: dict[str, Any] = field(default_factory=dict)
     #: When the test had the whole report (wall clock, as Prometheus' timestamps).
     reported_at: float = 0.0
+    #: When the process started (wall clock).
+    started_at: float = 0.0
 
     @property
     def instance(self) -> str:
@@ -130,7 +138,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus
     deadline = time.monotonic() + BUDGET
     workdir = tmp_path_factory.mktemp("prometheus")
     ports = [free_port() for _ in range(FLEET)]
-    prometheus = Prometheus(binary, workdir, [f"127.0.0.1:{port}" for port in ports])
+    targets = [f"127.0.0.1:{port}" for port in ports]
+    prometheus = Prometheus(binary, workdir, targets, interval=f"{SCRAPE_INTERVAL_MS}ms")
     demos: list[Demo] = []
     try:
         prometheus.start().wait_scraping()  # before the demos start: it sees them all along
@@ -144,7 +153,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus
                 process = subprocess.Popen(
                     command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr
                 )
-            demos.append(Demo(process, port, out, err))
+            demos.append(Demo(process, port, out, err, started_at=time.time()))
         for demo in demos:
             demo.report = _wait("the demo's report", deadline, lambda d=demo: _report_of(d))
             demo.reported_at = time.time()
@@ -271,9 +280,9 @@ def test_the_documented_prometheus_names_are_what_prometheus_stores(
             expected |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
         else:
             expected.add(name)
-    # A counter appears once it counted: the breaker refusals may not have happened.
-    optional = {"sdkcore_circuit_breaker_rejections_total"}
-    assert expected - optional <= names, sorted(expected - names)
+    # Every counter of a watched breaker or budget is there from its watch, at 0 until it
+    # counts: the breaker refusals too, which may not have happened.
+    assert expected <= names, sorted(expected - names)
     assert names <= expected, sorted(names - expected)
     # The labels a dashboard groups by.
     labels = prometheus.query("sdkcore_retries_total")[0]["metric"]
@@ -295,10 +304,27 @@ def _dashboard_queries() -> list[str]:
     return queries
 
 
+#: The README's open-time query assumes a 15 s scrape interval (in its step and its
+#: factor) and says to write one's own: here, the fleet's.
+README_INTERVAL = re.compile(r"\[1h:15s\]\) \* 15$")
+
+
+def _for_the_fleet(query: str) -> str:
+    """``query`` with the README's scrape interval (15 s) replaced by the fleet's."""
+    seconds = SCRAPE_INTERVAL_MS / 1000
+    return README_INTERVAL.sub(f"[1h:{SCRAPE_INTERVAL_MS}ms]) * {seconds}", query)
+
+
+def _one(queries: list[str], *parts: str) -> str:
+    """The README query that has every one of ``parts``."""
+    [query] = [q for q in queries if all(part in q for part in parts)]
+    return query
+
+
 def test_the_readme_dashboard_queries_run_on_the_demos_metrics(
     fleet: tuple[Prometheus, list[Demo]],
 ) -> None:
-    prometheus, _ = fleet
+    prometheus, demos = fleet
     queries = _dashboard_queries()
     assert len(queries) >= 5, queries
     text = " ".join(queries)
@@ -311,9 +337,68 @@ def test_the_readme_dashboard_queries_run_on_the_demos_metrics(
         "sdkcore_retry_budget_rejections_total",
     ):
         assert name in text, name
+    results = {}
     for query in queries:
-        result = prometheus.query(query)  # raises on a PromQL error
+        result = prometheus.query(_for_the_fleet(query))  # raises on a PromQL error
         assert result, f"no data for the README's query {query!r}"
         for sample in result:
             value = float(sample["value"][1])
             assert value >= 0, (query, sample)  # neither NaN nor negative
+        results[query] = result
+    # What the reports show happened is not 0 on the dashboards (each demo retried, its
+    # budgets refused retries, its breakers opened: see the test above).
+    reports = [(d.instance, d.counts) for d in demos]
+
+    def values(query: str) -> list[float]:
+        return [float(sample["value"][1]) for sample in results[query]]
+
+    ratio = _one(queries, "sdkcore_retries_total", "sdkcore_request_duration_seconds_count")
+    assert '{sdkcore_request_name!~"/.*"}' in ratio  # the outer requests, not the calls
+    [value] = values(ratio)
+    assert value > 0, (ratio, reports)
+    by_reason = _one(queries, "sum by (sdkcore_retry_reason) (rate(sdkcore_retries_total[5m]))")
+    sent = _one(queries, "sum by (sdkcore_retry_reason)", "CIRCUIT_BREAKER_OPEN")
+    assert 0 < sum(values(sent)) <= sum(values(by_reason)), (sent, by_reason)
+    # Breaker open time: seconds, more than 0 where a breaker opened, and no more than the
+    # demo ran (from its start to now: a breaker left open stays open while it lingers).
+    open_time = _one(queries, "sdkcore_circuit_breaker_state == bool 1")
+    assert README_INTERVAL.search(open_time), open_time
+    seconds = prometheus.by("instance", f"sum by (instance) ({_for_the_fleet(open_time)})")
+    for demo in demos:
+        opened = demo.counts["breaker_transitions"]["open"]
+        ran = time.time() - demo.started_at
+        detail = (open_time, demo.instance, seconds, opened, ran)
+        if opened:
+            assert 0 < seconds.get(demo.instance, 0.0) <= ran, detail
+    # Openings: the counters start at 0 when watched, so increase() sees every opening
+    # (a little more: Prometheus extrapolates to the end of the range).
+    openings = _one(queries, 'sdkcore_circuit_breaker_state="open"')
+    opened = sum(d.counts["breaker_transitions"]["open"] for d in demos)
+    assert opened <= sum(values(openings)) <= 2 * opened, (openings, results[openings], opened)
+
+
+def test_the_readme_budget_query_sees_each_demos_refusals(
+    fleet: tuple[Prometheus, list[Demo]],
+) -> None:
+    """Each demo's budgets refused retries (its report): the README's rate is not 0."""
+    prometheus, demos = fleet
+    refused = _one(_dashboard_queries(), "sdkcore_retry_budget_rejections_total")
+    reports = [(d.instance, d.counts) for d in demos]
+    assert sum(float(r["value"][1]) for r in prometheus.query(refused)) > 0, (refused, reports)
+    per_demo = refused.replace("sum by (sdkcore_endpoint)", "sum by (instance)")
+    got = prometheus.by("instance", per_demo)
+    for instance, counts in reports:
+        assert counts["budget_rejections"] > 0, counts  # (the first test checks this too)
+        assert got.get(instance, 0.0) > 0, (per_demo, got, reports)
+    # Per budget: every series that counted a refusal shows a rate.
+    total = prometheus.by(
+        "key",
+        'label_join(sdkcore_retry_budget_rejections_total > 0, "key", "/", '
+        '"instance", "sdkcore_endpoint")',
+    )
+    rates = prometheus.by(
+        "key",
+        'label_join(rate(sdkcore_retry_budget_rejections_total[5m]), "key", "/", '
+        '"instance", "sdkcore_endpoint")',
+    )
+    assert all(rates.get(key, 0.0) > 0 for key in total), (total, rates)

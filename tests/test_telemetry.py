@@ -680,10 +680,11 @@ def test_breaker_state_gauge_and_transitions(otel: Otel) -> None:
         return {a[STATE]: v for a, v in metric.points}
 
     assert state() == 0
-    assert transitions() == {}
+    zero = {"closed": 0, "open": 0, "half_open": 0}  # each series there from the watch
+    assert transitions() == zero
     breaker.record_failure(TimeoutError("down"))
     assert state() == 1
-    assert transitions() == {"open": 1}
+    assert transitions() == {**zero, "open": 1}
     with pytest.raises(RetryableError), breaker.guard():
         pass  # pragma: no cover - refused
     assert otel.metrics()["sdkcore.circuit_breaker.rejections"].points == [
@@ -692,7 +693,7 @@ def test_breaker_state_gauge_and_transitions(otel: Otel) -> None:
     clock.advance(0.5)
     assert breaker.admit() is CircuitState.HALF_OPEN  # the probe goes
     assert state() == 2
-    assert transitions() == {"open": 1, "half_open": 1}
+    assert transitions() == {**zero, "open": 1, "half_open": 1}
     breaker.record_success()
     assert state() == 0
     assert transitions() == {"open": 1, "half_open": 1, "closed": 1}
@@ -736,7 +737,13 @@ def test_watch_reports_to_the_last_telemetry_only(otel: Otel) -> None:
         otel.telemetry.watch(breaker)
         breaker.record_failure(TimeoutError("down"))
         assert otel.metrics()["sdkcore.circuit_breaker.state"].points == [({ENDPOINT: "b"}, 1)]
-        assert other.metrics() == {}
+        # The first telemetry keeps the counter series it started at 0, and nothing more.
+        left = other.metrics()
+        assert set(left) == {
+            "sdkcore.circuit_breaker.transitions",
+            "sdkcore.circuit_breaker.rejections",
+        }
+        assert [value for metric in left.values() for _, value in metric.points] == [0] * 4
     finally:
         other.shutdown()
 

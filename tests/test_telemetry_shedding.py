@@ -61,7 +61,8 @@ def test_a_limiter_reports_limit_in_flight_queued_and_rejections() -> None:
     ]
     assert (node, 2) in got["sdkcore.concurrency_limiter.in_flight"][1]
     assert (node, 0) in got["sdkcore.concurrency_limiter.queued"][1]
-    assert got["sdkcore.concurrency_limiter.rejections"] == ("{dispatch}", [(node, 1)])
+    rejections = got["sdkcore.concurrency_limiter.rejections"]
+    assert rejections == ("{dispatch}", [(node, 1), ({ENDPOINT: "adaptive"}, 0)])
 
 
 def test_a_throttle_reports_its_probability_and_refusals() -> None:

@@ -140,6 +140,16 @@ class _Wiring:
     def __init__(self, counts: Counts | None, telemetry: Any) -> None:
         self.counts = Counts() if counts is None else counts
         self.telemetry = telemetry
+        # Made (and watched) at once: each budget's refusals counter is at 0 from the
+        # start, so a scrape sees it before the outage's burst (rfc/0008).
+        self.shared = self.budget("demo-shared")
+        self.outage = self.budget("demo-outage")
+
+    def budget(self, name: str) -> RetryBudget:
+        budget = RetryBudget(**BUDGET, name=name)
+        if self.telemetry is not None:
+            self.telemetry.watch(budget)
+        return budget
 
     def orchestrator(self, budget: RetryBudget | None) -> RetryOrchestrator:
         kwargs: dict[str, Any] = {} if budget is None else {"retry_budget": budget}
@@ -207,6 +217,7 @@ async def run_outage(
     stream: OutageStream | None = None,
     counts: Counts | None = None,
     telemetry: Any = None,
+    wiring: _Wiring | None = None,
 ) -> Outage:
     """Run the scenario (skipped, at once, when ``memcached`` is not on PATH).
 
@@ -215,7 +226,8 @@ async def run_outage(
     refusal is added to ``counts``; ``telemetry`` (an :class:`sdkcore.Telemetry`, or
     None) gets every orchestrator, breaker and budget.
     """
-    wiring = _Wiring(counts, telemetry)
+    if wiring is None:
+        wiring = _Wiring(counts, telemetry)
     binary = memcached_binary(which)
     if binary is None:
         return Outage(skipped=True)
@@ -240,7 +252,7 @@ async def run_outage(
                     if stream is not None:
                         stream.restart_done(result)
                     a.kill()
-                    budget = RetryBudget(**BUDGET, name="demo-outage")
+                    budget = wiring.outage
                     runs: list[tuple[str, str, RetryBudget | None]] = [
                         ("with_budget", "with the budget", budget),
                         ("without_budget", "without a budget", None),
@@ -280,7 +292,7 @@ async def _around_a_restart(
     lines: _Lines,
     wiring: _Wiring,
 ) -> None:
-    budget = RetryBudget(**BUDGET, name="demo-shared")
+    budget = wiring.shared
     orchestrator = wiring.orchestrator(budget)
     t0 = anyio.current_time()
     marks: dict[str, dict[int, int]] = {}

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import SCENARIO_HELP
-from ._memcached import run_outage
+from ._memcached import _Wiring, run_outage
 from ._memcached_report import NAME as MEMCACHED
 from ._memcached_report import planned_requests
 from ._report import (
@@ -68,6 +68,7 @@ async def run(
         report.scenario_titles[MEMCACHED] = SCENARIO_HELP[MEMCACHED]
     total = sum(s.ops for s in runnable) * len(STRATEGIES)
     writes_ok = 0
+    wiring = _Wiring(report.counts, telemetry) if outage else None
     async with contextlib.AsyncExitStack() as stack:
         cluster = None
         if runnable:
@@ -126,6 +127,7 @@ async def run(
                     stream=lines,
                     counts=report.counts,
                     telemetry=telemetry,
+                    wiring=wiring,
                 )
                 lines.finish(report.memcached)
         if cluster is not None:
