@@ -176,6 +176,10 @@ class _Controller:
         self.message_size = message_size or default_message_size
         self._buffered = 0
         self._buffer_lock = threading.Lock()
+        if telemetry is not None:  # the channel's limiter and throttle report through it
+            for shedder in (limiter, throttle):
+                if shedder is not None:
+                    telemetry.watch(shedder)
         throttling = None if service_config is None else service_config.retry_throttling
         self.throttler: RetryThrottler | None = None
         self._abandon: Callable[[], None] = _nothing

@@ -814,3 +814,25 @@ async def test_a_call_ended_while_waiting_to_retry_is_cancelled(
     assert [p.attributes["sdkcore.request.outcome"] for p in outcomes] == ["cancelled"]
     (sent,) = by_name(otel.finished(), "Sent.test.Svc.M")
     assert (sent.attributes or {})["grpc.status"] == "CANCELLED"
+
+
+async def test_a_channels_limiter_and_throttle_report_through_its_telemetry(
+    server: Server, otel: Otel
+) -> None:
+    """They reported nothing unless the application watched them itself."""
+    limiter = sdkcore.ConcurrencyLimiter(4, name="svc-limit")
+    throttle = sdkcore.AdaptiveThrottle(name="svc-throttle")
+    method = server.unary_unary("M", fail_then_ok(0))
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, limiter=limiter, throttle=throttle, telemetry=otel.telemetry
+        ) as ch:
+            assert await ch.unary_unary(method)(b"x") == b"ok"
+            metrics = otel.metrics()
+    endpoints = {
+        name: {dict(p.attributes or {}).get("sdkcore.endpoint") for p in m.data.data_points}
+        for name, m in metrics.items()
+    }
+    assert endpoints["sdkcore.concurrency_limiter.limit"] == {"svc-limit"}
+    assert endpoints["sdkcore.concurrency_limiter.rejections"] == {"svc-limit"}
+    assert endpoints["sdkcore.throttle.rejection_probability"] == {"svc-throttle"}
