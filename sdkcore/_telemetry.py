@@ -28,6 +28,7 @@ from . import _log
 from ._breaker import CircuitBreaker
 from ._budget import RetryBudget
 from ._context import CancellationReason
+from ._errors import CouchbaseException, RetryableError
 from ._latency import LatencyQuantile
 from ._permits import Permits
 from ._reason import RetryReason
@@ -802,8 +803,15 @@ Telemetry._request_trace = RequestTrace
 
 
 def _record_error(telemetry: Telemetry, span: Any, error: BaseException) -> None:
+    """ERROR status and ``error.type`` on ``span``, the exception recorded. The status says
+    the message alone (a CouchbaseException's error context, JSON, is in the recorded
+    exception: cut at 100 characters it ended mid-JSON); an attempt that failed with a
+    RetryableError carries its reason as ``sdkcore.retry.reason``."""
     trace = telemetry._trace
-    span.set_status(trace.Status(trace.StatusCode.ERROR, _cut(str(error))))
+    message = error.message if isinstance(error, CouchbaseException) else str(error)
+    span.set_status(trace.Status(trace.StatusCode.ERROR, _cut(message)))
     span.set_attribute(ERROR_TYPE, _cut(type(error).__name__))
+    if isinstance(error, RetryableError):
+        span.set_attribute(REASON, error.reason.name)
     if isinstance(error, Exception):
         span.record_exception(error)

@@ -35,8 +35,10 @@ from telemetry_kit import (
 
 from sdkcore import (
     BestEffortRetryStrategy,
+    FailFastRetryStrategy,
     HedgePolicy,
     Request,
+    RequestCanceledException,
     RetryableError,
     RetryOrchestrator,
     RetryReason,
@@ -162,6 +164,7 @@ async def test_request_and_attempt_spans_with_retries(otel: Otel, door: str) -> 
         assert failed.status.status_code is StatusCode.ERROR
         assert failed.attributes is not None
         assert failed.attributes["error.type"] == "RetryableError"
+        assert failed.attributes["sdkcore.retry.reason"] == "KV_LOCKED"  # (every reason's type)
         [event] = failed.events
         assert event.name == "exception"
         assert str(attr(event, "exception.type")).endswith("RetryableError")
@@ -399,3 +402,17 @@ async def test_a_call_that_fails_its_argument_checks_starts_no_span_and_records_
     assert "kv.bad" not in names
     durations = otel.metrics()["sdkcore.request.duration"]
     assert sum(count for _, (count, _sum) in durations.points) == 1
+
+
+@pytest.mark.anyio
+async def test_a_refused_requests_span_status_is_its_message_not_its_context(otel: Otel) -> None:
+    """Cut at 100 characters, the status of a CouchbaseException's span ended mid-JSON."""
+    request = Request(name="kv.get", idempotent=True, timeout=2.5)
+    with anyio.fail_after(SAFETY), pytest.raises(RequestCanceledException) as info:
+        await otel.orchestrator(FailFastRetryStrategy()).execute(
+            request, Recorder(otel, failures=5)
+        )
+    [span] = [s for s in otel.spans() if s.name == "kv.get"]
+    assert span.status.status_code is StatusCode.ERROR
+    assert span.status.description == info.value.message[:100]
+    assert "{" not in (span.status.description or "")
