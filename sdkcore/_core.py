@@ -56,6 +56,16 @@ _RETRY = Verdict.RETRY
 _TIME_OUT = Verdict.TIME_OUT
 
 
+def _requested(action: Any, hint: float | None) -> dict[str, Any]:
+    """What a capped retry asked for (``retry.scheduled``'s ``requested_delay_ms``): the
+    strategy's delay, or the server's hint when it was longer; None for the controlled
+    backoff. Built only when the event is logged."""
+    seconds = action.seconds if isinstance(action, RetryAction) else None
+    if hint is not None and (seconds is None or hint > seconds):
+        seconds = hint
+    return {"requested_delay_ms": None if seconds is None else round(seconds * 1000.0, 3)}
+
+
 class OrchestratorCore:
     """The orchestrator's settings, backpressure count and per-failure step."""
 
@@ -285,6 +295,7 @@ class OrchestratorCore:
                     ),
                     delay_ms=round(delay * 1000.0, 3),
                     capped=verdict is _TIME_OUT,
+                    **({} if verdict is not _TIME_OUT else _requested(action, hint)),
                 )
             except BaseException:
                 self._leave_backoff(threads)

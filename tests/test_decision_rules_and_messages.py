@@ -30,7 +30,7 @@ from sdkcore import (
 )
 from sdkcore._context import DEFAULT_EFFECT, CancellationReason
 from sdkcore._decision import CONTROLLED_SECONDS, Verdict, decide, spends_budget
-from sdkcore.testing import VirtualClock
+from sdkcore.testing import VirtualClock, capture_retry_events
 
 # -- 1. decide / retry_after with a bad argument ---------------------------------------------
 
@@ -331,3 +331,26 @@ async def test_a_timed_out_request_handed_back_is_canceled_with_timeout() -> Non
         await orch.maybe_retry(request, RetryReason.KV_LOCKED)
     assert info.value.context is not None
     assert info.value.context.cancellation_reason is CancellationReason.TIMEOUT
+
+
+@pytest.mark.anyio
+async def test_a_capped_retry_says_what_was_asked_for() -> None:
+    """A strategy's timedelta(500) (500 days, meant as ms) capped at the deadline: the event
+    said only the capped delay, so the mistake could not be seen."""
+
+    class Days(BestEffortRetryStrategy):
+        def decide(self, request: Request, reason: RetryReason) -> RetryAction:
+            return RetryAction.with_duration(timedelta(500))
+
+    clock = VirtualClock()
+    request = Request(name="kv.get", idempotent=True, timeout=0.2, clock=clock.clock)
+
+    async def send(_: Request) -> str:
+        raise RetryableError(RetryReason.KV_LOCKED)
+
+    with capture_retry_events() as events, pytest.raises(UnambiguousTimeoutException):
+        await RetryOrchestrator(Days(), sleep=clock.sleep).execute(request, send)
+    (scheduled,) = [e for e in events if e["event"] == "retry.scheduled"]
+    assert scheduled["capped"] is True
+    assert scheduled["delay_ms"] == pytest.approx(200.0)
+    assert scheduled["requested_delay_ms"] == 500 * 86400 * 1000.0
