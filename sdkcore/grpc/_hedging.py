@@ -151,17 +151,9 @@ async def intercepted_hedged_unary_unary(
     details = aio.ClientCallDetails(
         details.method, timeout, details.metadata, details.credentials, details.wait_for_ready
     )
-    if core._tel is None:
-        return await hedged_unary_unary(
-            core,
-            plan,
-            continuation,
-            details,
-            message,
-            started=started,
-            deadline_from=deadline_from,
-        )
-    trace = hedge_trace(core, details.method, timeout, started, deadline_from)
+    trace = None
+    if core._tel is not None:
+        trace = hedge_trace(core, details.method, timeout, started, deadline_from)
     try:
         call = await hedged_unary_unary(
             core,
@@ -174,9 +166,11 @@ async def intercepted_hedged_unary_unary(
             trace=trace,
         )
     except BaseException as exc:
-        trace.end(exc)
+        if trace is not None:
+            trace.end(exc)
         raise
-    trace.end(None)
+    if trace is not None:
+        trace.end(None)
     return call
 
 

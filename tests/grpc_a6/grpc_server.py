@@ -30,6 +30,17 @@ TEST_TIMEOUT = 15.0
 HEADERS_FLUSH = 0.05
 
 
+class Passthrough(aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """An application interceptor that hands every attempt on (``calls``: how many)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        self.calls += 1
+        return await continuation(details, request)
+
+
 def server_task(task: asyncio.Task[Any]) -> bool:
     """A task of grpc.aio's server (it ends its RPCs' tasks in its own time): not a leak of
     the client's."""

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc import aio
 from grpc.aio import _call as aio_call
-from grpc_server import TEST_TIMEOUT, Server, abort, wait_until
+from grpc_server import TEST_TIMEOUT, Passthrough, Server, abort, wait_until
 
 from sdkcore.grpc import insecure_channel, previous_rpc_attempts, retry_controller
 
@@ -280,11 +280,6 @@ async def test_a_cancelled_hedged_call_leaves_the_channels_close_set_at_once(
             await call
 
 
-class _Passthrough(aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(details, request)
-
-
 @pytest.mark.parametrize("interceptor", [False, True], ids=["plain", "app_interceptor"])
 async def test_the_awaiting_task_cancelled_as_the_first_attempt_failed_ends_the_call(
     server: Server, interceptor: bool
@@ -304,7 +299,7 @@ async def test_the_awaiting_task_cancelled_as_the_first_attempt_failed_ends_the_
     async with insecure_channel(
         server.target,
         service_config=retry_config(["UNAVAILABLE"]),
-        interceptors=[_Passthrough()] if interceptor else None,
+        interceptors=[Passthrough()] if interceptor else None,
     ) as ch:
         call = ch.unary_unary(method)(b"x")
         task = asyncio.ensure_future(call)

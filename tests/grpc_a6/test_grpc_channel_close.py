@@ -23,6 +23,7 @@ grpc = pytest.importorskip("grpc")
 from grpc import aio  # noqa: E402
 from grpc_server import (  # noqa: E402
     TEST_TIMEOUT,
+    Passthrough,
     ReservedPort,
     Server,
     abort,
@@ -368,11 +369,6 @@ async def test_hedge_zero_failing_during_a_grace_sends_no_other_hedge(
     assert script.count == 1
 
 
-class _Passthrough(aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(details, request)
-
-
 @pytest.mark.parametrize("interceptor", [False, True], ids=["plain", "app_interceptor"])
 async def test_close_starting_as_a_backoff_ends_ends_the_call_cancelled(
     server: Server, interceptor: bool
@@ -400,7 +396,7 @@ async def test_close_starting_as_a_backoff_ends_ends_the_call_cancelled(
             server.target,
             service_config=cfg,
             orchestrator=RetryOrchestrator(sleep=sleep),
-            interceptors=[_Passthrough()] if interceptor else None,
+            interceptors=[Passthrough()] if interceptor else None,
         )
         call = ch.unary_unary(method)(b"x")
         with pytest.raises(asyncio.CancelledError):

@@ -16,7 +16,7 @@ import pytest
 grpc = pytest.importorskip("grpc")
 
 from grpc import aio  # noqa: E402
-from grpc_server import TEST_TIMEOUT, Server, wait_until  # noqa: E402
+from grpc_server import TEST_TIMEOUT, Passthrough, Server, wait_until  # noqa: E402
 from hedge_server import (  # noqa: E402
     ABORTED,
     INVALID_ARGUMENT,
@@ -309,19 +309,10 @@ async def test_failed_hedge_logged_with_status(server: Server) -> None:
     assert PREV == "grpc-previous-rpc-attempts"
 
 
-class _PassThrough(aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
-    def __init__(self) -> None:
-        self.calls = 0
-
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        self.calls += 1
-        return await continuation(details, request)
-
-
 async def test_hedging_through_an_application_interceptor(server: Server) -> None:
     """With an interceptor after sdkcore's, hedges go through it (commit on the response)."""
     script = HedgeScript(server, "M", {0: fail(UNAVAILABLE, 0.02), 1: ok(body=b"from 1")})
-    extra = _PassThrough()
+    extra = Passthrough()
     with anyio.fail_after(TEST_TIMEOUT):
         async with insecure_channel(
             server.target, service_config=hedging_config(delay="1s"), interceptors=[extra]
