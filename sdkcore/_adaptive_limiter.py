@@ -34,7 +34,7 @@ from typing import Any
 
 from . import _log
 from ._breaker import _cut_at_deadline, default_is_failure
-from ._callables import sync_callable
+from ._callables import clock_reading, sync_callable
 from ._context import DEFAULT_EFFECT, AttemptEffect
 from ._errors import RetryableError
 from ._permits import TOKEN, Permits, permits, text
@@ -197,6 +197,8 @@ class AdaptiveConcurrencyLimiter(Permits):
             )
         queue = permits(max_queued, f"{what}(max_queued)", 0)
         sync_callable(clock, f"{what}(clock)", "() -> seconds", optional=True)
+        if clock is not None:
+            clock_reading(clock, f"{what}(clock)")  # a clock that returns no seconds: here
         Permits.__init__(self, initial, queue, text(name, f"{what}(name)"), clock)
         self._min = low
         self._max = high

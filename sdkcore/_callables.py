@@ -17,7 +17,7 @@ from typing import Any
 
 from ._untrusted import show
 
-__all__ = ["is_async", "sync_callable"]
+__all__ = ["clock_reading", "is_async", "sync_callable"]
 
 
 def is_async(value: Any) -> bool:
@@ -48,3 +48,17 @@ def sync_callable(value: object, field: str, shape: str, *, optional: bool = Fal
             f"{field} must be {allowed}, called synchronously; got the coroutine function "
             f"{show(value)}, whose calls would return coroutines nobody awaits"
         )
+
+
+def clock_reading(clock: Any, field: str) -> float:
+    """One reading of ``clock``, taken where it is handed in (``field`` names it): a real
+    number of seconds. A clock that returns anything else (None, a string, a bool) is
+    refused here, naming the field, instead of failing later inside arithmetic with an
+    error that names none of it (``unsupported operand type(s) for *: 'NoneType'``)."""
+    reading = clock()
+    if isinstance(reading, bool) or not isinstance(reading, (int, float)):
+        raise TypeError(
+            f"{field} must return seconds (a real number, monotonic), got {show(reading)} "
+            f"({type(reading).__name__})"
+        )
+    return float(reading)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from itertools import accumulate, islice
 
-from ._callables import sync_callable
+from ._callables import clock_reading, sync_callable
 from ._duration import to_seconds
 from ._untrusted import show
 
@@ -299,7 +299,7 @@ class LatencyQuantile:
         self._delay = math.inf  # seconds; inf: fewer than min_samples latencies
         self._cold = True  # self._delay is math.inf
         self._keep = False  # the delay hedges a tail past a gap whole (see _refresh)
-        self._index = int(clock() * self._per_slice)
+        self._index = int(clock_reading(clock, f"{what}(clock)") * self._per_slice)
         self._slice_end = (self._index + 1) / self._per_slice
 
     # -- configuration -----------------------------------------------------------------

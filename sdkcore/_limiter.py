@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from types import TracebackType
 
-from ._callables import sync_callable
+from ._callables import clock_reading, sync_callable
 from ._permits import TOKEN, Permits, permits, text
 
 __all__ = ["ConcurrencyLimiter", "LimiterGuard"]
@@ -66,6 +66,8 @@ class ConcurrencyLimiter(Permits):
         cap = permits(limit, f"{what}(limit)", 1)
         queue = permits(max_queued, f"{what}(max_queued)", 0)
         sync_callable(clock, f"{what}(clock)", "() -> seconds", optional=True)
+        if clock is not None:
+            clock_reading(clock, f"{what}(clock)")  # a clock that returns no seconds: here
         Permits.__init__(self, cap, queue, text(name, f"{what}(name)"), clock)
         # One guard and one acquirer per limiter, shared by every dispatch: a fixed
         # limit keeps nothing per dispatch (no allocation per call).

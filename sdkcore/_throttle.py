@@ -18,7 +18,7 @@ from datetime import timedelta
 from types import TracebackType
 
 from . import _log
-from ._callables import sync_callable
+from ._callables import clock_reading, sync_callable
 from ._context import DEFAULT_EFFECT, AttemptEffect
 from ._duration import to_seconds
 from ._errors import (
@@ -254,7 +254,7 @@ class AdaptiveThrottle:
         self._excess = 0.0
         # excess <= 0 and no episode of refusals to end: admit()'s fast path reads only this
         self._quiet = True
-        self._index = int(clock() * self._per_slice)
+        self._index = int(clock_reading(clock, f"{what}(clock)") * self._per_slice)
         self._slice_end = (self._index + 1) / self._per_slice
         # Successes in the current slice are counted by an itertools.count (atomic in
         # CPython: no lock); the lock holder adds them in (see _catch_up).

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import warnings
 from collections.abc import Callable, Coroutine
 from datetime import timedelta
@@ -742,3 +743,25 @@ def test_bug_grpc_helpers() -> None:
 
 
 # Real credentials build a TLS channel that works: tests/grpc_a6/test_grpc_tls.py.
+
+
+@pytest.mark.parametrize("reading", [None, "12.5", True])
+@pytest.mark.parametrize(
+    ("what", "make"),
+    [
+        ("ConcurrencyLimiter(clock)", lambda clock: sdkcore.ConcurrencyLimiter(2, clock=clock)),
+        (
+            "AdaptiveConcurrencyLimiter(clock)",
+            lambda clock: sdkcore.AdaptiveConcurrencyLimiter(clock=clock),
+        ),
+        ("AdaptiveThrottle(clock)", lambda clock: sdkcore.AdaptiveThrottle(clock=clock)),
+        ("LatencyQuantile(clock)", lambda clock: sdkcore.LatencyQuantile(clock=clock)),
+    ],
+)
+def test_a_clock_that_returns_no_seconds_is_refused_where_it_is_given(
+    what: str, make: Any, reading: object
+) -> None:
+    """It failed later, inside arithmetic (``unsupported operand type(s) for *:
+    'NoneType' and 'float'``), naming neither the clock nor its owner."""
+    with pytest.raises(TypeError, match=re.escape(what) + r" must return seconds"):
+        make(lambda: reading)
