@@ -434,6 +434,7 @@ def test_a_clock_that_raises_never_leaks_a_permit() -> None:
         return float(calls[0])
 
     limiter = AdaptiveConcurrencyLimiter(1, 1, 1, clock=clock)
+    calls[0] = 0  # (the constructor read it once, checking it returns seconds)
     fail_on[0] = 1  # on enter: refused before any permit is taken
     with pytest.raises(RuntimeError), limiter.guard():
         pass
