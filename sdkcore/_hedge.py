@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import _failing, _log, _runtime
@@ -355,29 +355,28 @@ class _Chain:
         return True
 
     def _answer(self, reason: RetryReason) -> object:
-        """The strategy's answer for ``reason``, if it can be had without waiting: its
-        synchronous ``decide`` (:func:`sync_decide`), else its ``retry_after``'s answer
-        (a plain method's, or a coroutine's that returns without suspending, as the
-        README's ``async def retry_after`` refinements do when they only read the
-        request). A coroutine that suspends (it waits for I/O) is closed and
-        :data:`_UNASKED` returned: the chain decides in the failed copy's turn and never waits
-        (rfc/0004, "The strategy")."""
+        """The strategy's answer for ``reason``, when it can be had without waiting (the
+        chain decides in the failed copy's turn and never waits; rfc/0004, "The
+        strategy"): its synchronous ``decide`` when its ``retry_after`` is a built-in's
+        (:func:`sync_decide`); else its ``retry_after``'s answer when that is a plain
+        method's. A ``retry_after`` that returns an awaitable (an ``async def``) is not
+        run: its coroutine is closed before its first step, so none of its code runs, and
+        the strategy's synchronous ``decide``, if it has one (every built-in's subclass),
+        answers instead; without one, :data:`_UNASKED`."""
         decide = self.decide
         if decide is not None:
             return decide(self.request, reason)
-        answer = self.strategy.retry_after(self.request, reason)  # type: ignore[attr-defined]
-        if type(answer) is RetryAction:
-            return answer
-        if isinstance(answer, Coroutine):
-            try:
-                answer.send(None)
-            except StopIteration as done:  # it returned without suspending
-                return done.value
-            answer.close()
-            return _UNASKED
-        if hasattr(answer, "__await__"):  # another awaitable: it cannot be driven here
-            return _UNASKED
-        return answer  # not a RetryAction: the strategy's error (see _allows)
+        strategy: Any = self.strategy
+        answer = strategy.retry_after(self.request, reason)
+        if type(answer) is RetryAction or not hasattr(answer, "__await__"):
+            return answer  # (not a RetryAction: the strategy's error, see _allows)
+        close = getattr(answer, "close", None)
+        if close is not None:
+            close()  # never started: no code of it ran, no warning that it was not awaited
+        fallback = getattr(strategy, "decide", None)
+        if callable(fallback):
+            return fallback(self.request, reason)
+        return _UNASKED
 
     def _elapsed(self, attempt: _Attempt) -> float:
         """Seconds since ``attempt`` was sent (hedge 0 handed over: since its own send)."""

@@ -60,10 +60,14 @@ class BestEffortRetryStrategy:
     __slots__ = ("_backoff", "_memo")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """A subclass that refines under a name sdkcore never calls is told at once."""
+        """A subclass that refines under a name sdkcore never calls is told at once (one
+        that also defines ``decide`` or ``retry_after`` may call it from there: no word)."""
         super().__init_subclass__(**kwargs)
+        own = cls.__dict__
+        if "decide" in own or "retry_after" in own:
+            return
         for name in _NOT_CALLED:
-            if name in cls.__dict__:
+            if name in own:
                 warnings.warn(
                     f"{cls.__name__}.{name}() is never called by sdkcore: override "
                     "decide(request, reason) (synchronous, every door) or retry_after("

@@ -676,3 +676,21 @@ async def test_a_refusals_exception_factory_keeps_the_cause_and_names_its_own_fa
     else:
         assert "Refuses.decide" in str(info.value)
         assert info.value.__cause__ is not None
+
+
+def test_a_helper_called_from_decide_is_not_warned() -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+
+        class Helper(BestEffortRetryStrategy):
+            def should_retry(self, request: Request, reason: RetryReason) -> bool:
+                return reason is not RetryReason.KV_LOCKED
+
+            def decide(self, request: Request, reason: RetryReason) -> RetryAction:
+                if not self.should_retry(request, reason):
+                    return RetryAction.no_retry()
+                return super().decide(request, reason)
+
+    assert Helper().decide  # made without a warning
