@@ -139,8 +139,9 @@ async def execute(
         )
     if request.state is not _PENDING:
         raise _failing.already_completed(request, None)
-    if request._in_flight or request._history:  # another call is sending it
+    if request._being_sent():  # another call is sending it
         raise _failing.in_use(request, "execute(request, send)")
+    request._sending = True
     deadline = request.deadline
     rt: Any = None  # the runtime layer, looked up when the call first waits
     scope = previous = token = None
@@ -262,6 +263,7 @@ async def execute(
             trace.end(request, None)
         return result
     finally:
+        request._sending = False
         if token is not None:
             Request._dispatched_done(token)
 

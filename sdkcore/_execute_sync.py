@@ -70,9 +70,8 @@ def execute_sync(
         sleep = _virtual_sleep(self, request)
     if request.state is not _PENDING:
         raise _failing.already_completed(request, None)
-    if request._in_flight or request._history:  # another call is sending it
+    if not request._claim_on_threads():  # another call is sending it
         raise _failing.in_use(request, "execute_sync(request, send)")
-    request._on_threads()  # Request.cancel() may come from another thread
     trace = None
     telemetry = self._telemetry
     if telemetry is not None and request._trace is None:
@@ -99,6 +98,7 @@ def execute_sync(
             trace.end(request, exc)
         raise
     finally:
+        request._sending = False
         Request._dispatched_done(token)
     if trace is not None:
         trace.end(request, None)

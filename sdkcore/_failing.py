@@ -172,19 +172,21 @@ def in_use(request: Request, door: str) -> RuntimeError:
     )
 
 
-def finish_by(request: Request, exc: BaseException) -> None:
+def finish_by(request: Request, exc: BaseException, cut: bool | None = None) -> None:
     """``request`` ends with ``exc``, what its caller gets: FAILED for an error. The
     caller's own cancellation (its task's, a cancel scope's; a KeyboardInterrupt) ends it
     CANCELLED (TASK_CANCELLED): an attempt it cut in flight is booked maybe applied, as
     ``Request.cancel()`` books one, and ``retry.cancelled`` is logged (info when a request
     that is not idempotent may have been applied). Nothing happens to a request that has
-    already ended (a timeout, ``Request.cancel()``)."""
+    already ended (a timeout, ``Request.cancel()``). ``cut``: a door that booked what it
+    cut itself (a hedge's copies) says whether it cut any in flight."""
     if isinstance(exc, Exception) or request.state is not RequestState.PENDING:
         request._finish_by(exc)
         return
-    cut = request.in_flight
-    if cut:
-        request._attempt_failed(None, _MAYBE, None, request.clock())
+    if cut is None:
+        cut = request.in_flight
+        if cut:
+            request._attempt_failed(None, _MAYBE, None, request.clock())
     request._finish_by(exc)
     if request.cancellation_reason is CancellationReason.TASK_CANCELLED:
         _log_cancelled(request, request.last_reason, cut, CancellationReason.TASK_CANCELLED)

@@ -662,7 +662,7 @@ def check_hedge(request: Any, send: Any, policy: Any, throttler: Any) -> None:
         )
     if request.state is not RequestState.PENDING:
         raise _failing.already_completed(request, None)
-    if request._in_flight or request._history:  # another call is sending it
+    if request._being_sent():  # another call is sending it
         raise _failing.in_use(request, "hedge(request, send, policy)")
     if not request.idempotent:
         raise InvalidArgumentException(
@@ -714,13 +714,17 @@ async def run_hedged(
         chain.first_elapsed = first_elapsed
     runner = rt.Hedges(chain, chain.origin + left)
     previous = request._set_cancel_hook(runner)  # Request.cancel() cuts whatever is in flight
+    request._sending = True  # another door's call on it is refused meanwhile (in_use)
     try:
         try:
             await runner.run()
         finally:
             request._set_cancel_hook(previous)
+            request._sending = False
     except BaseException as exc:
-        _failing.finish_by(request, exc)
+        # the copies it cut are booked (the chain): say whether any was in flight
+        copies_cut = any(a.outcome == _CANCELLED for a in chain.attempts)
+        _failing.finish_by(request, exc, cut=copies_cut)
         raise
 
     if chain.winner is not None:

@@ -59,6 +59,7 @@ class RetryState:
         "_maybe_applied",
         "_reasons",
         "_retries",
+        "_sending",
         "_sent",
         "_sent_at",
         "_state",
@@ -80,6 +81,7 @@ class RetryState:
         self._sent_at = -1.0  # clock time the attempt in flight was sent (-1: none)
         self._dispatched = False  # a door has counted its first attempt
         self._threaded = False  # run by execute_sync: its endings hold _ENDING
+        self._sending = False  # a door is sending it (execute, execute_sync, hedge)
 
     # -- read-only retry state -------------------------------------------------
     @property
@@ -313,6 +315,27 @@ class RetryState:
         if self._cancellation is not CancellationReason.CANCELLED_VIA_CONTEXT:
             self._state = RequestState.CANCELLED
             self._cancellation = CancellationReason.TIMEOUT
+
+    def _being_sent(self) -> bool:
+        """Whether a door is sending this request now: ``execute``, ``execute_sync`` or
+        ``hedge`` running it (``_sending``), or a hand-wired loop with an attempt in flight
+        or behind it. A request is one operation: a second door would send it again."""
+        return self._sending or self._in_flight or bool(self._history)
+
+    def _claim_on_threads(self) -> bool:
+        """``execute_sync``'s start: mark the request as being sent and run on threads
+        (``Request.cancel()`` may come from another one), unless a door is sending it
+        already (False). Under ``_ENDING``: two threads handed one request cannot both
+        take it."""
+        _ENDING.acquire()
+        try:
+            if self._being_sent():
+                return False
+            self._sending = True
+            self._on_threads()
+            return True
+        finally:
+            _ENDING.release()
 
     def _on_threads(self) -> None:
         """``execute_sync`` runs the request: ``Request.cancel()`` may come from another

@@ -14,6 +14,7 @@ from sdkcore import (
     AttemptEffect,
     BestEffortRetryStrategy,
     CancellationReason,
+    HedgePolicy,
     Request,
     RequestCanceledException,
     RetryableError,
@@ -248,3 +249,20 @@ async def test_a_cancel_during_a_declining_strategy_is_reported_as_the_cancel(do
     names = [e["event"] for e in events]
     assert "retry.cancelled" in names
     assert "retry.not_retried" not in names
+
+
+async def test_the_callers_cancellation_of_a_hedge_says_its_copies_were_in_flight() -> None:
+    """The chain books the copies it cut; the event said in_flight=False all the same."""
+    request = Request(name="kv.get", idempotent=True, timeout=5.0)
+
+    async def send(_: Request, index: int) -> None:
+        await anyio.sleep_forever()
+
+    with anyio.fail_after(SAFETY), capture_retry_events() as events:
+        with anyio.move_on_after(0.05) as scope:
+            await RetryOrchestrator().hedge(request, send, HedgePolicy(2, delay=0.01))
+        assert scope.cancelled_caught
+    (event,) = [e for e in events if e["event"] == "retry.cancelled"]
+    assert event["cancellation_reason"] == "TASK_CANCELLED"
+    assert event["in_flight"] is True
+    assert request.maybe_applied

@@ -219,17 +219,20 @@ async def test_an_expired_request_pays_nothing_into_the_retry_budget(door: str) 
     assert budget.deposits == 0
 
 
-async def test_a_request_already_being_sent_is_refused_by_every_door() -> None:
+@pytest.mark.parametrize("first", ["execute", "hedge"])
+async def test_a_request_already_being_sent_is_refused_by_every_door(first: str) -> None:
     """One Request handed to two calls at once: the second is refused before it sends
     anything (both sent a write of the same request, and the loser was told it was
-    cancelled with nothing about its own attempt). The first call and the request go on."""
+    cancelled with nothing about its own attempt). The first call and the request go on.
+    A hedge's copies in flight mark the request neither in flight nor with a history:
+    the door's own mark does."""
     import anyio
 
     entered = anyio.Event()
     release = anyio.Event()
     writes: list[str] = []
 
-    async def first_send(request: Request) -> str:
+    async def first_send(request: Request, index: int = 0) -> str:
         writes.append("first")
         entered.set()
         await release.wait()
@@ -244,7 +247,11 @@ async def test_a_request_already_being_sent_is_refused_by_every_door() -> None:
     results: list[str] = []
 
     async def run_first() -> None:
-        results.append(await orchestrator.execute(request, first_send))
+        if first == "execute":
+            results.append(await orchestrator.execute(request, first_send))
+        else:
+            policy = HedgePolicy(1, delay=1.0)
+            results.append(await orchestrator.hedge(request, first_send, policy))
 
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
