@@ -43,6 +43,12 @@ T = TypeVar("T")
 #: Which telemetry each watched target reports to (the last to watch it).
 _WATCHED_BY: weakref.WeakKeyDictionary[Any, Telemetry] = weakref.WeakKeyDictionary()
 
+
+def watched_by(target: Any) -> Telemetry | None:
+    """The Telemetry that watches ``target`` now, if any (:meth:`Telemetry.watch`)."""
+    return _WATCHED_BY.get(target)
+
+
 #: ``Telemetry.begin(span=...)`` not given: the trace starts the request's span itself.
 _OWN_SPAN: Any = object()
 

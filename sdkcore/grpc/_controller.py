@@ -15,7 +15,7 @@ from typing import Any
 from .._callables import sync_callable
 from .._latency import LatencyQuantile
 from .._orchestrator import RetryOrchestrator
-from .._telemetry import Telemetry
+from .._telemetry import Telemetry, watched_by
 from .._untrusted import show as _show
 from ._gate import Gate
 from ._metadata import (
@@ -176,9 +176,9 @@ class _Controller:
         self.message_size = message_size or default_message_size
         self._buffered = 0
         self._buffer_lock = threading.Lock()
-        if telemetry is not None:  # the channel's limiter and throttle report through it
-            for shedder in (limiter, throttle):
-                if shedder is not None:
+        if telemetry is not None:  # the channel's limiter and throttle report through it,
+            for shedder in (limiter, throttle):  # unless the application watches them elsewhere
+                if shedder is not None and watched_by(shedder) is None:
                     telemetry.watch(shedder)
         throttling = None if service_config is None else service_config.retry_throttling
         self.throttler: RetryThrottler | None = None

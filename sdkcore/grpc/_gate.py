@@ -75,12 +75,14 @@ def _ended(call: Any) -> BaseException | None:
 
     Two statuses are not answers (rfc/0009, "On gRPC channels"): DEADLINE_EXCEEDED is
     a timeout (the attempt's deadline cutting it, or the server's own), a drop for the
-    adaptive limiter; UNAVAILABLE with
-    nothing received (no headers, no trailers) while the channel has no connection
-    (not READY) is a connection that could not be made or was lost, which says nothing
-    about latency (the facts ``_call.py`` books such an attempt "never left" on; a
-    server's UNAVAILABLE comes over a ready connection). Every other status is the
-    endpoint's answer: its round trip is a sample.
+    adaptive limiter; UNAVAILABLE with nothing received (no initial metadata, no
+    trailing metadata) while the channel is not READY now says nothing about latency (a
+    connection that could not be made or was lost). That is a looser test than the one
+    ``_call.py`` books an attempt "never left" on (there the channel must also have been
+    not READY when the attempt started, and be failing to connect now): a server's
+    UNAVAILABLE followed at once by the channel going idle (a GOAWAY) is no sample
+    either, which costs the limiter one sample. Every other status is the endpoint's
+    answer: its round trip is a sample.
     """
     cython = getattr(call, "_cython_call", None)
     if cython is None:

@@ -451,9 +451,8 @@ async def hedged_unary_unary(
                 raise asyncio.CancelledError() from None
             raise
     except aio.AioRpcError as err:  # a fatal status: its own hedge's index, not that of
-        sent = request.retry_attempts + 1  # a failure read after it; hedges count as retries
-        final = _error(err, last[1] if last[1] >= 0 else last[0], sent)  # (RFC 0049)
-        if sent == 1:
+        final = _error(err, last[1] if last[1] >= 0 else last[0], flight[0])  # a failure after
+        if request.retry_attempts == 0:
             raise final from None  # the first hedge's answer: grpc's error, as without hedging
         raise _copy(final) from _fatal_context(request, err)
     except _ChannelClosed:
@@ -474,7 +473,7 @@ async def hedged_unary_unary(
             aio.Metadata(),
             _with_attempts(aio.Metadata(), previous) if previous else aio.Metadata(),
             "Deadline Exceeded",
-            _note(previous + 1) + why,
+            _note(flight[0]) + why,
         ) from exc
     except RequestCanceledException as exc:
         cause = exc.__cause__

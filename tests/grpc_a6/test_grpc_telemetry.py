@@ -836,3 +836,23 @@ async def test_a_channels_limiter_and_throttle_report_through_its_telemetry(
     assert endpoints["sdkcore.concurrency_limiter.limit"] == {"svc-limit"}
     assert endpoints["sdkcore.concurrency_limiter.rejections"] == {"svc-limit"}
     assert endpoints["sdkcore.throttle.rejection_probability"] == {"svc-throttle"}
+
+
+async def test_a_limiter_the_application_watches_elsewhere_stays_there(
+    server: Server, otel: Otel
+) -> None:
+    """A channel with its own Telemetry does not take over a limiter the application's
+    telemetry already watches (a target reports to one Telemetry)."""
+    from sdkcore._telemetry import watched_by
+
+    apps = Otel()
+    try:
+        limiter = apps.telemetry.watch(sdkcore.ConcurrencyLimiter(4, name="shared"))
+        with anyio.fail_after(TEST_TIMEOUT):
+            async with insecure_channel(
+                server.target, limiter=limiter, telemetry=otel.telemetry
+            ) as ch:
+                assert ch is not None
+        assert watched_by(limiter) is apps.telemetry
+    finally:
+        apps.shutdown()
