@@ -143,7 +143,6 @@ async def execute(
     # was most of the check's cost on a successful call; bench/README, sixth session).
     if request._sending or request._in_flight or request._history:
         raise _failing.in_use(request, "execute(request, send)")
-    request._sending = True
     deadline = request.deadline
     rt: Any = None  # the runtime layer, looked up when the call first waits
     scope = previous = token = None
@@ -156,6 +155,7 @@ async def execute(
         trace = self._telemetry._request_trace(self._telemetry, request)
     strategy = decides = debug = None  # resolved at the call's first failure
     try:
+        request._sending = True  # cleared in the finally below
         if deadline != _INF and deadline - request._clock() <= 0.0:  # expired: nothing is sent
             raise _failing.timed_out(
                 request,
