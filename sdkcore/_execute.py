@@ -504,6 +504,8 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
     _check_request(request, "attempt(request)")
     if request.state is not _PENDING:
         raise _completed(request, request.last_reason)
+    if request._sending:  # execute, execute_sync or hedge is sending it
+        raise _failing.in_use(request, "attempt(request)")
     now = request.clock()
     left = request.deadline - now
     if left <= 0.0:  # expired before the attempt: nothing is sent

@@ -72,12 +72,12 @@ def execute_sync(
         raise _failing.already_completed(request, None)
     if not request._claim_on_threads():  # another call is sending it
         raise _failing.in_use(request, "execute_sync(request, send)")
-    trace = None
-    telemetry = self._telemetry
-    if telemetry is not None and request._trace is None:
-        trace = telemetry._request_trace(telemetry, request)
-    token = request._dispatching()  # requests made inside send keep within this deadline
+    trace = token = None
     try:
+        telemetry = self._telemetry
+        if telemetry is not None and request._trace is None:
+            trace = telemetry._request_trace(telemetry, request)
+        token = request._dispatching()  # requests made inside send keep within this deadline
         if request.clock() < request.deadline:  # expired: nothing is sent, nor paid (_loop)
             self._deposit(request)  # a budget that raises fails the request: recorded below
         result = _loop(self, request, send, sleep, trace)
@@ -99,7 +99,8 @@ def execute_sync(
         raise
     finally:
         request._sending = False
-        Request._dispatched_done(token)
+        if token is not None:
+            Request._dispatched_done(token)
     if trace is not None:
         trace.end(request, None)
     return result
@@ -186,7 +187,11 @@ def _loop(
                     error=exc,
                 ) from exc
             if request.state is not _PENDING:  # Request.cancel() from another thread
-                raise _failing.already_completed(request, request.last_reason) from exc
+                # while the attempt was in flight: its answer (an error) came after the
+                # cancel and is dropped; the attempt is booked maybe applied (as execute)
+                raise _failing.already_completed(
+                    request, request.last_reason, answered=True
+                ) from exc
             request._attempt_failed(None, _MAYBE, exc, now)
             request._finish_by(exc)
             raise

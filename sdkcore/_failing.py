@@ -166,9 +166,14 @@ def in_use(request: Request, door: str) -> RuntimeError:
     """The refusal of a door handed a request another call is already sending: a request
     is one operation, and two loops over it would send it twice (a write too)."""
     attempts = request.failed_attempts + (1 if request.in_flight else 0)
+    by = (
+        "another call"
+        if request._sending
+        else "a hand-wired loop (attempt(), maybe_retry()), which sent it already"
+    )
     return RuntimeError(
-        f"{door}: request {request.id} ({request.name!r}) is already being sent by another "
-        f"call ({attempts} attempt(s) so far); build one Request per operation"
+        f"{door}: request {request.id} ({request.name!r}) is already being sent by {by} "
+        f"({attempts} attempt(s) so far); one door sends a Request: build one per operation"
     )
 
 
@@ -180,7 +185,18 @@ def finish_by(request: Request, exc: BaseException, cut: bool | None = None) -> 
     that is not idempotent may have been applied). Nothing happens to a request that has
     already ended (a timeout, ``Request.cancel()``). ``cut``: a door that booked what it
     cut itself (a hedge's copies) says whether it cut any in flight."""
-    if isinstance(exc, Exception) or request.state is not RequestState.PENDING:
+    if request.state is not RequestState.PENDING:
+        if (
+            not isinstance(exc, Exception)
+            and cut is None
+            and request.in_flight
+            and request.cancellation_reason is CancellationReason.CANCELLED_VIA_CONTEXT
+        ):
+            # Request.cancel() from another thread, then the caller's own interrupt while
+            # the attempt was still in flight: it is booked maybe applied, as the cancel's.
+            already_completed(request, request.last_reason, cut=True)
+        return
+    if isinstance(exc, Exception):
         request._finish_by(exc)
         return
     if cut is None:

@@ -73,7 +73,8 @@ _IN_FLIGHT = "in_flight"
 _WON = "won"
 _FAILED = "failed"
 _FATAL = "fatal"
-_CANCELLED = "cancelled"
+_CANCELLED = "cancelled"  # cut in flight: booked maybe applied
+_NOT_SENT = "not_sent"  # cut before anything was sent (its task not begun, a limiter's queue)
 _DROPPED = "dropped"
 
 
@@ -305,7 +306,7 @@ class _Chain:
                 # superseded: as Finagle, but known only to be longer (a first copy cut at
                 # delay + the hedge's latency is not placed there: LatencyQuantile.record)
                 latency.record(self._elapsed(attempt), cut=True)
-            attempt.outcome = _CANCELLED
+            attempt.outcome = _NOT_SENT if unsent else _CANCELLED
             effect = AttemptEffect.NOT_SENT if unsent else AttemptEffect.MAYBE_APPLIED
             self._book(attempt, None, effect, None)
             self._log_cancelled(attempt)
@@ -364,19 +365,18 @@ class _Chain:
         the strategy's synchronous ``decide``, if it has one (every built-in's subclass),
         answers instead; without one, :data:`_UNASKED`."""
         decide = self.decide
-        if decide is not None:
-            return decide(self.request, reason)
-        strategy: Any = self.strategy
-        answer = strategy.retry_after(self.request, reason)
-        if type(answer) is RetryAction or not hasattr(answer, "__await__"):
-            return answer  # (not a RetryAction: the strategy's error, see _allows)
-        close = getattr(answer, "close", None)
-        if close is not None:
-            close()  # never started: no code of it ran, no warning that it was not awaited
-        fallback = getattr(strategy, "decide", None)
-        if callable(fallback):
-            return fallback(self.request, reason)
-        return _UNASKED
+        if decide is None:
+            strategy: Any = self.strategy
+            answer = strategy.retry_after(self.request, reason)
+            if type(answer) is RetryAction or not _unrun(answer):
+                return answer  # (not a RetryAction: the strategy's error, see _allows)
+            decide = getattr(strategy, "decide", None)
+            if not callable(decide):
+                return _UNASKED
+        answer = decide(self.request, reason)
+        if type(answer) is not RetryAction and _unrun(answer):  # an async decide
+            return _UNASKED
+        return answer
 
     def _elapsed(self, attempt: _Attempt) -> float:
         """Seconds since ``attempt`` was sent (hedge 0 handed over: since its own send)."""
@@ -411,7 +411,7 @@ class _Chain:
         never called, so it is booked as not sent."""
         if attempt.outcome is _IN_FLIGHT:
             self.outstanding -= 1
-            attempt.outcome = _CANCELLED
+            attempt.outcome = _NOT_SENT
             self._book(attempt, None, AttemptEffect.NOT_SENT, None)
             self._log_cancelled(attempt)
 
@@ -580,6 +580,18 @@ _NOT_HEDGED = {
         "the retry budget refused more hedges and the sent ones failed",
     ),
 }
+
+
+def _unrun(answer: object) -> bool:
+    """Whether a strategy's ``answer`` is an awaitable (an ``async def``'s coroutine),
+    which the chain cannot wait for: closed before its first step (no code of it runs,
+    no warning that it was never awaited) and True."""
+    if not hasattr(answer, "__await__"):
+        return False
+    close = getattr(answer, "close", None)
+    if close is not None:
+        close()
+    return True
 
 
 def _text(error: BaseException) -> str:

@@ -266,3 +266,32 @@ async def test_the_callers_cancellation_of_a_hedge_says_its_copies_were_in_fligh
     assert event["cancellation_reason"] == "TASK_CANCELLED"
     assert event["in_flight"] is True
     assert request.maybe_applied
+
+
+def test_execute_sync_cancelled_while_send_blocks_books_its_answer_dropped() -> None:
+    """The answer (an error) came after Request.cancel() from another thread: the message
+    said "not applied" and the attempt was not booked, though the write was in flight."""
+    import threading
+
+    request = Request(name="kv.replace", idempotent=False, timeout=5.0)
+    started, cancelled = threading.Event(), threading.Event()
+
+    def canceller() -> None:
+        started.wait(5)
+        request.cancel()
+        cancelled.set()
+
+    def send(_: Request) -> None:
+        started.set()
+        cancelled.wait(5)
+        raise ValueError("the server said no")
+
+    thread = threading.Thread(target=canceller)
+    thread.start()
+    try:
+        with pytest.raises(RequestCanceledException, match="answered; its answer was dropped"):
+            RetryOrchestrator().execute_sync(request, send)
+    finally:
+        thread.join(5)
+    assert request.maybe_applied
+    assert [a.effect for a in request.error_context().attempts] == [AttemptEffect.MAYBE_APPLIED]

@@ -246,6 +246,10 @@ async def test_a_request_already_being_sent_is_refused_by_every_door(first: str)
     request = Request(name="kv.replace", idempotent=True, timeout=5.0)
     results: list[str] = []
 
+    async def hand_wired() -> None:
+        with orchestrator.attempt(request):
+            await second_send(request)
+
     async def run_first() -> None:
         if first == "execute":
             results.append(await orchestrator.execute(request, first_send))
@@ -263,6 +267,8 @@ async def test_a_request_already_being_sent_is_refused_by_every_door(first: str)
                 await orchestrator.hedge(request, second_send, HedgePolicy(2, delay=0.01))
             with pytest.raises(RuntimeError, match=r"already being sent by another call"):
                 orchestrator.execute_sync(request, lambda r: writes.append("sync") or "x")
+            with pytest.raises(RuntimeError, match=r"already being sent by another call"):
+                await hand_wired()
             assert request.state is RequestState.PENDING  # left as it was
             release.set()
     assert writes == ["first"]

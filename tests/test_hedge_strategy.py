@@ -255,3 +255,22 @@ async def test_a_retry_after_answering_nonsense_ends_the_hedges_with_a_type_erro
     assert [e["event"] for e in events if e["event"] == "retry.strategy_failed"] == [
         "retry.strategy_failed"
     ]
+
+
+async def test_an_async_decide_is_not_left_unawaited_by_hedge() -> None:
+    """A subclass with an ``async def decide`` (execute awaits it): hedge cannot, and raised
+    a TypeError naming retry_after, with a coroutine never awaited."""
+    import gc
+    import warnings
+
+    class AsyncDecide(BestEffortRetryStrategy):
+        async def decide(self, request: Request, reason: RetryReason) -> RetryAction:  # type: ignore[override]
+            return RetryAction.no_retry()
+
+    send = Sends({0: RetryableError(RetryReason.KV_TEMPORARY_FAILURE), 1: RuntimeError("end")})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with anyio.fail_after(SAFETY), pytest.raises(RuntimeError, match="end"):
+            await RetryOrchestrator().hedge(req(AsyncDecide()), send, HedgePolicy(3, delay=1.0))
+        gc.collect()
+    assert send.sent == [0, 1]  # not asked: the policy decided

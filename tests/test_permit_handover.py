@@ -165,3 +165,46 @@ async def test_hedge_copies_queued_behind_the_winner_are_never_sent(
     effects = [a.effect for a in request.error_context().attempts]
     assert effects.count(AttemptEffect.NOT_SENT) == 2
     assert budget.refunds == 2
+
+
+async def test_a_cancelled_hedge_whose_only_cut_copy_waited_in_the_queue_says_none_in_flight(
+    make: Callable[[], Limiter],
+) -> None:
+    """The copies cut in a limiter's queue were counted as cut in flight
+    (``retry.cancelled`` in_flight=True with nothing sent)."""
+    from sdkcore.testing import capture_retry_events
+
+    limiter = make()
+    held = anyio.Event()
+    release = anyio.Event()
+
+    async def holder() -> None:
+        async with limiter.acquire():
+            held.set()
+            await release.wait()
+
+    async def send(request: Request, index: int) -> bytes:
+        async with limiter.acquire():
+            return b"never"
+
+    request = Request(name="kv.get", idempotent=True, timeout=5.0)
+    # (a cancel scope without a deadline: with one, the queue would end just before it,
+    # a refusal, as it ends before the request's own)
+    scope = anyio.CancelScope()
+
+    async def cancel_soon() -> None:
+        await anyio.sleep(0.05)
+        scope.cancel()
+
+    with capture_retry_events() as events:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(holder)
+            await held.wait()
+            tg.start_soon(cancel_soon)
+            with scope:
+                await RetryOrchestrator().hedge(request, send, HedgePolicy(1, delay=1.0))
+            release.set()
+    assert scope.cancelled_caught
+    (event,) = [e for e in events if e["event"] == "retry.cancelled"]
+    assert event["in_flight"] is False
+    assert not request.maybe_applied
