@@ -798,8 +798,10 @@ async def test_many_concurrent_chains_with_mixed_outcomes_leave_nothing_behind()
     scripts: list[Script] = []
     requests: list[Request] = []
     ended: list[str] = []
+    began: list[float] = []
 
     async def one(i: int) -> None:
+        began.append(anyio.current_time())
         plan = {
             k: (None if rng.random() < 0.2 else rng.uniform(0.0, 0.03), rng.choice(outcomes))
             for k in range(4)
@@ -826,12 +828,17 @@ async def test_many_concurrent_chains_with_mixed_outcomes_leave_nothing_behind()
             request.cancel()
 
     with anyio.fail_after(SAFETY):
+        start = anyio.current_time()
         async with anyio.create_task_group() as tg:
             for i in range(120):
                 tg.start_soon(one, i)
             tg.start_soon(cancel_some)
     assert len(ended) == 120
-    assert len(set(ended)) >= 3  # the mix reached several endings (five are possible)
+    # The mix reached several endings (five are possible), unless the loop itself stalled
+    # before the chains began (a full suite's collection on Python 3.10 once held it past
+    # every caller's limit: all 120 ended "caller cancelled"). The checks below hold anyway.
+    if max(began) - start < 0.01:
+        assert len(set(ended)) >= 3, ended
     assert live_tasks() == before
     for send, request in zip(scripts, requests, strict=True):
         send.assert_nothing_left()  # every send that started saw its end
