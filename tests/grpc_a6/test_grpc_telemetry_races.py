@@ -25,6 +25,7 @@ pytest.importorskip("opentelemetry.sdk")
 from grpc import aio  # noqa: E402
 from grpc_server import (  # noqa: E402
     TEST_TIMEOUT,
+    Passthrough,
     Server,
     abort,
     cancel_while_waiting_to_retry,
@@ -443,17 +444,6 @@ async def test_a_hedge_that_lost_to_a_copy_committed_in_the_same_turn_is_not_the
 # -- found with 200 seeds (seed 109): a first attempt refused inside the interceptors --------
 
 
-class _PassOn(aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
-    """An application interceptor that hands every attempt on (``ran``: it did)."""
-
-    def __init__(self) -> None:
-        self.ran = 0
-
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        self.ran += 1
-        return await continuation(details, request)
-
-
 @pytest.mark.parametrize("telemetry", [True, False])
 @pytest.mark.parametrize("reader", ["code", "await"])
 async def test_a_first_attempt_refused_inside_the_interceptors_ends_its_spans(
@@ -468,7 +458,7 @@ async def test_a_first_attempt_refused_inside_the_interceptors_ends_its_spans(
     method = server.unary_unary("M", ok_handler)
     spans = OpenSpans()
     otel.tracers.add_span_processor(spans)
-    passing = _PassOn()
+    passing = Passthrough()
     config = '{"methodConfig": [{"name": [{"service": "test.Svc"}], "timeout": "5s"}]}'
     loop = asyncio.get_running_loop()
     reported: list[str] = []
@@ -485,7 +475,7 @@ async def test_a_first_attempt_refused_inside_the_interceptors_ends_its_spans(
             await ch.close(0.03)  # before the interceptor's task first ran: refused in the grace
             with pytest.raises(aio.UsageError):
                 await (call.code() if reader == "code" else call)
-            assert passing.ran == 1
+            assert passing.calls == 1
             await wait_until(lambda: not spans.open)
             del call
             gc.collect()  # an unretrieved task error is reported when the task is freed
