@@ -191,9 +191,7 @@ class OrchestratorCore:
         ``retry_after``); and the log gate (:func:`sdkcore._log.gate`): ``at(level)``
         gives the logger or None, per retry.
         """
-        strategy: Any = request.retry_strategy
-        if strategy is None:  # (not ``or``: a strategy may be falsy, e.g. an empty table)
-            strategy = self._default
+        strategy = _failing.strategy_for(request, self._default)
         return strategy, sync_decide(strategy), _log.gate()
 
     def _ask(self, request: Request, reason: RetryReason, strategy: Any, decides: Any) -> Any:

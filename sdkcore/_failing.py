@@ -69,12 +69,17 @@ def asked(strategy: object) -> str:
     return "retry_after" if sync_decide(strategy) is None else "decide"
 
 
+def strategy_for(request: Request, default: Any) -> Any:
+    """The strategy that answers for ``request``: its own, else ``default`` (the
+    orchestrator's). Not ``or``: a strategy may be falsy (an empty table of reasons)."""
+    strategy = request.retry_strategy
+    return default if strategy is None else strategy
+
+
 def strategy_of(request: Request, default: object = None) -> str | None:
     """The name of the strategy that answers for ``request``: its own, else ``default``
     (the orchestrator's); None when it has neither (a gRPC call's own request)."""
-    strategy: object = request.retry_strategy
-    if strategy is None:  # (not ``or``: a strategy may be falsy)
-        strategy = default
+    strategy = strategy_for(request, default)
     return None if strategy is None else strategy_name(strategy)
 
 

@@ -716,11 +716,9 @@ async def run_hedged(
 
     rt = _runtime.current()
     orchestrator._deposit(request)  # the first attempt pays into the retry budget
-    strategy = None
-    if ask_strategy:
-        strategy = request.retry_strategy
-        if strategy is None:  # (not ``or``: a strategy may be falsy)
-            strategy = orchestrator.default_strategy
+    strategy = (
+        _failing.strategy_for(request, orchestrator.default_strategy) if ask_strategy else None
+    )
     chain = _Chain(request, send, policy, throttler, rt.now, orchestrator.retry_budget, strategy)
     if first_elapsed is not None:
         chain.first_elapsed = first_elapsed
