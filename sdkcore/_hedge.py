@@ -262,10 +262,7 @@ class _Chain:
             # Booked in the same turn as the answer that ended the chain (or as the cut),
             # and begun after it (trio starts every task it was given, cancelled or not):
             # not sent.
-            self.unsent(attempt)
-            wake = self.wake
-            if wake is not None:
-                wake()
+            self.skip(attempt)
             return
         trace = self.request._trace
         if trace is not None and attempt.index > 0 and trace.owns_span:
@@ -404,6 +401,19 @@ class _Chain:
         else:  # due, and not booked yet (a refusal by the budget or throttler sets stop)
             unsent = self.next_trigger == "delay" and self.stop is None and following < self.limit
         return answered_before_hedge(elapsed, delay) if unsent else elapsed
+
+    def skip(self, attempt: _Attempt) -> None:
+        """A copy whose task began but will not send (the chain is over or cut, or its
+        task began cancelled: ``_runtime._trio``): booked as not sent, and the runner
+        woken to see it ended."""
+        self.unsent(attempt)
+        wake = self.wake
+        if wake is not None:
+            wake()
+
+    def copies_cut(self) -> int:
+        """The copies cut in flight (booked maybe applied; not the ones cut unsent)."""
+        return sum(1 for a in self.attempts if a.outcome == _CANCELLED)
 
     def unsent(self, attempt: _Attempt) -> None:
         """``attempt`` was cut before its :meth:`run` began (asyncio can cancel a task
@@ -733,8 +743,7 @@ async def run_hedged(
             request._sending = False
     except BaseException as exc:
         # the copies it cut are booked (the chain): say whether any was in flight
-        copies_cut = any(a.outcome == _CANCELLED for a in chain.attempts)
-        _failing.finish_by(request, exc, cut=copies_cut)
+        _failing.finish_by(request, exc, cut=chain.copies_cut() > 0)
         raise
 
     if chain.winner is not None:
@@ -750,7 +759,7 @@ async def run_hedged(
         if trace is not None and chain.winner > 0:
             trace.hedge_won()
         return chain.result  # type: ignore[no-any-return]
-    cut = sum(1 for a in chain.attempts if a.outcome == _CANCELLED)  # copies cut in flight
+    cut = chain.copies_cut()
     if request.cancelled:
         # Request.cancel(), also after a copy's final error arrived but before the caller
         # resumed: the caller gets the cancellation (rfc/0001, "Application cancel").

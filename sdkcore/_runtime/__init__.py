@@ -61,6 +61,9 @@ class HedgeChain(Protocol):
     def unsent(self, attempt: Any) -> None:
         """A booked copy whose :meth:`run` never began: book it as not sent (else no-op)."""
 
+    def skip(self, attempt: Any) -> None:
+        """A booked copy whose task began but will not send: not sent, the runner woken."""
+
 
 _asyncio_backend: ModuleType | None = None
 _trio_backend: ModuleType | None = None

@@ -148,10 +148,7 @@ class Hedges:
         A task that begins cancelled sends nothing; the copy is booked as not sent."""
         chain = self.chain
         if trio.current_effective_deadline() == -math.inf:  # begun cancelled
-            chain.unsent(attempt)
-            wake = chain.wake
-            if wake is not None:
-                wake()
+            chain.skip(attempt)
             return
         await chain.run(attempt)
 
