@@ -198,15 +198,18 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             return
         self._abandoned = True
         if ok is False:  # failed, or cancelled in flight with the task
-            self._cancelled = True
-            self._result = (None, None)
+            self._settle_cancelled()
+
+    def _settle_cancelled(self) -> None:
+        """The call's outcome is its cancellation (its readers say CANCELLED)."""
+        self._cancelled = True
+        self._result = (None, None)
 
     def _first_failed(self, err: Any) -> None:
         """Start the retry loop in a task (once): ``err`` is the first attempt's, or None.
         For a call abandoned by its awaiting task (:meth:`_abandon`), none: it is cancelled."""
         if self._abandoned:
-            self._cancelled = True
-            self._result = (None, None)
+            self._settle_cancelled()
             self._end_without_status(asyncio.CancelledError())
             return
         if not self._driving():
