@@ -430,3 +430,10 @@ class Threads:
     def started(self) -> list[threading.Thread]:
         """The threads started so far (a copy: the list grows while threads run)."""
         return list(self.threads)
+
+
+async def wait_until(condition: Callable[[], bool]) -> None:
+    """Poll ``condition`` (a limiter's gauges, say) every millisecond, at most 5 s."""
+    with anyio.fail_after(5):
+        while not condition():  # noqa: ASYNC110 - polls gauges no event reports
+            await anyio.sleep(0.001)

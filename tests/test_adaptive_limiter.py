@@ -28,6 +28,7 @@ from typing import Any
 import anyio
 import pytest
 from bad_numbers import judge
+from fuzz_kit import wait_until
 
 from sdkcore import (
     AttemptEffect,
@@ -802,12 +803,3 @@ def test_defaults_and_the_limits_order() -> None:
     with pytest.raises(ValueError, match=r"\(initial_limit\) must be between .* \(2 to 9\), got 1"):
         AdaptiveConcurrencyLimiter(1, 2, 9)
     assert AdaptiveConcurrencyLimiter(7, 7, 7).limit == 7
-
-
-# -- helpers ---------------------------------------------------------------------------------
-
-
-async def wait_until(condition: Callable[[], bool]) -> None:
-    with anyio.fail_after(5):
-        while not condition():  # noqa: ASYNC110 - polls the limiter's gauges
-            await anyio.sleep(0.001)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from fuzz_kit import CountingBudget
 
 from sdkcore import (
     AttemptEffect,
@@ -177,22 +178,13 @@ async def test_fail_books_the_effect_the_caller_knows() -> None:
     assert untouched.state is RequestState.PENDING
 
 
-class _CountingBudget(RetryBudget):
-    def __init__(self) -> None:
-        super().__init__()
-        self.deposits = 0
-
-    def deposit(self) -> None:
-        self.deposits += 1
-        super().deposit()
-
-
 @pytest.mark.parametrize("door", ["execute", "hedge", "attempt", "execute_sync"])
 async def test_an_expired_request_pays_nothing_into_the_retry_budget(door: str) -> None:
     """Nothing is sent for a request whose deadline passed before its first attempt: no
     door pays a first attempt into the budget (execute_sync did)."""
     clock = VirtualClock()
-    budget = _CountingBudget()
+    problems: list[str] = []
+    budget = CountingBudget(RetryBudget(), problems, lambda: None)
     orchestrator = RetryOrchestrator(retry_budget=budget)
     request = Request(name="kv.get", idempotent=True, timeout=1.0, clock=clock.clock)
     clock.advance(2.0)
@@ -217,6 +209,7 @@ async def test_an_expired_request_pays_nothing_into_the_retry_budget(door: str) 
         await run()
     assert sent == []
     assert budget.deposits == 0
+    assert problems == []
 
 
 @pytest.mark.parametrize("first", ["execute", "hedge"])

@@ -19,6 +19,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 from bad_numbers import judge
+from fuzz_kit import wait_until
 
 from sdkcore import (
     AttemptEffect,
@@ -657,12 +658,6 @@ async def test_tasks_queued_behind_8_threads_all_get_through() -> None:
 
 
 # -- helpers ------------------------------------------------------------------------------
-
-
-async def wait_until(condition: Callable[[], bool]) -> None:
-    with anyio.fail_after(5):
-        while not condition():  # noqa: ASYNC110 - polls the limiter's gauges
-            await anyio.sleep(0.001)
 
 
 @pytest.mark.anyio

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import anyio
 import pytest
+from fuzz_kit import CountingBudget, wait_until
 
 from sdkcore import (
     AdaptiveConcurrencyLimiter,
@@ -37,22 +38,6 @@ pytestmark = [
     pytest.mark.anyio,
     pytest.mark.parametrize("make", LIMITERS, ids=["fixed", "adaptive"]),
 ]
-
-
-class _Refunds(RetryBudget):
-    def __init__(self) -> None:
-        super().__init__()
-        self.refunds = 0
-
-    def refund(self) -> None:
-        self.refunds += 1
-        super().refund()
-
-
-async def wait_until(condition: Callable[[], bool]) -> None:
-    with anyio.fail_after(5):
-        while not condition():  # noqa: ASYNC110 - polls the limiter's gauges
-            await anyio.sleep(0.001)
 
 
 async def test_a_scope_cancelled_as_the_permit_arrives_cuts_the_block(
@@ -135,7 +120,8 @@ async def test_hedge_copies_queued_behind_the_winner_are_never_sent(
     make: Callable[[], Limiter],
 ) -> None:
     limiter = make()
-    budget = _Refunds()
+    problems: list[str] = []
+    budget = CountingBudget(RetryBudget(), problems, lambda: None)
     orchestrator = RetryOrchestrator(retry_budget=budget)
     sent: list[int] = []
     answer = anyio.Event()
@@ -165,6 +151,7 @@ async def test_hedge_copies_queued_behind_the_winner_are_never_sent(
     effects = [a.effect for a in request.error_context().attempts]
     assert effects.count(AttemptEffect.NOT_SENT) == 2
     assert budget.refunds == 2
+    assert problems == []  # (no refund without its withdrawal)
 
 
 async def test_a_cancelled_hedge_whose_only_cut_copy_waited_in_the_queue_says_none_in_flight(
