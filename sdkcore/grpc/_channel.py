@@ -265,7 +265,7 @@ def insecure_channel(
     end or fails), it is cancelled, its deadline passes or the channel closes. The
     throttle records that status (RESOURCE_EXHAUSTED and UNAVAILABLE are rejections;
     a cancelled attempt counts nothing). No permit is held between attempts. A refusal
-    sends nothing and is retried like A6's "no connection could be made" (backoff,
+    sends nothing and is retried transparently, as A6's "never left the client" (backoff,
     NOT_SENT); a call still refused at the end fails UNAVAILABLE (rfc/0009, "On gRPC
     channels").
     See :class:`RetryController` for the other options.

@@ -15,7 +15,7 @@ stream: its status known). Two wrappers apply it, one rule:
 
 A refusal sends nothing: the attempt is a finished call of its shape that failed
 UNAVAILABLE with :class:`LocalRefusal` as its error, which the retry loop treats as
-A6's "no connection could be made" (transparent retry with backoff, effect NOT_SENT;
+A6's "never left the client" (transparent retry with backoff, effect NOT_SENT;
 rfc/0009 "On gRPC channels").
 """
 

@@ -71,8 +71,9 @@ class RetryController(_Controller):
     * ``max_attempts_cap``: the client cap on maxAttempts (A6 default 5).
     * ``backoff_jitter``: :class:`BackoffJitter` (the 2017 text or the 2024 amendment).
     * ``per_call_buffer_limit`` / ``channel_buffer_limit``: replay buffer limits in bytes.
-    * ``transparent_retries``: A6 transparent retries when no connection could be
-      made (needs :meth:`bind_channel`; see rfc/0003).
+    * ``transparent_retries``: A6 transparent retries of attempts the channel's gate
+      refused (they never left the client); a call that finds no connection fails fast
+      (needs :meth:`bind_channel` to know it was not sent; rfc/0003, "Fail fast").
     * ``stats``: a :class:`RetryStats` to record into (a new one by default).
     * ``message_size``: bytes of a request message (default :func:`default_message_size`).
     * ``telemetry``: an :class:`sdkcore.Telemetry` for gRPC's standard metrics and spans

@@ -191,7 +191,8 @@ class BackoffJitter(enum.Enum):
 class TransparentKind(enum.Enum):
     """Which A6 transparent-retry case a failure is (see rfc/0003)."""
 
-    #: The RPC never left the client (no connection could be made).
+    #: The RPC never left the client: the channel's limiter or throttle refused it (an
+    #: attempt that finds no connection fails fast instead: rfc/0003, "Fail fast").
     NEVER_SENT = "never_sent"
     #: The RPC reached the server's gRPC library but not the application (stream refused).
     REFUSED = "refused"
@@ -267,7 +268,8 @@ class A6RetryStrategy:
       (``TransparentKind.REFUSED``, set only by a caller that knows it: the channel
       never does, a refused stream is an ordinary UNAVAILABLE for it, rfc/0003) is
       retried once at once (a second refusal goes to the retry policy like any
-      status failure, as A6 says); an RPC that never left the client is retried with a short backoff
+      status failure, as A6 says); an RPC that never left the client (the channel's
+      limiter or throttle refused it) is retried with a short backoff
       (10 ms doubling to 1 s) until the deadline, or at most
       ``transparent_retry_limit`` times when the call has no deadline.
 
@@ -429,7 +431,8 @@ class A6RetryStrategy:
         n = state.transparent_retries
         if request.timeout is None and n >= self._transparent_limit:
             return _refusal(
-                f"no connection after {n} transparent retries and the call has no deadline", state
+                f"still refused locally after {n} transparent retries and the call has no deadline",
+                state,
             )
         state.transparent_retries = n + 1
         delay = _TRANSPARENT_FIRST_DELAY * (2.0 ** min(n, 16))
