@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
+from .. import _failing
 from .._context import AttemptEffect, ErrorContext
 from .._errors import CouchbaseException, RequestCanceledException, TimeoutException
 from .._reason import RetryReason
@@ -330,12 +331,44 @@ class _Call:
             self.core._release(self.buffered)
             self.buffered = 0
 
-    def ended(self, error: BaseException | None) -> None:
-        """The call ended in flight (cancelled, or its stream failed): for telemetry only.
+    def sent(self) -> None:
+        """The attempt's grpc.aio call is made: the call's request, once it exists (a
+        retried call, or one with telemetry), has an attempt in flight (booked maybe
+        applied if a cancellation cuts it, see :meth:`ended`)."""
+        request = self._request
+        if request is not None:
+            request._begin_attempt(request._clock())
 
-        The call shapes call it on the endings :meth:`failed` never sees; it does nothing
-        here (see :class:`_TracedCall`).
+    def cancel_in_flight(self) -> None:
+        """``call.cancel()``: a retried call's attempt in flight is cut by the application,
+        so its request ends cancelled via context (``Request.cancel()``), as ``call.cancel()``
+        in the backoff ends it; :meth:`ended` then books the attempt and logs it."""
+        request = self._request
+        if (
+            request is not None
+            and request.retry_attempts > 0
+            and request.in_flight
+            and not self.in_backoff
+        ):
+            request.cancel()
+
+    def ended(self, error: BaseException | None) -> None:
+        """The call ended in flight (cancelled, or its stream failed).
+
+        The call shapes call it on the endings :meth:`failed` never sees. A retried call
+        (one its orchestrator already scheduled a retry for) cut in flight by a
+        cancellation ends its request as a core door does: the attempt cut is booked
+        maybe applied and ``retry.cancelled`` is logged (:func:`sdkcore._failing.finish_by`;
+        rfc/0003, "Cancellation"). :class:`_TracedCall` also ends the call's telemetry.
         """
+        request = self._request
+        if (
+            request is not None
+            and error is not None
+            and not isinstance(error, Exception)
+            and request.retry_attempts > 0
+        ):
+            _failing.finish_by(request, error)
 
     def succeeded(self) -> None:
         request = self._request
@@ -597,6 +630,7 @@ class _TracedCall(_Call):
         self.trace.end(None)
 
     def ended(self, error: BaseException | None) -> None:
+        super().ended(error)
         self.trace.end(error)
 
     async def failed(self, err: Any, owner: Any = None) -> None:

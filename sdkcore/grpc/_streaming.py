@@ -102,6 +102,7 @@ class _RetryingCall:
                 finally:
                     if trace is not None:  # the attempt's span was current while it was made
                         trace.leave(token)
+                c.sent()
                 self._current = call
                 self._started.set()
                 try:
@@ -215,10 +216,17 @@ class _RetryingCall:
 
     # -- grpc.aio Call interface -------------------------------------------------------
     def cancel(self) -> bool:
+        return self._cancel(by_application=True)
+
+    def _cancel(self, *, by_application: bool) -> bool:
+        """``cancel()``, or the call cancelled with the task reading it
+        (``by_application`` False: a cut attempt is then the task's cancellation)."""
         if self.done():
             return False
         self._cancelled = True
         if not self._driver.done():
+            if by_application:
+                self._c.cancel_in_flight()
             self._driver.cancel()
         else:
             out = self._driver.result()
@@ -363,7 +371,7 @@ class _RetryingCall:
         """The task reading the call was cancelled while the attempts ran: so is the call,
         as grpc.aio cancels a call whose read or await is cancelled (the server sees it)."""
         if not self.cancelled():
-            self.cancel()
+            self._cancel(by_application=False)
 
     def _final_response(self) -> Generator[Any, None, Any]:
         try:

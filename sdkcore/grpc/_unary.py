@@ -72,6 +72,7 @@ async def unary_unary_call(
             finally:
                 if trace is not None:  # the attempt's span was current while it was made
                     trace.leave(token)
+            c.sent()
             try:
                 await call
             except aio.AioRpcError as err:
@@ -144,7 +145,7 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
     def _attempt(self) -> Any:
         c = self._c
         md = c.next_attempt()
-        return self._inner(
+        call = self._inner(
             self._message,
             timeout=c.time_left(),
             metadata=md,
@@ -152,6 +153,8 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             wait_for_ready=c.wait_for_ready,
             compression=self._compression,
         )
+        c.sent()
+        return call
 
     def _ok(self) -> None:
         """The first attempt ended OK (once per call)."""
@@ -189,7 +192,7 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         turn of the cancellation (known at once, or when a reader or the watcher of an
         application interceptor's call reads it: :meth:`_first_failed`)."""
         if self._driving():  # a reader's task already began the retry loop
-            self.cancel()
+            self._cancel(by_application=False)
             return
         call = self._call
         ok = _ended_ok(call) if call.done() else False
@@ -298,7 +301,7 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             final_call, final_error = yield from self._outcome().__await__()
         except asyncio.CancelledError:
             if not self.cancelled():  # the awaiting task: the call too, as grpc.aio does
-                self.cancel()
+                self._cancel(by_application=False)
             raise
         if final_error is not None:
             raise final_error
@@ -407,6 +410,11 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
 
     # -- state -----------------------------------------------------------------------
     def cancel(self) -> bool:
+        return self._cancel(by_application=True)
+
+    def _cancel(self, *, by_application: bool) -> bool:
+        """``cancel()``, or the call cancelled with the task awaiting it
+        (``by_application`` False: a cut attempt is then the task's cancellation)."""
         if self.done():
             return False
         if self._inline is not None and self._call.done() and _ended_ok(self._call):
@@ -414,6 +422,8 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             # as grpc.aio's cancel() of a call whose status is in (False, the answer stands).
             return False
         self._cancelled = True
+        if by_application:
+            self._c.cancel_in_flight()
         driver = self._driver
         if driver is not None:
             driver.cancel()
@@ -506,7 +516,7 @@ class _TracedUnaryCall(_UnaryCall):
         assert trace is not None
         token = trace.enter(trace.current)
         try:
-            return self._inner(
+            call = self._inner(
                 self._message,
                 timeout=c.time_left(),
                 metadata=md,
@@ -516,6 +526,8 @@ class _TracedUnaryCall(_UnaryCall):
             )
         finally:
             trace.leave(token)
+        c.sent()
+        return call
 
 
 class BoundedMultiCallable(aio.UnaryUnaryMultiCallable):  # type: ignore[misc]
