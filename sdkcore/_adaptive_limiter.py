@@ -1,4 +1,6 @@
-"""A concurrency limit that follows the endpoint's latency (rfc/0009, "Adaptive limiter").
+"""A concurrency limit that follows the endpoint's latency.
+
+rfc/0009, "Adaptive concurrency limiter".
 
 Netflix concurrency-limits' ``Gradient2Limit`` (the version with ``rttTolerance``)
 fed by windows as its ``WindowedLimit`` feeds it, with their parameters. Gradient2:

@@ -75,6 +75,10 @@ def exponential_backoff(
             return cap
         return cap if d >= hi else timedelta(seconds=d)
 
+    backoff.__doc__ = (
+        f"The delay before retry ``attempt`` (0 for the first): min({lo:g} s x "
+        f"{factor:g}**attempt, {hi:g} s). Made by exponential_backoff({lo:g}, {hi:g}, {factor:g})."
+    )
     return backoff
 
 

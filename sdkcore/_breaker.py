@@ -252,7 +252,8 @@ class CircuitBreaker:
 
     Thread-safe and loop-agnostic: one breaker per endpoint, shared by every door.
     ``name`` (e.g. ``"10.0.0.1:11210"``) is the ``endpoint`` field of the events
-    ``breaker.opened``, ``breaker.half_open`` and ``breaker.closed``.
+    ``breaker.opened``, ``breaker.half_open`` and ``breaker.closed``. ``clock``:
+    monotonic seconds (default ``time.monotonic``; a test's virtual clock).
     """
 
     __slots__ = (
@@ -444,11 +445,12 @@ class CircuitBreaker:
         """The one line that guards a dispatch: ``with breaker.guard(): reply = await io()``.
 
         Refused (OPEN, or a probe already out): raises ``RetryableError(
-        CIRCUIT_BREAKER_OPEN, retry_after=<seconds until a probe may go>)`` before
-        anything is written, so the attempt is unambiguous and BestEffort waits for
-        the probe (never past the deadline). Let through: the ``with`` block's
-        outcome is reported (an exception through :meth:`record_failure`, else
-        :meth:`record_success`); ``as`` gives the admitted state
+        CIRCUIT_BREAKER_OPEN)`` before anything is written, so the attempt is
+        unambiguous. OPEN: its ``retry_after`` is the seconds until a probe may go, and
+        BestEffort waits for the probe (never past the deadline); HALF_OPEN with the probe
+        out: no ``retry_after`` (when the probe ends is unknown), the strategy's backoff.
+        Let through: the ``with`` block's outcome is reported (an exception through
+        :meth:`record_failure`, else :meth:`record_success`); ``as`` gives the admitted state
         (``CircuitState.HALF_OPEN``: this dispatch is the probe).
 
         A block cut by its request's deadline is a timeout (a failure by the default

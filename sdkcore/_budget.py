@@ -53,7 +53,8 @@ class RetryBudget:
     logs ``budget.recovered``, with the withdrawals refused in between and how long
     they were refused (a budget that grants and refuses in turn is one episode).
     ``name`` is the ``budget`` field of both (None when unnamed, as a breaker's
-    ``endpoint``).
+    ``endpoint``). ``clock``: monotonic seconds (default ``time.monotonic``; a test's
+    virtual clock).
     """
 
     __slots__ = (

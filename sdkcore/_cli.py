@@ -51,10 +51,6 @@ def _run_demo(argv: Sequence[str]) -> int:
     return int(demo.main(list(argv)))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    return _build()[0]
-
-
 def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The parser, and each command's own parser by name."""
     from . import _check_config, _explain

@@ -184,11 +184,13 @@ def _ms(d: timedelta | None) -> float | None:
 
 @attrs.frozen(slots=True)
 class AttemptRecord:
-    """One attempt of a request, as its error context reports it.
+    """One failed (or cut) attempt of a request, as its error context reports it.
 
     ``number`` is 1-based (the first send is attempt 1). ``reason`` is the retry
     reason it failed with (None: it failed otherwise, or was cut in flight);
-    ``error`` the failure as ``"Type: message"``; ``duration`` how long the attempt
+    ``effect`` what is known of it on the server (:class:`AttemptEffect`: not sent, not
+    applied, or maybe applied); ``error`` the failure as ``"Type: message"``;
+    ``duration`` how long the attempt
     was in flight (None when not measured: a hand-wired ``maybe_retry`` loop without
     ``attempt()``);
     ``delay`` the backoff scheduled after it (None: not retried).

@@ -24,8 +24,11 @@ this order (the first that applies decides):
    waits only until the deadline, and the request then times out (at once when no
    time is left).
 
-The retry budget is the one rule with state: the door withdraws from it only when
-:func:`decide` says RETRY and :func:`spends_budget` says the retry costs the server.
+The retry budget is the one rule with state, and :func:`spends_budget` its one test
+(a retry costs the budget only when it puts load on the server): the retry doors
+withdraw only when :func:`decide` says RETRY and the failed attempt before it
+:func:`spends_budget`; ``hedge`` withdraws for each copy after the first when it goes
+out, and refunds a copy whose own effect does not :func:`spends_budget` (rfc/0004).
 """
 
 from __future__ import annotations

@@ -234,40 +234,69 @@ class CasMismatchException(CouchbaseException):
 
 
 class DocumentNotFoundException(CouchbaseException):
+    """The document does not exist (KV KEY_NOT_FOUND, gRPC NOT_FOUND)."""
+
     default_message = "document not found"
 
 
 class DocumentExistsException(CouchbaseException):
+    """The document already exists (KV KEY_EXISTS without a CAS, NOT_STORED on ADD; gRPC
+    ALREADY_EXISTS)."""
+
     default_message = "document already exists"
 
 
 class DocumentLockedException(CouchbaseException):
+    """The document is locked (KV LOCKED on any operation but UNLOCK)."""
+
     default_message = "document locked"
 
 
 class FeatureNotAvailableException(CouchbaseException):
+    """The server does not support the operation (KV UNKNOWN_COMMAND, NOT_SUPPORTED; gRPC
+    UNIMPLEMENTED)."""
+
     default_message = "feature not available"
 
 
 class InvalidArgumentException(CouchbaseException):
+    """The request is malformed: the server said so (KV INVALID_ARGUMENTS,
+    DELTA_BAD_VALUE; gRPC INVALID_ARGUMENT, OUT_OF_RANGE), or ``RetryOrchestrator.hedge``
+    was given a request that is not idempotent (nothing is sent)."""
+
     default_message = "invalid argument"
 
 
 class InternalServerFailureException(CouchbaseException):
+    """The server failed internally (KV INTERNAL_ERROR; gRPC INTERNAL, UNKNOWN,
+    ABORTED as the gRPC mapper's final answer)."""
+
     default_message = "internal server failure"
 
 
 class RateLimitedException(CouchbaseException):
+    """The server refused the request for a rate limit (KV RATE_LIMITED_*, HTTP 429 with a
+    limit marker, gRPC RESOURCE_EXHAUSTED); not retried."""
+
     default_message = "rate limited"
 
 
 class QuotaLimitedException(CouchbaseException):
+    """The server refused the request for a quota (KV SCOPE_SIZE_LIMIT_EXCEEDED, HTTP 429
+    with a quota marker); not retried."""
+
     default_message = "quota limited"
 
 
 class ServiceNotAvailableException(CouchbaseException):
+    """The service a request needs is not available. For an SDK's own code: sdkcore's
+    mappers report a service not available as a retryable SERVICE_NOT_AVAILABLE instead."""
+
     default_message = "service not available"
 
 
 class TemporaryFailureException(CouchbaseException):
+    """The server is temporarily unable to serve (KV NO_MEMORY, BUSY, TEMPORARY_FAILURE;
+    rfc/0002)."""
+
     default_message = "temporary failure"

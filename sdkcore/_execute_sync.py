@@ -46,7 +46,9 @@ def execute_sync(
     ``send(request)`` is a blocking call; it should bound its own I/O by
     ``request.time_left`` (e.g. as a socket timeout), since a thread cannot be
     cancelled. Whatever ``send`` raises once the deadline has passed becomes the
-    timeout (the attempt counts as cut in flight), a retryable failure included.
+    timeout, a retryable failure included: any other error counts as cut in flight
+    (maybe applied); a ``RetryableError`` keeps the effect it reports (a NOT_SENT one
+    leaves the timeout unambiguous).
     Backoffs block in ``sleep`` (default ``time.sleep``). Only strategies that
     decide synchronously can be used here (the built-ins, and subclasses that
     override ``decide``); an async one raises TypeError. Safe to call from many

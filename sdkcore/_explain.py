@@ -94,8 +94,9 @@ _FLAG_HELP = {
 #: the orchestrator waits the longer of it and the backoff the table shows.
 _HINTS: dict[RetryReason, str] = {
     RetryReason.CIRCUIT_BREAKER_OPEN: (
-        "a CircuitBreaker's refusal carries retry_after (the rest of the breaker's sleep "
-        "window, until its probe may go; 5 s by default): each retry waits the longer of it "
+        "an OPEN CircuitBreaker's refusal carries retry_after (the rest of the breaker's sleep "
+        "window, until its probe may go; 5 s by default; none while its probe is out): "
+        "each retry waits the longer of it "
         "and the backoff above, so the real waits follow the sleep window, not these delays; "
         "a request whose deadline comes before the window ends times out at once"
     ),

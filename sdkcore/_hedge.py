@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from . import _failing, _log, _runtime
 from ._action import RetryAction
 from ._context import AttemptEffect, CancellationReason, describe_error
-from ._decision import Verdict
+from ._decision import Verdict, spends_budget
 from ._errors import (
     CouchbaseException,
     InvalidArgumentException,
@@ -29,6 +29,7 @@ from ._errors import (
     RetryableError,
 )
 from ._hooks import INSTANT_DELAYS
+from ._log import EVENT_HEDGE_CANCELLED, EVENT_HEDGE_FAILED, EVENT_HEDGE_SENT, EVENT_HEDGE_WON
 from ._reason import RetryReason
 from ._request import Request, RequestState
 from ._strategy import sync_decide
@@ -48,15 +49,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-#: debug: hedge ``hedge`` was sent (``trigger``: first, delay, non_fatal, pushback).
-EVENT_HEDGE_SENT = "hedge.sent"
-#: debug: hedge ``hedge`` returned the answer; the others are cancelled.
-EVENT_HEDGE_WON = "hedge.won"
-#: debug: hedge ``hedge`` was cancelled (another won, a fatal failure, the deadline, the app).
-EVENT_HEDGE_CANCELLED = "hedge.cancelled"
-#: debug for a non-fatal failure, info for the failure that ends the chain.
-EVENT_HEDGE_FAILED = "hedge.failed"
 
 
 def answered_before_hedge(elapsed: float, delay: float) -> float:
@@ -114,6 +106,7 @@ class _Chain:
     """
 
     __slots__ = (
+        "asked",
         "attempts",
         "budget",
         "clock",
@@ -157,6 +150,8 @@ class _Chain:
         self.strategy = strategy
         self.decide = None if strategy is None else sync_decide(strategy)
         self.refusal: RetryAction | None = None  # the strategy's no_retry that ended the chain
+        #: The strategy's method that gave the last answer (:meth:`_answer`), for errors.
+        self.asked = "decide"
         self.budget = budget  # the orchestrator's retry budget: every hedge after the first
         self.clock = clock  # the event loop's clock
         self.send = send
@@ -339,7 +334,7 @@ class _Chain:
                     _failing.strategy_name(self.strategy),
                     reason,
                     action,
-                    _failing.asked(self.strategy),
+                    self.asked,
                 )
         except Exception as exc:  # the chain ends with the strategy's error (logged)
             _failing.strategy_failed(
@@ -364,12 +359,14 @@ class _Chain:
         decide = self.decide
         if decide is None:
             strategy: Any = self.strategy
+            self.asked = "retry_after"
             answer = strategy.retry_after(self.request, reason)
             if type(answer) is RetryAction or not _unrun(answer):
                 return answer  # (not a RetryAction: the strategy's error, see _allows)
             decide = getattr(strategy, "decide", None)
             if not callable(decide):
                 return _UNASKED
+        self.asked = "decide"
         answer = decide(self.request, reason)
         if type(answer) is not RetryAction and _unrun(answer):  # an async decide
             return _UNASKED
@@ -434,13 +431,13 @@ class _Chain:
         error: BaseException | None,
     ) -> None:
         self.request._attempt_failed(reason, effect, error, self.clock(), started=attempt.started)
-        if effect is AttemptEffect.NOT_SENT and attempt.index > 0 and self.budget is not None:
+        if attempt.index > 0 and self.budget is not None and not spends_budget(effect):
             # Nothing reached the server (an OPEN breaker refused the copy, or it was cut
             # before it began): the withdrawal it paid is given back. The rule is the
-            # retry doors' (a retry that puts no load on the server costs nothing), kept
-            # the other way round: a retry is paid for after the attempt before it, and
-            # not at all when that one was NOT_SENT (``_decision.spends_budget``); a hedge
-            # is paid for when it is booked, before anyone knows, and refunded here.
+            # retry doors' (``_decision.spends_budget``: a retry that puts no load on the
+            # server costs nothing), applied the other way round: a retry is paid for
+            # after the attempt before it, and not at all when that one was not sent; a
+            # hedge is paid for when it is booked, before anyone knows, and refunded here.
             refund = getattr(self.budget, "refund", None)
             if refund is not None:
                 refund()
@@ -777,7 +774,7 @@ async def run_hedged(
                 chain.refusal,
                 _failing.strategy_name(strategy),
                 max_requests_in_retry=0,  # named only in a TOO_MANY refusal
-                method="decide",
+                method=chain.asked,
             )
             _with_extra(error, chain, in_flight=cut > 0)
             raise error from fatal.__cause__ or fatal

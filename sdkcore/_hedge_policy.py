@@ -21,7 +21,8 @@ from ._untrusted import show
 
 __all__ = ["DEFAULT_HEDGE_ATTEMPTS_CAP", "HedgePolicy", "HedgeThrottler"]
 
-#: A6 "Limits on Retries and Hedges": the client-side cap on max_attempts.
+#: A6 "Limits on Retries and Hedges": the client-side cap on max_attempts, of hedges here
+#: and of an sdkcore gRPC channel's retries and hedges (``sdkcore.grpc`` imports it).
 DEFAULT_HEDGE_ATTEMPTS_CAP = 5
 
 

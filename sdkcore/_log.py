@@ -49,13 +49,22 @@ __all__ = [
     "EVENT_BUDGET_EXHAUSTED",
     "EVENT_BUDGET_RECOVERED",
     "EVENT_CANCELLED",
+    "EVENT_HEDGE_CANCELLED",
+    "EVENT_HEDGE_FAILED",
+    "EVENT_HEDGE_SENT",
+    "EVENT_HEDGE_WON",
     "EVENT_LIMITER_LIMIT_CHANGED",
     "EVENT_LIMITER_RECOVERED",
     "EVENT_LIMITER_REFUSING",
     "EVENT_NOT_RETRIED",
+    "EVENT_ORPHAN_REPORT",
     "EVENT_SCHEDULED",
     "EVENT_STRATEGY_FAILED",
+    "EVENT_TELEMETRY_FAILED",
+    "EVENT_THRESHOLD_REPORT",
     "EVENT_THROTTLE_ENGAGED",
+    "EVENT_THROTTLE_RECOVERED",
+    "EVENT_THROTTLE_REFUSING",
     "EVENT_THROTTLE_RELEASED",
     "EVENT_TIMED_OUT",
     "LOGGER_NAME",
@@ -68,14 +77,16 @@ LOGGER_NAME = "sdkcore"
 
 #: debug: a retry was scheduled (after backoff the request is re-dispatched).
 EVENT_SCHEDULED = "retry.scheduled"
-#: info: the request was not retried (strategy refused, idempotency, or backpressure).
+#: info: the request was not retried (strategy refused, idempotency, backpressure, the
+#: retry budget, or a hedge chain with no copy left).
 EVENT_NOT_RETRIED = "retry.not_retried"
 #: info: the request timed out while in retry or in flight.
 EVENT_TIMED_OUT = "retry.timed_out"
 #: warning: the retry strategy raised or returned something that is not a RetryAction.
 EVENT_STRATEGY_FAILED = "retry.strategy_failed"
 #: info when the request is not idempotent and may have been applied, else debug:
-#: ``Request.cancel()`` ended a request (reported by the door that ends it).
+#: ``Request.cancel()`` (CANCELLED_VIA_CONTEXT) or the caller's own cancellation
+#: (TASK_CANCELLED) ended a request (reported by the door that ends it).
 EVENT_CANCELLED = "retry.cancelled"
 
 # Endpoint protection (rfc/0007). Fields: endpoint, cause, last_error; outcomes and
@@ -100,6 +111,9 @@ EVENT_BUDGET_RECOVERED = "budget.recovered"
 #: pair of events 300-400 times a second (a simulated limiter at twice its capacity).
 EPISODE_QUIET = 1.0
 
+# Two throttles, two pairs of events: ``throttle.engaged``/``released`` are gRPC's A6
+# RetryThrottler's (it stops retries), ``throttle.refusing``/``recovered`` the SRE
+# AdaptiveThrottle's (it refuses requests).
 # gRPC retryThrottling (rfc/0003). Fields: target, tokens, max_tokens, threshold.
 #: info: a gRPC RetryThrottler's tokens fell to its threshold: retries and hedges stop.
 EVENT_THROTTLE_ENGAGED = "throttle.engaged"
@@ -119,6 +133,33 @@ EVENT_LIMITER_RECOVERED = "limiter.recovered"
 #: reported (fields: limit, previous, baseline_rtt_ms, rtt_ms, cause: gradient, drop,
 #: probe or probe_end).
 EVENT_LIMITER_LIMIT_CHANGED = "limiter.limit_changed"
+
+# AdaptiveThrottle, Google SRE client-side throttling (rfc/0009).
+#: info: the throttle refused a request after a time without refusals (fields: throttle,
+#: rejection_probability, requests, accepts, k).
+EVENT_THROTTLE_REFUSING = "throttle.refusing"
+#: info: the first admission after an episode of refusals that finds nothing to refuse
+#: (rejection probability 0) (fields: throttle, refused: the requests refused since
+#: throttle.refusing, duration_ms).
+EVENT_THROTTLE_RECOVERED = "throttle.recovered"
+
+# Hedging (rfc/0004). Fields: the request's, hedge (the copy's index).
+#: debug: hedge ``hedge`` was sent (``trigger``: first, delay, non_fatal, pushback).
+EVENT_HEDGE_SENT = "hedge.sent"
+#: debug: hedge ``hedge`` returned the answer; the others are cancelled.
+EVENT_HEDGE_WON = "hedge.won"
+#: debug: hedge ``hedge`` was cancelled (another won, a fatal failure, the deadline, the app).
+EVENT_HEDGE_CANCELLED = "hedge.cancelled"
+#: debug for a non-fatal failure, info for the failure that ends the chain.
+EVENT_HEDGE_FAILED = "hedge.failed"
+
+# Couchbase RFC 67 reports and telemetry (rfc/0008).
+#: warning: the orphaned responses of the last interval (fields: report, emit_interval_s).
+EVENT_ORPHAN_REPORT = "orphan.report"
+#: warning: the requests over their threshold in an interval (fields: report, emit_interval_s).
+EVENT_THRESHOLD_REPORT = "threshold.report"
+#: warning, once per kind: an OpenTelemetry instrument, exporter or span raised.
+EVENT_TELEMETRY_FAILED = "telemetry.failed"
 
 
 def duration_ms(since: float, now: float) -> float | None:

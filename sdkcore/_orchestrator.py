@@ -148,10 +148,14 @@ class RetryOrchestrator(OrchestratorCore):
         non-fatal reason sends the next hedge at once (or after the pushback), unless
         the request's strategy refuses to retry that reason (its synchronous
         ``decide``: e.g. a terminal error under the default strategy, which then ends
-        the request with its mapped exception); any other exception cancels
+        the request with its mapped exception). A ``RetryableError`` with a fatal
+        reason (not in ``policy.non_fatal``) ends the chain: every other copy is
+        cancelled and ``RequestCanceledException`` (NO_MORE_RETRIES) is raised, the
+        error its ``__cause__``; any exception other than ``RetryableError`` cancels
         everything and propagates. When every copy failed,
         ``RequestCanceledException`` (NO_MORE_RETRIES) is raised for the *last*
-        failure to arrive (its ``__cause__``). The request's timeout covers the
+        failure to arrive (its ``__cause__``); RETRY_BUDGET_EXHAUSTED when the retry
+        budget refused the next copy. The request's timeout covers the
         whole chain (``UnambiguousTimeoutException``). ``throttler`` (e.g.
         ``sdkcore.grpc.RetryThrottler``) gates every hedge after the first.
         A request that is not idempotent is refused (InvalidArgumentException)

@@ -14,12 +14,10 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from ._log import EVENT_ORPHAN_REPORT
 from ._sample import Sample, details, total_micros
 
 __all__ = ["EVENT_ORPHAN_REPORT", "OrphanReporter"]
-
-#: warning: the orphaned responses of the last interval (fields: report, emit_interval_s).
-EVENT_ORPHAN_REPORT = "orphan.report"
 
 
 class OrphanReporter:
@@ -40,6 +38,7 @@ class OrphanReporter:
 
     Nothing is logged for an interval without orphans. No timer and no task.
     Thread-safe and loop-agnostic; a record costs O(log sample_size) under a lock.
+    ``clock``: monotonic seconds (default ``time.monotonic``; a test's virtual clock).
     """
 
     __slots__ = ("_sample",)

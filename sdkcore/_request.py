@@ -34,12 +34,13 @@ _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 #: The request whose attempt is being sent in this task or thread (set by the doors
 #: around ``send``): a Request built meanwhile takes the earlier of the two deadlines.
-#: It holds a mark, ``[request, reset token]``, that the door empties (``mark[0] = None``)
-#: when the dispatch ends: a task spawned by ``send`` keeps a copy of the context, hence
-#: the mark, for as long as it lives, and must neither inherit a finished request's
-#: deadline nor keep it alive. A list, not an object of a class of its own (no Python
-#: ``__init__`` frame): the mark adds about 600 instructions to a call with a deadline
-#: (``happy+deadline`` in bench/bench_instructions.py: 34,162 against 33,571).
+#: It holds a mark, ``[request, reset token, unsent]`` (``unsent``: set by
+#: :func:`dispatch_unsent`), that the door empties (``mark[0] = None``) when the dispatch
+#: ends: a task spawned by ``send`` keeps a copy of the context, hence the mark, for as
+#: long as it lives, and must neither inherit a finished request's deadline nor keep it
+#: alive. A list, not an object of a class of its own (no Python ``__init__`` frame); the
+#: mark's ``ContextVar.set`` and ``reset`` cost about 2,500 instructions of a call with a
+#: deadline (bench/README, "piece-mark").
 _DISPATCHING: ContextVar[list[Any] | None] = ContextVar("sdkcore_dispatching", default=None)
 
 

@@ -26,6 +26,11 @@ _MAYBE = AttemptEffect.MAYBE_APPLIED
 
 
 class RequestState(enum.Enum):
+    """Where a :class:`Request` is (``Request.state``): PENDING until it completes, then
+    SUCCEEDED, FAILED (an error answered it, or a refusal) or CANCELLED (its timeout,
+    ``Request.cancel()`` or the caller's own cancellation: ``Request.cancellation_reason``
+    says which). A completed request is never sent again."""
+
     PENDING = "pending"
     SUCCEEDED = "succeeded"
     FAILED = "failed"

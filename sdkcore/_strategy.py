@@ -3,7 +3,7 @@
 The built-ins decide synchronously in their public ``decide(request, reason)``;
 ``retry_after`` is the protocol's coroutine wrapping it. Every door calls
 ``decide`` directly when a strategy's ``retry_after`` is a built-in's (see
-``OrchestratorCore._ask``), so a retry allocates no coroutine, and a synchronous subclass refines
+:func:`sync_decide`), so a retry allocates no coroutine, and a synchronous subclass refines
 a built-in by overriding ``decide`` and calling ``super().decide(...)``.
 """
 
@@ -99,6 +99,8 @@ class BestEffortRetryStrategy:
         """The synchronous decision every door uses (override it to refine the strategy)."""
         if type(reason) is not RetryReason or not isinstance(request, Request):
             raise _bad_arguments(self, request, reason)
+        # RFC 0049's BestEffort text. The orchestrator enforces the same flag whatever a
+        # strategy answers (``_decision.decide``, rule 3): a refinement cannot relax it.
         if request.idempotent or reason.allows_non_idempotent_retry:
             attempt = request.retry_attempts
             try:

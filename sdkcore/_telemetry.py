@@ -30,6 +30,7 @@ from ._budget import RetryBudget
 from ._context import CancellationReason
 from ._errors import CouchbaseException, RetryableError
 from ._latency import LatencyQuantile
+from ._log import EVENT_TELEMETRY_FAILED
 from ._permits import Permits
 from ._reason import RetryReason
 from ._retry_state import RequestState
@@ -58,7 +59,6 @@ MAX_NAMES = 1000
 MAX_TEXT = 100
 
 SCOPE = "sdkcore"
-EVENT_TELEMETRY_FAILED = "telemetry.failed"
 
 # Attribute keys (rfc/0008).
 NAME = "sdkcore.request.name"
@@ -116,8 +116,11 @@ class Telemetry:
     ``RetryOrchestrator(telemetry=Telemetry())`` records every request of that
     orchestrator, on every door; an sdkcore gRPC channel uses its orchestrator's.
     ``meter_provider``/``tracer_provider``: None for the global providers.
-    Breakers and budgets report once watched (:meth:`watch`); an orchestrator
-    watches its own retry budget.
+    ``threshold_reporter``: a :class:`ThresholdReporter` fed every finished request's
+    duration (RFC 67 threshold logging), None for none. Breakers, budgets, limiters,
+    throttles and learned hedge delays report once watched (:meth:`watch`); an
+    orchestrator watches its own retry budget, and an sdkcore gRPC channel its limiter
+    and throttle.
     """
 
     #: :class:`RequestTrace`, for the doors of the core: they make a request's trace as

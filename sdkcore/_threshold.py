@@ -15,12 +15,11 @@ from datetime import timedelta
 from typing import Any
 
 from ._duration import to_seconds
+from ._log import EVENT_THRESHOLD_REPORT
 from ._sample import Sample, details, total_micros
 
 __all__ = ["EVENT_THRESHOLD_REPORT", "ThresholdReporter"]
 
-#: warning: the requests over their threshold in an interval (fields: report, emit_interval_s).
-EVENT_THRESHOLD_REPORT = "threshold.report"
 
 _NAMED = ("kv", "query", "views", "search", "analytics")
 

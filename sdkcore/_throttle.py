@@ -27,6 +27,7 @@ from ._errors import (
     RetryableError,
     TemporaryFailureException,
 )
+from ._log import EVENT_THROTTLE_RECOVERED, EVENT_THROTTLE_REFUSING
 from ._reason import RetryReason
 from ._untrusted import show
 
@@ -39,13 +40,7 @@ __all__ = [
     "default_is_rejection",
 ]
 
-#: info: the throttle refused a request after a time without refusals (fields: throttle,
-#: rejection_probability, requests, accepts, k).
-EVENT_THROTTLE_REFUSING = "throttle.refusing"
-#: info: the first admission after an episode of refusals that finds nothing to refuse
-#: (rejection probability 0) (fields: throttle, refused: the requests refused since
-#: throttle.refusing, duration_ms).
-EVENT_THROTTLE_RECOVERED = "throttle.recovered"
+# Its events, throttle.refusing and throttle.recovered: in sdkcore._log with every other.
 
 #: The reason of a local refusal (rfc/0009: allows non-idempotent retry, not always
 #: retried, not after dispatch).

@@ -238,6 +238,22 @@ async def test_an_async_retry_after_is_never_started_by_hedge() -> None:
     assert started == []
 
 
+async def test_a_bad_refusal_of_a_plain_retry_after_names_retry_after() -> None:
+    """The error named ``decide``, a method the strategy does not have, for a refusal
+    its plain ``retry_after`` gave (whose exception factory returns no exception)."""
+
+    class Plain:
+        def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:
+            return RetryAction.no_retry(exception=lambda context: 42)  # type: ignore[arg-type,return-value]
+
+    send = Sends({0: RetryableError(RetryReason.KV_LOCKED, "locked")})
+    with anyio.fail_after(SAFETY), pytest.raises(TypeError) as info:
+        await RetryOrchestrator().hedge(req(Plain()), send, HedgePolicy(2, delay=1.0))
+    assert "Plain.retry_after(request, <RetryReason.KV_LOCKED>)" in str(info.value)
+    assert "decide" not in str(info.value)
+    assert send.sent == [0]
+
+
 async def test_a_retry_after_answering_nonsense_ends_the_hedges_with_a_type_error() -> None:
     class Forgot(BestEffortRetryStrategy):
         def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:  # type: ignore[override]

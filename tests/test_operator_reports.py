@@ -258,8 +258,8 @@ def test_explain_says_a_breaker_refusal_waits_out_the_sleep_window(
     text = _explain(capsys, "reason", "CIRCUIT_BREAKER_OPEN")
     assert "retry after 1, 2, 4, 8, 16 ms" in text  # the strategies' backoff, as played
     assert (
-        "A CircuitBreaker's refusal carries retry_after (the rest of the breaker's sleep window"
-        in text
+        "An OPEN CircuitBreaker's refusal carries retry_after (the rest of the breaker's sleep "
+        "window" in text
     )
     assert "each retry waits the longer of it and the backoff above" in text
     assert main(["explain", "reason", "CIRCUIT_BREAKER_OPEN", "--json"]) == 0

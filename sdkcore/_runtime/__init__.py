@@ -1,7 +1,7 @@
 """The runtime layer: the only place that waits (rfc/0001, "The runtime layer").
 
 One small module per event loop, as anyio's ``_backends`` has, each with the same
-three waiting operations:
+two waiting operations:
 
 * ``sleep(seconds)``: a backoff wait (an injected sleep replaces it in tests);
   ``sleep(0)`` is the checkpoint, one turn of the loop (a zero backoff): asyncio and

@@ -17,6 +17,7 @@ from typing import Any
 
 import attrs
 
+from .._hedge_policy import DEFAULT_HEDGE_ATTEMPTS_CAP
 from .._untrusted import LongInt as _LongInt
 from .._untrusted import parse_int as _parse_int
 from .._untrusted import show as _show
@@ -35,8 +36,9 @@ __all__ = [
     "ServiceConfigViolation",
 ]
 
-#: A6 "Limits on Retries and Hedges": the client-side cap on maxAttempts.
-DEFAULT_MAX_ATTEMPTS_CAP = 5
+#: A6 "Limits on Retries and Hedges": the client-side cap on maxAttempts, one for retries
+#: and hedges (written once, in the core's hedge policy).
+DEFAULT_MAX_ATTEMPTS_CAP = DEFAULT_HEDGE_ATTEMPTS_CAP
 _MAX_TOKENS_LIMIT = 1000
 #: maxAttempts is an int32 in grpc's service config (proto3 JSON).
 _INT32_MAX = 2**31 - 1
