@@ -599,11 +599,13 @@ class AdaptivePermit:
         limiter = self._limiter
         start = self._start
         self._free = True  # its state read: the object may take another dispatch
+        # The permit first, then the clock: an interrupt (KeyboardInterrupt) raised by or
+        # after the clock's read must not keep it for good.
+        limiter._tokens.append(TOKEN)
         try:
             end = limiter._clock()
-        except Exception:  # a clock that raises: no sample, the permit still comes back
+        except Exception:  # a clock that raises: no sample
             end = _NAN
-        limiter._tokens.append(TOKEN)
         rtt = end - start
         if 0.0 < rtt < _INF:  # also refuses NaN (a broken clock)
             pending = limiter._pending
@@ -624,6 +626,7 @@ class AdaptivePermit:
             return  # already ended
         self._held = 0
         limiter = self._limiter
+        limiter._tokens.append(TOKEN)  # first: nothing below may keep the permit (see _exit)
         try:
             end = limiter._clock()
             rtt = end - self._start
@@ -631,7 +634,6 @@ class AdaptivePermit:
         except Exception:  # a clock or an error's __cause__ that raises: no sample
             end = rtt = 0.0
             outcome = _IGNORE
-        limiter._tokens.append(TOKEN)
         if held < 0:  # one of a probe's
             with limiter._lock:
                 woken = limiter._probed(rtt, outcome)

@@ -238,12 +238,11 @@ class OrchestratorCore:
             _failing.strategy_failed(request, reason, name, error)
             raise error
         left = request.deadline - now
-        # execute_sync's threads: the capacity check and the count move together under the
-        # lock, which is never held while user code runs. The async doors' count has one
-        # writer, the loop's thread: no lock (0.3 us a retry).
         if threads:
-            self._lock.acquire()
-        try:
+            verdict, delay = self._decide_on_threads(request, reason, action, left, hint)
+        else:
+            # The async doors' count has one writer, the loop's thread: no lock (0.3 us a
+            # retry).
             verdict, delay = decide(
                 reason,
                 action,
@@ -256,13 +255,7 @@ class OrchestratorCore:
                 request.maybe_applied,
             )
             if verdict is _RETRY or verdict is _TIME_OUT:
-                if threads:
-                    self._in_retry_sync += 1
-                else:
-                    self._in_retry += 1
-        finally:
-            if threads:
-                self._lock.release()
+                self._in_retry += 1
         budget = self._budget
         if verdict is _RETRY and budget is not None and spends_budget(request.last_effect):
             try:
@@ -298,6 +291,33 @@ class OrchestratorCore:
             except BaseException:
                 self._leave_backoff(threads)
                 raise
+        return verdict, delay
+
+    def _decide_on_threads(
+        self,
+        request: Request,
+        reason: RetryReason,
+        action: Any,
+        left: float,
+        hint: float | None,
+    ) -> Decision:
+        """:func:`decide` for ``execute_sync``: the capacity check and the count of requests
+        in retry move together under the lock, which is never held while user code runs.
+        ``with``: an interrupt between an ``acquire()`` and its ``try`` left it held."""
+        with self._lock:
+            verdict, delay = decide(
+                reason,
+                action,
+                request.retry_attempts,
+                request.idempotent,
+                left,
+                self._in_retry + self._in_retry_sync,
+                self._max_in_retry,
+                hint,
+                request.maybe_applied,
+            )
+            if verdict is _RETRY or verdict is _TIME_OUT:
+                self._in_retry_sync += 1
         return verdict, delay
 
     def _refund_unsent(self, request: Request, verdict: Verdict) -> None:

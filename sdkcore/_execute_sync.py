@@ -22,7 +22,7 @@ from ._errors import RequestCanceledException, RetryableError
 from ._hooks import INSTANT_DELAYS
 from ._log import DEBUG
 from ._reason import RetryReason
-from ._request import Request, RequestState
+from ._request import _DISPATCHING, Request, RequestState
 
 __all__ = ["execute_sync"]
 
@@ -75,6 +75,7 @@ def execute_sync(
     if not request._claim_on_threads():  # another call is sending it
         raise _failing.in_use(request, "execute_sync(request, send)")
     trace = token = None
+    outer = _DISPATCHING.get()  # the mark before this call's (see Request._dispatch_lost)
     try:
         telemetry = self._telemetry
         if telemetry is not None and request._trace is None:
@@ -96,6 +97,9 @@ def execute_sync(
             trace.end(request, exc)
         raise
     except BaseException as exc:
+        # The caller's own interrupt wherever it was raised (the loop ends a request it
+        # cuts itself; this one, e.g. between two steps, would stay pending).
+        _failing.finish_by(request, exc)
         if trace is not None:
             trace.end(request, exc)
         raise
@@ -103,6 +107,8 @@ def execute_sync(
         request._sending = False
         if token is not None:
             Request._dispatched_done(token)
+        else:
+            Request._dispatch_lost(outer)
     if trace is not None:
         trace.end(request, None)
     return result
@@ -158,7 +164,13 @@ def _loop(
             raise _failing.timed_out(
                 request, request.last_reason, _failing.strategy_of(request, self._default), clock()
             ) from _failing.cause(request)
-        request._begin_attempt(clock())
+        if not request._begin_attempt_on_threads(clock()):
+            # Request.cancel() from another thread since the loop's last look: nothing is sent.
+            if request._has_unsent_retry():
+                self._refund_unsent(request, Verdict.RETRY)
+            raise _failing.already_completed(request, request.last_reason) from _failing.cause(
+                request
+            )
         try:
             # with telemetry, the attempt in its span (rfc/0008)
             result = send(request) if trace is None else trace.call_sync(send, request)

@@ -30,6 +30,7 @@ DEFAULT_TIMEOUT = timedelta(milliseconds=2500)
 _DEFAULT_SECONDS = DEFAULT_TIMEOUT.total_seconds()
 _ids = itertools.count(1)
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
+_PENDING = RequestState.PENDING
 
 
 #: The request whose attempt is being sent in this task or thread (set by the doors
@@ -63,7 +64,12 @@ def dispatching() -> Request | None:
     channels): its shape stays this module's business.
     """
     mark = _DISPATCHING.get()
-    return None if mark is None else mark[0]
+    if mark is None:
+        return None
+    outer: Request | None = mark[0]
+    # A completed request sends nothing more: a mark an interrupt left behind (see
+    # Request._dispatch_lost) bounds nothing.
+    return outer if outer is not None and outer._state is _PENDING else None
 
 
 @attrs.frozen(slots=True)
@@ -188,7 +194,11 @@ class Request(RetryState):
         mark = _DISPATCHING.get()
         if mark is not None:
             outer: Request | None = mark[0]  # None once that dispatch has ended
-            if outer is not None and outer._deadline != math.inf:
+            if (
+                outer is not None
+                and outer._deadline != math.inf
+                and outer._state is _PENDING  # not a mark an interrupt left (_dispatch_lost)
+            ):
                 # Made inside another request's send: never outlive it (deadline in).
                 left = outer._deadline - outer._clock()
                 inherited = start + (left if left > 0.0 else 0.0)
@@ -369,6 +379,22 @@ class Request(RetryState):
         mark in its context, no longer inherits the deadline nor keeps the request."""
         mark[0] = None
         _DISPATCHING.reset(mark[1])
+
+    @staticmethod
+    def _dispatch_lost(outer: Any) -> None:
+        """A :meth:`_dispatching` whose mark never reached its door: an interrupt (a
+        KeyboardInterrupt on the sync door's thread) raised after the mark was set but
+        before the door held it. ``outer``: the mark before it (``_DISPATCHING.get()``
+        when the door began). Without this, every request the thread built later would
+        inherit the lost request's deadline."""
+        mark = _DISPATCHING.get()
+        if mark is None or mark is outer:
+            return  # never set
+        mark[0] = None
+        if mark[1] is not None:
+            _DISPATCHING.reset(mark[1])
+        else:
+            _DISPATCHING.set(outer)
 
     def _resolved_by(self, door: object, resolve: Callable[[Request], tuple[Any, ...]]) -> Any:
         """What ``door`` (an orchestrator) works out once per request: ``(door, *resolve(self))``.

@@ -183,6 +183,18 @@ class RetryState:
         self._in_flight = True
         self._sent_at = now
 
+    def _begin_attempt_on_threads(self, now: float) -> bool:
+        """:meth:`_begin_attempt` for ``execute_sync``, under ``_ENDING`` and only while the
+        request is pending (False: nothing may be sent). ``Request.cancel()`` from another
+        thread then either comes first, and the attempt is never sent, or finds it in
+        flight: a cancel that returned is never followed by a send."""
+        with _ENDING:
+            if self._state is not _PENDING:
+                return False
+            self._in_flight = True
+            self._sent_at = now
+        return True
+
     def _first_dispatch(self) -> bool:
         """True the first time a door asks: the request's first attempt goes out."""
         if self._dispatched:
@@ -283,11 +295,10 @@ class RetryState:
     def _end_locked(self, state: RequestState, why: CancellationReason | None) -> bool:
         """:meth:`_end` under ``_ENDING`` (``Request.cancel()``, and the endings of a request
         ``execute_sync`` runs)."""
-        _ENDING.acquire()  # acquire()/release(): ``with`` cost twice as much here
-        try:
+        # ``with``, not acquire() then try: an interrupt (KeyboardInterrupt) raised between
+        # the two left the lock held, and every later ending on every thread blocked.
+        with _ENDING:
             return self._end(state, why)
-        finally:
-            _ENDING.release()
 
     def _end(self, state: RequestState, why: CancellationReason | None) -> bool:
         """The check and the set of an ending (see ``_ENDING``: hold it when threads may race)."""
@@ -310,11 +321,8 @@ class RetryState:
         if not self._threaded:
             self._end_timed_out()
             return
-        _ENDING.acquire()
-        try:
+        with _ENDING:
             self._end_timed_out()
-        finally:
-            _ENDING.release()
 
     def _end_timed_out(self) -> None:
         if self._cancellation is not CancellationReason.CANCELLED_VIA_CONTEXT:
@@ -332,15 +340,12 @@ class RetryState:
         (``Request.cancel()`` may come from another one), unless a door is sending it
         already (False). Under ``_ENDING``: two threads handed one request cannot both
         take it."""
-        _ENDING.acquire()
-        try:
+        with _ENDING:
             if self._being_sent():
                 return False
             self._sending = True
             self._on_threads()
             return True
-        finally:
-            _ENDING.release()
 
     def _on_threads(self) -> None:
         """``execute_sync`` runs the request: ``Request.cancel()`` may come from another

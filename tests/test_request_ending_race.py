@@ -131,6 +131,12 @@ class _CountingLock:
     def release(self) -> None:
         pass
 
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
 
 @pytest.mark.parametrize("threaded", [False, True], ids=["async-door", "execute_sync"])
 def test_only_a_thread_doors_request_takes_the_lock_to_end(

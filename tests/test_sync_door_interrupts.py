@@ -1,0 +1,222 @@
+"""The sync door under another thread's cancel and the caller's own interrupts.
+
+A threaded application's review found: a ``Request.cancel()`` that landed between
+``execute_sync``'s last look at the request and its ``send`` was followed by the send (a
+write the application had cancelled went out, reported "ambiguous"); a KeyboardInterrupt
+raised between a lock's ``acquire()`` and its ``try`` left the lock held, and every later
+``execute_sync`` ending and ``Request.cancel()`` on every thread blocked; one raised
+after the deadline-propagation mark was set left it in the thread, and every later
+request there inherited the interrupted one's deadline; one raised as an adaptive
+limiter's guard read its clock kept the permit; one raised outside the retry loop (as
+the mark was set) left the request pending.
+"""
+
+from __future__ import annotations
+
+import gc
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from sdkcore import (
+    AdaptiveConcurrencyLimiter,
+    BestEffortRetryStrategy,
+    CancellationReason,
+    Request,
+    RequestCanceledException,
+    RequestState,
+    RetryableError,
+    RetryOrchestrator,
+    RetryReason,
+)
+from sdkcore._request import dispatching
+from sdkcore._retry_state import _ENDING
+
+
+def _cancel_at(reading: int, script: list[Any]) -> tuple[list[bool], BaseException | Any, Request]:
+    """Run a non-idempotent write on ``execute_sync`` whose clock cancels the request at
+    its ``reading``-th read (as another thread's cancel landing there). Returns, per send,
+    whether the cancel had returned before it, and the outcome."""
+    readings = [0]
+    cancelled = [False]
+    holder: list[Request] = []
+
+    def clock() -> float:
+        readings[0] += 1
+        if readings[0] == reading and holder:
+            holder[0].cancel()
+            cancelled[0] = True
+        return time.monotonic()
+
+    request = Request(name="write", idempotent=False, timeout=5.0, clock=clock)
+    holder.append(request)
+    steps = list(script)
+    sends: list[bool] = []
+
+    def send(r: Request) -> Any:
+        sends.append(cancelled[0])
+        step = steps.pop(0)
+        if isinstance(step, BaseException):
+            raise step
+        return step
+
+    orchestrator = RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda n: 0.0))
+    try:
+        outcome: Any = orchestrator.execute_sync(request, send)
+    except RequestCanceledException as exc:
+        outcome = exc
+    return sends, outcome, request
+
+
+@pytest.mark.parametrize(
+    "script",
+    [["ok"], [RetryableError(RetryReason.KV_TEMPORARY_FAILURE), "ok"]],
+    ids=["first attempt", "after a retry"],
+)
+def test_a_cancel_that_returned_is_never_followed_by_a_send(script: list[Any]) -> None:
+    unsent = 0
+    for reading in range(1, 12):
+        sends, outcome, request = _cancel_at(reading, script)
+        assert True not in sends, f"cancel at reading {reading}: sent after cancel() returned"
+        if isinstance(outcome, RequestCanceledException) and len(sends) == len(script) - 1:
+            # the cancel came before the attempt it would have sent: nothing of it went out
+            unsent += 1
+            assert "it was not applied on the server (unambiguous)" in str(outcome)
+            assert request.state is RequestState.CANCELLED
+    assert unsent >= 1  # some reading falls between the loop's last look and the send
+
+
+class _Interrupt(BaseException):
+    """A KeyboardInterrupt stand-in a test may raise anywhere without stopping pytest."""
+
+
+@pytest.fixture
+def storm() -> Iterator[Any]:
+    """``storm(fn, seconds)``: call ``fn`` in a loop on the main thread while a timer
+    raises ``_Interrupt`` every 0.3 ms, wherever the thread is; returns the interrupts."""
+    if threading.current_thread() is not threading.main_thread() or sys.platform == "win32":
+        pytest.skip("needs signals on the main thread")
+    armed = [False]
+
+    def handler(signum: int, frame: Any) -> None:
+        if armed[0]:
+            raise _Interrupt
+
+    previous = signal.signal(signal.SIGALRM, handler)
+
+    def run(fn: Any, seconds: float) -> int:
+        caught = 0
+        gc.collect()
+        gc.disable()  # no finalizer of another test's objects runs (and is interrupted) here
+        until = time.monotonic() + seconds
+        signal.setitimer(signal.ITIMER_REAL, 0.0003, 0.0003)
+        try:
+            while time.monotonic() < until:
+                try:
+                    armed[0] = True
+                    try:
+                        fn()
+                    finally:
+                        armed[0] = False
+                except _Interrupt:
+                    caught += 1
+                except RuntimeError:  # (CPython's Condition under an interrupt; not ours)
+                    caught += 1
+        finally:
+            while True:  # a pending signal may still raise here
+                try:
+                    armed[0] = False
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+                    break
+                except _Interrupt:
+                    continue
+            gc.enable()
+        return caught
+
+    try:
+        yield run
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
+# An interrupt may also land in a finalizer: Python reports it as unraisable, not ours.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_interrupts_anywhere_leave_no_lock_held_and_no_deadline_behind(storm: Any) -> None:
+    orchestrator = RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda n: 0.0))
+    flaky = [0]
+
+    def send(request: Request) -> int:
+        flaky[0] += 1
+        if flaky[0] % 2:
+            raise RetryableError(RetryReason.KV_TEMPORARY_FAILURE)
+        return 1
+
+    state: dict[str, Any] = {}
+
+    def one() -> None:
+        if _ENDING.locked() or orchestrator._lock.locked():
+            state.setdefault("held", (_ENDING.locked(), orchestrator._lock.locked()))
+        orchestrator.execute_sync(Request(name="r", idempotent=True, timeout=5.0), send)
+
+    caught = storm(one, 1.5)
+    assert caught > 0
+    assert "held" not in state  # (seen between two calls: a lock an interrupt left held)
+    assert not _ENDING.locked()
+    assert not orchestrator._lock.locked()
+    fresh = Request(name="fresh", timeout=10.0)
+    assert fresh.time_left is not None
+    assert fresh.time_left.total_seconds() > 9.0  # no deadline inherited from a lost mark
+    assert dispatching() is None
+    assert orchestrator.execute_sync(Request(name="after", idempotent=True), lambda r: 7) == 7
+
+
+def test_a_mark_an_interrupt_left_behind_bounds_no_later_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = Request._dispatching
+
+    def interrupted(self: Request) -> Any:
+        real(self)  # the mark is set; the interrupt comes before the door holds it
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Request, "_dispatching", interrupted)
+    request = Request(name="interrupted", idempotent=True, timeout=0.5)
+    with pytest.raises(KeyboardInterrupt):
+        RetryOrchestrator().execute_sync(request, lambda r: 1)
+    monkeypatch.undo()
+    assert request.state is RequestState.CANCELLED  # ended, not left pending
+    assert request.cancellation_reason is CancellationReason.TASK_CANCELLED
+    assert dispatching() is None
+    later = Request(name="later", timeout=10.0).time_left
+    assert later is not None
+    assert later.total_seconds() > 9.0
+
+
+def test_an_interrupt_as_the_adaptive_guard_reads_its_clock_gives_the_permit_back() -> None:
+    class Clock:
+        armed = False
+
+        def __call__(self) -> float:
+            if self.armed:
+                self.armed = False
+                raise KeyboardInterrupt
+            return time.monotonic()
+
+    clock = Clock()
+    limiter = AdaptiveConcurrencyLimiter(initial_limit=2, min_limit=1, max_limit=2, clock=clock)
+    orchestrator = RetryOrchestrator()
+
+    def send(request: Request) -> str:
+        with limiter.guard():
+            clock.armed = True  # the interrupt comes as the dispatch ends
+            return "ok"
+
+    for _ in range(3):
+        with pytest.raises(KeyboardInterrupt):
+            orchestrator.execute_sync(Request(idempotent=True), send)
+        assert limiter.in_flight == 0
