@@ -184,16 +184,20 @@ class RetryState:
         self._sent_at = now
 
     def _begin_attempt_on_threads(self, now: float) -> bool:
-        """:meth:`_begin_attempt` for ``execute_sync``, under ``_ENDING`` and only while the
-        request is pending (False: nothing may be sent). ``Request.cancel()`` from another
-        thread then either comes first, and the attempt is never sent, or finds it in
-        flight: a cancel that returned is never followed by a send."""
-        with _ENDING:
-            if self._state is not _PENDING:
-                return False
-            self._in_flight = True
-            self._sent_at = now
-        return True
+        """:meth:`_begin_attempt` for ``execute_sync``, only while the request is pending
+        (False: nothing may be sent). The attempt is marked in flight first, then the state
+        read: ``Request.cancel()`` from another thread sets the state (under ``_ENDING``)
+        either before that read, and nothing is sent, or after the mark, and the attempt
+        was in flight: a cancel that returned is never followed by a send. No lock: under
+        the GIL the two threads' steps interleave whole, and taking ``_ENDING`` here cost
+        0.15 us more of a 2.6 us successful call (bench/README, "The sync door's cancel check")."""
+        self._in_flight = True
+        self._sent_at = now
+        if self._state is _PENDING:
+            return True
+        self._in_flight = False
+        self._sent_at = -1.0
+        return False
 
     def _first_dispatch(self) -> bool:
         """True the first time a door asks: the request's first attempt goes out."""
