@@ -6,6 +6,7 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 import grpc
+from grpc import aio
 from grpc.aio import _base_call
 
 from ._metadata import _with_attempts
@@ -67,7 +68,8 @@ class _FinishedUnaryCall(_base_call.UnaryUnaryCall):  # type: ignore[misc]
 
 class _Readers:
     """The readers of a call whose outcome ``_settled()`` gives: (call, None), (None, error), or
-    None when the call itself was cancelled; ``_trailing(call, md)`` corrects the metadata."""
+    None when the call itself was cancelled (then as a cancelled grpc.aio unary call's: empty
+    metadata, CANCELLED); ``_trailing(call, md)`` corrects the metadata."""
 
     async def _settled(self) -> tuple[Any, Any] | None:
         raise NotImplementedError
@@ -77,15 +79,15 @@ class _Readers:
 
     async def initial_metadata(self) -> Any:
         out = await self._settled()
-        if out is None:
-            return None
+        if out is None:  # cancelled: empty, as a grpc.aio unary call's
+            return aio.Metadata()
         call, err = out
         return err.initial_metadata() if err is not None else await call.initial_metadata()
 
     async def trailing_metadata(self) -> Any:
         out = await self._settled()
-        if out is None:
-            return None
+        if out is None:  # cancelled: empty, as a grpc.aio unary call's
+            return aio.Metadata()
         call, err = out
         if err is not None:
             return err.trailing_metadata()

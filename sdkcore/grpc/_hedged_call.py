@@ -182,6 +182,8 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
     def _driver_done(self, task: asyncio.Task[Any]) -> None:
         self._core._waiting.discard(self)
         self._ended = True
+        if not task.cancelled():
+            task.exception()  # read: a call nobody reads logs nothing, as grpc.aio's
         self._wake()
 
     def _stop_timer(self) -> None:

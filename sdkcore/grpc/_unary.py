@@ -223,6 +223,10 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         if driver.cancelled():
             # call.cancel() before the task's first step: _drive never ran to end the call.
             self._end_without_status(asyncio.CancelledError())
+        else:
+            # Read here: the readers get it from the task, and a call nobody reads (fire
+            # and forget) logs no "Task exception was never retrieved", as grpc.aio's.
+            driver.exception()
 
     async def _drive(self, err: Any) -> Any:
         """The retry loop after the first failure: the successful call, or raise the error."""
