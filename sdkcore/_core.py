@@ -303,7 +303,8 @@ class OrchestratorCore:
     ) -> Decision:
         """:func:`decide` for ``execute_sync``: the capacity check and the count of requests
         in retry move together under the lock, which is never held while user code runs.
-        ``with``: an interrupt between an ``acquire()`` and its ``try`` left it held."""
+        ``with``: an interrupt between an ``acquire()`` and its ``try`` left it held. The
+        same call as :meth:`_settle`'s for the loop's thread, which takes no lock."""
         with self._lock:
             verdict, delay = decide(
                 reason,

@@ -171,11 +171,11 @@ async def abort(context: Any, code: Any, *, trailing: tuple[tuple[str, str], ...
 
 async def cancel_while_waiting_to_retry(
     server: Server, method: str, how: str, telemetry: Any = None
-) -> None:
+) -> Any:
     """A call of ``method`` (whose attempts all fail with a retryable status) is ended while
     it waits to retry, in a 16-24 s backoff (20 s, proportional jitter), by ``how``:
     ``"call.cancel()"`` or ``"channel.close()"``; it raises ``asyncio.CancelledError``. The
-    channel (with ``telemetry``) is closed afterwards."""
+    channel (with ``telemetry``) is closed afterwards. Returns the call (its readers)."""
     with anyio.fail_after(TEST_TIMEOUT):
         ch = insecure_channel(  # a 16-24 s backoff: the call is surely waiting in it
             server.target,
@@ -194,6 +194,7 @@ async def cancel_while_waiting_to_retry(
         with pytest.raises(asyncio.CancelledError):
             await pending
         await ch.close()
+    return call
 
 
 class ReservedPort:

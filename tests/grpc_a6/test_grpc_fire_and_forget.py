@@ -18,7 +18,14 @@ import anyio
 import pytest
 
 grpc = pytest.importorskip("grpc")
-from grpc_server import TEST_TIMEOUT, Server, abort, retry_config, wait_until  # noqa: E402
+from grpc_server import (  # noqa: E402
+    TEST_TIMEOUT,
+    Server,
+    abort,
+    cancel_while_waiting_to_retry,
+    retry_config,
+    wait_until,
+)
 
 from sdkcore.grpc import insecure_channel  # noqa: E402
 
@@ -78,21 +85,8 @@ async def test_a_unary_call_cancelled_in_its_backoff_reads_empty_metadata(
         return b""
 
     method = server.unary_unary("M", fn)
+    call = await cancel_while_waiting_to_retry(server, method, how)
     with anyio.fail_after(TEST_TIMEOUT):
-        ch = insecure_channel(
-            server.target, service_config=retry_config(initial="20s", maximum="20s")
-        )
-        call = ch.unary_unary(method)(b"x")
-        pending = asyncio.ensure_future(call)
-        await wait_until(lambda: server.count("M") == 1)
-        await asyncio.sleep(0.05)  # the call waits to retry
-        if how == "call.cancel()":
-            assert call.cancel()
-        else:
-            await ch.close()
-        with pytest.raises(asyncio.CancelledError):
-            await pending
         assert await call.code() == grpc.StatusCode.CANCELLED
         assert await call.initial_metadata() == grpc.aio.Metadata()
         assert await call.trailing_metadata() == grpc.aio.Metadata()
-        await ch.close()
