@@ -235,7 +235,7 @@ class OrchestratorCore:
         if not reason.always_retry and not isinstance(action, RetryAction):
             name = _failing.strategy_name(strategy)
             error = _failing.bad_action(name, reason, action, _failing.asked(strategy))
-            _failing.strategy_failed(request, reason, name, error)
+            _failing.strategy_failed(request, reason, name, error, raised=False)
             raise error
         left = request.deadline - now
         if threads:

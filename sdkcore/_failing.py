@@ -10,6 +10,7 @@ No waiting and no decisions: those are :mod:`sdkcore._decision` and the runtime'
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -503,10 +504,29 @@ def _not_idempotent(request: Request, reason: RetryReason, action: RetryAction |
 
 
 def strategy_failed(
-    request: Request, reason: RetryReason, strategy: str, error: BaseException
+    request: Request,
+    reason: RetryReason,
+    strategy: str,
+    error: BaseException,
+    *,
+    raised: bool = True,
 ) -> None:
-    """The strategy raised (or answered with something that is not a RetryAction)."""
+    """The strategy raised ``error`` (``raised``), or answered with something that is not
+    a RetryAction (``error``: sdkcore's TypeError saying so, :func:`bad_action`).
+
+    The error propagates to the caller unchanged; on Python 3.11+ one the strategy raised
+    carries a note (``add_note``, shown under its traceback) naming the strategy and the
+    request, so that a ``ZeroDivisionError`` out of ``execute`` says where it came from.
+    """
     request._finish(RequestState.FAILED)
+    add_note = getattr(error, "add_note", None) if raised else None
+    if add_note is not None:
+        # (an exception class whose notes cannot be set: no note)
+        with contextlib.suppress(Exception):
+            add_note(
+                f"sdkcore: raised by the retry strategy {strategy} deciding on request "
+                f"{request.id} ({request.name!r}) after {reason.name}; the request failed"
+            )
     log = _log.enabled(_log.WARNING)
     if log is not None:
         log.warning(

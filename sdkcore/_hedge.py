@@ -325,24 +325,21 @@ class _Chain:
         reason = failure.reason
         if self.strategy is None or reason.always_retry or self.over:
             return True
+        name = _failing.strategy_name(self.strategy)
         try:
             action = self._answer(reason)
-            if action is _UNASKED:  # it waits for I/O: not asked (see _answer)
-                return True
-            if type(action) is not RetryAction:
-                raise _failing.bad_action(
-                    _failing.strategy_name(self.strategy),
-                    reason,
-                    action,
-                    self.asked,
-                )
         except Exception as exc:  # the chain ends with the strategy's error (logged)
-            _failing.strategy_failed(
-                self.request, reason, _failing.strategy_name(self.strategy), exc
-            )
+            _failing.strategy_failed(self.request, reason, name, exc)
             self._end_with(exc)
             return True  # booked as a failure; the chain is over
-        if type(action) is RetryAction and action.seconds is None:
+        if action is _UNASKED:  # it waits for I/O: not asked (see _answer)
+            return True
+        if type(action) is not RetryAction:  # sdkcore's error, naming the strategy
+            error = _failing.bad_action(name, reason, action, self.asked)
+            _failing.strategy_failed(self.request, reason, name, error, raised=False)
+            self._end_with(error)
+            return True
+        if action.seconds is None:
             self.refusal = action
             return False
         return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Awaitable
 from datetime import timedelta
@@ -694,3 +695,32 @@ def test_a_helper_called_from_decide_is_not_warned() -> None:
                 return super().decide(request, reason)
 
     assert Helper().decide  # made without a warning
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
+async def test_an_error_the_strategy_raised_says_so_in_a_note() -> None:
+    """It propagates unchanged (its type, its traceback); a note under it names the
+    strategy and the request, which a bare ZeroDivisionError out of execute did not.
+    The doors' own TypeError for a bad answer names the strategy in its message: no note."""
+
+    class Broken(BestEffortRetryStrategy):
+        def decide(self, request: Request, reason: RetryReason) -> RetryAction:
+            return 1 / 0  # type: ignore[return-value]
+
+    class Nonsense(BestEffortRetryStrategy):
+        def decide(self, request: Request, reason: RetryReason) -> RetryAction:
+            return "later"  # type: ignore[return-value]
+
+    async def send(request: Request) -> None:
+        raise RetryableError(RetryReason.KV_LOCKED)
+
+    request = Request(name="kv.get", idempotent=True, timeout=5.0)
+    with pytest.raises(ZeroDivisionError) as info:
+        await RetryOrchestrator(Broken()).execute(request, send)
+    assert getattr(info.value, "__notes__", None) == [
+        f"sdkcore: raised by the retry strategy Broken deciding on request {request.id} "
+        "('kv.get') after KV_LOCKED; the request failed"
+    ]
+    with pytest.raises(TypeError, match=r"Nonsense\.decide") as bad:
+        await RetryOrchestrator(Nonsense()).execute(Request(idempotent=True), send)
+    assert getattr(bad.value, "__notes__", None) is None
