@@ -194,13 +194,17 @@ def finish_by(request: Request, exc: BaseException, cut: bool | None = None) -> 
     if request.state is not RequestState.PENDING:
         if (
             not isinstance(exc, Exception)
-            and cut is None
-            and request.in_flight
             and request.cancellation_reason is CancellationReason.CANCELLED_VIA_CONTEXT
         ):
-            # Request.cancel() from another thread, then the caller's own interrupt while
-            # the attempt was still in flight: it is booked maybe applied, as the cancel's.
-            already_completed(request, request.last_reason, cut=True)
+            if cut is None and request.in_flight:
+                # Request.cancel() from another thread, then the caller's own interrupt
+                # while the attempt was still in flight: booked maybe applied, as the cancel's.
+                already_completed(request, request.last_reason, cut=True)
+            elif cut is not None:
+                # A hedge (its copies booked by the chain) whose Request.cancel() came with
+                # its task's cancellation (a gRPC hedged call's cancel() does both): the
+                # cancellation reaches it here, not through the chain's end, which logs.
+                already_completed(request, request.last_reason, cut=cut)
         return
     if isinstance(exc, Exception):
         request._finish_by(exc)

@@ -463,7 +463,8 @@ class _Chain:
                 request_name=self.request.name,
                 hedge=attempt.index,
                 hedges_sent=len(self.attempts),
-                elapsed_ms=round((self.clock() - self.origin) * 1000.0, 3),
+                # since the request began: hedge 0's time before the chain (a gRPC call's)
+                elapsed_ms=round((self.clock() - self.origin + self.first_elapsed) * 1000.0, 3),
             )
 
     def _failed(self, attempt: _Attempt, failure: RetryableError) -> None:
@@ -757,7 +758,7 @@ async def run_hedged(
     if request.cancelled:
         # Request.cancel(), also after a copy's final error arrived but before the caller
         # resumed: the caller gets the cancellation (rfc/0001, "Application cancel").
-        error: BaseException = _failing.already_completed(request, request.last_reason)
+        error: BaseException = _failing.already_completed(request, request.last_reason, cut=cut > 0)
         _with_extra(error, chain, in_flight=cut > 0)
         raise error from _failing.cause(request)
     if chain.fatal is not None:

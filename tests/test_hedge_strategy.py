@@ -290,3 +290,32 @@ async def test_an_async_decide_is_not_left_unawaited_by_hedge() -> None:
             await RetryOrchestrator().hedge(req(AsyncDecide()), send, HedgePolicy(3, delay=1.0))
         gc.collect()
     assert send.sent == [0, 1]  # not asked: the policy decided
+
+
+async def test_request_cancel_with_copies_in_flight_logs_them_as_cut() -> None:
+    """retry.cancelled said in_flight=False though Request.cancel() cut three copies (the
+    exception's context said true)."""
+    blocks = Sends({})  # every copy blocks
+    three_out = anyio.Event()
+
+    async def send(request: Request, index: int) -> Any:
+        if index == 2:
+            three_out.set()
+        return await blocks(request, index)
+
+    request = req()
+    with anyio.fail_after(SAFETY), capture_retry_events() as events:
+        async with anyio.create_task_group() as tg:
+
+            async def cancel_when_three_are_out() -> None:
+                await three_out.wait()
+                request.cancel()
+
+            tg.start_soon(cancel_when_three_are_out)
+            with pytest.raises(RequestCanceledException) as info:
+                await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.01))
+    assert info.value.context is not None
+    assert info.value.context.in_flight is True
+    [event] = [e for e in events if e["event"] == "retry.cancelled"]
+    assert event["in_flight"] is True
+    assert event["cancellation_reason"] == "CANCELLED_VIA_CONTEXT"

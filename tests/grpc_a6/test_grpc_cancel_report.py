@@ -13,6 +13,7 @@ pending and the log ended with ``retry.scheduled``.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -144,3 +145,61 @@ async def test_a_call_cut_on_its_first_attempt_logs_nothing(server: Server) -> N
                 await pending
             release.set()
     assert list(events) == []
+
+
+def _hedging(delay: str, attempts: int = 3) -> str:
+    return json.dumps(
+        {
+            "methodConfig": [
+                {
+                    "name": [{"service": "test.Svc"}],
+                    "hedgingPolicy": {"maxAttempts": attempts, "hedgingDelay": delay},
+                }
+            ]
+        }
+    )
+
+
+async def test_a_hedged_call_cancelled_with_hedges_out_logs_it(server: Server) -> None:
+    """call.cancel() of a hedged call with three hedges in flight logged only their
+    hedge.cancelled: the request's own retry.cancelled was missing (the core door logs it)."""
+    release = asyncio.Event()
+
+    async def fn(request: bytes, context: Any, attempt: int) -> bytes:
+        await release.wait()
+        return b"late"
+
+    method = server.unary_unary("M", fn)
+    with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
+        async with insecure_channel(server.target, service_config=_hedging("0.01s")) as ch:
+            call = ch.unary_unary(method)(b"x")
+            pending = asyncio.ensure_future(call)
+            await wait_until(lambda: server.count("M") == 3)
+            assert call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pending
+            release.set()
+    [event] = _cancelled(events)
+    assert event["cancellation_reason"] == "CANCELLED_VIA_CONTEXT"
+    assert event["in_flight"] is True
+
+
+async def test_hedge_won_elapsed_counts_from_the_calls_start(server: Server) -> None:
+    """On a channel the chain begins after the hedging delay (hedge 0 is the call's own
+    first attempt): hedge.won's elapsed_ms left that delay out (1.5 ms for a call that
+    took more than 50)."""
+
+    async def fn(request: bytes, context: Any, attempt: int) -> bytes:
+        if attempt == 1:
+            await asyncio.sleep(1.0)  # the first hedge is slow: the second wins
+        return b"ok"
+
+    method = server.unary_unary("M", fn)
+    with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
+        async with insecure_channel(
+            server.target, service_config=_hedging("0.05s", attempts=2)
+        ) as ch:
+            assert await ch.unary_unary(method)(b"x") == b"ok"
+    [won] = [e for e in events if e["event"] == "hedge.won"]
+    assert won["hedge"] == 1
+    assert won["elapsed_ms"] >= 50.0
