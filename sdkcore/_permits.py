@@ -319,7 +319,11 @@ class Permits:
         block.
         """
         request = dispatching()
-        left = math.inf if request is None else request._left()
+        # The request's own deadline, not an enclosing cancel scope's: the scope cuts the
+        # wait by itself, as the cancellation it catches (a refusal at the scope's time
+        # escaped the scope as the request's failure, and a strategy that does not retry
+        # CONCURRENCY_LIMITED ended a request with seconds of its own time left).
+        left = math.inf if request is None else request._deadline - request._clock()
         rt = _runtime.current()
         why = None
         waiter: Any = None
