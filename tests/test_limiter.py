@@ -26,9 +26,12 @@ from sdkcore import (
     BestEffortRetryStrategy,
     HedgePolicy,
     Request,
+    RequestState,
     RetryableError,
+    RetryAction,
     RetryBudget,
     RetryOrchestrator,
+    RetryReason,
     UnambiguousTimeoutException,
 )
 from sdkcore._limiter import ConcurrencyLimiter
@@ -690,3 +693,45 @@ async def test_a_wait_cut_by_the_requests_own_deadline_is_not_ambiguous(
             assert limiter.queued == 0
     assert not request.maybe_applied
     assert [(a.reason, a.effect) for a in request.attempts] == [(LIMITED, AttemptEffect.NOT_SENT)]
+
+
+@pytest.mark.anyio
+async def test_an_enclosing_scope_cuts_a_queued_wait_as_its_cancellation() -> None:
+    """The queue's margin came from the request's time left with the enclosing scope's
+    deadline in it: at the scope's time the wait ended as a CONCURRENCY_LIMITED refusal,
+    and a strategy that does not retry that reason (README's shedding recipe) ended the
+    request with it, escaping ``move_on_after`` though the request had seconds left."""
+
+    class Shed(BestEffortRetryStrategy):
+        def decide(self, request: Request, reason: RetryReason) -> RetryAction:
+            if reason is RetryReason.CONCURRENCY_LIMITED:
+                return RetryAction.no_retry()
+            return super().decide(request, reason)
+
+    limiter = ConcurrencyLimiter(1, max_queued=8)
+    held, release = anyio.Event(), anyio.Event()
+    sent: list[str] = []
+
+    async def holder() -> None:
+        async with limiter.acquire():
+            held.set()
+            await release.wait()
+
+    async def send(request: Request) -> str:
+        async with limiter.acquire():
+            sent.append(request.name)
+            return "ok"
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(holder)
+            await held.wait()
+            request = Request(name="r", timeout=5.0, retry_strategy=Shed())
+            with anyio.move_on_after(0.2) as scope:
+                await RetryOrchestrator().execute(request, send)
+            release.set()
+    assert scope.cancelled_caught  # the scope's cancellation, caught by it: nothing escaped
+    assert sent == []
+    assert limiter.queued == 0
+    assert limiter.in_flight == 0
+    assert request.state is RequestState.CANCELLED
