@@ -196,3 +196,37 @@ def test_sync_door_breaker_opens_and_the_canary_closes(memcached: Memcached) -> 
                 time.sleep(0.01)
         assert breaker.state is CircuitState.CLOSED
         assert client.get("k") == b"back"
+
+
+async def test_one_reset_with_many_requests_in_flight_is_one_failure(
+    memcached: Memcached, proxy: FaultProxy
+) -> None:
+    """A memcached SDK maintainer's review: each request the reset failed counted as a
+    failure of its own, so one reset of a healthy server with 30 GETs out opened the
+    breaker (volume 5, 50%), their retries were refused, and the endpoint was cut off for
+    the sleep window. One lost connection is one failure now; the GETs retry and pass."""
+    factory = breaker_factory(sleep_window=5.0)
+    async with MemcachedClient(
+        f"127.0.0.1:{proxy.port}",
+        orchestrator=RetryOrchestrator(BestEffortRetryStrategy()),
+        timeout=5.0,
+        breaker=factory,
+    ) as client:
+        breaker = client.breakers[0]
+        await client.set("k", b"v")
+        proxy.delay = 0.5  # replies held (one after another): the GETs below are all in flight
+        results: list[Any] = []
+
+        async def get() -> None:
+            results.append(await client.get("k"))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                for _ in range(30):
+                    tg.start_soon(get)
+                await wait_for(lambda: proxy.counts()[2].get(int(KvOpcode.GET), 0) >= 30, "30 out")
+                proxy.delay = 0.0
+                proxy.cut_all()  # one reset; memcached stays up
+        assert len(results) == 30
+        assert all(r == b"v" for r in results)
+        assert breaker.state is CircuitState.CLOSED

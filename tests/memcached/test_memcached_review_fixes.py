@@ -26,6 +26,7 @@ import anyio
 import anyio.abc
 import pytest
 from fault_proxy import FaultProxy
+from fuzz_kit import CountingBudget
 from lingering_stream import LingeringSend
 from memcached_server import Memcached
 from scripted_server import ScriptedServer, response
@@ -36,6 +37,8 @@ from sdkcore import (
     CircuitState,
     CouchbaseException,
     FailFastRetryStrategy,
+    RetryBudget,
+    RetryOrchestrator,
     RetryReason,
 )
 from sdkcore._orphans import OrphanReporter
@@ -113,6 +116,44 @@ async def test_a_request_cut_before_its_write_leaves_the_connection_to_the_other
             assert endpoint._connection is connection
             assert requests(proxy, KvOpcode.GET) == 0  # the cut GET was never written
             assert await client.get("k") == b"v"  # the same connection goes on
+
+
+@pytest.mark.anyio
+async def test_a_set_waiting_for_the_write_lock_when_the_connection_drops_is_not_sent(
+    memcached: Memcached, proxy: FaultProxy
+) -> None:
+    """A memcached SDK maintainer's review: requests waiting for the write lock when the
+    connection was lost wrote nothing, but failed as lost in flight, so a SET was refused
+    as "may have been applied" and its retry never tried; each also counted as a failure
+    for the breaker. Now it is not sent: the SET is retried on a new connection, once."""
+    budget = CountingBudget(RetryBudget(), [], lambda: None)
+    with anyio.fail_after(SAFETY):
+        async with MemcachedClient(
+            f"127.0.0.1:{proxy.port}",
+            timeout=SAFETY / 2,
+            orchestrator=RetryOrchestrator(BestEffortRetryStrategy(), retry_budget=budget),
+        ) as client:
+            await client.noop()  # connected
+            endpoint = client._endpoints[0]
+            connection = endpoint._connection
+            assert connection is not None
+            outcomes: dict[str, Any] = {}
+
+            async def put() -> None:
+                outcomes["set"] = await client.set("k", b"v")
+
+            async with anyio.create_task_group() as tg:
+                await connection.write_lock.acquire()  # another request's write under way
+                tg.start_soon(put)
+                await anyio.wait_all_tasks_blocked()  # the SET waits for the write lock
+                await connection.drop("the test drops the connection")
+                connection.write_lock.release()
+            assert isinstance(outcomes["set"], int)  # answered: its CAS
+            assert requests(proxy, KvOpcode.SET) == 1  # written once, on the new connection
+            assert endpoint._connection is not connection
+            assert endpoint.breaker.counts[1] == 0  # no failure: nothing was asked of it
+            assert budget.granted + budget.refused == 0  # a retry after nothing sent is free
+            assert await client.get("k") == b"v"
 
 
 # -- 1b. async on asyncio: a cut during the write is remembered for the orphan reporter ---

@@ -64,6 +64,11 @@ class _NotWritten(TimeoutError):
     """The deadline bounding a write had passed before any byte of the frame was written."""
 
 
+class _ClosedBeforeWrite(ConnectionResetError):
+    """The connection was lost before any byte of the frame was written (it waited for the
+    write lock, or found the connection closed): nothing of the request went out."""
+
+
 class _Waiter:
     __slots__ = ("done", "error", "response")
 
@@ -112,6 +117,9 @@ class _Connection:
         self.waiting: dict[int, _Waiter] = {}
         self.write_lock = anyio.Lock()
         self.lost: BaseException | None = None
+        #: The loss the breaker was told of: one lost connection is one failure of the
+        #: endpoint, however many requests in flight it failed (see _Endpoint._attempt).
+        self.reported: BaseException | None = None
         self.reads = 0  # chunks received so far: unchanged while the connection is silent
 
     async def read_loop(self) -> None:
@@ -268,13 +276,16 @@ class _Connection:
         timeout), so its late answer goes to the client's orphan reporter.
         """
         if self.lost is not None:
-            raise ConnectionResetError(f"connection to {self.name} is closed")
+            raise _ClosedBeforeWrite(f"connection to {self.name} is closed")
         waiter = _Waiter()
         self.waiting[opaque] = waiter
         try:
             async with self.write_lock:
-                if self.lost is None:  # else closed while this waited: the waiter has the error
-                    await self._write(frame, opaque, request)
+                if self.lost is not None:  # closed while this waited for the lock: not written
+                    raise _ClosedBeforeWrite(
+                        f"connection to {self.name} closed before the request was written"
+                    ) from self.lost
+                await self._write(frame, opaque, request)
             silent_since = self.reads
             sent_at = time.monotonic()
             try:
@@ -405,15 +416,20 @@ class _Endpoint:
             response = await connection.roundtrip(
                 build(opaque), opaque, lambda: _past_deadline(request), request
             )
-        except _NotWritten as exc:
+        except (_NotWritten, _ClosedBeforeWrite) as exc:
             # Nothing was written and the endpoint was not asked: no outcome for the
             # breaker (as the sync client's "no time left to send"), and any request may
-            # retry; the deadline that passed cancels it at its next checkpoint.
+            # retry (NOT_SENT); a deadline that passed cancels it at its next checkpoint.
             raise RetryableError(
                 RetryReason.SOCKET_NOT_AVAILABLE, f"{exc}; nothing was sent"
             ) from exc
         except OSError as exc:
-            breaker.record_failure(exc)
+            if exc is not connection.reported:
+                # One lost connection is one failure of the endpoint: the other requests
+                # it failed in flight (every waiter gets the same error) add none, or one
+                # reset of a healthy server with 20 requests out would open the breaker.
+                connection.reported = exc
+                breaker.record_failure(exc)
             raise RetryableError(
                 RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT,
                 f"connection to {self.name} closed while the request was in flight",
