@@ -114,6 +114,11 @@ def event_fields(
         shown = client_context_text(request.client_context)
         if shown:
             fields["client_context"] = dict(shown)
+    trace = request._trace
+    if trace is not None:  # telemetry on: the event joins the request's trace
+        ids = trace.ids()
+        if ids is not None:
+            fields["trace_id"], fields["span_id"] = ids
     return fields
 
 

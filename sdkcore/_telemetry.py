@@ -607,6 +607,23 @@ class RequestTrace:
             telemetry._failure("span", exc)
             self.span = None
 
+    def ids(self) -> tuple[str, str] | None:
+        """The request span's trace and span ids (32 and 16 lowercase hex digits, as W3C
+        ``traceparent`` writes them), for the log events of the request (rfc/0008, "Logs
+        and traces"); None without a recording span (a no-op tracer). Read only when an
+        event is logged."""
+        span = self.span
+        if span is None:
+            return None
+        try:
+            context = span.get_span_context()
+            if not context.is_valid:
+                return None
+            return format(context.trace_id, "032x"), format(context.span_id, "016x")
+        except Exception as exc:
+            self.telemetry._failure("span", exc)
+            return None
+
     # -- attempts --------------------------------------------------------------------
     def call_sync(self, send: Callable[[Any], T], request: Any) -> T:
         """``send(request)`` as one attempt in its own span (``execute_sync``).

@@ -416,3 +416,44 @@ async def test_a_refused_requests_span_status_is_its_message_not_its_context(ote
     assert span.status.status_code is StatusCode.ERROR
     assert span.status.description == info.value.message[:100]
     assert "{" not in (span.status.description or "")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("door", ["execute", "execute_sync"])
+async def test_log_events_carry_the_requests_trace_and_span_ids(otel: Otel, door: str) -> None:
+    """An operator joins a retry.* line to its trace: the request span's ids, as W3C
+    traceparent writes them (32 and 16 hex digits). Without telemetry there are none."""
+    from sdkcore.testing import capture_retry_events
+
+    request = Request(name="kv.get", idempotent=True, timeout=5.0)
+    failures = [RetryableError(LOCKED)]
+
+    def step(r: Request) -> str:
+        if failures:
+            raise failures.pop()
+        return "v"
+
+    async def send(r: Request) -> str:
+        return step(r)
+
+    orchestrator = otel.orchestrator(BestEffortRetryStrategy(backoff=lambda n: 0.0))
+    with capture_retry_events() as events:
+        if door == "execute":
+            assert await orchestrator.execute(request, send) == "v"
+        else:
+            assert orchestrator.execute_sync(request, step) == "v"
+    [scheduled] = [e for e in events if e["event"] == "retry.scheduled"]
+    span = span_named(otel.spans(), "kv.get")
+    context = span.get_span_context()
+    assert context is not None
+    assert scheduled["trace_id"] == format(context.trace_id, "032x")
+    assert scheduled["span_id"] == format(context.span_id, "016x")
+
+    plain = Request(name="kv.get", idempotent=True, timeout=5.0)
+    failures.append(RetryableError(LOCKED))
+    with capture_retry_events() as events:
+        assert await RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda n: 0.0)).execute(
+            plain, send
+        )
+    [scheduled] = [e for e in events if e["event"] == "retry.scheduled"]
+    assert "trace_id" not in scheduled
