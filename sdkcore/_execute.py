@@ -39,6 +39,20 @@ _NOT_SENT = AttemptEffect.NOT_SENT
 _INF = math.inf
 
 
+def _unsent_cut(request: Request, mark: Any, exc: BaseException) -> None:
+    """A cancellation reaching the door from a dispatch cut before it sent anything (a
+    limiter's queue: :func:`sdkcore._request.dispatch_unsent` set the mark): the attempt
+    in flight is booked not sent, so that the door does not take it for cut in flight."""
+    if (
+        mark is not None
+        and Request._dispatch_was_unsent(mark)
+        and request.in_flight
+        and not isinstance(exc, Exception)
+    ):
+        reason = Request._dispatch_unsent_reason(mark)
+        request._attempt_failed(reason, _NOT_SENT, None, request.clock())
+
+
 def _check_request(request: object, door: str) -> None:
     if not isinstance(request, Request):
         raise TypeError(f"{door}: request must be an sdkcore.Request, got {request!r}")
@@ -189,6 +203,8 @@ async def execute(
                 ) from None
             except RetryableError as failure:
                 del pending  # the finished attempt: not held through the backoff
+                if token is not None:
+                    token[2] = False  # (a queue's cut that send got past: not the next one's)
                 if trace is not None:
                     trace.attempt_end(handle, failure)
                     handle = None
@@ -249,6 +265,7 @@ async def execute(
     except BaseException as exc:
         if trace is not None and handle is not None:  # the attempt's failure, or what cut it
             trace.attempt_end(handle, exc)
+        _unsent_cut(request, token, exc)
         _failed(self, request, exc, scope, previous, trace)
     else:
         if scope is not None:
@@ -534,6 +551,7 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
             yield
         except BaseException as exc:
             request._set_cancel_hook(previous)
+            _unsent_cut(request, token, exc)
             if scope.exit(exc):
                 in_flight = request.in_flight
                 if in_flight and isinstance(exc, RetryableError) and exc.effect is _NOT_SENT:

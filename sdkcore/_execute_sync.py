@@ -106,7 +106,10 @@ def execute_sync(
     finally:
         request._sending = False
         if token is not None:
-            Request._dispatched_done(token)
+            # Request._dispatched_done, written out: no call (where Python raises a pending
+            # KeyboardInterrupt) before the reset, or the mark would stay in the thread.
+            token[0] = None
+            _DISPATCHING.reset(token[1])
         else:
             Request._dispatch_lost(outer)
     if trace is not None:

@@ -512,6 +512,9 @@ def _not_idempotent(request: Request, reason: RetryReason, action: RetryAction |
     )
 
 
+_NOTE = "sdkcore: raised by the retry strategy"
+
+
 def strategy_failed(
     request: Request,
     reason: RetryReason,
@@ -530,12 +533,17 @@ def strategy_failed(
     request._finish(RequestState.FAILED)
     add_note = getattr(error, "add_note", None) if raised else None
     if add_note is not None:
+        note = (
+            f"{_NOTE} {strategy} deciding on request "
+            f"{request.id} ({request.name!r}) after {reason.name}; the request failed"
+        )
         # (an exception class whose notes cannot be set: no note)
         with contextlib.suppress(Exception):
-            add_note(
-                f"sdkcore: raised by the retry strategy {strategy} deciding on request "
-                f"{request.id} ({request.name!r}) after {reason.name}; the request failed"
-            )
+            notes = getattr(error, "__notes__", None)
+            if isinstance(notes, list) and notes and str(notes[-1]).startswith(_NOTE):
+                notes[-1] = note  # one exception object raised again: its latest request only
+            else:
+                add_note(note)
     log = _log.enabled(_log.WARNING)
     if log is not None:
         log.warning(

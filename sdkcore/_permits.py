@@ -379,13 +379,12 @@ class Permits:
                 raise self._refused(
                     f"no permit within the request's deadline (limit {self._cap})"
                 ) from None
-            if request is not None and request.in_flight:
-                # Cut while queued (the request's own deadline scope, on a loop too late for
-                # the margin above, or the caller): nothing was sent, and the attempt is
-                # booked so, or the door would take it for cut in flight, maybe applied.
-                request._attempt_failed(LIMITED, _NOT_SENT, None, request.clock())
-            else:  # a hedge's copy (its chain books it from the dispatch's mark)
-                dispatch_unsent()
+            # Cut while queued (the request's own deadline scope, on a loop too late for
+            # the margin above, or the caller): nothing was sent. The dispatch's mark says
+            # so, and the door books the attempt not sent when the cancellation reaches
+            # it (else it would take it for cut in flight, maybe applied); not booked here:
+            # a scope inside ``send`` may catch the cancellation and send after all.
+            dispatch_unsent(LIMITED)
             raise
         if scope is not None and scope.exit(None):  # granted as the deadline passed
             self._give_back()

@@ -30,7 +30,6 @@ DEFAULT_TIMEOUT = timedelta(milliseconds=2500)
 _DEFAULT_SECONDS = DEFAULT_TIMEOUT.total_seconds()
 _ids = itertools.count(1)
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
-_PENDING = RequestState.PENDING
 
 
 #: The request whose attempt is being sent in this task or thread (set by the doors
@@ -45,13 +44,13 @@ _PENDING = RequestState.PENDING
 _DISPATCHING: ContextVar[list[Any] | None] = ContextVar("sdkcore_dispatching", default=None)
 
 
-def dispatch_unsent() -> None:
+def dispatch_unsent(reason: RetryReason | None = None) -> None:
     """The dispatch marked in this task or thread was cut before it sent anything (a
     caller cancelled in a limiter's queue): the door that owns the mark books its attempt
-    as not sent (a hedge's copy: :meth:`Request._dispatch_was_unsent`)."""
+    as not sent, for ``reason`` if given (:meth:`Request._dispatch_was_unsent`)."""
     mark = _DISPATCHING.get()
     if mark is not None:
-        mark[2] = True
+        mark[2] = reason or True
 
 
 def dispatching() -> Request | None:
@@ -64,12 +63,7 @@ def dispatching() -> Request | None:
     channels): its shape stays this module's business.
     """
     mark = _DISPATCHING.get()
-    if mark is None:
-        return None
-    outer: Request | None = mark[0]
-    # A completed request sends nothing more: a mark an interrupt left behind (see
-    # Request._dispatch_lost) bounds nothing.
-    return outer if outer is not None and outer._state is _PENDING else None
+    return None if mark is None else mark[0]
 
 
 @attrs.frozen(slots=True)
@@ -194,11 +188,7 @@ class Request(RetryState):
         mark = _DISPATCHING.get()
         if mark is not None:
             outer: Request | None = mark[0]  # None once that dispatch has ended
-            if (
-                outer is not None
-                and outer._deadline != math.inf
-                and outer._state is _PENDING  # not a mark an interrupt left (_dispatch_lost)
-            ):
+            if outer is not None and outer._deadline != math.inf:
                 # Made inside another request's send: never outlive it (deadline in).
                 left = outer._deadline - outer._clock()
                 inherited = start + (left if left > 0.0 else 0.0)
@@ -372,6 +362,12 @@ class Request(RetryState):
         """Whether the dispatch of ``mark`` was cut before it sent anything
         (:func:`dispatch_unsent`)."""
         return bool(mark[2])
+
+    @staticmethod
+    def _dispatch_unsent_reason(mark: Any) -> RetryReason | None:
+        """The reason :func:`dispatch_unsent` gave for the cut, if any."""
+        unsent = mark[2]
+        return unsent if isinstance(unsent, RetryReason) else None
 
     @staticmethod
     def _dispatched_done(mark: Any) -> None:

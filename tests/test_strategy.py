@@ -724,3 +724,25 @@ async def test_an_error_the_strategy_raised_says_so_in_a_note() -> None:
     with pytest.raises(TypeError, match=r"Nonsense\.decide") as bad:
         await RetryOrchestrator(Nonsense()).execute(Request(idempotent=True), send)
     assert getattr(bad.value, "__notes__", None) is None
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
+async def test_a_shared_exception_raised_again_keeps_one_note() -> None:
+    shared = ZeroDivisionError("shared")
+
+    class Broken(BestEffortRetryStrategy):
+        def decide(self, request: Request, reason: RetryReason) -> RetryAction:
+            raise shared
+
+    async def send(request: Request) -> None:
+        raise RetryableError(RetryReason.KV_LOCKED)
+
+    orchestrator = RetryOrchestrator(Broken())
+    last = None
+    for _ in range(3):
+        last = Request(name="kv.get", idempotent=True)
+        with pytest.raises(ZeroDivisionError):
+            await orchestrator.execute(last, send)
+    notes = getattr(shared, "__notes__", [])
+    assert len(notes) == 1  # not one per request
+    assert f"request {last.id} " in notes[0]  # the latest

@@ -14,7 +14,7 @@ import grpc
 from grpc import aio
 from grpc.aio import _base_call
 
-from .._request import dispatching
+from .._request import RequestState, dispatching
 from ._call import _Call, _TracedCall, outer_details
 from ._controller import _Controller
 from ._metadata import _client_trailing
@@ -146,6 +146,8 @@ class _RetryingCall:
         except BaseException as exc:
             if self._current is not None:
                 self._current.cancel()
+            if replay is not None and replay.error is not None:
+                self._source_failed()  # grpc.aio cancelled the attempt for it: not a caller's cut
             c.ended(exc)  # cancelled before it committed (failures ended it in c.failed)
             raise
         finally:
@@ -153,8 +155,13 @@ class _RetryingCall:
                 replay.close()
 
     def _source_failed(self) -> asyncio.CancelledError:
-        """The application's request iterator raised: the call ends cancelled, as in grpc.aio."""
+        """The application's request iterator raised: the call ends cancelled, as in grpc.aio.
+        Its request (a retried call's) ends failed, not as a caller's cancellation (which
+        :meth:`_Call.ended` would log as ``retry.cancelled``): nobody cancelled it."""
         self._cancelled = True
+        request = self._c._request
+        if request is not None:
+            request._finish(RequestState.FAILED)
         return asyncio.CancelledError()
 
     def _commit(self, call: Any) -> _Outcome:

@@ -203,3 +203,34 @@ async def test_hedge_won_elapsed_counts_from_the_calls_start(server: Server) -> 
     [won] = [e for e in events if e["event"] == "hedge.won"]
     assert won["hedge"] == 1
     assert won["elapsed_ms"] >= 50.0
+
+
+async def test_a_retried_stream_whose_request_iterator_raises_is_not_a_cancellation(
+    server: Server,
+) -> None:
+    """The application's request iterator raised after a retry: the call ends cancelled,
+    as grpc.aio's, but nobody cancelled it: no retry.cancelled (it said TASK_CANCELLED)."""
+    retried = asyncio.Event()
+
+    async def fn(requests: Any, context: Any, attempt: int) -> bytes:
+        async for _ in requests:
+            if attempt == 1:
+                await abort(context, UNAVAILABLE)
+            retried.set()
+        return b"done"
+
+    method = server.stream_unary("S", fn)
+
+    async def source() -> Any:
+        yield b"first"
+        await retried.wait()
+        raise ValueError("the application's source broke")
+
+    cfg = retry_config(initial="0.001s", maximum="0.001s")
+    with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
+        async with insecure_channel(server.target, service_config=cfg) as ch:
+            call = ch.stream_unary(method)(source())
+            with pytest.raises(asyncio.CancelledError):
+                await call
+    assert server.count("S") == 2
+    assert [e["event"] for e in events] == ["retry.scheduled"]

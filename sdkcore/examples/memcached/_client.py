@@ -117,9 +117,9 @@ class _Connection:
         self.waiting: dict[int, _Waiter] = {}
         self.write_lock = anyio.Lock()
         self.lost: BaseException | None = None
-        #: The loss the breaker was told of: one lost connection is one failure of the
-        #: endpoint, however many requests in flight it failed (see _Endpoint._attempt).
-        self.reported: BaseException | None = None
+        #: Whether the breaker was told of this connection's loss as one failure for all the
+        #: requests it failed in flight (see _Endpoint._attempt).
+        self.loss_counted = False
         self.reads = 0  # chunks received so far: unchanged while the connection is silent
 
     async def read_loop(self) -> None:
@@ -424,11 +424,13 @@ class _Endpoint:
                 RetryReason.SOCKET_NOT_AVAILABLE, f"{exc}; nothing was sent"
             ) from exc
         except OSError as exc:
-            if exc is not connection.reported:
-                # One lost connection is one failure of the endpoint: the other requests
-                # it failed in flight (every waiter gets the same error) add none, or one
+            if not connection.loss_counted:
+                # A connection that had answered (the server was alive) is lost once: one
+                # failure of the endpoint for every request it failed in flight, or one
                 # reset of a healthy server with 20 requests out would open the breaker.
-                connection.reported = exc
+                # One that never answered (a dead server behind a proxy that accepts and
+                # drops) counts each request, as a refused connect does.
+                connection.loss_counted = connection.reads > 0
                 breaker.record_failure(exc)
             raise RetryableError(
                 RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT,
