@@ -46,7 +46,7 @@ from ._errors import (
 )
 from ._orchestrator import DEFAULT_MAX_REQUESTS_IN_RETRY, RetryOrchestrator
 from ._reason import RetryReason
-from ._request import DEFAULT_TIMEOUT, DispatchInfo, Request, RequestState
+from ._request import DEFAULT_TIMEOUT, DispatchInfo, Request, RequestState, dispatch_unsent
 from ._strategy import (
     BestEffortRetryStrategy,
     FastFailOnTerminalErrorRetryStrategy,
@@ -139,6 +139,7 @@ __all__ = [
     "best_effort_backoff",
     "controlled_backoff",
     "describe_error",
+    "dispatch_unsent",
     "exponential_backoff",
 ]
 

@@ -45,9 +45,18 @@ _DISPATCHING: ContextVar[list[Any] | None] = ContextVar("sdkcore_dispatching", d
 
 
 def dispatch_unsent(reason: RetryReason | None = None) -> None:
-    """The dispatch marked in this task or thread was cut before it sent anything (a
-    caller cancelled in a limiter's queue): the door that owns the mark books its attempt
-    as not sent, for ``reason`` if given (:meth:`Request._dispatch_was_unsent`)."""
+    """Say, from inside ``send``, that the attempt being sent is cut before anything of it
+    was written: call it where a cancellation cuts a wait that comes before the write (a
+    connection lock, a pool, a queue), then let the cancellation propagate.
+
+    When that cancellation reaches the door (the request's deadline, ``Request.cancel()``,
+    the caller's own), the attempt is booked ``NOT_SENT`` (for ``reason`` if given) instead
+    of cut in flight: a write's timeout stays unambiguous. A hedge's copy cut so is booked
+    not sent too. It marks the dispatch of ``execute`` (when the request has a deadline),
+    ``attempt()`` and ``hedge``; elsewhere (``execute`` without a deadline, the sync door,
+    no door) it does nothing. An error raised afterwards is booked as it is:
+    only a cancellation reads the mark. sdkcore's limiters call it for a wait in their
+    queue (rfc/0009)."""
     mark = _DISPATCHING.get()
     if mark is not None:
         mark[2] = reason or True

@@ -40,6 +40,7 @@ from sdkcore import (
     RetryBudget,
     RetryOrchestrator,
     RetryReason,
+    UnambiguousTimeoutException,
 )
 from sdkcore._orphans import OrphanReporter
 from sdkcore.examples.memcached import MemcachedClient, SyncMemcachedClient, endpoint_down
@@ -154,6 +155,37 @@ async def test_a_set_waiting_for_the_write_lock_when_the_connection_drops_is_not
             assert endpoint.breaker.counts[1] == 0  # no failure: nothing was asked of it
             assert budget.granted + budget.refused == 0  # a retry after nothing sent is free
             assert await client.get("k") == b"v"
+
+
+@pytest.mark.anyio
+async def test_a_set_whose_deadline_passes_waiting_for_the_write_lock_is_unambiguous(
+    memcached: Memcached, proxy: FaultProxy
+) -> None:
+    """It was never written, but timed out as "attempt 1 in flight at the deadline; it
+    may have been applied (ambiguous)": the client now says so (``dispatch_unsent``)."""
+    with anyio.fail_after(SAFETY):
+        async with MemcachedClient(f"127.0.0.1:{proxy.port}", timeout=0.3) as client:
+            await client.noop()  # connected
+            connection = client._endpoints[0]._connection
+            assert connection is not None
+            outcome: list[BaseException] = []
+
+            async def put() -> None:
+                try:
+                    await client.set("k", b"v")
+                except UnambiguousTimeoutException as exc:
+                    outcome.append(exc)
+
+            await connection.write_lock.acquire()  # another request's long write under way
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(put)  # waits for the lock until its deadline
+            finally:
+                connection.write_lock.release()
+            [error] = outcome
+            assert "it was not applied on the server (unambiguous)" in str(error)
+            assert requests(proxy, KvOpcode.SET) == 0
+            assert connection.lost is None  # the connection stays for the others
 
 
 # -- 1b. async on asyncio: a cut during the write is remembered for the orphan reporter ---

@@ -30,6 +30,7 @@ from sdkcore import (
     RetryOrchestrator,
     RetryReason,
     RetryStrategy,
+    dispatch_unsent,
 )
 from sdkcore.mapping import KvOpcode, kv_request
 
@@ -222,7 +223,11 @@ class _Connection:
         is remembered as cut (``opaque``, ``request``), so that its answer, if the
         frame went out, goes to the orphan reporter.
         """
-        await anyio.lowlevel.checkpoint_if_cancelled()
+        try:
+            await anyio.lowlevel.checkpoint_if_cancelled()
+        except BaseException:
+            dispatch_unsent()  # cancelled before a byte was written
+            raise
         bound = anyio.current_effective_deadline()
         if bound <= anyio.current_time():
             raise _NotWritten(
@@ -280,12 +285,21 @@ class _Connection:
         waiter = _Waiter()
         self.waiting[opaque] = waiter
         try:
-            async with self.write_lock:
+            try:
+                await self.write_lock.acquire()
+            except BaseException:
+                # Cut while waiting for the lock (its deadline, a lost hedge race): nothing
+                # of it was written, and the door books it so (a SET's timeout unambiguous).
+                dispatch_unsent()
+                raise
+            try:
                 if self.lost is not None:  # closed while this waited for the lock: not written
                     raise _ClosedBeforeWrite(
                         f"connection to {self.name} closed before the request was written"
                     ) from self.lost
                 await self._write(frame, opaque, request)
+            finally:
+                self.write_lock.release()
             silent_since = self.reads
             sent_at = time.monotonic()
             try:
