@@ -13,7 +13,6 @@ pending and the log ended with ``retry.scheduled``.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,6 +25,7 @@ from grpc_server import (  # noqa: E402
     Passthrough,
     Server,
     abort,
+    config_json,
     retry_config,
     wait_until,
 )
@@ -35,6 +35,14 @@ from sdkcore.testing import capture_retry_events  # noqa: E402
 
 pytestmark = pytest.mark.asyncio
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+
+
+def _hangs(release: asyncio.Event) -> Any:
+    async def fn(request: bytes, context: Any, attempt: int) -> bytes:
+        await release.wait()
+        return b"late"
+
+    return fn
 
 
 def _second_hangs(release: asyncio.Event) -> Any:
@@ -130,12 +138,7 @@ async def test_a_retried_attempt_cut_by_the_caller_is_logged_and_booked(
 async def test_a_call_cut_on_its_first_attempt_logs_nothing(server: Server) -> None:
     """Never retried: no request, no retry event (as before), whatever cuts it."""
     release = asyncio.Event()
-
-    async def fn(request: bytes, context: Any, attempt: int) -> bytes:
-        await release.wait()
-        return b"late"
-
-    method = server.unary_unary("M", fn)
+    method = server.unary_unary("M", _hangs(release))
     with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
         async with insecure_channel(server.target, service_config=retry_config()) as ch:
             pending = asyncio.ensure_future(ch.unary_unary(method)(b"x"))
@@ -148,28 +151,18 @@ async def test_a_call_cut_on_its_first_attempt_logs_nothing(server: Server) -> N
 
 
 def _hedging(delay: str, attempts: int = 3) -> str:
-    return json.dumps(
-        {
-            "methodConfig": [
-                {
-                    "name": [{"service": "test.Svc"}],
-                    "hedgingPolicy": {"maxAttempts": attempts, "hedgingDelay": delay},
-                }
-            ]
-        }
-    )
+    mc = {
+        "name": [{"service": "test.Svc"}],
+        "hedgingPolicy": {"maxAttempts": attempts, "hedgingDelay": delay},
+    }
+    return config_json(mc, timeout=None, throttling=None)
 
 
 async def test_a_hedged_call_cancelled_with_hedges_out_logs_it(server: Server) -> None:
     """call.cancel() of a hedged call with three hedges in flight logged only their
     hedge.cancelled: the request's own retry.cancelled was missing (the core door logs it)."""
     release = asyncio.Event()
-
-    async def fn(request: bytes, context: Any, attempt: int) -> bytes:
-        await release.wait()
-        return b"late"
-
-    method = server.unary_unary("M", fn)
+    method = server.unary_unary("M", _hangs(release))
     with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
         async with insecure_channel(server.target, service_config=_hedging("0.01s")) as ch:
             call = ch.unary_unary(method)(b"x")
