@@ -23,7 +23,7 @@ from ._errors import CouchbaseException, RetryableError
 from ._hooks import INSTANT_DELAYS
 from ._log import DEBUG as _DEBUG
 from ._reason import RetryReason, suggest_member
-from ._request import Request, RequestState
+from ._request import _DISPATCHING, Request, RequestState
 
 if TYPE_CHECKING:  # made through the Telemetry (``import sdkcore`` does not load it)
     from ._telemetry import RequestTrace
@@ -45,7 +45,7 @@ def _unsent_cut(request: Request, mark: Any, exc: BaseException) -> None:
     in flight is booked not sent, so that the door does not take it for cut in flight."""
     if (
         mark is not None
-        and Request._dispatch_was_unsent(mark)
+        and Request._dispatch_was_unsent(mark, exc)
         and request.in_flight
         and not isinstance(exc, Exception)
     ):
@@ -184,6 +184,10 @@ async def execute(
             scope = rt.Scope(rt.now() + (deadline - request._clock()))
             previous = request._set_cancel_hook(scope)  # Request.cancel() cuts the attempt
             token = request._dispatching()  # requests made inside send keep within this deadline
+        elif _DISPATCHING.get() is not None:
+            # Inside another door's dispatch (an attempt() block or a hedge copy without a
+            # deadline): a mark of its own, or a limiter's cut in this send would mark theirs.
+            token = request._dispatching()
         while True:
             request._begin_attempt(request._clock())
             if trace is not None:
@@ -204,7 +208,7 @@ async def execute(
             except RetryableError as failure:
                 del pending  # the finished attempt: not held through the backoff
                 if token is not None:
-                    token[2] = False  # (a queue's cut that send got past: not the next one's)
+                    token[2] = None  # (a queue's cut that send got past: not the next one's)
                 if trace is not None:
                     trace.attempt_end(handle, failure)
                     handle = None

@@ -288,11 +288,11 @@ class _Chain:
                     "index): ...)"
                 )
             self._fatal(attempt, exc)
-        except BaseException:
+        except BaseException as cut:
             self.outstanding -= 1
             # Cut in flight: it may have reached the server, unless it was cut where nothing
             # is sent yet (a limiter's queue): then not sent, its budget withdrawal refunded.
-            unsent = Request._dispatch_was_unsent(mark)
+            unsent = Request._dispatch_was_unsent(mark, cut)
             latency = self.latency
             if latency is not None and self.winner is not None and not unsent:
                 # superseded: as Finagle, but known only to be longer (a first copy cut at
@@ -300,7 +300,8 @@ class _Chain:
                 latency.record(self._elapsed(attempt), cut=True)
             attempt.outcome = _NOT_SENT if unsent else _CANCELLED
             effect = AttemptEffect.NOT_SENT if unsent else AttemptEffect.MAYBE_APPLIED
-            self._book(attempt, None, effect, None)
+            reason = Request._dispatch_unsent_reason(mark) if unsent else None
+            self._book(attempt, reason, effect, None)
             self._log_cancelled(attempt)
             raise
         else:

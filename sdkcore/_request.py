@@ -46,20 +46,23 @@ _DISPATCHING: ContextVar[list[Any] | None] = ContextVar("sdkcore_dispatching", d
 
 def dispatch_unsent(reason: RetryReason | None = None) -> None:
     """Say, from inside ``send``, that the attempt being sent is cut before anything of it
-    was written: call it where a cancellation cuts a wait that comes before the write (a
-    connection lock, a pool, a queue), then let the cancellation propagate.
+    was written: call it in the handler of the cancellation that cuts a wait before the
+    write (a connection lock, a pool, a queue), then re-raise that cancellation.
 
-    When that cancellation reaches the door (the request's deadline, ``Request.cancel()``,
-    the caller's own), the attempt is booked ``NOT_SENT`` (for ``reason`` if given) instead
-    of cut in flight: a write's timeout stays unambiguous. A hedge's copy cut so is booked
-    not sent too. It marks the dispatch of ``execute`` (when the request has a deadline),
-    ``attempt()`` and ``hedge``; elsewhere (``execute`` without a deadline, the sync door,
-    no door) it does nothing. An error raised afterwards is booked as it is:
-    only a cancellation reads the mark. sdkcore's limiters call it for a wait in their
-    queue (rfc/0009)."""
+    When that same cancellation reaches the door (the request's deadline,
+    ``Request.cancel()``, the caller's own), the attempt is booked ``NOT_SENT`` (for
+    ``reason`` if given) instead of cut in flight: a write's timeout stays unambiguous.
+    Any other cancellation (``send`` caught the first and wrote after all) is a cut in
+    flight, and an error raised afterwards is booked as it is. A hedge's copy cut so is
+    booked not sent too. It marks the dispatch of ``execute`` (when the request has a
+    deadline, or inside another door's dispatch), ``attempt()`` and ``hedge``; elsewhere
+    (a top-level ``execute`` without a deadline, the sync door, no door) it does nothing.
+    sdkcore's limiters call it for a wait in their queue (rfc/0009)."""
     mark = _DISPATCHING.get()
     if mark is not None:
-        mark[2] = reason or True
+        # The cancellation being handled: only that one, reaching the door, says "not
+        # sent" (a send that caught it and wrote after all is cut later by another one).
+        mark[2] = (reason, sys.exc_info()[1])
 
 
 def dispatching() -> Request | None:
@@ -362,21 +365,27 @@ class Request(RetryState):
         Returns the mark, for :meth:`_dispatched_done` (same task or thread) when the
         dispatch ends: requests built in between inherit this request's deadline.
         """
-        mark: list[Any] = [self, None, False]  # the request, the token, unsent (dispatch_unsent)
+        # the request, the token, unsent: (reason, the cut) once dispatch_unsent() said so
+        mark: list[Any] = [self, None, None]
         mark[1] = _DISPATCHING.set(mark)
         return mark
 
     @staticmethod
-    def _dispatch_was_unsent(mark: Any) -> bool:
-        """Whether the dispatch of ``mark`` was cut before it sent anything
-        (:func:`dispatch_unsent`)."""
-        return bool(mark[2])
+    def _dispatch_was_unsent(mark: Any, cut: BaseException) -> bool:
+        """Whether ``cut``, the cancellation reaching the door, is the one that cut the
+        dispatch of ``mark`` before it sent anything (:func:`dispatch_unsent`, called while
+        handling it; called outside a handler, any cut matches)."""
+        unsent = mark[2]
+        if not unsent:
+            return False
+        marked = unsent[1]
+        return marked is None or marked is cut
 
     @staticmethod
     def _dispatch_unsent_reason(mark: Any) -> RetryReason | None:
         """The reason :func:`dispatch_unsent` gave for the cut, if any."""
         unsent = mark[2]
-        return unsent if isinstance(unsent, RetryReason) else None
+        return unsent[0] if unsent else None
 
     @staticmethod
     def _dispatched_done(mark: Any) -> None:

@@ -18,6 +18,7 @@ from sdkcore import (
     AmbiguousTimeoutException,
     AttemptEffect,
     Request,
+    RequestCanceledException,
     RetryableError,
     RetryOrchestrator,
     RetryReason,
@@ -99,3 +100,55 @@ async def test_an_error_after_the_mark_is_booked_as_itself() -> None:
 
 def test_outside_any_door_it_does_nothing() -> None:
     dispatch_unsent()  # no mark: nothing to say it to, and no error
+
+
+async def test_a_cut_send_got_past_does_not_mark_a_later_cut() -> None:
+    """The mark stayed set: a send that caught its queue's cut, wrote elsewhere and was
+    then cut by the deadline waiting for the answer was booked not sent, "not applied
+    (unambiguous)", for a write that went out. Only the marked cancellation counts."""
+    written: list[str] = []
+
+    async def send(request: Request) -> None:
+        with anyio.move_on_after(0.02):  # a queue the send gives up on by itself
+            async with lock_wait(True):
+                pass
+        written.append("B")  # written to another replica
+        await anyio.Event().wait()  # the answer never comes: the deadline cuts it
+
+    request = Request(name="kv.upsert", idempotent=False, timeout=0.2)
+    with anyio.fail_after(5), pytest.raises(AmbiguousTimeoutException):
+        await RetryOrchestrator().execute(request, send)
+    assert written == ["B"]
+    assert [a.effect for a in request.attempts] == [AttemptEffect.MAYBE_APPLIED]
+
+
+async def test_a_nested_execute_without_a_deadline_does_not_mark_the_outer_dispatch() -> None:
+    """Inside an attempt() block without a deadline, an inner request's queue cut marked
+    the outer's dispatch: the outer's write, cut later, was booked not sent."""
+    orchestrator = RetryOrchestrator()
+    outer = Request(name="outer.upsert", idempotent=False, timeout=None)
+    written: list[str] = []
+
+    async def inner_send(request: Request) -> None:
+        async with lock_wait(True):
+            pass
+
+    async def block() -> None:
+        with orchestrator.attempt(outer):
+            inner = Request(name="inner.get", idempotent=True, timeout=None)
+            with anyio.move_on_after(0.02):
+                await orchestrator.execute(inner, inner_send)
+            written.append("outer write")
+            await anyio.Event().wait()  # cut by outer.cancel() below
+
+    async def cancelled_block() -> None:
+        with pytest.raises(RequestCanceledException, match="may have been applied"):
+            await block()
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cancelled_block)
+            await anyio.sleep(0.1)
+            outer.cancel()
+    assert written == ["outer write"]
+    assert [a.effect for a in outer.attempts] == [AttemptEffect.MAYBE_APPLIED]

@@ -14,6 +14,7 @@ import grpc
 from grpc import aio
 from grpc.aio import _base_call
 
+from .._context import AttemptEffect
 from .._request import RequestState, dispatching
 from ._call import _Call, _TracedCall, outer_details
 from ._controller import _Controller
@@ -161,6 +162,8 @@ class _RetryingCall:
         self._cancelled = True
         request = self._c._request
         if request is not None:
+            if request.in_flight:  # the attempt grpc.aio cancelled for it: it may have gone out
+                request._attempt_failed(None, AttemptEffect.MAYBE_APPLIED, None, request.clock())
             request._finish(RequestState.FAILED)
         return asyncio.CancelledError()
 

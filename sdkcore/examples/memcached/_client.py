@@ -423,6 +423,7 @@ class _Endpoint:
                 RetryReason.SOCKET_NOT_AVAILABLE, f"cannot connect to {self.name}"
             ) from exc
         except anyio.get_cancelled_exc_class() as exc:
+            dispatch_unsent()  # cut while connecting: nothing of the request was written
             breaker.record_failure(exc)  # a timeout if the request's deadline cut it
             raise
         opaque = self._client._opaque()
