@@ -184,10 +184,6 @@ async def execute(
             scope = rt.Scope(rt.now() + (deadline - request._clock()))
             previous = request._set_cancel_hook(scope)  # Request.cancel() cuts the attempt
             token = request._dispatching()  # requests made inside send keep within this deadline
-        elif _DISPATCHING.get() is not None:
-            # Inside another door's dispatch (an attempt() block or a hedge copy without a
-            # deadline): a mark of its own, or a limiter's cut in this send would mark theirs.
-            token = request._dispatching()
         while True:
             request._begin_attempt(request._clock())
             if trace is not None:
@@ -269,7 +265,16 @@ async def execute(
     except BaseException as exc:
         if trace is not None and handle is not None:  # the attempt's failure, or what cut it
             trace.attempt_end(handle, exc)
-        _unsent_cut(request, token, exc)
+        if token is not None:
+            _unsent_cut(request, token, exc)
+        else:
+            # No mark of its own (no deadline): a cut in this send marked the dispatch of
+            # an enclosing door, if any, which it does not prove unsent: cleared (the safe
+            # side). A mark of its own here would hide the enclosing request's deadline
+            # from what this send builds.
+            enclosing = _DISPATCHING.get()
+            if enclosing is not None:
+                enclosing[2] = None
         _failed(self, request, exc, scope, previous, trace)
     else:
         if scope is not None:

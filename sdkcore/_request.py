@@ -55,8 +55,8 @@ def dispatch_unsent(reason: RetryReason | None = None) -> None:
     Any other cancellation (``send`` caught the first and wrote after all) is a cut in
     flight, and an error raised afterwards is booked as it is. A hedge's copy cut so is
     booked not sent too. It marks the dispatch of ``execute`` (when the request has a
-    deadline, or inside another door's dispatch), ``attempt()`` and ``hedge``; elsewhere
-    (a top-level ``execute`` without a deadline, the sync door, no door) it does nothing.
+    deadline), ``attempt()`` and ``hedge``; elsewhere (``execute`` without a deadline, the
+    sync door, no door) it does nothing.
     sdkcore's limiters call it for a wait in their queue (rfc/0009)."""
     mark = _DISPATCHING.get()
     if mark is not None:

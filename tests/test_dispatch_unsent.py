@@ -152,3 +152,27 @@ async def test_a_nested_execute_without_a_deadline_does_not_mark_the_outer_dispa
             outer.cancel()
     assert written == ["outer write"]
     assert [a.effect for a in outer.attempts] == [AttemptEffect.MAYBE_APPLIED]
+
+
+async def test_a_deadline_less_execute_inside_a_send_keeps_the_outer_deadline_in_view() -> None:
+    """A mark of its own for a nested execute without a deadline (a first fix for the
+    test above) hid the outer request's deadline from what its send builds."""
+    orchestrator = RetryOrchestrator()
+    inner = Request(name="inner.get", idempotent=True, timeout=None)  # built up front
+    seen: list[float | None] = []
+
+    async def inner_send(request: Request) -> str:
+        built = Request(name="innermost.get", timeout=None)
+        left = built.time_left
+        seen.append(None if left is None else left.total_seconds())
+        return "ok"
+
+    async def outer_send(request: Request) -> str:
+        return await orchestrator.execute(inner, inner_send)
+
+    outer = Request(name="outer.get", idempotent=True, timeout=0.5)
+    with anyio.fail_after(5):
+        assert await orchestrator.execute(outer, outer_send) == "ok"
+    [left] = seen
+    assert left is not None
+    assert 0.0 < left <= 0.5
