@@ -197,19 +197,16 @@ def finish_by(request: Request, exc: BaseException, cut: bool | None = None) -> 
     already ended (a timeout, ``Request.cancel()``). ``cut``: a door that booked what it
     cut itself (a hedge's copies) says whether it cut any in flight."""
     if request.state is not RequestState.PENDING:
+        # Request.cancel() came first, then the caller's own cancellation: reported here
+        # (booked and logged) when it cut an attempt in flight (a thread's interrupt), or
+        # for a hedge, which books its copies itself (``cut`` given: a gRPC hedged call's
+        # cancel() does both; the chain's end, which also logs, is not reached).
         if (
             not isinstance(exc, Exception)
             and request.cancellation_reason is CancellationReason.CANCELLED_VIA_CONTEXT
+            and (cut is not None or request.in_flight)
         ):
-            if cut is None and request.in_flight:
-                # Request.cancel() from another thread, then the caller's own interrupt
-                # while the attempt was still in flight: booked maybe applied, as the cancel's.
-                already_completed(request, request.last_reason, cut=True)
-            elif cut is not None:
-                # A hedge (its copies booked by the chain) whose Request.cancel() came with
-                # its task's cancellation (a gRPC hedged call's cancel() does both): the
-                # cancellation reaches it here, not through the chain's end, which logs.
-                already_completed(request, request.last_reason, cut=cut)
+            already_completed(request, request.last_reason, cut=True if cut is None else cut)
         return
     if isinstance(exc, Exception):
         request._finish_by(exc)
