@@ -204,7 +204,8 @@ async def test_one_reset_with_many_requests_in_flight_is_one_failure(
     """A memcached SDK maintainer's review: each request the reset failed counted as a
     failure of its own, so one reset of a healthy server with 30 GETs out opened the
     breaker (volume 5, 50%), their retries were refused, and the endpoint was cut off for
-    the sleep window. One lost connection is one failure now; the GETs retry and pass."""
+    the sleep window. A lost connection that had answered is one failure now; the GETs
+    retry and pass."""
     factory = breaker_factory(sleep_window=5.0)
     async with MemcachedClient(
         f"127.0.0.1:{proxy.port}",
