@@ -14,7 +14,12 @@ import pytest
 grpc = pytest.importorskip("grpc")
 from grpc import aio  # noqa: E402
 
-from sdkcore.grpc import BackoffJitter, insecure_channel, retry_controller  # noqa: E402
+from sdkcore.grpc import (  # noqa: E402
+    BackoffJitter,
+    _throttle,
+    insecure_channel,
+    retry_controller,
+)
 
 Handler = Callable[..., Awaitable[Any]] | Callable[..., AsyncIterator[Any]]
 
@@ -156,6 +161,8 @@ class Server:
             self.port = self._server.add_insecure_port(address)
         else:
             self.port = self._server.add_secure_port(address, credentials)
+        if port == 0:
+            forget_throttle(self.target)
         await self._server.start()
 
     async def stop(self) -> None:
@@ -197,6 +204,16 @@ async def cancel_while_waiting_to_retry(
     return call
 
 
+def forget_throttle(target: str) -> None:
+    """Drop the process's throttle bucket for ``target``, a port the OS just handed out.
+
+    A6 keeps one bucket per target for the process: a channel an earlier test left to
+    the same port (not yet collected) would share its tokens with this test's.
+    """
+    with _throttle._registry_lock:
+        _throttle._registry.pop(target, None)
+
+
 class ReservedPort:
     """A loopback port held by a bound, non-listening socket (``SO_REUSEPORT``).
 
@@ -212,6 +229,7 @@ class ReservedPort:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         self._sock.bind(("127.0.0.1", 0))
         self.port: int = self._sock.getsockname()[1]
+        forget_throttle(self.target)
 
     @property
     def target(self) -> str:
