@@ -526,14 +526,17 @@ class Telemetry:
         kind: Any = None,
         span_name: str | None = None,
         span: Any = _OWN_SPAN,
+        name: str | None = None,
     ) -> RequestTrace:
         """The request's trace: its span starts (back-dated to the request's creation).
 
         ``span``: a span the door started itself (a gRPC call's ``Sent.`` span, started
         with the call; None if it could not start). The trace adopts it as the request's
         span, records on it as on its own, and leaves ending it to that door.
+        ``name``: the ``sdkcore.request.name`` to record instead of the request's own (a
+        gRPC call's, bounded as ``grpc.method`` is).
         """
-        return RequestTrace(self, request, kind, span_name, span)
+        return RequestTrace(self, request, kind, span_name, span, name)
 
     def _guard(self, kind: str, call: Any, *args: Any) -> Any:
         """Call into OpenTelemetry; an exception is logged once per ``kind``, never raised."""
@@ -579,14 +582,17 @@ class RequestTrace:
         kind: Any = None,
         span_name: str | None = None,
         span: Any = _OWN_SPAN,
+        name: str | None = None,
     ) -> None:
         request._trace = self
         self.telemetry = telemetry
         self.ended = False
         self.hedges = 0  # copies after the first: sdkcore.hedges, not retries
-        named = telemetry._named.get(request._name)  # the lookup inlined: once per request
+        if name is None:
+            name = request._name
+        named = telemetry._named.get(name)  # the lookup inlined: once per request
         if named is None:
-            named = telemetry._named_attributes(request._name)
+            named = telemetry._named_attributes(name)
         self.attributes, self.success = named
         #: False for a span the door started and ends itself (see Telemetry.begin).
         self.owns_span = span is _OWN_SPAN

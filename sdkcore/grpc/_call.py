@@ -17,7 +17,12 @@ from grpc import aio
 
 from .. import _failing
 from .._context import AttemptEffect, ErrorContext
-from .._errors import CouchbaseException, RequestCanceledException, TimeoutException
+from .._errors import (
+    CouchbaseException,
+    RequestCanceledException,
+    RetryableError,
+    TimeoutException,
+)
 from .._reason import RetryReason
 from .._request import _DISPATCHING, Request, dispatching
 from .._untrusted import show as _show
@@ -460,6 +465,9 @@ class _Call:
             effect = AttemptEffect.NOT_SENT if never_left else AttemptEffect.MAYBE_APPLIED
         else:
             reason, effect = REASON_TRANSPARENT, AttemptEffect.NOT_SENT
+            refusal = err.__cause__
+            if isinstance(err, LocalRefusal) and isinstance(refusal, RetryableError):
+                reason = refusal.reason  # the limiter's or throttle's: the client shed it
         if owner is not None:
             if core._closing:
                 # The channel is closing: it takes no new attempt. The call ends as

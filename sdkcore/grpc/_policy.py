@@ -50,7 +50,10 @@ CALL_STATE_KEY = "sdkcore.grpc.call"
 #: The reason a failed attempt with a status is handed to the orchestrator for,
 #: except UNAVAILABLE (SERVICE_NOT_AVAILABLE): see :func:`status_reason`.
 REASON_STATUS = RetryReason.SERVICE_RESPONSE_CODE_INDICATED
-#: The reason of a transparent retry (the request never reached the server application).
+#: The reason of a transparent retry (the request never reached the server application),
+#: unless the channel's limiter or throttle refused the attempt: then its own reason
+#: (``CONCURRENCY_LIMITED``, ``CLIENT_THROTTLED``), so logs and ``sdkcore.retries`` say
+#: the client shed it. The strategy tells a transparent case by the call's state.
 REASON_TRANSPARENT = RetryReason.SOCKET_NOT_AVAILABLE
 
 # By status number, from the one table the Couchbase mapping uses too.
@@ -379,7 +382,7 @@ class A6RetryStrategy:
 
     def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:
         state: CallState = request.client_context[CALL_STATE_KEY]
-        if reason is REASON_TRANSPARENT:
+        if state.transparent is not None:  # never left the client (see REASON_TRANSPARENT)
             return self._transparent(request, state)
         return self._status(state)
 

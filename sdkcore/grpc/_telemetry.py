@@ -159,11 +159,15 @@ def _instruments(telemetry: Telemetry) -> _Instruments:
 class _Method:
     """What a method's calls record: its attributes, with each status, and its span names."""
 
-    __slots__ = ("_statuses", "attempt_span", "attributes", "call_span")
+    __slots__ = ("_statuses", "attempt_span", "attributes", "call_span", "name")
 
     def __init__(self, recorded: str, target: str, full_name: str) -> None:
         #: ``grpc.method`` and ``grpc.target`` (shared by every call: never mutated).
         self.attributes = {METHOD: recorded, TARGET: target}
+        #: Its calls' ``sdkcore.request.name``: ``/`` and ``grpc.method`` (``/other`` for
+        #: a generic method: bounded as A66 bounds ``grpc.method``, so generic methods do
+        #: not use up the names an application's own requests are recorded by).
+        self.name = "/" + recorded
         self._statuses: dict[str, dict[str, str]] = {}
         # A72: "Sent.<service>.<method>" and "Attempt.<service>.<method>".
         dotted = full_name.lstrip("/").replace("/", ".")
@@ -325,12 +329,12 @@ class CallTrace:
             span = telemetry.tracer.start_span(
                 method.call_span,
                 kind=trace.SpanKind.CLIENT,
-                attributes={NAME: telemetry.name(request.name), "sdkcore.request.id": request.id},
+                attributes={NAME: telemetry.name(method.name), "sdkcore.request.id": request.id},
             )
         except Exception as exc:
             telemetry._failure("span", exc)
         self.span = span
-        self.trace = telemetry.begin(request, span=span)
+        self.trace = telemetry.begin(request, span=span, name=method.name)
 
     # -- attempts ------------------------------------------------------------------
     def attempt(self, previous: int, transparent: bool = False, hedge: bool = False) -> _Attempt:

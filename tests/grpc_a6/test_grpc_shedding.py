@@ -13,10 +13,11 @@ import pytest
 
 grpc = pytest.importorskip("grpc")
 from grpc import aio  # noqa: E402
-from grpc_server import TEST_TIMEOUT, Server, abort  # noqa: E402
+from grpc_server import TEST_TIMEOUT, Server, abort, wait_until  # noqa: E402
 
 from sdkcore import AdaptiveConcurrencyLimiter, AdaptiveThrottle, ConcurrencyLimiter  # noqa: E402
 from sdkcore.grpc import RetryController, insecure_channel, secure_channel  # noqa: E402
+from sdkcore.testing import capture_retry_events  # noqa: E402
 
 pytestmark = pytest.mark.asyncio
 
@@ -334,3 +335,45 @@ async def test_a_servers_own_unavailable_is_still_a_round_trip(server: Server) -
                 assert info.value.code() is grpc.StatusCode.UNAVAILABLE
                 await _gate_settled(limiter)
     assert limiter.baseline_rtt is not None  # a window of answers closed
+
+
+async def test_a_limiter_refusal_is_retried_under_its_own_reason(server: Server) -> None:
+    """An attempt the channel's limiter refused is re-sent transparently, and its retry is
+    logged (and counted) as CONCURRENCY_LIMITED: the client shed it, no socket failed."""
+    method, entered, release = _held(server, "M")
+    limiter = ConcurrencyLimiter(1, name="svc")
+    with capture_retry_events() as events:
+        async with insecure_channel(server.target, limiter=limiter) as ch:
+            with anyio.fail_after(TEST_TIMEOUT):
+                first = ch.unary_unary(method)(b"a")
+                await entered.wait()
+                second = asyncio.ensure_future(ch.unary_unary(method)(b"b", timeout=TEST_TIMEOUT))
+                await wait_until(lambda: any(e["event"] == "retry.scheduled" for e in events))
+                release.set()
+                assert await first == b"ok1"
+                assert await second == b"ok2"
+    reasons = {e["reason"] for e in events if e["event"] == "retry.scheduled"}
+    assert reasons == {"CONCURRENCY_LIMITED"}
+    assert server.count("M") == 2
+
+
+async def test_a_throttle_refusal_is_retried_under_its_own_reason(server: Server) -> None:
+    async def fn(request: bytes, context: Any, n: int) -> bytes:
+        if n == 1:
+            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        return b"ok"
+
+    method = server.unary_unary("M", fn)
+    draws = iter([0.0, 0.0, 0.0])  # refused twice after the first answer, then let through
+
+    throttle = AdaptiveThrottle(k=2.0, random=lambda: next(draws, 1.0), name="svc-throttle")
+    with capture_retry_events() as events:
+        async with insecure_channel(server.target, throttle=throttle) as ch:
+            with anyio.fail_after(TEST_TIMEOUT):
+                with pytest.raises(aio.AioRpcError):
+                    await ch.unary_unary(method)(b"x")
+                assert await ch.unary_unary(method)(b"y", timeout=TEST_TIMEOUT) == b"ok"
+    reasons = [e["reason"] for e in events if e["event"] == "retry.scheduled"]
+    assert reasons
+    assert set(reasons) == {"CLIENT_THROTTLED"}
+    assert server.count("M") == 2

@@ -38,6 +38,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E4
 )
 
 import sdkcore  # noqa: E402
+from sdkcore import _telemetry as sdkcore_telemetry  # noqa: E402
 from sdkcore.grpc import (  # noqa: E402
     BackoffJitter,
     RetryController,
@@ -364,9 +365,41 @@ async def test_generic_methods_are_other_registered_and_configured_ones_by_name(
             assert callable(ch.stream_stream(stub, _registered_method=True))  # noted too
     started = otel.grpc()["grpc.client.attempt.started"]
     assert sorted(a["grpc.method"] for a, _ in started) == ["other", "test.Svc/Stub"]
+    # sdkcore's own request metrics are bounded the same way: "/" and grpc.method.
+    durations = otel.metrics()["sdkcore.request.duration"].data.data_points
+    assert sorted(p.attributes["sdkcore.request.name"] for p in durations) == [
+        "/other",
+        "/test.Svc/Stub",
+    ]
     # Spans keep the real name: A72's span names are not metric attributes.
     names = {s.name for s in otel.finished()}
     assert {"Sent.test.Svc.Generic", "Sent.test.Svc.Stub"} <= names
+
+
+async def test_generic_methods_leave_the_applications_names_alone(
+    server: Server, otel: Otel
+) -> None:
+    """More distinct generic methods than sdkcore records request names for: all of them
+    are one name, and the application's own request is still recorded by its name."""
+    method = server.unary_unary("M", fail_then_ok(0))
+    many = sdkcore_telemetry.MAX_NAMES + 5
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, telemetry=otel.telemetry) as ch:
+            for i in range(many):
+                # grpc.aio sends the path as given; the server's handler is found by its
+                # last segment, so each is a distinct generic method reaching "M".
+                assert await ch.unary_unary(f"/tenant{i}.Svc/M")(b"x") == b"ok"
+        orchestrator = sdkcore.RetryOrchestrator(telemetry=otel.telemetry)
+
+        async def send(request: sdkcore.Request) -> str:
+            return "ok"
+
+        await orchestrator.execute(sdkcore.Request(name="kv.get"), send)
+    assert server.count("M") == many
+    del method
+    durations = otel.metrics()["sdkcore.request.duration"].data.data_points
+    recorded = {p.attributes["sdkcore.request.name"]: p.count for p in durations}
+    assert recorded == {"/other": many, "kv.get": 1}
 
 
 async def test_a_method_of_a_configured_service_is_recorded_by_name(
