@@ -110,6 +110,55 @@ def _cut(text: str) -> str:
     return text if len(text) <= MAX_TEXT else text[:MAX_TEXT]
 
 
+class _Watched:
+    """The watched targets of every :class:`Telemetry` on one meter provider, and their labels.
+
+    OpenTelemetry makes one instrument per name in a meter: a second Telemetry on the
+    same provider that registered its own observable gauges got the first's instruments
+    back, its callbacks dropped, and its breakers' states were never reported. So the
+    observable instruments are made once per provider, by its first Telemetry, and read
+    this one set; labels are told apart across all of them (see :meth:`Telemetry.watch`).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.observing = False  # the observable instruments are made (by the first Telemetry)
+        self.breakers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.budgets: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.limiters: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.throttles: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.quantiles: weakref.WeakSet[Any] = weakref.WeakSet()
+        # Each watched target's sdkcore.endpoint value, distinct within its kind (see watch).
+        self.labels: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        # The name each was labelled from ("" for none): watching it again with it keeps it.
+        self.named_as: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        # Per kind (its group's id): how many "unnamed-N" labels were handed out.
+        self.unnamed: dict[int, int] = {}
+        # Per kind: how many distinct labels were handed out (at most MAX_NAMES, then "other").
+        self.handed: dict[int, int] = {}
+
+
+#: The global providers' (``meter_provider=None``), and each provider's by the provider.
+_GLOBAL_WATCHED = _Watched()
+_WATCHED: weakref.WeakKeyDictionary[Any, _Watched] = weakref.WeakKeyDictionary()
+_WATCHED_LOCK = threading.Lock()
+
+
+def _watched_for(meter_provider: Any, global_provider: Any) -> _Watched:
+    """The :class:`_Watched` of ``meter_provider`` (None, or the global one itself: the
+    global providers'); a provider that cannot be weakly referenced gets its own."""
+    if meter_provider is None or meter_provider is global_provider:
+        return _GLOBAL_WATCHED
+    with _WATCHED_LOCK:
+        try:
+            found = _WATCHED.get(meter_provider)
+            if found is None:
+                found = _WATCHED[meter_provider] = _Watched()
+        except TypeError:  # not weakly referenceable (nor hashable): not shared
+            return _Watched()
+        return found
+
+
 class Telemetry:
     """sdkcore's OpenTelemetry instruments and tracer (rfc/0008).
 
@@ -186,17 +235,14 @@ class Telemetry:
         )
         self._lock = threading.Lock()
         self._failed: set[str] = set()
-        self._breakers: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._budgets: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._limiters: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._throttles: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._quantiles: weakref.WeakSet[Any] = weakref.WeakSet()
-        # Each watched target's sdkcore.endpoint value, distinct within its kind (see watch).
-        self._labels: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
-        # The name each was labelled from ("" for none): watching it again with it keeps it.
-        self._named_as: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
-        # Per kind (its group's id): how many "unnamed-N" labels were handed out.
-        self._unnamed: dict[int, int] = {}
+        # Shared with every Telemetry on the same meter provider (see _Watched).
+        w = self._watched = _watched_for(meter_provider, metrics.get_meter_provider())
+        self._breakers = w.breakers
+        self._budgets = w.budgets
+        self._limiters = w.limiters
+        self._throttles = w.throttles
+        self._quantiles = w.quantiles
+        self._labels = w.labels
         m = self.meter
         self.request_duration = m.create_histogram(
             "sdkcore.request.duration",
@@ -247,6 +293,13 @@ class Telemetry:
             unit="{dispatch}",
             description="Dispatches a concurrency limiter refused (nothing was sent)",
         )
+        with w.lock:
+            if not w.observing:
+                self._observe(m)
+                w.observing = True
+
+    def _observe(self, m: Any) -> None:
+        """Make the observable instruments on meter ``m`` (once per provider: see _Watched)."""
         m.create_observable_gauge(
             "sdkcore.concurrency_limiter.limit",
             callbacks=[self._observer(self._limiters, lambda limiter: limiter.limit)],
@@ -332,7 +385,10 @@ class Telemetry:
           telemetry first watched it, counted per kind (breakers, budgets, limiters,
           throttles, hedge delays); a number is never handed out twice;
         * a label another live target of the same kind already has here gets ``#2``,
-          ``#3``, ... appended (two breakers both named ``10.0.0.7:11210``).
+          ``#3``, ... appended (two breakers both named ``10.0.0.7:11210``);
+        * "here" is the meter provider: every Telemetry on it shares the labels (and
+          one set of gauges); past :data:`MAX_NAMES` labels of one kind, a new target
+          is ``other``.
 
         The label is kept while the target stays watched here (watching it again
         changes nothing, unless ``name`` gives an unnamed target a new one). ``name``
@@ -373,11 +429,11 @@ class Telemetry:
                 f"{own!r}, and its own name labels its series; omit name= or pass that name"
             )
         previous = _WATCHED_BY.get(target)
-        if previous is not None and previous is not self:
+        if previous is not None and previous._watched is not self._watched:
             for group in previous._groups():
                 group.discard(target)
         _WATCHED_BY[target] = self
-        with self._lock:
+        with self._watched.lock:
             self._label(watched, target, own or name)
             watched.add(target)
         self._zero_counters(target)
@@ -420,20 +476,26 @@ class Telemetry:
 
     def _label(self, group: weakref.WeakSet[Any], target: Any, name: str | None) -> None:
         """Give ``target`` its ``sdkcore.endpoint`` value in ``group`` (under the lock)."""
-        labels = self._labels
+        w = self._watched
+        labels = w.labels
         if (
             target in group
             and labels.get(target) is not None
-            and (name is None or name == self._named_as.get(target))
+            and (name is None or name == w.named_as.get(target))
         ):
             return  # watched here already: its label stays
-        self._named_as[target] = name or ""
+        w.named_as[target] = name or ""
+        kind = id(group)
+        handed = w.handed.get(kind, 0)
+        if handed >= MAX_NAMES:  # bounded: every later new target of this kind shares one
+            labels[target] = "other"
+            return
+        w.handed[kind] = handed + 1
         taken = {labels.get(other) for other in group if other is not target}
         if not name:
-            kind = id(group)
             while True:
-                n = self._unnamed.get(kind, 0) + 1
-                self._unnamed[kind] = n
+                n = w.unnamed.get(kind, 0) + 1
+                w.unnamed[kind] = n
                 label = f"unnamed-{n}"
                 if label not in taken:  # an explicit name could be "unnamed-1"
                     break

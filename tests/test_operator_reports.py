@@ -31,7 +31,9 @@ from sdkcore import (
     RetryBudget,
     RetryOrchestrator,
     RetryReason,
+    Telemetry,
 )
+from sdkcore import _telemetry as sdkcore_telemetry
 from sdkcore._cli import WIDTH, main
 from sdkcore._failing import _HINTED_BY
 from sdkcore.testing import VirtualClock
@@ -307,3 +309,59 @@ async def test_what_explain_says_of_the_breaker_is_what_the_orchestrator_does() 
     refusal = info.value
     delay = await orchestrator.maybe_retry(request, refusal.reason, cause=refusal)
     assert delay.total_seconds() == pytest.approx(0.25)  # not the 1 ms backoff
+
+
+# -- two Telemetry objects on one meter provider ----------------------------------------------
+
+
+def test_a_second_telemetry_on_one_provider_reports_its_gauges(otel: Otel) -> None:
+    """Two clients in one process, each with its own Telemetry on the same provider (the
+    global one, typically): OpenTelemetry keeps one instrument per name in a meter, and
+    the second Telemetry's gauge callbacks were dropped: its open breaker never showed."""
+    clock = VirtualClock()
+    second = Telemetry(meter_provider=otel.meters, tracer_provider=otel.tracers)
+    a = otel.telemetry.watch(CircuitBreaker(name="clusterA:11210", clock=clock.clock))
+    b = second.watch(CircuitBreaker(name="clusterB:11210", volume_threshold=1, clock=clock.clock))
+    b.record_failure(ConnectionResetError("down"))
+    budget = second.watch(RetryBudget(name="clusterB", clock=clock.clock))
+    assert _points(otel, STATE) == {"clusterA:11210": 0, "clusterB:11210": 1}
+    assert _points(otel, "sdkcore.retry_budget.balance") == {"clusterB": budget.balance}
+    # Unnamed targets are told apart across the two, as within one.
+    ua = otel.telemetry.watch(CircuitBreaker(clock=clock.clock))
+    ub = second.watch(CircuitBreaker(clock=clock.clock))
+    assert {otel.telemetry.label(ua), second.label(ub)} == {"unnamed-1", "unnamed-2"}
+    assert set(_points(otel, STATE)) == {
+        "clusterA:11210",
+        "clusterB:11210",
+        "unnamed-1",
+        "unnamed-2",
+    }
+    # Watched again by its sibling on the same provider: its label stays.
+    second.watch(ua)
+    assert second.label(ua) == otel.telemetry.label(ua)
+    del a
+
+
+def test_labels_are_bounded_per_kind(otel: Otel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Short-lived unnamed breakers (one per connection) must not grow series without end:
+    past MAX_NAMES labels of a kind, a new target is labelled ``other``."""
+    monkeypatch.setattr(sdkcore_telemetry, "MAX_NAMES", 3)
+    clock = VirtualClock()
+    telemetry = otel.telemetry
+    breakers = [telemetry.watch(CircuitBreaker(clock=clock.clock)) for _ in range(5)]
+    assert [telemetry.label(b) for b in breakers] == [
+        "unnamed-1",
+        "unnamed-2",
+        "unnamed-3",
+        "other",
+        "other",
+    ]
+    budget = telemetry.watch(RetryBudget(clock=clock.clock))  # another kind: its own count
+    assert telemetry.label(budget) == "unnamed-1"
+    transitions = otel.metrics()["sdkcore.circuit_breaker.transitions"].points
+    assert {attributes[ENDPOINT] for attributes, _ in transitions} == {
+        "unnamed-1",
+        "unnamed-2",
+        "unnamed-3",
+        "other",
+    }
