@@ -439,6 +439,11 @@ class CircuitBreaker:
             _hold(token)  # this task or thread holds the probe
         for event in events:
             _emit(*event)
+        if granted is None:
+            # Counted here, whichever way the dispatch asked (guard, admit, try_acquire).
+            telemetry = self._telemetry
+            if telemetry is not None:
+                telemetry.breaker_rejected(self)
         return granted
 
     def guard(self, request: Request | None = None) -> BreakerGuard:
@@ -691,10 +696,7 @@ class BreakerGuard:
     def __enter__(self) -> CircuitState:
         breaker = self._breaker
         admitted = breaker.admit()
-        if admitted is None:
-            telemetry = breaker._telemetry
-            if telemetry is not None:
-                telemetry.breaker_rejected(breaker)
+        if admitted is None:  # (counted by admit for the telemetry)
             # OPEN: the next chance is the end of the sleep window. HALF_OPEN: another
             # dispatch is the probe and will usually answer soon: no hint, the
             # strategy's own backoff polls for the breaker closing.

@@ -365,3 +365,22 @@ def test_labels_are_bounded_per_kind(otel: Otel, monkeypatch: pytest.MonkeyPatch
         "unnamed-3",
         "other",
     }
+
+
+def test_every_way_a_breaker_refuses_counts_a_rejection(otel: Otel) -> None:
+    """``guard()`` counted its refusals; ``admit()`` and ``try_acquire()``, which the
+    memcached example's guard uses, did not: the counter disagreed with the retries."""
+    from sdkcore.examples.memcached import refuse_if_open
+
+    clock = VirtualClock()
+    breaker = otel.telemetry.watch(
+        CircuitBreaker(name="10.0.0.2:11210", volume_threshold=1, clock=clock.clock)
+    )
+    breaker.record_failure(ConnectionResetError("down"))
+    assert breaker.admit() is None
+    assert breaker.try_acquire() is False
+    with pytest.raises(RetryableError), breaker.guard():
+        pass  # pragma: no cover - refused
+    with pytest.raises(RetryableError):
+        refuse_if_open(breaker)
+    assert _points(otel, "sdkcore.circuit_breaker.rejections") == {"10.0.0.2:11210": 4}
