@@ -263,8 +263,6 @@ async def execute(
                 trace.attempt_end(handle, None)
             break
     except BaseException as exc:
-        if trace is not None and handle is not None:  # the attempt's failure, or what cut it
-            trace.attempt_end(handle, exc)
         if token is not None:
             _unsent_cut(request, token, exc)
         else:
@@ -275,7 +273,7 @@ async def execute(
             enclosing = _DISPATCHING.get()
             if enclosing is not None:
                 enclosing[2] = None
-        _failed(self, request, exc, scope, previous, trace)
+        _failed(self, request, exc, scope, previous, trace, handle)
     else:
         if scope is not None:
             request._set_cancel_hook(previous)
@@ -303,6 +301,7 @@ def _failed(
     scope: Any,
     previous: Any,
     trace: RequestTrace | None,
+    handle: Any,
 ) -> NoReturn:
     """How ``execute`` ends when its loop raised ``exc``: raises what the caller gets.
 
@@ -333,6 +332,10 @@ def _failed(
     except BaseException as final:  # the error, our timeout, or what the scope re-raised
         _failing.finish_by(request, final)
         if trace is not None:
+            # The attempt in flight (``handle``) ends with what the caller gets: its own
+            # failure, or the timeout (Request.cancel()'s error) for an attempt our scope
+            # cut, where the cancellation that cut it said nothing (rfc/0008).
+            trace.attempt_end(handle, final)
             trace.end(request, final)
         raise
 

@@ -321,6 +321,39 @@ async def test_timeout_cuts_the_attempt_span_too(otel: Otel, door: str) -> None:
     [attempt] = [s for s in otel.spans() if s.name == "sdkcore.attempt"]
     assert attempt.status.status_code is StatusCode.ERROR
     assert attempt.end_time is not None
+    # The attempt says what cut it: the request's timeout, not the bare cancellation.
+    assert attempt.attributes is not None
+    assert attempt.attributes["error.type"] == "UnambiguousTimeoutException"
+    assert attempt.status.description
+
+
+@pytest.mark.anyio
+async def test_an_attempt_cut_by_request_cancel_says_so(otel: Otel) -> None:
+    request = Request(name="kv.get", idempotent=True, timeout=SAFETY)
+    orchestrator = otel.orchestrator()
+    entered = anyio.Event()
+
+    async def send(request: Request) -> Any:
+        entered.set()
+        await anyio.sleep_forever()
+
+    caught: list[BaseException] = []
+
+    async def run() -> None:
+        try:
+            await orchestrator.execute(request, send)
+        except RequestCanceledException as exc:
+            caught.append(exc)
+
+    with anyio.fail_after(SAFETY):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await entered.wait()
+            request.cancel()
+    assert len(caught) == 1
+    [attempt] = [s for s in otel.spans() if s.name == "sdkcore.attempt"]
+    assert attempt.attributes is not None
+    assert attempt.attributes["error.type"] == "RequestCanceledException"
 
 
 @pytest.mark.anyio
