@@ -737,6 +737,7 @@ async def test_a_limit_that_rises_lets_the_queue_in() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.usefixtures("no_gc_pauses")
 async def test_a_real_server_at_capacity_pulls_the_limit_down() -> None:
     # 4 served at a time (FIFO), 5 ms each; 24 clients loop through acquire() for 3 s
     limiter = AdaptiveConcurrencyLimiter(20, 1, 200, max_queued=32, name="server")

@@ -173,41 +173,57 @@ async def test_attempt_block_that_calls_succeed_itself_still_returns() -> None:
 # -- a request that only waited in a limiter's queue times out unambiguous ---------------------
 
 
-@pytest.mark.parametrize("anyio_backend", ["trio"])
-async def test_a_queued_wait_given_up_as_the_deadline_passes_is_not_ambiguous() -> None:
+def test_a_queued_wait_given_up_as_the_deadline_passes_is_not_ambiguous() -> None:
     """The permit is handed over just as the queue's margin and the request's deadline pass
     (the loop stalls): the queue gives it back and raises its NOT_SENT refusal; attempt()
     took that refusal for an attempt cut in flight (AmbiguousTimeoutException).
 
     trio only: asyncio runs the woken waiter before the timers that came due during the
-    stall, so there the permit is used and the block ends before the deadline is seen."""
+    stall, so there the permit is used and the block ends before the deadline is seen.
+    On trio's MockClock (the request's clock too): the stall is a jump of the clock with
+    the loop held, so a real pause of the process (a collection) cannot put it anywhere
+    else (on the real clock, one before the hand-over let the queue give up first)."""
+    import trio
+    import trio.testing
+
     limiter = ConcurrencyLimiter(1, max_queued=4)
     orchestrator = RetryOrchestrator()
-    start = anyio.current_time()
     sent: list[str] = []
-    holding = anyio.Event()
+    caught: list[BaseException] = []
+    clock = trio.testing.MockClock(autojump_threshold=0)
 
-    async def holder() -> None:
-        async with limiter.acquire():
-            holding.set()
-            await anyio.sleep_until(start + 0.080)  # the waiter's margin ends about 90 ms
-        time.sleep(0.04)  # noqa: ASYNC251 - the permit is the waiter's; the loop stalls past both
+    async def main() -> None:
+        start = trio.current_time()
+        holding = trio.Event()
 
-    async def acquire_and_send() -> None:
-        async with limiter.acquire():
-            sent.append("sent")
+        async def holder() -> None:
+            async with limiter.acquire():
+                holding.set()
+                await trio.sleep_until(start + 0.080)  # the waiter's margin ends about 90 ms
+            clock.jump(0.04)  # the permit is the waiter's; the loop stalls past both
 
-    with anyio.fail_after(SAFETY):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(holder)
+        async def acquire_and_send() -> None:
+            async with limiter.acquire():
+                sent.append("sent")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(holder)
             await holding.wait()
-            request = Request(name="kv.set", idempotent=False, timeout=0.099)
-            with pytest.raises(TimeoutException) as info, orchestrator.attempt(request):
-                await acquire_and_send()
+            request = Request(
+                name="kv.set", idempotent=False, timeout=0.099, clock=trio.current_time
+            )
+            try:
+                with orchestrator.attempt(request):
+                    await acquire_and_send()
+            except TimeoutException as exc:
+                caught.append(exc)
+        assert not request.maybe_applied
+
+    trio.run(main, clock=clock)
     assert sent == []
-    assert not isinstance(info.value, AmbiguousTimeoutException)
-    assert isinstance(info.value, UnambiguousTimeoutException)
-    assert not request.maybe_applied
+    [error] = caught
+    assert not isinstance(error, AmbiguousTimeoutException)
+    assert isinstance(error, UnambiguousTimeoutException)
     assert limiter.in_flight == 0
 
 

@@ -297,6 +297,7 @@ def test_verbose_streams_log_events_to_stderr_and_restores_structlog() -> None:
     assert not structlog.is_configured()
 
 
+@pytest.mark.usefixtures("no_gc_pauses")  # the demo's lock lasts 0.3 s of real time
 def test_locked_document_quiet_by_default() -> None:
     pytest.importorskip("grpc")
     data = _run_json("--scenario", "locked")

@@ -28,7 +28,8 @@ from sdkcore import (
 from sdkcore.grpc import RetryThrottler
 from sdkcore.testing import capture_retry_events, instant_retries
 
-pytestmark = pytest.mark.anyio
+# Real sleeps race each other here (delays of 30-100 ms): no collection may pause them.
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("no_gc_pauses")]
 
 TEMP = RetryReason.KV_TEMPORARY_FAILURE
 LOCKED = RetryReason.KV_LOCKED

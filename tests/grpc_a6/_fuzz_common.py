@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -194,8 +194,25 @@ def check_attempt_headers(
         problem(f"the server saw an attempt twice: {server_headers}")
 
 
+def paused(pauses: Sequence[tuple[float, float]], start: float, end: float) -> float:
+    """Seconds of ``pauses`` (the process's collections: conftest's ``gc_pauses``) within
+    ``[start, end]`` on ``time.monotonic()``."""
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in pauses)
+
+
+def slack(pauses: Sequence[tuple[float, float]], created_at: float) -> float:
+    """:data:`DEADLINE_SLACK`, plus the collections in the second before an attempt was
+    made: one between sdkcore's reading of the time left and grpc.aio making the call
+    moves the attempt's deadline by as long (no client can pass grpc.aio an absolute
+    deadline)."""
+    return DEADLINE_SLACK + paused(pauses, created_at - 1.0, created_at)
+
+
 def check_attempt_deadlines(
-    attempts: list[Any], deadline_at: float | None, problem: Callable[[str], None]
+    attempts: list[Any],
+    deadline_at: float | None,
+    problem: Callable[[str], None],
+    pauses: Sequence[tuple[float, float]] = (),
 ) -> None:
     """The call's deadline (``deadline_at``, monotonic) spans every attempt (A6 "Maximum
     Number of Retries"): none has a grpc deadline past it; one made after it (a stalled
@@ -203,7 +220,8 @@ def check_attempt_deadlines(
     if deadline_at is None:
         return
     for a in attempts:
-        if a.expires_at is None or a.expires_at > max(deadline_at, a.created_at) + DEADLINE_SLACK:
+        limit = max(deadline_at, a.created_at) + slack(pauses, a.created_at)
+        if a.expires_at is None or a.expires_at > limit:
             late = "none" if a.expires_at is None else ms(a.expires_at - deadline_at)
             problem(f"attempt {a.index}'s own deadline is past the call's: {late}")
 

@@ -124,7 +124,6 @@ grpc = pytest.importorskip("grpc")
 from _fuzz_common import (  # noqa: E402
     ACTIVE,
     CODE,
-    DEADLINE_SLACK,
     HANG,
     OTHER,
     PREV,
@@ -145,6 +144,7 @@ from _fuzz_common import (  # noqa: E402
     run_calls,
     settle,
     show,
+    slack,
     status_delay,
 )
 from fuzz_kit import leaked_tasks  # noqa: E402
@@ -383,6 +383,8 @@ class World:
         rng = self.rng = random.Random(seed)
         self.seed = seed
         self.server = server
+        #: The process's collections during the seed (the test sets conftest's gc_pauses).
+        self.pauses: list[tuple[float, float]] = []
         self.seq = itertools.count()
         self.problems: list[str] = []
         self.mode = "retry" if rng.random() < 0.5 else "hedge"
@@ -803,7 +805,7 @@ class World:
         deadline_at = None
         if timeout is not None and attempts:
             deadline_at = attempts[0].created_at + timeout
-        check_attempt_deadlines(attempts, deadline_at, problem)
+        check_attempt_deadlines(attempts, deadline_at, problem, self.pauses)
         cut = [x for x in (record.cancel_seq, record.caught) if x is not None]
         cut_at = min(cut) if cut else None
         for a in attempts[1:]:
@@ -824,11 +826,11 @@ class World:
                 problem(f"attempt {a.index} created after the channel's close started")
             # Made after the deadline, with no time left: grpc fails such an attempt at once
             # and sends nothing. Reaching the server would be sending it. (sdkcore reads its
-            # clock a little before the probe: an attempt made within DEADLINE_SLACK of the
+            # clock a little before the probe: an attempt made within the slack of the
             # deadline may still have had microseconds left, and go out with them.)
             if (
                 deadline_at is not None
-                and a.created_at > deadline_at + DEADLINE_SLACK
+                and a.created_at > deadline_at + slack(self.pauses, a.created_at)
                 and any(seen.header == a.header for seen in record.server)
             ):
                 problem(
@@ -1165,9 +1167,10 @@ def probe(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("seed", SEEDS)
 async def test_grpc_channels_keep_their_promises_under_random_schedules(
-    seed: int, server: Server, probe: None
+    seed: int, server: Server, probe: None, gc_pauses: list[tuple[float, float]]
 ) -> None:
     world = World(seed, server)
+    world.pauses = gc_pauses
     with active(world):
         await world.run()
     world.check()

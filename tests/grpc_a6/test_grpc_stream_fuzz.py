@@ -394,6 +394,8 @@ class World:
         rng = self.rng = random.Random(seed)
         self.seed = seed
         self.server = server
+        #: The process's collections during the seed (the test sets conftest's gc_pauses).
+        self.pauses: list[tuple[float, float]] = []
         self.seq = itertools.count(1)
         self.problems: list[tuple[str | None, str]] = []
         self.max_attempts = rng.randint(2, 5)
@@ -1066,7 +1068,7 @@ class World:
         # -- cut: cancel, close, deadline, the end -------------------------------------------
         timeout = plan.timeout
         deadline_at = None if timeout is None or not attempts else attempts[0].created_at + timeout
-        check_attempt_deadlines(attempts, deadline_at, problem)
+        check_attempt_deadlines(attempts, deadline_at, problem, self.pauses)
         reading = record.caught is not None and record.caught_phase in ("read", "await call")
         cuts = [
             (record.cancel_seq, "call.cancel()"),
@@ -1432,9 +1434,10 @@ async def _awaited(call: Any) -> Any:
 
 @pytest.mark.parametrize("seed", SEEDS)
 async def test_streaming_calls_keep_their_promises_under_random_schedules(
-    seed: int, server: Server, probe: None
+    seed: int, server: Server, probe: None, gc_pauses: list[tuple[float, float]]
 ) -> None:
     world = World(seed, server)
+    world.pauses = gc_pauses
     with active(world):
         await world.run()
     world.check()

@@ -634,7 +634,9 @@ class World:
         if rng.random() < 0.35:
             at = rng.uniform(0.0, 0.2)
             self.events.append(("black_hole_while_open", at, 0.0, 0))
-        self.stalled: list[tuple[float, float]] = []  # when the test blocked the loop
+        # When the test blocked the loop, and (the tests set it) when collections paused
+        # the process: the hang detector leaves both out.
+        self.stalled: list[tuple[float, float]] = []
         self.limiter_peak = 0
         self.started = 0  # commands that called into the orchestrator
         self.started_lock = threading.Lock()
@@ -1519,9 +1521,14 @@ def finish(world: World, caught: list[warnings.WarningMessage]) -> None:
 @pytest.mark.anyio
 @pytest.mark.parametrize("seed", SEEDS)
 async def test_async_client_keeps_its_promises_under_random_faults(
-    seed: int, anyio_backend: str, memcached: Memcached, fuzz_proxies: list[FuzzProxy]
+    seed: int,
+    anyio_backend: str,
+    memcached: Memcached,
+    fuzz_proxies: list[FuzzProxy],
+    gc_pauses: list[tuple[float, float]],
 ) -> None:
     world = World(seed, fuzz_proxies, memcached)
+    world.stalled = gc_pauses  # the test's own stalls are added to the collections'
     world.setup()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -1535,9 +1542,13 @@ async def test_async_client_keeps_its_promises_under_random_faults(
 
 @pytest.mark.parametrize("seed", SYNC_SEEDS)
 def test_sync_client_keeps_its_promises_under_random_faults(
-    seed: int, memcached: Memcached, fuzz_proxies: list[FuzzProxy]
+    seed: int,
+    memcached: Memcached,
+    fuzz_proxies: list[FuzzProxy],
+    gc_pauses: list[tuple[float, float]],
 ) -> None:
     world = World(seed, fuzz_proxies, memcached, sync=True)
+    world.stalled = gc_pauses  # the test's own stalls are added to the collections'
     world.setup()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
