@@ -26,6 +26,7 @@ from typing import Any
 
 import anyio
 import pytest
+from stderr_kit import tracebacks
 
 from sdkcore import (
     BestEffortRetryStrategy,
@@ -142,7 +143,7 @@ sys.exit(main(["demo", "--scenario", "locked", "--scenario", "hedged-reads", "--
         assert info["service_name"] == "sdkcore-demo"
         proc.send_signal(signal.SIGINT)  # Ctrl-C while lingering
         assert proc.wait(timeout=10) == (0 if report["ok"] else 1), err.read_text()
-        assert "Traceback" not in err.read_text()
+        assert not tracebacks(err.read_text()), err.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
