@@ -446,7 +446,12 @@ def refused(
             context=context,
         )
     if action is not None and action.exception is not None:
-        return _built(action.exception, context, f"{strategy}.{method}", reason)
+        built = _built(action.exception, context, f"{strategy}.{method}", reason)
+        if verdict is Verdict.NOT_IDEMPOTENT and request.maybe_applied:
+            # The strategy's own exception wins (RFC 0049), but its message may say the
+            # opposite ("document locked"): its reader learns the write may be there.
+            _note(built, f"sdkcore: {_not_idempotent(request, reason, None)}")
+        return built
     if verdict is Verdict.NOT_IDEMPOTENT:
         return RequestCanceledException(_not_idempotent(request, reason, action), context=context)
     detail = "" if action is None or action.why is None else f": {action.why}"
@@ -530,9 +535,14 @@ def strategy_failed(
     request._finish(RequestState.FAILED)
     add_note = getattr(error, "add_note", None) if raised else None
     if add_note is not None:
+        applied = (
+            " (not idempotent, and an attempt may have been applied)"
+            if not request.idempotent and request.maybe_applied
+            else ""
+        )
         note = (
             f"{_NOTE} {strategy} deciding on request "
-            f"{request.id} ({request.name!r}) after {reason.name}; the request failed"
+            f"{request.id} ({request.name!r}) after {reason.name}; the request failed{applied}"
         )
         # (an exception class whose notes cannot be set: no note)
         with contextlib.suppress(Exception):
@@ -548,6 +558,15 @@ def strategy_failed(
             **event_fields(request, reason, strategy),
             error=describe_error(error),
         )
+
+
+def _note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)`` on Python 3.11+ (before: nothing; an exception class whose
+    notes cannot be set: nothing)."""
+    add_note = getattr(error, "add_note", None)
+    if add_note is not None:
+        with contextlib.suppress(Exception):
+            add_note(note)
 
 
 def bad_action(strategy: str, reason: RetryReason, action: object, method: str) -> TypeError:

@@ -273,8 +273,8 @@ class _Chain:
         except RetryableError as failure:
             self.outstanding -= 1
             non_fatal = self.policy.non_fatal
-            if (non_fatal is None or failure.reason in non_fatal) and self._allows(failure):
-                self._failed(attempt, failure)
+            if non_fatal is None or failure.reason in non_fatal:
+                self._failed(attempt, failure)  # unless the strategy refuses to go past it
             else:
                 self._fatal(attempt, failure)
         except Exception as exc:
@@ -335,7 +335,7 @@ class _Chain:
             return True  # booked as a failure; the chain is over
         if action is _UNASKED:  # it waits for I/O: not asked (see _answer)
             return True
-        if type(action) is not RetryAction:  # sdkcore's error, naming the strategy
+        if not isinstance(action, RetryAction):  # sdkcore's error, naming the strategy
             error = _failing.bad_action(name, reason, action, self.asked)
             _failing.strategy_failed(self.request, reason, name, error, raised=False)
             self._end_with(error)
@@ -475,8 +475,15 @@ class _Chain:
         attempt.error = _text(failure)
         request = self.request
         effect = failure.effect or AttemptEffect.for_reason(reason)
+        # Booked before the strategy is asked: it sees this copy's failure (last_error,
+        # last_reason, attempts), as every other door's strategy sees the attempt's.
         self._book(attempt, reason, effect, failure.__cause__ or failure)
         if self.over:
+            return
+        if not self._allows(failure):
+            self._fatal(attempt, failure, booked=True)
+            return
+        if self.over:  # the strategy failed: the chain ends with its error
             return
         request._reason_seen(reason)
         self.last_failure = failure
@@ -518,7 +525,9 @@ class _Chain:
                 error=attempt.error,
             )
 
-    def _fatal(self, attempt: _Attempt, error: BaseException) -> None:
+    def _fatal(self, attempt: _Attempt, error: BaseException, *, booked: bool = False) -> None:
+        """``attempt`` failed with ``error`` and ends the chain (``booked``: the request
+        has it already, :meth:`_failed` booked it before the strategy refused)."""
         attempt.outcome = _FATAL
         attempt.error = _text(error)
         effect = AttemptEffect.MAYBE_APPLIED
@@ -527,7 +536,8 @@ class _Chain:
             attempt.reason = error.reason
             effect = error.effect or AttemptEffect.for_reason(error.reason)
             cause = error.__cause__ or error
-        self._book(attempt, attempt.reason, effect, cause)
+        if not booked:
+            self._book(attempt, attempt.reason, effect, cause)
         if self.over:
             return
         self.fatal = error

@@ -38,7 +38,9 @@ class RetryOrchestrator(OrchestratorCore):
     """Decides, for each failed attempt, whether and when a request is retried.
 
     * ``default_strategy``: used for requests whose ``retry_strategy`` is None
-      (default: :class:`FastFailOnTerminalErrorRetryStrategy`).
+      (default: :class:`FastFailOnTerminalErrorRetryStrategy`). An sdkcore gRPC
+      channel's calls do not use it: each is retried by its method's A6 policy
+      (``A6RetryStrategy``, rfc/0003).
     * ``max_requests_in_retry``: backpressure; beyond this many requests waiting
       in retry, further retries fail at once (TOO_MANY_REQUESTS_IN_RETRY).
     * ``sleep``: the wait (default: the running event loop's own sleep); inject a

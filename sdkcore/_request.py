@@ -242,7 +242,7 @@ class Request(RetryState):
         raise AttributeError(
             f"Request.retry_strategy is fixed when the request is built (request {self._id}, "
             f"{self._name!r}): pass Request(..., retry_strategy=...) for a new request, or "
-            "RetryOrchestrator(strategy) for the default of every request"
+            "RetryOrchestrator(default_strategy=...) for the default of every request"
         )
 
     @property

@@ -319,3 +319,55 @@ async def test_request_cancel_with_copies_in_flight_logs_them_as_cut() -> None:
     [event] = [e for e in events if e["event"] == "retry.cancelled"]
     assert event["in_flight"] is True
     assert event["cancellation_reason"] == "CANCELLED_VIA_CONTEXT"
+
+
+class Fatal(Exception):
+    pass
+
+
+class LooksAtTheError(BestEffortRetryStrategy):
+    """Refuses when the failed attempt's cause says "fatal": it reads the request's state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, int]] = []
+
+    def decide(self, request: Request, reason: RetryReason) -> RetryAction:
+        error = request.last_error
+        self.seen.append((repr(error), len(request.attempts)))
+        if error is not None and "fatal" in str(error):
+            return RetryAction.no_retry()
+        return super().decide(request, reason)
+
+
+async def test_the_strategy_sees_the_copy_that_just_failed() -> None:
+    """As on every other door, the failed copy is booked before the strategy is asked:
+    it was asked with the copy before's state (none for the first), so a strategy reading
+    the error let copy 0's fatal failure pass and refused copy 1's blaming copy 0's."""
+    temp = RetryReason.KV_TEMPORARY_FAILURE
+    first = RetryableError(temp, cause=Fatal("fatal: bad key"))
+    send = Sends({0: first, 1: RetryableError(temp, cause=Fatal("transient"))})
+    strategy = LooksAtTheError()
+    with anyio.fail_after(SAFETY), pytest.raises(RequestCanceledException) as info:
+        await RetryOrchestrator().hedge(req(strategy), send, HedgePolicy(3, delay=1.0))
+    assert strategy.seen == [("Fatal('fatal: bad key')", 1)]
+    assert send.sent == [0]  # refused at copy 0: no copy 1
+    assert info.value.__cause__ is first.__cause__
+
+
+class TaggedAction(RetryAction):
+    """An application's RetryAction with a tag of its own (a subclass, as any door takes)."""
+
+
+class Tags(BestEffortRetryStrategy):
+    def decide(self, request: Request, reason: RetryReason) -> RetryAction:
+        action = super().decide(request, reason)
+        return TaggedAction(action.duration, action.exception, why=action.why)
+
+
+async def test_a_retry_action_subclass_is_a_retry_action_here_too() -> None:
+    temp = RetryableError(RetryReason.KV_TEMPORARY_FAILURE)
+    send = Sends({0: temp})
+    with anyio.fail_after(SAFETY), pytest.raises(UnambiguousTimeoutException):
+        await RetryOrchestrator().hedge(req(Tags(), timeout=0.2), send, HedgePolicy(2, delay=5.0))
+    assert send.sent == [0, 1]  # past copy 0's failure at once (A6), as the strategy allowed

@@ -18,6 +18,7 @@ from sdkcore import (
     CancellationReason,
     CollectionNotFoundException,
     CouchbaseException,
+    DocumentLockedException,
     ErrorContext,
     FailFastRetryStrategy,
     FastFailOnTerminalErrorRetryStrategy,
@@ -746,3 +747,42 @@ async def test_a_shared_exception_raised_again_keeps_one_note() -> None:
     notes = getattr(shared, "__notes__", [])
     assert len(notes) == 1  # not one per request
     assert f"request {last.id} " in notes[0]  # the latest
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
+async def test_a_write_that_may_have_been_applied_says_so_under_the_strategys_own_error() -> None:
+    """The strategy's refusal (its exception) wins over the orchestrator's own for a
+    non-idempotent write whose attempt may have been applied (RFC 0049; rfc/0001), and
+    a raising strategy's error propagates as is: both said nothing of the write, and
+    "document locked" reads as "not applied". A note under each says it may be there."""
+
+    class Translates(BestEffortRetryStrategy):
+        def decide(self, request: Request, reason: RetryReason) -> RetryAction:
+            return RetryAction.no_retry(DocumentLockedException)
+
+    class Broken(BestEffortRetryStrategy):
+        def decide(self, request: Request, reason: RetryReason) -> RetryAction:
+            raise KeyError("missing")
+
+    async def send(request: Request) -> None:
+        raise RetryableError(RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT)
+
+    write = Request(name="kv.upsert", idempotent=False, retry_strategy=Translates())
+    with pytest.raises(DocumentLockedException) as info:
+        await RetryOrchestrator().execute(write, send)
+    notes = getattr(info.value, "__notes__", [])
+    assert len(notes) == 1
+    assert "not idempotent and may have been applied" in notes[0]
+    assert "SOCKET_CLOSED_WHILE_IN_FLIGHT" in notes[0]
+
+    write = Request(name="kv.upsert", idempotent=False, retry_strategy=Broken())
+    with pytest.raises(KeyError) as raised:
+        await RetryOrchestrator().execute(write, send)
+    assert getattr(raised.value, "__notes__", [""])[-1].endswith(
+        "the request failed (not idempotent, and an attempt may have been applied)"
+    )
+    # An idempotent read refused the same way: nothing to say.
+    read = Request(name="kv.get", idempotent=True, retry_strategy=Translates())
+    with pytest.raises(DocumentLockedException) as plain:
+        await RetryOrchestrator().execute(read, send)
+    assert getattr(plain.value, "__notes__", None) is None
