@@ -635,7 +635,16 @@ class RequestTrace:
     around the OpenTelemetry calls it makes (bench/README, "bench_telemetry.py").
     """
 
-    __slots__ = ("attributes", "ended", "hedges", "owns_span", "span", "success", "telemetry")
+    __slots__ = (
+        "attributes",
+        "ended",
+        "hedges",
+        "owns_span",
+        "rpc",
+        "span",
+        "success",
+        "telemetry",
+    )
 
     def __init__(
         self,
@@ -650,6 +659,8 @@ class RequestTrace:
         self.telemetry = telemetry
         self.ended = False
         self.hedges = 0  # copies after the first: sdkcore.hedges, not retries
+        #: A gRPC call's (set by its door): error.type is the status code's name.
+        self.rpc = False
         if name is None:
             name = request._name
         named = telemetry._named.get(name)  # the lookup inlined: once per request
@@ -817,7 +828,12 @@ class RequestTrace:
         telemetry._guard("hedge.wins", telemetry.hedge_wins.add, 1, self.attributes)
 
     def end(self, request: Any, error: BaseException | None) -> None:
-        """The request ended (``error``: what the caller got, None on success). Once."""
+        """The request ended (``error``: what the caller got, None on success). Once.
+
+        ``error.type`` is the error's class name; for a gRPC call's (:attr:`rpc`), the
+        status code's name of the ``AioRpcError`` it ended with, as OpenTelemetry's RPC
+        conventions ask (``DEADLINE_EXCEEDED``, ``UNAVAILABLE``, ...).
+        """
         if self.ended:
             return
         self.ended = True
@@ -841,7 +857,10 @@ class RequestTrace:
             outcome = outcome_of(request)
             # No error: succeed() of a request Request.cancel() had completed (a hand-wired
             # loop whose answer came after the cancel); the caller's error is the cancel's.
-            cls = _cut(type(error).__name__ if error is not None else "RequestCanceledException")
+            if error is None:
+                cls = "RequestCanceledException"
+            else:
+                cls = _cut((self.rpc and _status_name(error)) or type(error).__name__)
             attributes = {NAME: self.attributes[NAME], OUTCOME: outcome, ERROR_TYPE: cls}
         try:
             telemetry.request_duration.record(elapsed, attributes)
@@ -860,7 +879,7 @@ class RequestTrace:
                 span.set_attribute("sdkcore.request.retries", retries)
                 if outcome != "success":
                     if error is not None:
-                        _record_error(telemetry, span, error)
+                        _record_error(telemetry, span, error, cls)
                     else:  # as the metric above records it
                         trace = telemetry._trace
                         span.set_status(
@@ -896,15 +915,30 @@ class RequestTrace:
 Telemetry._request_trace = RequestTrace
 
 
-def _record_error(telemetry: Telemetry, span: Any, error: BaseException) -> None:
-    """ERROR status and ``error.type`` on ``span``, the exception recorded. The status says
-    the message alone (a CouchbaseException's error context, JSON, is in the recorded
-    exception: cut at 100 characters it ended mid-JSON); an attempt that failed with a
-    RetryableError carries its reason as ``sdkcore.retry.reason``."""
+def _status_name(error: BaseException) -> str | None:
+    """The name of an RPC error's status code (``error.code().name``), else None."""
+    code = getattr(error, "code", None)
+    if not callable(code):
+        return None
+    try:
+        name = code().name
+    except Exception:  # a code() of another kind
+        return None
+    return name if isinstance(name, str) else None
+
+
+def _record_error(
+    telemetry: Telemetry, span: Any, error: BaseException, error_type: str | None = None
+) -> None:
+    """ERROR status and ``error.type`` on ``span`` (``error_type``, else the error's class
+    name), the exception recorded. The status says the message alone (a
+    CouchbaseException's error context, JSON, is in the recorded exception: cut at 100
+    characters it ended mid-JSON); an attempt that failed with a RetryableError carries
+    its reason as ``sdkcore.retry.reason``."""
     trace = telemetry._trace
     message = error.message if isinstance(error, CouchbaseException) else str(error)
     span.set_status(trace.Status(trace.StatusCode.ERROR, _cut(message)))
-    span.set_attribute(ERROR_TYPE, _cut(type(error).__name__))
+    span.set_attribute(ERROR_TYPE, _cut(error_type or type(error).__name__))
     if isinstance(error, RetryableError):
         span.set_attribute(REASON, error.reason.name)
     if isinstance(error, Exception):

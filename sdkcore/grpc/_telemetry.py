@@ -335,6 +335,7 @@ class CallTrace:
             telemetry._failure("span", exc)
         self.span = span
         self.trace = telemetry.begin(request, span=span, name=method.name)
+        self.trace.rpc = True  # error.type: the status code's name (RequestTrace.end)
 
     # -- attempts ------------------------------------------------------------------
     def attempt(self, previous: int, transparent: bool = False, hedge: bool = False) -> _Attempt:

@@ -271,9 +271,11 @@ async def test_a_call_that_fails(server: Server, otel: Otel, code: str) -> None:
         assert "grpc.client.call.retries" not in points
     core = otel.metrics()["sdkcore.request.duration"].data.data_points
     assert [p.attributes["sdkcore.request.outcome"] for p in core] == ["failure"]
-    # the class the application got, also when the retries ran out (not sdkcore's refusal)
-    assert [p.attributes["error.type"] for p in core] == ["AioRpcError"]
+    # the status of the AioRpcError the application got (OpenTelemetry's RPC conventions),
+    # also when the retries ran out (not sdkcore's refusal)
+    assert [p.attributes["error.type"] for p in core] == [code]
     (sent,) = by_name(otel.finished(), "Sent.test.Svc.M")
+    assert (sent.attributes or {})["error.type"] == code
     assert sent.status.status_code is trace.StatusCode.ERROR
     assert (sent.status.description or "").startswith(code)
     assert (sent.attributes or {})["grpc.status"] == code
@@ -337,7 +339,7 @@ async def test_a_deadline_reached_in_flight_is_a_timeout(
         {
             "sdkcore.request.name": core[0].attributes["sdkcore.request.name"],
             "sdkcore.request.outcome": "timeout",
-            "error.type": "AioRpcError",
+            "error.type": "DEADLINE_EXCEEDED",
         }
     ]
 

@@ -63,8 +63,8 @@ Invariants, per call (rfc/0008 "gRPC metrics and spans", gRFC A66/A96/A72):
   task is the same after making and awaiting the call as before;
 * core metrics: ``sdkcore.request.duration`` exactly one point: outcome ``success`` (OK),
   ``timeout`` (DEADLINE_EXCEEDED: the server never sends one), ``cancelled``
-  (CancelledError), ``failure`` otherwise, ``error.type`` the class the application got
-  (``AioRpcError``, ``CancelledError``); ``sdkcore.request.retries`` one point: the
+  (CancelledError), ``failure`` otherwise, ``error.type`` the status code's name of the
+  AioRpcError the application got, else its class (``CancelledError``); ``sdkcore.request.retries`` one point: the
   ``sdkcore.retry`` events of the call's span (scheduled retries: attempts - 1, or one
   more when the call ended in its backoff, rfc/0008 "A backoff capped at the deadline
   counts as a retry"), 0 for hedged and unretried calls; ``sdkcore.retries`` the same
@@ -1055,7 +1055,8 @@ class World:
         # -- core metrics ---------------------------------------------------------------
         # rfc/0008: outcome success / timeout (the call's deadline: the server never sends
         # DEADLINE_EXCEEDED) / cancelled (call.cancel(), the close, the caller's own
-        # cancellation) / failure; error.type the class the application got.
+        # cancellation) / failure; error.type the status code's name of the AioRpcError the
+        # application got (OpenTelemetry's RPC conventions), else its class.
         cancelled = record.outcome == "cancelled"
         expected: list[tuple[str, str | None]]
         if status == "OK":
@@ -1063,9 +1064,9 @@ class World:
         elif status == "CANCELLED" and cancelled:
             expected = [("cancelled", "CancelledError")]
         elif status == "DEADLINE_EXCEEDED":
-            expected = [("timeout", "AioRpcError")]
+            expected = [("timeout", "DEADLINE_EXCEEDED")]
         else:
-            expected = [("failure", "AioRpcError")]
+            expected = [("failure", status)]
         if cancelled and status != "CANCELLED" and status != "OK":
             # The call had ended with its status when the caller's cancellation reached
             # it: the outcome of either reading (see Ambiguities).
