@@ -64,7 +64,8 @@ Invariants, per call (rfc/0008 "gRPC metrics and spans", gRFC A66/A96/A72):
 * core metrics: ``sdkcore.request.duration`` exactly one point: outcome ``success`` (OK),
   ``timeout`` (DEADLINE_EXCEEDED: the server never sends one), ``cancelled``
   (CancelledError), ``failure`` otherwise, ``error.type`` the status code's name of the
-  AioRpcError the application got, else its class (``CancelledError``); ``sdkcore.request.retries`` one point: the
+  AioRpcError the application got, else its class (``CancelledError``);
+  ``sdkcore.request.retries`` one point: the
   ``sdkcore.retry`` events of the call's span (scheduled retries: attempts - 1, or one
   more when the call ended in its backoff, rfc/0008 "A backoff capped at the deadline
   counts as a retry"), 0 for hedged and unretried calls; ``sdkcore.retries`` the same
