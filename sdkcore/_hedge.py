@@ -111,6 +111,7 @@ class _Chain:
         "budget",
         "clock",
         "cut",
+        "deadline",
         "decide",
         "delay",
         "fatal",
@@ -174,6 +175,7 @@ class _Chain:
         self.fatal: BaseException | None = None
         self.last_failure: RetryableError | None = None
         self.cut = False  # the deadline or Request.cancel() cut the chain (set by the runner)
+        self.deadline = math.inf  # the request's, on ``clock`` (set by run_hedged)
         self.wake: Callable[[], None] | None = None  # called by every copy that ends
 
     @property
@@ -279,6 +281,13 @@ class _Chain:
                 self._fatal(attempt, failure)
         except Exception as exc:
             self.outstanding -= 1
+            if self.over or self.cut or self.clock() >= self.deadline:
+                # Raised as the copy was being cut (another copy's answer, Request.cancel(),
+                # the deadline): a send whose read is cut may raise its own error ("connection
+                # reset") for the cancellation. It ended cut, as execute takes whatever an
+                # attempt its deadline cut raised for the timeout (rfc/0001).
+                self._cut_copy(attempt, mark, exc)
+                return
             if isinstance(exc, TypeError) and not (
                 pending is None or hasattr(pending, "__await__")
             ):
@@ -290,19 +299,7 @@ class _Chain:
             self._fatal(attempt, exc)
         except BaseException as cut:
             self.outstanding -= 1
-            # Cut in flight: it may have reached the server, unless it was cut where nothing
-            # is sent yet (a limiter's queue): then not sent, its budget withdrawal refunded.
-            unsent = Request._dispatch_was_unsent(mark, cut)
-            latency = self.latency
-            if latency is not None and self.winner is not None and not unsent:
-                # superseded: as Finagle, but known only to be longer (a first copy cut at
-                # delay + the hedge's latency is not placed there: LatencyQuantile.record)
-                latency.record(self._elapsed(attempt), cut=True)
-            attempt.outcome = _NOT_SENT if unsent else _CANCELLED
-            effect = AttemptEffect.NOT_SENT if unsent else AttemptEffect.MAYBE_APPLIED
-            reason = Request._dispatch_unsent_reason(mark) if unsent else None
-            self._book(attempt, reason, effect, None)
-            self._log_cancelled(attempt)
+            self._cut_copy(attempt, mark, cut)
             raise
         else:
             self.outstanding -= 1
@@ -315,6 +312,23 @@ class _Chain:
             wake = self.wake
             if wake is not None:
                 wake()
+
+    def _cut_copy(self, attempt: _Attempt, mark: Any, cut: BaseException) -> None:
+        """``attempt`` was cut in flight, ending with ``cut`` (the cancellation, or what
+        ``send`` raised for it): it may have reached the server, unless it was cut where
+        nothing is sent yet (a limiter's queue): then not sent, its budget withdrawal
+        refunded. An error ``send`` raised for it is kept as its failure."""
+        unsent = Request._dispatch_was_unsent(mark, cut)
+        latency = self.latency
+        if latency is not None and self.winner is not None and not unsent:
+            # superseded: as Finagle, but known only to be longer (a first copy cut at
+            # delay + the hedge's latency is not placed there: LatencyQuantile.record)
+            latency.record(self._elapsed(attempt), cut=True)
+        attempt.outcome = _NOT_SENT if unsent else _CANCELLED
+        effect = AttemptEffect.NOT_SENT if unsent else AttemptEffect.MAYBE_APPLIED
+        reason = Request._dispatch_unsent_reason(mark) if unsent else None
+        self._book(attempt, reason, effect, cut if isinstance(cut, Exception) else None)
+        self._log_cancelled(attempt)
 
     def _allows(self, failure: RetryableError) -> bool:
         """Whether the request's strategy lets the chain go past ``failure`` (a non-fatal
@@ -640,6 +654,15 @@ def _timed_out(request: Request, copies_cut: int = 0) -> BaseException:
     )
 
 
+def _cancelled_after_answer(request: Request, chain: _Chain) -> BaseException:
+    """The error of a request ``Request.cancel()`` ended after a copy answered, before the
+    caller resumed: the cancellation, with the hedges' bookkeeping (the losers it cut)."""
+    cut = chain.copies_cut()
+    error = _failing.already_completed(request, request.last_reason, cut=cut > 0)
+    _with_extra(error, chain, in_flight=cut > 0)
+    return error
+
+
 def _with_extra(exc: BaseException, chain: _Chain, *, in_flight: bool) -> None:
     if isinstance(exc, CouchbaseException) and exc.context is not None:
         extra = dict(exc.context.extra)
@@ -738,7 +761,8 @@ async def run_hedged(
     chain = _Chain(request, send, policy, throttler, rt.now, orchestrator.retry_budget, strategy)
     if first_elapsed is not None:
         chain.first_elapsed = first_elapsed
-    runner = rt.Hedges(chain, chain.origin + left)
+    chain.deadline = chain.origin + left
+    runner = rt.Hedges(chain, chain.deadline)
     previous = request._set_cancel_hook(runner)  # Request.cancel() cuts whatever is in flight
     request._sending = True  # another door's call on it is refused meanwhile (in_use)
     try:
@@ -755,12 +779,12 @@ async def run_hedged(
     if chain.winner is not None:
         if not finish:
             if request.state is not RequestState.PENDING:  # Request.cancel(), as below
-                raise _failing.already_completed(request, request.last_reason)
+                raise _cancelled_after_answer(request, chain)
             return chain.result  # type: ignore[no-any-return]
         if not request._finish(RequestState.SUCCEEDED):
             # Request.cancel() came after a copy answered, before the caller resumed: a
             # cancelled request never reports success (rfc/0001, "Application cancel").
-            raise _failing.already_completed(request, request.last_reason)
+            raise _cancelled_after_answer(request, chain)
         trace = request._trace
         if trace is not None and chain.winner > 0:
             trace.hedge_won()

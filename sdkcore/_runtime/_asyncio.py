@@ -213,7 +213,18 @@ class Hedges:
     nothing outlives the call.
     """
 
-    __slots__ = ("chain", "deadline", "loop", "scope", "stopped", "tasks", "timer", "waiter")
+    __slots__ = (
+        "base",
+        "caller",
+        "chain",
+        "deadline",
+        "loop",
+        "scope",
+        "stopped",
+        "tasks",
+        "timer",
+        "waiter",
+    )
 
     def __init__(self, chain: HedgeChain, deadline: float) -> None:
         self.chain = chain
@@ -224,6 +235,11 @@ class Hedges:
         self.timer: asyncio.TimerHandle | None = None  # the next hedge, or the deadline
         self.waiter: asyncio.Future[None] | None = None  # wakes the caller when all ended
         self.stopped = False  # no more hedges: the losers are being cut
+        # The caller's task and its pending cancellations when the call began (3.11+; on
+        # 3.10 None): one more means the caller is being cancelled (_caller_cancelled).
+        caller: Any = asyncio.current_task() if _COUNTS else None
+        self.caller = caller
+        self.base: int = caller.cancelling() if caller is not None else 0
 
     def cancel(self) -> None:
         """``Request.cancel()``: cut every copy in flight."""
@@ -272,6 +288,13 @@ class Hedges:
             self.timer.cancel()
             self.timer = None
         chain = self.chain
+        if not self.stopped and self._caller_cancelled():
+            # The caller's own cancellation is unwinding hedge 0 (its send may take a while
+            # to clean up): no copy is sent after it, and the copies in flight are cut now,
+            # as on trio (rfc/0004). run() re-raises the cancellation once all have ended.
+            self.stopped = True
+            for task in self.tasks:
+                task.cancel()
         if not self.stopped:
             if not chain.cut and self.loop.time() >= self.deadline and not chain.over:
                 chain.cut = True
@@ -292,6 +315,18 @@ class Hedges:
             and self.scope is None
         ):
             waiter.set_result(None)
+
+    def _caller_cancelled(self) -> bool:
+        """Whether the caller's task is being cancelled from outside (3.11+: more pending
+        cancellations than when the call began; 3.10 cannot count them, so there a copy
+        due while hedge 0 unwinds the caller's cancellation may still go out)."""
+        task = self.caller
+        if task is None:
+            return False
+        scope = self.scope
+        if scope is not None and scope.fired:  # hedge 0's own cut counts one: not the caller's
+            return False
+        return bool(task.cancelling() > self.base)
 
     def _start(self, attempt: object) -> None:
         task = self.loop.create_task(self.chain.run(attempt))

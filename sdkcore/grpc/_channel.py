@@ -151,7 +151,7 @@ class _Channel(_aio_channel.Channel):  # type: ignore[misc]
             tel.register(method)
 
     async def close(self, grace: float | None = None) -> None:
-        if grace is None or grace >= 0:  # grpc.aio refuses a negative grace
+        if grace is None or not grace < 0:  # grpc.aio refuses a negative grace (NaN: it closes)
             self._sdkcore._close_calls()
         await super().close(grace)
 

@@ -13,6 +13,7 @@ jitter of a 10 s backoff), so "at once" is checked with a bound far below it.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -260,7 +261,9 @@ async def test_a_streaming_call_in_backoff_ends_cancelled(
     assert server.count(shape) == 1
 
 
-@pytest.mark.parametrize("grace", [None, 8.0])
+# (NaN: grpc.aio closes with it as with a grace; the channel's check took it for a
+# negative grace grpc.aio refuses, and left the waiting calls alone)
+@pytest.mark.parametrize("grace", [None, 8.0, math.nan])
 async def test_a_hedged_call_waiting_for_its_next_hedge_ends_cancelled(
     server: Server, grace: float | None
 ) -> None:
