@@ -263,6 +263,10 @@ async def execute(
                 trace.attempt_end(handle, None)
             break
     except BaseException as exc:
+        if trace is not None and handle is not None:
+            # Its span stops being current here (what the ending logs is the request's), and
+            # ends in _failed.
+            handle = trace.attempt_left(handle)
         if token is not None:
             _unsent_cut(request, token, exc)
         else:
@@ -312,10 +316,12 @@ def _failed(
     holds, keeps only the loop's locals (bench/README, "Memory per request in backoff").
     """
     in_flight = request.in_flight
+    fired = False
     try:
         if scope is not None:
             request._set_cancel_hook(previous)
-            if scope.exit(exc):  # our deadline or Request.cancel() cut an attempt or a wait
+            fired = scope.exit(exc)
+            if fired:  # our deadline or Request.cancel() cut an attempt or a wait
                 raise _scope_fired(
                     self, request, exc if in_flight else None, in_flight=in_flight
                 ) from _failing.cause(request)
@@ -332,10 +338,10 @@ def _failed(
     except BaseException as final:  # the error, our timeout, or what the scope re-raised
         _failing.finish_by(request, final)
         if trace is not None:
-            # The attempt in flight (``handle``) ends with what the caller gets: its own
-            # failure, or the timeout (Request.cancel()'s error) for an attempt our scope
-            # cut, where the cancellation that cut it said nothing (rfc/0008).
-            trace.attempt_end(handle, final)
+            # The attempt in flight (``handle``) ends with its own failure, or, cut by our
+            # scope, with the timeout (Request.cancel()'s error): the cancellation that cut
+            # it said nothing (rfc/0008).
+            trace.attempt_end(handle, final if fired else exc)
             trace.end(request, final)
         raise
 

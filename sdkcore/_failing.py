@@ -450,7 +450,9 @@ def refused(
         if verdict is Verdict.NOT_IDEMPOTENT and request.maybe_applied:
             # The strategy's own exception wins (RFC 0049), but its message may say the
             # opposite ("document locked"): its reader learns the write may be there.
-            _note(built, f"sdkcore: {_not_idempotent(request, reason, None)}")
+            _note(
+                built, f"sdkcore: {_not_idempotent(request, reason, None)}", "sdkcore: not retried"
+            )
         return built
     if verdict is Verdict.NOT_IDEMPOTENT:
         return RequestCanceledException(_not_idempotent(request, reason, action), context=context)
@@ -560,13 +562,19 @@ def strategy_failed(
         )
 
 
-def _note(error: BaseException, note: str) -> None:
+def _note(error: BaseException, note: str, kind: str) -> None:
     """``error.add_note(note)`` on Python 3.11+ (before: nothing; an exception class whose
-    notes cannot be set: nothing)."""
+    notes cannot be set: nothing). An exception object raised again (a factory that returns
+    one shared instance) keeps one note of a ``kind`` (its start), the latest, as
+    :func:`strategy_failed` keeps one."""
     add_note = getattr(error, "add_note", None)
     if add_note is not None:
         with contextlib.suppress(Exception):
-            add_note(note)
+            notes = getattr(error, "__notes__", None)
+            if isinstance(notes, list) and notes and str(notes[-1]).startswith(kind):
+                notes[-1] = note
+            else:
+                add_note(note)
 
 
 def bad_action(strategy: str, reason: RetryReason, action: object, method: str) -> TypeError:

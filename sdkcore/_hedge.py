@@ -111,6 +111,7 @@ class _Chain:
         "budget",
         "clock",
         "cut",
+        "cutting",
         "deadline",
         "decide",
         "delay",
@@ -176,6 +177,9 @@ class _Chain:
         self.last_failure: RetryableError | None = None
         self.cut = False  # the deadline or Request.cancel() cut the chain (set by the runner)
         self.deadline = math.inf  # the request's, on ``clock`` (set by run_hedged)
+        #: Whether copy ``index`` is being cut now (set by the runner, asked in the copy's
+        #: task): an error its send raises then is how it ended being cut (:meth:`run`).
+        self.cutting: Callable[[int], bool] | None = None
         self.wake: Callable[[], None] | None = None  # called by every copy that ends
 
     @property
@@ -281,11 +285,18 @@ class _Chain:
                 self._fatal(attempt, failure)
         except Exception as exc:
             self.outstanding -= 1
-            if self.over or self.cut or self.clock() >= self.deadline:
+            cutting = self.cutting
+            if (
+                self.over
+                or self.cut
+                or self.clock() >= self.deadline
+                or (cutting is not None and cutting(attempt.index))
+            ):
                 # Raised as the copy was being cut (another copy's answer, Request.cancel(),
-                # the deadline): a send whose read is cut may raise its own error ("connection
-                # reset") for the cancellation. It ended cut, as execute takes whatever an
-                # attempt its deadline cut raised for the timeout (rfc/0001).
+                # the deadline, the caller's cancellation reaching a copy): a send whose read
+                # is cut may raise its own error ("connection reset") for the cancellation.
+                # It ended cut, its error kept as its failure (rfc/0004, "A cut copy that
+                # raises its own error").
                 self._cut_copy(attempt, mark, exc)
                 return
             if isinstance(exc, TypeError) and not (

@@ -134,8 +134,8 @@ class _Watched:
         self.named_as: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         # Per kind (its group's id): how many "unnamed-N" labels were handed out.
         self.unnamed: dict[int, int] = {}
-        # Per kind: how many distinct labels were handed out (at most MAX_NAMES, then "other").
-        self.handed: dict[int, int] = {}
+        # Per kind: the distinct labels handed out (at most MAX_NAMES; past it, "other").
+        self.handed: dict[int, set[str]] = {}
 
 
 #: The global providers' (``meter_provider=None``), and each provider's by the provider.
@@ -145,17 +145,27 @@ _WATCHED_LOCK = threading.Lock()
 
 
 def _watched_for(meter_provider: Any, global_provider: Any) -> _Watched:
-    """The :class:`_Watched` of ``meter_provider`` (None, or the global one itself: the
-    global providers'); a provider that cannot be weakly referenced gets its own."""
-    if meter_provider is None or meter_provider is global_provider:
-        return _GLOBAL_WATCHED
+    """The :class:`_Watched` of ``meter_provider`` (None: the global one, ``global_provider``).
+
+    One per provider, whichever way a Telemetry names it: a provider given by name that
+    is the global one now shares the global providers' set once a Telemetry made on them
+    observes (its instruments, made on the API's proxy, now feed this provider); the
+    global providers' (None) is a provider's own set when one was made for it by name
+    before it became the global one. A provider that cannot be weakly referenced gets a
+    set of its own.
+    """
     with _WATCHED_LOCK:
         try:
+            if meter_provider is None:
+                found = _WATCHED.get(global_provider)
+                return _GLOBAL_WATCHED if found is None else found
+            if meter_provider is global_provider and _GLOBAL_WATCHED.observing:
+                return _GLOBAL_WATCHED
             found = _WATCHED.get(meter_provider)
             if found is None:
                 found = _WATCHED[meter_provider] = _Watched()
         except TypeError:  # not weakly referenceable (nor hashable): not shared
-            return _Watched()
+            return _GLOBAL_WATCHED if meter_provider is None else _Watched()
         return found
 
 
@@ -486,11 +496,6 @@ class Telemetry:
             return  # watched here already: its label stays
         w.named_as[target] = name or ""
         kind = id(group)
-        handed = w.handed.get(kind, 0)
-        if handed >= MAX_NAMES:  # bounded: every later new target of this kind shares one
-            labels[target] = "other"
-            return
-        w.handed[kind] = handed + 1
         taken = {labels.get(other) for other in group if other is not target}
         if not name:
             while True:
@@ -506,11 +511,20 @@ class Telemetry:
                 n += 1
                 suffix = f"#{n}"
                 label = base[: MAX_TEXT - len(suffix)] + suffix
+        # Bounded: at most MAX_NAMES distinct labels per kind (each is a series the SDK
+        # keeps for good); a label handed out before costs nothing (a client made again
+        # under its name), a new one past the bound is "other".
+        seen = w.handed.setdefault(kind, set())
+        if label not in seen:
+            if len(seen) >= MAX_NAMES:
+                label = "other"
+            else:
+                seen.add(label)
         labels[target] = label
 
     def label(self, target: Any) -> str:
-        """The ``sdkcore.endpoint`` value ``target``'s series carry here (see :meth:`watch`);
-        ``""`` for a target this telemetry never watched."""
+        """The ``sdkcore.endpoint`` value ``target``'s series carry on this telemetry's
+        meter provider (see :meth:`watch`); ``""`` for a target no telemetry on it watched."""
         return self._labels.get(target, "")
 
     def _groups(self) -> tuple[weakref.WeakSet[Any], ...]:
@@ -783,6 +797,16 @@ class RequestTrace:
                 telemetry._guard("span", span.end)
             return None
 
+    def attempt_left(self, handle: Any) -> Any:
+        """The attempt's span is no longer current (its context detached), though it has
+        not ended yet: returns the handle for :meth:`attempt_end`, which then only ends it."""
+        if handle is None:
+            return None
+        span, token = handle
+        if token is not None:
+            self.telemetry._guard("span", self.telemetry._context.detach, token)
+        return span, None
+
     def attempt_end(self, handle: Any, error: BaseException | None) -> None:
         if handle is None:
             return
@@ -790,7 +814,8 @@ class RequestTrace:
         span, token = handle
         try:
             try:
-                telemetry._context.detach(token)
+                if token is not None:  # (None: detached by attempt_left)
+                    telemetry._context.detach(token)
             finally:
                 if error is not None:
                     _record_error(telemetry, span, error)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from typing import Any
 
 import anyio
@@ -136,3 +137,36 @@ async def test_no_copy_goes_out_while_the_cancelled_caller_unwinds_hedge_0() -> 
     assert sent == [0]
     assert request.cancellation_reason is not None
     assert request.cancellation_reason.name == "TASK_CANCELLED"
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.timeout is Python 3.11+")
+async def test_a_timeout_inside_hedge_0s_send_is_not_the_callers_cancellation() -> None:
+    """A driver's own read timeout inside hedge 0's send cancels the caller's task for a
+    moment (asyncio.timeout takes it back): a hedge due in that turn was taken for one
+    after the caller's cancellation, and no hedge was ever sent again."""
+    sent: list[int] = []
+
+    async def send(request: Request, index: int) -> Any:
+        sent.append(index)
+        if index == 0:
+            try:
+                async with asyncio.timeout(0.019):  # the driver's own read timeout
+                    await asyncio.sleep(SAFETY)
+            except TimeoutError:
+                pass  # it reads again (a slow replica)
+            await asyncio.sleep(SAFETY)
+            return "slow"
+        return "fast"
+
+    async def stall() -> None:  # the loop late: the timeout and the hedge due in one turn
+        await asyncio.sleep(0.005)
+        time.sleep(0.03)  # noqa: ASYNC251 - the stall is the point
+
+    stalling = asyncio.ensure_future(stall())
+    request = Request(name="kv.get", idempotent=True, timeout=SAFETY)
+    with anyio.fail_after(SAFETY):
+        result = await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.02))
+    await stalling
+    assert result == "fast"
+    assert sent[:2] == [0, 1]

@@ -384,3 +384,73 @@ def test_every_way_a_breaker_refuses_counts_a_rejection(otel: Otel) -> None:
     with pytest.raises(RetryableError):
         refuse_if_open(breaker)
     assert _points(otel, "sdkcore.circuit_breaker.rejections") == {"10.0.0.2:11210": 4}
+
+
+def test_a_name_handed_out_before_is_not_a_new_label(
+    otel: Otel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bound counts distinct labels (series), not watches: a client made again under
+    its name (its breaker gone, a new one named the same) keeps that name past the bound."""
+    monkeypatch.setattr(sdkcore_telemetry, "MAX_NAMES", 2)
+    clock = VirtualClock()
+    telemetry = otel.telemetry
+    for _ in range(5):  # made, watched and dropped again and again
+        breaker = telemetry.watch(CircuitBreaker(name="db-1:11210", clock=clock.clock))
+        assert telemetry.label(breaker) == "db-1:11210"
+        del breaker
+        gc.collect()
+    other = telemetry.watch(CircuitBreaker(name="db-2:11210", clock=clock.clock))
+    assert telemetry.label(other) == "db-2:11210"  # the second distinct label
+    third = telemetry.watch(CircuitBreaker(name="db-3:11210", clock=clock.clock))
+    assert telemetry.label(third) == "other"  # past the bound
+
+
+_ORDERS = {
+    "named, then global": """
+a = sdkcore.Telemetry(meter_provider=provider)
+metrics.set_meter_provider(provider)
+b = sdkcore.Telemetry()
+""",
+    "global on the proxy, then named": """
+a = sdkcore.Telemetry()
+metrics.set_meter_provider(provider)
+b = sdkcore.Telemetry(meter_provider=provider)
+""",
+}
+
+
+@pytest.mark.parametrize("order", list(_ORDERS))
+def test_one_provider_one_set_of_gauges_whichever_way_it_is_named(order: str) -> None:
+    """A provider given by name and the same provider as the global one: one set of
+    gauges, whichever Telemetry came first (the global provider is set once per process:
+    each order runs in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    script = (
+        """
+from opentelemetry import metrics
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+import sdkcore
+reader = InMemoryMetricReader()
+provider = MeterProvider(metric_readers=[reader])
+"""
+        + _ORDERS[order]
+        + """
+a.watch(sdkcore.CircuitBreaker(name="A"))
+b.watch(sdkcore.CircuitBreaker(name="B"))
+seen = set()
+for rm in reader.get_metrics_data().resource_metrics:
+    for sm in rm.scope_metrics:
+        for m in sm.metrics:
+            if m.name == "sdkcore.circuit_breaker.state":
+                seen |= {p.attributes["sdkcore.endpoint"] for p in m.data.data_points}
+print(sorted(seen))
+"""
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['A', 'B']", done.stderr

@@ -786,3 +786,24 @@ async def test_a_write_that_may_have_been_applied_says_so_under_the_strategys_ow
     with pytest.raises(DocumentLockedException) as plain:
         await RetryOrchestrator().execute(read, send)
     assert getattr(plain.value, "__notes__", None) is None
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
+async def test_a_shared_refusal_exception_keeps_one_may_have_been_applied_note() -> None:
+    shared = DocumentLockedException("locked")
+
+    class Translates(BestEffortRetryStrategy):
+        def decide(self, request: Request, reason: RetryReason) -> RetryAction:
+            return RetryAction.no_retry(lambda context: shared)
+
+    async def send(request: Request) -> None:
+        raise RetryableError(RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT)
+
+    last = None
+    for _ in range(3):
+        last = Request(name="kv.upsert", idempotent=False, retry_strategy=Translates())
+        with pytest.raises(DocumentLockedException):
+            await RetryOrchestrator().execute(last, send)
+    notes = getattr(shared, "__notes__", [])
+    assert len(notes) == 1
+    assert "may have been applied" in notes[0]

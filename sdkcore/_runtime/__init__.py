@@ -41,6 +41,9 @@ class HedgeChain(Protocol):
     outstanding: int  # copies sent and not ended
     cut: bool  # set by ``Hedges``: the deadline or ``Request.cancel()`` cut the chain
     wake: Callable[[], None] | None  # called by every copy that ends
+    #: Set by ``Hedges``: whether copy ``index`` is being cut now (asked in the copy's task
+    #: when its send raises: an error raised for its cut is how it ended being cut).
+    cutting: Callable[[int], bool] | None
 
     @property
     def over(self) -> bool:

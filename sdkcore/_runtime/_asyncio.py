@@ -197,6 +197,10 @@ class Scope:
         return error is None or isinstance(error, (Exception, asyncio.CancelledError))
 
 
+#: How soon a hedge runner whose caller is being cancelled looks again (Hedges.step).
+_RECHECK = 0.001
+
+
 class Hedges:
     """The copies of one hedged request, run as asyncio tasks (rfc/0004, "The runner").
 
@@ -228,6 +232,7 @@ class Hedges:
 
     def __init__(self, chain: HedgeChain, deadline: float) -> None:
         self.chain = chain
+        chain.cutting = self._cutting
         self.deadline = deadline  # on the loop's clock (math.inf: none)
         self.loop = asyncio.get_running_loop()
         self.scope: Scope | None = None  # hedge 0's, while the caller runs it
@@ -288,17 +293,20 @@ class Hedges:
             self.timer.cancel()
             self.timer = None
         chain = self.chain
-        if not self.stopped and self._caller_cancelled():
-            # The caller's own cancellation is unwinding hedge 0 (its send may take a while
-            # to clean up): no copy is sent after it, and the copies in flight are cut now,
-            # as on trio (rfc/0004). run() re-raises the cancellation once all have ended.
-            self.stopped = True
-            for task in self.tasks:
-                task.cancel()
         if not self.stopped:
             if not chain.cut and self.loop.time() >= self.deadline and not chain.over:
                 chain.cut = True
-            when = math.inf if chain.cut else chain.send_due(self._start)
+            if chain.cut:
+                when = math.inf
+            elif self._caller_cancelled():
+                # The caller's task is being cancelled: its own cancellation unwinding hedge
+                # 0 (whose send may take a while to clean up), or a timeout inside that send,
+                # which takes its cancellation back. Nothing is sent now; the runner looks
+                # again shortly. A real cancellation ends hedge 0, and run() then cuts every
+                # copy (_reap). Until 2026-11-27 copies went on going out meanwhile.
+                when = self.loop.time() + _RECHECK
+            else:
+                when = chain.send_due(self._start)
             if chain.over or chain.cut:
                 self._stop()
             else:
@@ -315,6 +323,17 @@ class Hedges:
             and self.scope is None
         ):
             waiter.set_result(None)
+
+    def _cutting(self, index: int) -> bool:
+        """Whether copy ``index`` is being cut now (``_Chain.cutting``): hedge 0 by its
+        scope (the deadline, ``Request.cancel()``), not by the caller's own cancellation
+        (what its send raises for that is the caller's, as with a bare await); a copy's
+        task by any cancellation (3.11+: its pending ones; the runner alone cancels it)."""
+        if index == 0:
+            scope = self.scope
+            return scope is not None and scope.fired
+        task: Any = asyncio.current_task()
+        return _COUNTS and task is not None and bool(task.cancelling() > 0)
 
     def _caller_cancelled(self) -> bool:
         """Whether the caller's task is being cancelled from outside (3.11+: more pending

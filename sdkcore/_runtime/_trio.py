@@ -83,6 +83,7 @@ class Hedges:
 
     def __init__(self, chain: HedgeChain, deadline: float) -> None:
         self.chain = chain
+        chain.cutting = _cutting
         self.deadline = deadline  # on trio's clock (math.inf: none)
         self.scope: trio.CancelScope | None = None  # the nursery's, while it is open
         self.event: trio.Event | None = None
@@ -151,6 +152,13 @@ class Hedges:
             chain.skip(attempt)
             return
         await chain.run(attempt)
+
+
+def _cutting(index: int) -> bool:
+    """Whether the running copy's task is being cut (``_Chain.cutting``): its cancel scope,
+    the nursery's or one around it (the deadline, ``Request.cancel()``, a winner, the
+    caller's own cancellation, which reaches every copy on trio), is cancelled."""
+    return trio.current_effective_deadline() == -math.inf
 
 
 def _unwrap(group: BaseExceptionGroup[BaseException]) -> NoReturn:

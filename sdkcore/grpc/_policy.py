@@ -50,10 +50,11 @@ CALL_STATE_KEY = "sdkcore.grpc.call"
 #: The reason a failed attempt with a status is handed to the orchestrator for,
 #: except UNAVAILABLE (SERVICE_NOT_AVAILABLE): see :func:`status_reason`.
 REASON_STATUS = RetryReason.SERVICE_RESPONSE_CODE_INDICATED
-#: The reason of a transparent retry (the request never reached the server application),
-#: unless the channel's limiter or throttle refused the attempt: then its own reason
-#: (``CONCURRENCY_LIMITED``, ``CLIENT_THROTTLED``), so logs and ``sdkcore.retries`` say
-#: the client shed it. The strategy tells a transparent case by the call's state.
+#: The reason of a transparent retry the channel cannot name better (a refused stream a
+#: caller marks ``TransparentKind.REFUSED``); an attempt the channel's limiter or throttle
+#: refused is retried under the refusal's own reason (``CONCURRENCY_LIMITED``,
+#: ``CLIENT_THROTTLED``), so logs and ``sdkcore.retries`` say the client shed it. The
+#: strategy tells a transparent case by the call's state, not by the reason.
 REASON_TRANSPARENT = RetryReason.SOCKET_NOT_AVAILABLE
 
 # By status number, from the one table the Couchbase mapping uses too.
@@ -257,7 +258,8 @@ _TRANSPARENT_FIRST_DELAY = 0.01
 
 
 class A6RetryStrategy:
-    """A6 retry policy decisions: transparent retries, and status failures (any other reason).
+    """A6 retry policy decisions: transparent retries (the call's state says the attempt
+    never left the client), and status failures (every other attempt).
 
     * Status failures: retry a status in ``retryableStatusCodes`` while fewer than
       ``min(maxAttempts, max_attempts_cap)`` attempts were made, the call is not
