@@ -29,6 +29,7 @@ from sdkcore import (
     RetryOrchestrator,
     UnambiguousTimeoutException,
 )
+from sdkcore.testing import capture_retry_events
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("no_gc_pauses")]
 
@@ -170,3 +171,32 @@ async def test_a_timeout_inside_hedge_0s_send_is_not_the_callers_cancellation() 
     await stalling
     assert result == "fast"
     assert sent[:2] == [0, 1]
+
+
+async def test_copies_cut_for_the_callers_cancellation_that_raise_are_booked_cut(
+    anyio_backend: str,
+) -> None:
+    """The caller's cancel scope cuts the request with copies in flight, and their sends
+    raise "connection reset" for it: copy 1 is booked cut in flight (maybe applied), not a
+    fatal failure of its own (asyncio booked it fatal and logged hedge.failed). Copy 0
+    runs in the caller's task on asyncio: its error is the caller's, as with a bare await
+    (on trio every copy is a child task, cut by the caller's scope)."""
+    send = ResetOnCut()
+    request = Request(name="kv.get", idempotent=True, timeout=SAFETY)
+    with anyio.fail_after(SAFETY), capture_retry_events() as events:
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+
+                async def cancel_when_two_are_out() -> None:
+                    await send.two.wait()
+                    scope.cancel()
+
+                tg.start_soon(cancel_when_two_are_out)
+                await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.02))
+    assert scope.cancelled_caught
+    assert request.cancellation_reason is not None
+    assert request.cancellation_reason.name == "TASK_CANCELLED"
+    effects = [a.effect.name for a in request.attempts]
+    assert effects[1:] == ["MAYBE_APPLIED"]  # copy 1, cut
+    failed = [e["hedge"] for e in events if e["event"] == "hedge.failed"]
+    assert failed == ([] if anyio_backend == "trio" else [0])
