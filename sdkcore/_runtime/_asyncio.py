@@ -232,7 +232,6 @@ class Hedges:
 
     def __init__(self, chain: HedgeChain, deadline: float) -> None:
         self.chain = chain
-        chain.cutting = self._cutting
         self.deadline = deadline  # on the loop's clock (math.inf: none)
         self.loop = asyncio.get_running_loop()
         self.scope: Scope | None = None  # hedge 0's, while the caller runs it
@@ -253,35 +252,41 @@ class Hedges:
 
     async def run(self) -> None:
         chain = self.chain
-        scope = self.scope = Scope(self.deadline)
-        attempt = chain.begin(0, chain.origin)
-        when = chain.next_due()  # the hedging delay (math.inf: one copy only)
-        if when < self.deadline:
-            self.timer = self.loop.call_at(when, self.step)
+        # Asked in the copies' tasks (an error raised for a cut); let go when the call
+        # ends: kept, the chain and this runner would be a cycle only a collection frees.
+        chain.cutting = self._cutting
         try:
-            await chain.run(attempt)
-        except BaseException as exc:
-            self.scope = None
-            if not scope.exit(exc):  # the caller is cancelled: cut every copy, then re-raise
+            scope = self.scope = Scope(self.deadline)
+            attempt = chain.begin(0, chain.origin)
+            when = chain.next_due()  # the hedging delay (math.inf: one copy only)
+            if when < self.deadline:
+                self.timer = self.loop.call_at(when, self.step)
+            try:
+                await chain.run(attempt)
+            except BaseException as exc:
+                self.scope = None
+                if not scope.exit(exc):  # the caller is cancelled: cut every copy, then re-raise
+                    await self._reap()
+                    raise
+                if not chain.over:  # the deadline (Request.cancel() set ``cut`` itself)
+                    chain.cut = True
+            else:
+                self.scope = None
+                scope.exit(None)
+            if chain.over and not self.tasks:  # the common case: hedge 0 answered in time
+                if self.timer is not None:
+                    self.timer.cancel()
+                return
+            self.step()  # hedge 0 ended: what it changed (a non-fatal failure sends the next)
+            try:
+                while self.tasks or self.timer is not None:
+                    waiter = self.waiter = self.loop.create_future()
+                    await waiter
+            except BaseException:  # the caller is cancelled: cut every copy, then re-raise
                 await self._reap()
                 raise
-            if not chain.over:  # the deadline (Request.cancel() set ``cut`` itself)
-                chain.cut = True
-        else:
-            self.scope = None
-            scope.exit(None)
-        if chain.over and not self.tasks:  # the common case: hedge 0 answered in time
-            if self.timer is not None:
-                self.timer.cancel()
-            return
-        self.step()  # hedge 0 ended: what it changed (a non-fatal failure sends the next)
-        try:
-            while self.tasks or self.timer is not None:
-                waiter = self.waiter = self.loop.create_future()
-                await waiter
-        except BaseException:  # the caller is cancelled: cut every copy, then re-raise
-            await self._reap()
-            raise
+        finally:
+            chain.cutting = None
 
     def step(self) -> None:
         """Something changed (the timer fired, a hedge ended, a cut): act on it.
