@@ -241,9 +241,9 @@ class Hedges:
         self.stopped = False  # no more hedges: the losers are being cut
         # The caller's task and its pending cancellations when the call began (3.11+; on
         # 3.10 None): one more means the caller is being cancelled (_caller_cancelled).
-        caller: Any = asyncio.current_task() if _COUNTS else None
-        self.caller = caller
-        self.base: int = caller.cancelling() if caller is not None else 0
+        # Read by run() from hedge 0's Scope, which reads both as it opens.
+        self.caller: Any = None
+        self.base = 0
 
     def cancel(self) -> None:
         """``Request.cancel()``: cut every copy in flight."""
@@ -257,6 +257,9 @@ class Hedges:
         chain.cutting = self._cutting
         try:
             scope = self.scope = Scope(self.deadline)
+            if _COUNTS:
+                self.caller = scope._task
+                self.base = scope._base
             attempt = chain.begin(0, chain.origin)
             when = chain.next_due()  # the hedging delay (math.inf: one copy only)
             if when < self.deadline:
