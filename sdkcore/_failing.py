@@ -535,8 +535,7 @@ def strategy_failed(
     request, so that a ``ZeroDivisionError`` out of ``execute`` says where it came from.
     """
     request._finish(RequestState.FAILED)
-    add_note = getattr(error, "add_note", None) if raised else None
-    if add_note is not None:
+    if raised:
         applied = (
             " (not idempotent, and an attempt may have been applied)"
             if not request.idempotent and request.maybe_applied
@@ -546,13 +545,7 @@ def strategy_failed(
             f"{_NOTE} {strategy} deciding on request "
             f"{request.id} ({request.name!r}) after {reason.name}; the request failed{applied}"
         )
-        # (an exception class whose notes cannot be set: no note)
-        with contextlib.suppress(Exception):
-            notes = getattr(error, "__notes__", None)
-            if isinstance(notes, list) and notes and str(notes[-1]).startswith(_NOTE):
-                notes[-1] = note  # one exception object raised again: its latest request only
-            else:
-                add_note(note)
+        _note(error, note, _NOTE)  # one exception object raised again: its latest request only
     log = _log.enabled(_log.WARNING)
     if log is not None:
         log.warning(
@@ -565,8 +558,7 @@ def strategy_failed(
 def _note(error: BaseException, note: str, kind: str) -> None:
     """``error.add_note(note)`` on Python 3.11+ (before: nothing; an exception class whose
     notes cannot be set: nothing). An exception object raised again (a factory that returns
-    one shared instance) keeps one note of a ``kind`` (its start), the latest, as
-    :func:`strategy_failed` keeps one."""
+    one shared instance) keeps one note of a ``kind`` (its start), the latest."""
     add_note = getattr(error, "add_note", None)
     if add_note is not None:
         with contextlib.suppress(Exception):

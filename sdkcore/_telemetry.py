@@ -137,6 +137,9 @@ class _Watched:
         # Per kind: the distinct labels handed out (at most MAX_NAMES; past it, "other").
         self.handed: dict[int, set[str]] = {}
 
+    def groups(self) -> tuple[weakref.WeakSet[Any], ...]:
+        return self.breakers, self.budgets, self.limiters, self.throttles, self.quantiles
+
 
 #: The global providers' (``meter_provider=None``), and each provider's by the provider.
 _GLOBAL_WATCHED = _Watched()
@@ -247,12 +250,6 @@ class Telemetry:
         self._failed: set[str] = set()
         # Shared with every Telemetry on the same meter provider (see _Watched).
         w = self._watched = _watched_for(meter_provider, metrics.get_meter_provider())
-        self._breakers = w.breakers
-        self._budgets = w.budgets
-        self._limiters = w.limiters
-        self._throttles = w.throttles
-        self._quantiles = w.quantiles
-        self._labels = w.labels
         m = self.meter
         self.request_duration = m.create_histogram(
             "sdkcore.request.duration",
@@ -310,35 +307,36 @@ class Telemetry:
 
     def _observe(self, m: Any) -> None:
         """Make the observable instruments on meter ``m`` (once per provider: see _Watched)."""
+        w = self._watched
         m.create_observable_gauge(
             "sdkcore.concurrency_limiter.limit",
-            callbacks=[self._observer(self._limiters, lambda limiter: limiter.limit)],
+            callbacks=[self._observer(w.limiters, lambda limiter: limiter.limit)],
             unit="{dispatch}",
             description="A concurrency limiter's current limit (an adaptive one's moves)",
         )
         m.create_observable_gauge(
             "sdkcore.concurrency_limiter.in_flight",
-            callbacks=[self._observer(self._limiters, lambda limiter: limiter.in_flight)],
+            callbacks=[self._observer(w.limiters, lambda limiter: limiter.in_flight)],
             unit="{dispatch}",
             description="Dispatches a concurrency limiter holds a permit for now",
         )
         m.create_observable_gauge(
             "sdkcore.concurrency_limiter.queued",
-            callbacks=[self._observer(self._limiters, lambda limiter: limiter.queued)],
+            callbacks=[self._observer(w.limiters, lambda limiter: limiter.queued)],
             unit="{dispatch}",
             description="Callers waiting in a concurrency limiter's queue now",
         )
         m.create_observable_gauge(
             "sdkcore.throttle.rejection_probability",
             callbacks=[
-                self._observer(self._throttles, lambda throttle: throttle.rejection_probability)
+                self._observer(w.throttles, lambda throttle: throttle.rejection_probability)
             ],
             unit="1",
             description="The probability a client-side throttle refuses a new request now",
         )
         m.create_observable_counter(
             "sdkcore.throttle.rejections",
-            callbacks=[self._observer(self._throttles, lambda throttle: throttle.refused)],
+            callbacks=[self._observer(w.throttles, lambda throttle: throttle.refused)],
             unit="{request}",
             description="Requests a client-side throttle refused locally",
         )
@@ -346,7 +344,7 @@ class Telemetry:
             "sdkcore.hedge.delay",
             callbacks=[
                 self._observer(
-                    self._quantiles,
+                    w.quantiles,
                     lambda quantile: _seconds(quantile.current_delay),
                 )
             ],
@@ -356,7 +354,7 @@ class Telemetry:
         m.create_observable_gauge(
             "sdkcore.circuit_breaker.state",
             callbacks=[
-                self._observer(self._breakers, lambda breaker: _STATE_VALUE[breaker.state.value])
+                self._observer(w.breakers, lambda breaker: _STATE_VALUE[breaker.state.value])
             ],
             unit="1",
             description="Circuit breaker state: 0 closed, 1 open, 2 half-open",
@@ -365,7 +363,7 @@ class Telemetry:
             "sdkcore.retry_budget.balance",
             callbacks=[
                 self._observer(
-                    self._budgets,
+                    w.budgets,
                     lambda budget: budget.balance,
                 )
             ],
@@ -413,19 +411,19 @@ class Telemetry:
             raise TypeError(f"Telemetry.watch(name=...) must be a str or None, got {name!r}")
         own: str | None
         if isinstance(target, CircuitBreaker):
-            watched: weakref.WeakSet[Any] = self._breakers
+            watched: weakref.WeakSet[Any] = self._watched.breakers
             own = target.name
         elif isinstance(target, RetryBudget):
-            watched = self._budgets
+            watched = self._watched.budgets
             own = target._name
         elif isinstance(target, Permits):
-            watched = self._limiters
+            watched = self._watched.limiters
             own = target.name
         elif isinstance(target, AdaptiveThrottle):
-            watched = self._throttles
+            watched = self._watched.throttles
             own = target.name
         elif isinstance(target, LatencyQuantile):
-            watched = self._quantiles
+            watched = self._watched.quantiles
             own = None
         else:
             raise TypeError(
@@ -440,7 +438,7 @@ class Telemetry:
             )
         previous = _WATCHED_BY.get(target)
         if previous is not None and previous._watched is not self._watched:
-            for group in previous._groups():
+            for group in previous._watched.groups():
                 group.discard(target)
         _WATCHED_BY[target] = self
         with self._watched.lock:
@@ -459,7 +457,7 @@ class Telemetry:
         transitions or refusals. Started at 0, each series is there from the first
         collection. (The throttle's refusals are observed, a point at every collection.)
         """
-        endpoint = self._labels.get(target, "")
+        endpoint = self._watched.labels.get(target, "")
         counters: list[tuple[str, Any, dict[str, str]]]
         if isinstance(target, CircuitBreaker):
             counters = [
@@ -525,17 +523,14 @@ class Telemetry:
     def label(self, target: Any) -> str:
         """The ``sdkcore.endpoint`` value ``target``'s series carry on this telemetry's
         meter provider (see :meth:`watch`); ``""`` for a target no telemetry on it watched."""
-        return self._labels.get(target, "")
-
-    def _groups(self) -> tuple[weakref.WeakSet[Any], ...]:
-        return self._breakers, self._budgets, self._limiters, self._throttles, self._quantiles
+        return self._watched.labels.get(target, "")
 
     def _observer(
         self, group: weakref.WeakSet[Any], read: Callable[[Any], float | None]
     ) -> Callable[[Any], Iterable[Any]]:
         """An observable instrument's callback: ``read`` of each watched target in ``group``
         (None: no point), with ``sdkcore.endpoint`` its label (see :meth:`watch`)."""
-        labels = self._labels
+        labels = self._watched.labels
 
         def observe(options: Any) -> Iterable[Any]:
             from opentelemetry.metrics import Observation
@@ -550,20 +545,20 @@ class Telemetry:
         return observe
 
     def limiter_rejected(self, limiter: Any) -> None:
-        attributes = {ENDPOINT: self._labels.get(limiter, "")}
+        attributes = {ENDPOINT: self._watched.labels.get(limiter, "")}
         self._guard("concurrency_limiter.rejections", self.limiter_rejections.add, 1, attributes)
 
     def breaker_transition(self, breaker: Any, state: str) -> None:
         """A watched breaker changed state (``closed``, ``open``, ``half_open``)."""
-        attributes = {ENDPOINT: self._labels.get(breaker, ""), BREAKER_STATE: state}
+        attributes = {ENDPOINT: self._watched.labels.get(breaker, ""), BREAKER_STATE: state}
         self._guard("circuit_breaker.transitions", self.breaker_transitions.add, 1, attributes)
 
     def breaker_rejected(self, breaker: Any) -> None:
-        attributes = {ENDPOINT: self._labels.get(breaker, "")}
+        attributes = {ENDPOINT: self._watched.labels.get(breaker, "")}
         self._guard("circuit_breaker.rejections", self.breaker_rejections.add, 1, attributes)
 
     def budget_rejected(self, budget: Any) -> None:
-        attributes = {ENDPOINT: self._labels.get(budget, "")}
+        attributes = {ENDPOINT: self._watched.labels.get(budget, "")}
         self._guard("retry_budget.rejections", self.budget_rejections.add, 1, attributes)
 
     # -- requests -----------------------------------------------------------------------
