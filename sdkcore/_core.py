@@ -243,17 +243,7 @@ class OrchestratorCore:
         else:
             # The async doors' count has one writer, the loop's thread: no lock (0.3 us a
             # retry).
-            verdict, delay = decide(
-                reason,
-                action,
-                request.retry_attempts,
-                request.idempotent,
-                left,
-                self._in_retry + self._in_retry_sync,
-                self._max_in_retry,
-                hint,
-                request.maybe_applied,
-            )
+            verdict, delay = self._decide(request, reason, action, left, hint)
             if verdict is _RETRY or verdict is _TIME_OUT:
                 self._in_retry += 1
         budget = self._budget
@@ -306,20 +296,31 @@ class OrchestratorCore:
         ``with``: an interrupt between an ``acquire()`` and its ``try`` left it held. The
         same call as :meth:`_settle`'s for the loop's thread, which takes no lock."""
         with self._lock:
-            verdict, delay = decide(
-                reason,
-                action,
-                request.retry_attempts,
-                request.idempotent,
-                left,
-                self._in_retry + self._in_retry_sync,
-                self._max_in_retry,
-                hint,
-                request.maybe_applied,
-            )
+            verdict, delay = self._decide(request, reason, action, left, hint)
             if verdict is _RETRY or verdict is _TIME_OUT:
                 self._in_retry_sync += 1
         return verdict, delay
+
+    def _decide(
+        self,
+        request: Request,
+        reason: RetryReason,
+        action: Any,
+        left: float,
+        hint: float | None,
+    ) -> Decision:
+        """:func:`decide` on this request and this orchestrator's count of requests in retry."""
+        return decide(
+            reason,
+            action,
+            request.retry_attempts,
+            request.idempotent,
+            left,
+            self._in_retry + self._in_retry_sync,
+            self._max_in_retry,
+            hint,
+            request.maybe_applied,
+        )
 
     def _refund_unsent(self, request: Request, verdict: Verdict) -> None:
         """A retry that :meth:`_settle` booked is not sent (its backoff was cut, or the
