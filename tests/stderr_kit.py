@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 
 #: grpc.aio's server, stopped with RPCs of cancelled copies still pending, sometimes
-#: prints the cancellation of its own per-RPC task (seen about once in four runs of the
-#: demo on a loaded machine): grpc's text, from grpc's frames only, not sdkcore's.
+#: prints the cancellation of its own per-RPC task (seen once in four runs of the demo on
+#: a loaded machine, in a review): grpc's text, from grpc's frames only, not sdkcore's.
 _GRPC_SERVER_CANCEL = re.compile(
     r"Traceback \(most recent call last\):\n"
     r"(?:  File \"src/python/grpcio/grpc/_cython/[^\n]*\n(?:    [^\n]*\n)?)+"
