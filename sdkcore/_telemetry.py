@@ -144,7 +144,26 @@ class _Watched:
 #: The global providers' (``meter_provider=None``), and each provider's by the provider.
 _GLOBAL_WATCHED = _Watched()
 _WATCHED: weakref.WeakKeyDictionary[Any, _Watched] = weakref.WeakKeyDictionary()
+#: Providers that cannot be weakly referenced, by identity (id -> (provider, set)): kept
+#: for the life of the process, as an application keeps its provider.
+_HELD: dict[int, tuple[Any, _Watched]] = {}
 _WATCHED_LOCK = threading.Lock()
+
+
+def _found(provider: Any) -> _Watched | None:
+    try:
+        return _WATCHED.get(provider)
+    except TypeError:  # not weakly referenceable (nor, perhaps, hashable)
+        held = _HELD.get(id(provider))
+        return None if held is None else held[1]
+
+
+def _kept(provider: Any, watched: _Watched) -> _Watched:
+    try:
+        _WATCHED[provider] = watched
+    except TypeError:
+        _HELD[id(provider)] = (provider, watched)
+    return watched
 
 
 def _watched_for(meter_provider: Any, global_provider: Any) -> _Watched:
@@ -154,22 +173,17 @@ def _watched_for(meter_provider: Any, global_provider: Any) -> _Watched:
     is the global one now shares the global providers' set once a Telemetry made on them
     observes (its instruments, made on the API's proxy, now feed this provider); the
     global providers' (None) is a provider's own set when one was made for it by name
-    before it became the global one. A provider that cannot be weakly referenced gets a
-    set of its own.
+    before it became the global one. A provider that cannot be weakly referenced is
+    kept by identity for the life of the process.
     """
     with _WATCHED_LOCK:
-        try:
-            if meter_provider is None:
-                found = _WATCHED.get(global_provider)
-                return _GLOBAL_WATCHED if found is None else found
-            if meter_provider is global_provider and _GLOBAL_WATCHED.observing:
-                return _GLOBAL_WATCHED
-            found = _WATCHED.get(meter_provider)
-            if found is None:
-                found = _WATCHED[meter_provider] = _Watched()
-        except TypeError:  # not weakly referenceable (nor hashable): not shared
-            return _GLOBAL_WATCHED if meter_provider is None else _Watched()
-        return found
+        if meter_provider is None:
+            found = _found(global_provider)
+            return _GLOBAL_WATCHED if found is None else found
+        if meter_provider is global_provider and _GLOBAL_WATCHED.observing:
+            return _GLOBAL_WATCHED
+        found = _found(meter_provider)
+        return _kept(meter_provider, _Watched()) if found is None else found
 
 
 class Telemetry:

@@ -454,3 +454,53 @@ print(sorted(seen))
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "['A', 'B']", done.stderr
+
+
+class _Unreferenceable:
+    """A meter provider that cannot be weakly referenced (``__slots__``, no ``__weakref__``)
+    and is not hashable: a wrapper some applications put around the SDK's."""
+
+    __slots__ = ("inner",)
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def get_meter(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner.get_meter(*args, **kwargs)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Unreferenceable) and other.inner is self.inner
+
+
+def test_a_provider_that_cannot_be_weakly_referenced_still_gets_one_set_of_gauges() -> None:
+    """Two Telemetry objects on one such provider share its gauges, as on any provider
+    (a set of their own each lost the second's breakers: OpenTelemetry dropped its
+    callbacks); a provider equal to it but another object has a set of its own."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    sdk = MeterProvider(metric_readers=[reader])
+    try:
+        clock = VirtualClock()
+        provider = _Unreferenceable(sdk)
+        first = Telemetry(meter_provider=provider)
+        second = Telemetry(meter_provider=provider)
+        a = first.watch(CircuitBreaker(name="A", clock=clock.clock))
+        b = second.watch(CircuitBreaker(name="B", clock=clock.clock))
+        seen = {
+            point.attributes[ENDPOINT]
+            for rm in reader.get_metrics_data().resource_metrics
+            for sm in rm.scope_metrics
+            for m in sm.metrics
+            if m.name == STATE
+            for point in m.data.data_points
+        }
+        assert seen == {"A", "B"}
+        assert second._watched is first._watched
+        other = Telemetry(meter_provider=_Unreferenceable(sdk))
+        assert other._watched is not first._watched
+        del a, b
+    finally:
+        sdk.shutdown()
