@@ -53,6 +53,12 @@ def _unsent_cut(request: Request, mark: Any, exc: BaseException) -> None:
         request._attempt_failed(reason, _NOT_SENT, None, request.clock())
 
 
+def _caller_cancelled() -> bool:
+    """Whether the running task is being cancelled (read only when an attempt's error
+    was raised while handling a cancellation)."""
+    return bool(_runtime.current().cancelled())
+
+
 def _check_request(request: object, door: str) -> None:
     if not isinstance(request, Request):
         raise TypeError(f"{door}: request must be an sdkcore.Request, got {request!r}")
@@ -203,6 +209,18 @@ async def execute(
                 ) from None
             except RetryableError as failure:
                 del pending  # the finished attempt: not held through the backoff
+                if scope is not None and scope.fired:
+                    # The deadline or Request.cancel() cut the attempt and send raised this
+                    # for the cut: the cut, booked in flight as attempt() books it (a
+                    # refusal that sent nothing, a limiter's queue, stays not sent).
+                    if failure.effect is _NOT_SENT:
+                        now = request._clock()
+                        request._attempt_failed(failure.reason, _NOT_SENT, failure, now)
+                    raise
+                cut = failure.__context__
+                if cut is not None and not isinstance(cut, Exception) and _caller_cancelled():
+                    # send turned the caller's cancellation into this: it is never retried
+                    raise cut from None
                 if token is not None:
                     token[2] = None  # (a queue's cut that send got past: not the next one's)
                 if trace is not None:
@@ -358,13 +376,21 @@ def _give_context(request: Request, error: CouchbaseException) -> None:
         )
 
 
-def _completed(request: Request, reason: RetryReason | None) -> BaseException:
+def _completed(
+    request: Request, reason: RetryReason | None, cause: BaseException | None = None
+) -> BaseException:
     """The refusal of a hand-wired loop's call on a completed request (``Request.cancel()``
     between two calls), once the trace an earlier call began (if any) recorded it: the
     loop ends with this error, and no later call of it would end the trace.
 
+    ``cause``: what the loop hands ``maybe_retry``; sdkcore's own error for this request
+    (its timeout, caught by a loop's ``except TimeoutError``) is raised again as it was.
     A door that adopted the request's span (a gRPC call) ends the trace itself.
     """
+    if isinstance(cause, CouchbaseException):
+        context = cause.context
+        if context is not None and context.request_id == request.id:
+            return cause
     error = _failing.already_completed(request, reason)
     trace = request._trace
     if trace is not None and trace.owns_span:
@@ -423,7 +449,14 @@ async def maybe_retry(
         raise TypeError(
             f"maybe_retry(cause=...) must be the attempt's exception or None, got {cause!r}"
         )
+    cut = None if cause is None else _cancellation_in(cause)
     if isinstance(cause, RetryableError):
+        if cause.reason is not reason:  # its effect would be booked under another reason's
+            raise ValueError(
+                f"maybe_retry(request, {reason.name}, cause=...): the cause is a RetryableError "
+                f"for {cause.reason.name}; pass its own reason "
+                "(maybe_retry(request, exc.reason, cause=exc)), or its __cause__ as cause"
+            )
         # What the other doors book for a RetryableError: its hint and effect unless
         # given, and its own cause as the attempt's failure (the final __cause__).
         if retry_after is None:
@@ -434,7 +467,12 @@ async def maybe_retry(
     # Checked before anything is booked: a bad hint leaves the request as it was.
     hint = None if retry_after is None else to_seconds(retry_after, "maybe_retry(retry_after=...)")
     if request.state is not _PENDING:
-        raise _completed(request, reason)
+        raise _completed(request, reason, cause)
+    if request._sending:  # inside the send of execute or hedge: their loop books it
+        raise _failing.in_use(request, "maybe_retry(request, reason)")
+    if cut is not None:  # the caller's cancellation, handed over as the failure: not retried
+        _failing.finish_by(request, cut)
+        raise cut
     telemetry = self._telemetry
     if telemetry is not None and request._trace is None:
         telemetry.begin(request)  # a hand-wired loop without attempt(): its first failure
@@ -493,6 +531,15 @@ async def maybe_retry(
         raise
 
 
+def _cancellation_in(cause: BaseException) -> BaseException | None:
+    """The caller's cancellation that ``cause`` is, or was raised for (a send that turned
+    it into a RetryableError), while the caller is being cancelled; else None."""
+    for cut in (cause, cause.__cause__, cause.__context__):
+        if cut is not None and not isinstance(cut, Exception):
+            return cut if _caller_cancelled() else None
+    return None
+
+
 async def _bounded(
     self: OrchestratorCore,
     request: Request,
@@ -539,7 +586,7 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
     _check_request(request, "attempt(request)")
     if request.state is not _PENDING:
         raise _completed(request, request.last_reason)
-    if request._sending:  # execute, execute_sync or hedge is sending it
+    if request._sending or request._in_flight:  # another door, or another attempt() block
         raise _failing.in_use(request, "attempt(request)")
     now = request.clock()
     left = request.deadline - now

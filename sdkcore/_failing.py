@@ -157,6 +157,15 @@ def already_completed(
             f"request {request.id} ({request.name!r}) has already {request.state.value}; "
             f"it cannot be sent again. Context: {request.error_context(reason)}"
         )
+    if request.cancellation_reason is CancellationReason.TIMEOUT:
+        # Asked again after its timeout (a loop whose `except TimeoutError` caught
+        # sdkcore's own): the timeout again, never "cancelled", with what it may have done.
+        ambiguous = not request.idempotent and request.maybe_applied
+        cls = AmbiguousTimeoutException if ambiguous else UnambiguousTimeoutException
+        return cls(
+            f"request timed out already {_history(request, False)}; {_applied(request)}",
+            context=request.error_context(reason),
+        )
     via_context = request.cancellation_reason is CancellationReason.CANCELLED_VIA_CONTEXT
     text = "request was cancelled"
     if via_context:
@@ -177,11 +186,15 @@ def in_use(request: Request, door: str) -> RuntimeError:
     """The refusal of a door handed a request another call is already sending: a request
     is one operation, and two loops over it would send it twice (a write too)."""
     attempts = request.failed_attempts + (1 if request.in_flight else 0)
-    by = (
-        "another call"
-        if request._sending
-        else "a hand-wired loop (attempt(), maybe_retry()), which sent it already"
-    )
+    if request._sending:
+        by = "another call"
+    elif door.startswith("attempt(") and request.in_flight:
+        by = (
+            "an attempt() block still in flight (or one whose failure never reached "
+            "maybe_retry(), which books it before the next attempt())"
+        )
+    else:
+        by = "a hand-wired loop (attempt(), maybe_retry()), which sent it already"
     return RuntimeError(
         f"{door}: request {request.id} ({request.name!r}) is already being sent by {by} "
         f"({attempts} attempt(s) so far); one door sends a Request: build one per operation"

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 import pytest
 from fuzz_kit import CountingBudget
 
 from sdkcore import (
+    AmbiguousTimeoutException,
     AttemptEffect,
     FailFastRetryStrategy,
     HedgePolicy,
@@ -267,3 +269,114 @@ async def test_a_request_already_being_sent_is_refused_by_every_door(first: str)
     assert writes == ["first"]
     assert results == ["done"]
     assert request.state is RequestState.SUCCEEDED
+
+
+async def test_a_second_attempt_block_on_a_request_in_flight_is_refused() -> None:
+    """Two hand-wired ``attempt()`` blocks on one request at once would send a write
+    twice: the second is refused before anything is sent, the first goes on."""
+    entered = anyio.Event()
+    release = anyio.Event()
+    writes: list[str] = []
+    orchestrator = RetryOrchestrator()
+    request = Request(name="kv.upsert", idempotent=False, timeout=5.0)
+
+    async def first() -> None:
+        with orchestrator.attempt(request):
+            writes.append("first")
+            entered.set()
+            await release.wait()
+        orchestrator.succeed(request)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            await entered.wait()
+            with (
+                pytest.raises(RuntimeError, match=r"attempt\(\) block") as refused,
+                orchestrator.attempt(request),
+            ):
+                writes.append("second")
+            assert "maybe_retry" in str(refused.value)
+            with pytest.raises(RuntimeError, match=r"already being sent"):
+                await orchestrator.execute(request, lambda r: anyio.sleep(0.001))
+            assert request.state is RequestState.PENDING
+            assert request.in_flight
+            release.set()
+    assert writes == ["first"]
+    assert request.state is RequestState.SUCCEEDED
+
+
+async def test_maybe_retry_inside_a_doors_send_is_refused() -> None:
+    """``maybe_retry`` called from inside ``execute``'s (or ``hedge``'s) ``send`` would
+    book a second retry for one failure: refused, and the door's own loop goes on."""
+    orchestrator = RetryOrchestrator()
+    seen: list[str] = []
+
+    async def send(request: Request, index: int = 0) -> str:
+        if request.failed_attempts == 0:
+            with pytest.raises(RuntimeError, match=r"already being sent by another call"):
+                await orchestrator.maybe_retry(request, RetryReason.KV_LOCKED)
+            seen.append("refused")
+            raise RetryableError(RetryReason.KV_LOCKED)
+        return "ok"
+
+    request = Request(name="kv.get", idempotent=True, timeout=5.0)
+    assert await orchestrator.execute(request, send) == "ok"
+    assert (request.retry_attempts, request.failed_attempts) == (1, 1)
+    hedged = Request(name="kv.get", idempotent=True, timeout=5.0)
+    assert await orchestrator.hedge(hedged, send, HedgePolicy(2, delay=1.0)) == "ok"
+    assert seen == ["refused", "refused"]
+    assert hedged.failed_attempts == 1
+
+
+async def test_maybe_retry_refuses_a_retryable_cause_of_another_reason() -> None:
+    """``maybe_retry(request, KV_LOCKED, cause=RetryableError(SOCKET_CLOSED_WHILE_IN_FLIGHT))``
+    booked the write under KV_LOCKED's effect (not applied) and retried it, though the
+    socket closed after it was sent: refused, the request left as it was."""
+    orchestrator = RetryOrchestrator()
+    request = Request(name="kv.upsert", idempotent=False, timeout=5.0)
+    cause = RetryableError(RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT, "reset after the write")
+    with pytest.raises(ValueError, match=r"KV_LOCKED.*SOCKET_CLOSED_WHILE_IN_FLIGHT.*exc\.reason"):
+        await orchestrator.maybe_retry(request, RetryReason.KV_LOCKED, cause=cause)
+    assert (request.state, request.failed_attempts, request.retry_attempts) == (
+        RequestState.PENDING,
+        0,
+        0,
+    )
+    # With its own reason, the write is not sent again.
+    with pytest.raises(RequestCanceledException, match="may have been applied"):
+        await orchestrator.maybe_retry(request, cause.reason, cause=cause)
+    assert request.maybe_applied
+    assert request.retry_attempts == 0
+
+
+async def test_a_loop_that_catches_sdkcores_own_timeout_gets_it_back() -> None:
+    """sdkcore's timeouts are builtin TimeoutErrors: a loop mapping ``TimeoutError`` to a
+    retryable reason catches ``attempt()``'s own timeout and hands it to ``maybe_retry``,
+    which said "request was cancelled" and lost "it may have been applied". It raises
+    the timeout again; asked later without it, a timed-out request says it timed out."""
+    orchestrator = RetryOrchestrator()
+    request = Request(name="kv.upsert", idempotent=False, timeout=0.05)
+    caught: list[BaseException] = []
+
+    async def dispatch() -> None:
+        try:
+            with orchestrator.attempt(request):
+                await anyio.sleep(5)  # the write is out when the deadline passes
+        except (ConnectionError, TimeoutError) as exc:  # the README's failure table
+            caught.append(exc)
+            await orchestrator.maybe_retry(
+                request, RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT, cause=exc
+            )
+
+    with pytest.raises(AmbiguousTimeoutException) as info:
+        await dispatch()
+    assert info.value is caught[0]
+    assert "may have been applied" in str(info.value)
+    with pytest.raises(AmbiguousTimeoutException, match=r"timed out already.*may have been"):
+        await orchestrator.maybe_retry(request, RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT)
+    with (
+        pytest.raises(AmbiguousTimeoutException, match="timed out already"),
+        orchestrator.attempt(request),
+    ):
+        raise AssertionError("sent after its timeout")

@@ -25,13 +25,21 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from . import HedgeChain
 
-__all__ = ["Hedges", "Scope", "now", "sleep"]
+__all__ = ["Hedges", "Scope", "cancelled", "now", "sleep"]
 
 sleep = asyncio.sleep
 
 
 def now() -> float:
     return asyncio.get_running_loop().time()
+
+
+def cancelled() -> bool:
+    """Whether the running task is being cancelled: a cancellation was requested and not
+    taken back (``Task.cancelling()``, 3.11+), even if the code that got it swallowed it.
+    3.10 cannot tell: False. Read only when an error was raised for a cancellation."""
+    task: Any = asyncio.current_task()
+    return _COUNTS and task is not None and task.cancelling() > 0
 
 
 class _Deadlines:

@@ -14,7 +14,7 @@ if sys.version_info < (3, 11):  # pragma: no cover - trio brings the backport th
 if TYPE_CHECKING:
     from . import HedgeChain
 
-__all__ = ["Hedges", "Scope", "now", "scope_left", "sleep"]
+__all__ = ["Hedges", "Scope", "cancelled", "now", "scope_left", "sleep"]
 
 sleep = trio.sleep
 now = trio.current_time
@@ -35,6 +35,12 @@ def scope_left() -> float:
     if deadline == math.inf or deadline == -math.inf:
         return deadline
     return deadline - trio.current_time()
+
+
+def cancelled() -> bool:
+    """Whether a cancel scope enclosing the running task was cancelled (its effective
+    deadline is ``-inf``). Read only when an error was raised for a cancellation."""
+    return scope_left() == -math.inf
 
 
 class Scope:

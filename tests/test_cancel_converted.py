@@ -1,0 +1,167 @@
+"""A ``send`` that turns a cancellation into a RetryableError: the cancellation wins.
+
+Cancellation is never a retryable failure (rfc/0001). A driver that catches the
+cancellation of its read and raises its own "connection closed" RetryableError made
+``execute`` ask the strategy and book a retry for a deadline that had already passed
+(reporting the attempt as not in flight), and on asyncio lose the caller's
+``task.cancel()``: the request was retried and returned an answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import anyio
+import pytest
+
+from sdkcore import (
+    AmbiguousTimeoutException,
+    AttemptEffect,
+    Request,
+    RequestState,
+    RetryableError,
+    RetryOrchestrator,
+    RetryReason,
+)
+from sdkcore._context import CancellationReason
+
+pytestmark = pytest.mark.anyio
+
+_COUNTS = sys.version_info >= (3, 11)  # asyncio can tell a task is being cancelled
+
+
+class _Driver:
+    """Its read turns the cancellation into "connection closed" (retryable)."""
+
+    def __init__(self) -> None:
+        self.sends = 0
+        self.entered = anyio.Event()
+
+    async def send(self, request: Request) -> str:
+        self.sends += 1
+        if self.sends > 1:
+            return "answer from a retry"
+        self.entered.set()
+        try:
+            await anyio.sleep(10)
+        except anyio.get_cancelled_exc_class():
+            raise RetryableError(
+                RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT,
+                "read cut",
+                effect=AttemptEffect.NOT_APPLIED,
+            ) from None
+        return "first answer"
+
+
+async def test_a_deadline_cut_turned_into_a_retryable_error_is_the_timeout_in_flight() -> None:
+    driver = _Driver()
+    orchestrator = RetryOrchestrator()
+    request = Request(name="kv.upsert", idempotent=False, timeout=0.05)
+    with anyio.fail_after(5), pytest.raises(AmbiguousTimeoutException) as info:
+        await orchestrator.execute(request, driver.send)
+    assert driver.sends == 1
+    assert request.retry_attempts == 0  # no retry booked after the deadline
+    assert request.cancellation_reason is CancellationReason.TIMEOUT
+    assert info.value.context is not None
+    assert info.value.context.in_flight
+    assert request.maybe_applied  # cut in flight: its own "not applied" is not believed
+
+
+async def test_a_limiter_refusal_at_the_deadline_stays_not_sent() -> None:
+    """A send whose own wait before writing (a limiter's queue) was cut, and which says
+    so with a NOT_SENT refusal: the timeout stays unambiguous."""
+
+    async def send(request: Request) -> str:
+        try:
+            await anyio.sleep(10)
+        except anyio.get_cancelled_exc_class():
+            raise RetryableError(
+                RetryReason.CONCURRENCY_LIMITED, "queue cut", effect=AttemptEffect.NOT_SENT
+            ) from None
+        return "never"
+
+    request = Request(name="kv.upsert", idempotent=False, timeout=0.05)
+    with anyio.fail_after(5), pytest.raises(TimeoutError) as info:
+        await RetryOrchestrator().execute(request, send)
+    assert type(info.value).__name__ == "UnambiguousTimeoutException"
+    assert not request.maybe_applied
+    assert request.retry_attempts == 0
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.skipif(not _COUNTS, reason="3.10 cannot tell a task is being cancelled")
+async def test_the_callers_task_cancel_turned_into_a_retryable_error_is_not_retried() -> None:
+    """On asyncio the cancellation is delivered once: swallowed by send, the request was
+    retried and the caller's task.cancel() lost (it got an answer)."""
+    driver = _Driver()
+    orchestrator = RetryOrchestrator()
+    request = Request(name="kv.upsert", idempotent=False)
+    task = asyncio.ensure_future(orchestrator.execute(request, driver.send))
+    with anyio.fail_after(5):
+        await driver.entered.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert driver.sends == 1
+    assert request.state is RequestState.CANCELLED
+    assert request.cancellation_reason is CancellationReason.TASK_CANCELLED
+    assert request.maybe_applied
+    assert request.retry_attempts == 0
+
+
+async def test_maybe_retry_given_the_callers_cancellation_lets_it_through() -> None:
+    """A hand-wired loop handing the cancellation (or the RetryableError raised for it)
+    to maybe_retry: the request ends cancelled, the cancellation goes on."""
+    orchestrator = RetryOrchestrator()
+    for wrapped in (False, True):
+        request = Request(name="kv.upsert", idempotent=False, timeout=5.0)
+        reached: list[str] = []
+        with anyio.CancelScope() as scope:
+            with orchestrator.attempt(request):
+                pass  # sent; its answer is lost as the caller is cancelled
+            scope.cancel()
+            try:
+                await anyio.sleep(1)
+            except anyio.get_cancelled_exc_class() as exc:
+                cause: BaseException = exc
+                if wrapped:
+                    try:
+                        raise RetryableError(RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT) from exc
+                    except RetryableError as error:
+                        cause = error
+                try:
+                    await orchestrator.maybe_retry(
+                        request, RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT, cause=cause
+                    )
+                finally:
+                    reached.append("after")
+        assert scope.cancelled_caught, wrapped
+        assert reached == ["after"]
+        assert request.cancellation_reason is CancellationReason.TASK_CANCELLED, wrapped
+        assert request.retry_attempts == 0, wrapped
+        assert request.maybe_applied, wrapped
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_cancelled_helper_task_turned_into_a_retryable_error_is_retried() -> None:
+    """Not every CancelledError is the caller's: a send whose helper task was cancelled
+    (the caller is not) and which reports that as retryable is retried as usual."""
+    sends = 0
+
+    async def send(request: Request) -> str:
+        nonlocal sends
+        sends += 1
+        if sends == 1:
+            helper = asyncio.ensure_future(asyncio.sleep(10))
+            helper.cancel()
+            try:
+                await helper
+            except asyncio.CancelledError:
+                raise RetryableError(RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT) from None
+        return "ok"
+
+    request = Request(name="kv.get", idempotent=True, timeout=5.0)
+    assert await RetryOrchestrator().execute(request, send) == "ok"
+    assert sends == 2
+    assert request.retry_attempts == 1
