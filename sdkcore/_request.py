@@ -57,12 +57,21 @@ def dispatch_unsent(reason: RetryReason | None = None) -> None:
     booked not sent too. It marks the dispatch of ``execute`` (when the request has a
     deadline), ``attempt()`` and ``hedge``; elsewhere (``execute`` without a deadline, the
     sync door, no door) it does nothing.
-    sdkcore's limiters call it for a wait in their queue (rfc/0009)."""
+    sdkcore's limiters call it for a wait in their queue (rfc/0009).
+    Called while no exception is being handled, it raises RuntimeError: it would mark
+    no cut, and a write sent later could not be told apart."""
+    cut = sys.exc_info()[1]
+    if cut is None:
+        raise RuntimeError(
+            "dispatch_unsent() must be called in the handler of the cancellation that cut "
+            "the wait before the write (except BaseException: dispatch_unsent(); raise); "
+            "no exception is being handled here"
+        )
     mark = _DISPATCHING.get()
     if mark is not None:
         # The cancellation being handled: only that one, reaching the door, says "not
         # sent" (a send that caught it and wrote after all is cut later by another one).
-        mark[2] = (reason, sys.exc_info()[1])
+        mark[2] = (reason, cut)
 
 
 def dispatching() -> Request | None:
@@ -374,12 +383,9 @@ class Request(RetryState):
     def _dispatch_was_unsent(mark: Any, cut: BaseException) -> bool:
         """Whether ``cut``, the cancellation reaching the door, is the one that cut the
         dispatch of ``mark`` before it sent anything (:func:`dispatch_unsent`, called while
-        handling it; called outside a handler, any cut matches)."""
+        handling it)."""
         unsent = mark[2]
-        if not unsent:
-            return False
-        marked = unsent[1]
-        return marked is None or marked is cut
+        return bool(unsent) and unsent[1] is cut
 
     @staticmethod
     def _dispatch_unsent_reason(mark: Any) -> RetryReason | None:

@@ -99,7 +99,29 @@ async def test_an_error_after_the_mark_is_booked_as_itself() -> None:
 
 
 def test_outside_any_door_it_does_nothing() -> None:
-    dispatch_unsent()  # no mark: nothing to say it to, and no error
+    try:
+        raise KeyboardInterrupt  # stands for a cancellation being handled
+    except KeyboardInterrupt:
+        dispatch_unsent()  # no mark: nothing to say it to, and no error
+
+
+async def test_called_outside_a_handler_it_is_refused() -> None:
+    """Called before the write ("nothing written yet") rather than in the handler of the
+    cut, it marked no cut, so that any later cut counted as unsent: a SET that went out
+    and was cut waiting for its answer timed out "not applied (unambiguous)"."""
+    written: list[str] = []
+
+    async def send(request: Request) -> None:
+        with pytest.raises(RuntimeError, match=r"in the handler of the cancellation"):
+            dispatch_unsent()
+        written.append("SET k1")
+        await anyio.Event().wait()  # the answer never comes
+
+    request = Request(name="kv.upsert", idempotent=False, timeout=0.05)
+    with anyio.fail_after(5), pytest.raises(AmbiguousTimeoutException):
+        await RetryOrchestrator().execute(request, send)
+    assert written == ["SET k1"]
+    assert [a.effect for a in request.attempts] == [AttemptEffect.MAYBE_APPLIED]
 
 
 async def test_a_cut_send_got_past_does_not_mark_a_later_cut() -> None:
