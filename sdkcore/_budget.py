@@ -235,10 +235,10 @@ class RetryBudget:
         telemetry = self._telemetry
         if telemetry is not None:
             telemetry.budget_rejected(self)
-        if first:
-            log = _log.enabled(_log.INFO)
+        if first:  # an episode starts: a warning, as a breaker opening (rfc/0001, "Levels")
+            log = _log.enabled(_log.WARNING)
             if log is not None:
-                log.info(
+                log.warning(
                     _log.EVENT_BUDGET_EXHAUSTED,
                     budget=self._name,
                     balance=max(0, tokens // cost),

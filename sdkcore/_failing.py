@@ -266,7 +266,7 @@ def _log_cancelled(
 
 def _outcome_fields(request: Request) -> dict[str, Any]:
     """What the events of a request that ended without an answer (``retry.timed_out``,
-    ``retry.cancelled``) say of its effect on the server and its time."""
+    ``retry.cancelled``, ``retry.not_retried``) say of its effect on the server and its time."""
     effect = request.last_effect
     timeout = request.timeout
     return {
@@ -286,14 +286,12 @@ def log_not_retried(
     log = _log.enabled(_log.INFO)
     if log is not None:
         cancellation = request.cancellation_reason
-        effect = request.last_effect
         log.info(
             _log.EVENT_NOT_RETRIED,
             **event_fields(request, reason, strategy),
             why=why,
             cancellation_reason=None if cancellation is None else cancellation.name,
-            maybe_applied=request.maybe_applied,
-            effect=None if effect is None else effect.name,
+            **_outcome_fields(request),
             **fields,
         )
 
@@ -346,6 +344,7 @@ def timed_out(
             )
         if hint is not None:
             fields["retry_after_ms"] = round(hint[0] * 1000.0, 3)
+            fields["hinted_by"] = "server" if reason is None else _HINT_FIELD.get(reason, "server")
         fields["in_flight"] = in_flight
         fields.update(_outcome_fields(request))
         if previous is not None:
@@ -405,6 +404,12 @@ _HINTED_BY = {
     RetryReason.CIRCUIT_BREAKER_OPEN: "circuit breaker",
     RetryReason.CONCURRENCY_LIMITED: "concurrency limiter",
     RetryReason.CLIENT_THROTTLED: "client-side throttle",
+}
+#: The same, as ``retry.timed_out``'s ``hinted_by`` field (``server`` for the others).
+_HINT_FIELD = {
+    RetryReason.CIRCUIT_BREAKER_OPEN: "circuit_breaker",
+    RetryReason.CONCURRENCY_LIMITED: "concurrency_limiter",
+    RetryReason.CLIENT_THROTTLED: "client_throttle",
 }
 
 

@@ -237,10 +237,10 @@ class Permits:
                 self._shed_since = now
             self._shed_count += 1
             self._shed_last = now
-        if first:
-            log = _log.enabled(_log.INFO)
+        if first:  # an episode starts: a warning, as a breaker opening (rfc/0001, "Levels")
+            log = _log.enabled(_log.WARNING)
             if log is not None:
-                log.info(
+                log.warning(
                     _log.EVENT_LIMITER_REFUSING,
                     limiter=self._name,
                     limit=self._cap,

@@ -359,10 +359,10 @@ class AdaptiveThrottle:
                 self._shed_since = now
                 self._shed_refused = self._refused
             self._refused += 1
-        if first:
-            log = _log.enabled(_log.INFO)
+        if first:  # an episode starts: a warning, as a breaker opening (rfc/0001, "Levels")
+            log = _log.enabled(_log.WARNING)
             if log is not None:
-                log.info(
+                log.warning(
                     EVENT_THROTTLE_REFUSING,
                     throttle=self._name,
                     rejection_probability=round(probability, 4),

@@ -504,7 +504,7 @@ def test_refusal_episode_logs_once() -> None:
     assert len(refusing) == 2
     assert refusing[0]["throttle"] == "cache:11211"
     assert refusing[0]["rejection_probability"] == pytest.approx(0.75)
-    assert refusing[0]["log_level"] == "info"
+    assert refusing[0]["log_level"] == "warning"  # an episode starts
 
 
 # -- thread safety -----------------------------------------------------------------------

@@ -632,7 +632,10 @@ async def test_not_retried_says_whether_it_may_have_been_applied(
         await orch.maybe_retry(req, reason, cause=ServerSaid("no"))
     (event,) = [e for e in events if e["event"] == "retry.not_retried"]
     assert event["maybe_applied"] is maybe_applied
+    assert event["ambiguous"] is maybe_applied  # not idempotent: a write that may have run
     assert event["effect"] == effect
+    assert event["timeout_ms"] == 2500.0
+    assert event["elapsed_ms"] >= 0.0
     assert event["caused_by"] == "ServerSaid: no"  # the existing fields stay
 
 

@@ -14,6 +14,7 @@ import pytest
 from sdkcore import (
     BestEffortRetryStrategy,
     CancellationReason,
+    CircuitBreaker,
     Request,
     RequestCanceledException,
     RetryableError,
@@ -195,6 +196,29 @@ async def test_a_hint_past_the_deadline_times_out_at_once_naming_it() -> None:
     assert clock.now == 1000.0  # no silent sleep until the deadline
     (timed_out,) = [e for e in events if e["event"] == "retry.timed_out"]
     assert timed_out["retry_after_ms"] == 30000.0
+    assert timed_out["hinted_by"] == "server"
+
+
+async def test_an_open_breakers_refusal_past_the_deadline_says_the_breaker_asked() -> None:
+    """An OPEN breaker's sleep window past the deadline ends the request at once as a
+    timeout: the event says the breaker asked for the wait, not the server (an operator
+    read "retry.timed_out" as a slow server)."""
+    clock = VirtualClock()
+    breaker = CircuitBreaker(name="10.0.0.1:11210", volume_threshold=1, clock=clock.clock)
+    breaker.record_failure(ConnectionResetError("down"))
+    orch = RetryOrchestrator(sleep=clock.sleep)
+
+    async def send(request: Request) -> str:
+        with breaker.guard():
+            return "never"
+
+    request = Request(name="kv.get", idempotent=True, timeout=1.0, clock=clock.clock)
+    with capture_retry_events() as events, pytest.raises(TimeoutException):
+        await orch.execute(request, send)
+    (timed_out,) = [e for e in events if e["event"] == "retry.timed_out"]
+    assert timed_out["hinted_by"] == "circuit_breaker"
+    assert timed_out["reason"] == "CIRCUIT_BREAKER_OPEN"
+    assert timed_out["retry_after_ms"] > 1000.0
 
 
 async def test_maybe_retry_takes_the_hint_from_the_cause() -> None:

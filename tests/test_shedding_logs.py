@@ -79,6 +79,7 @@ def test_budget_recovered_ends_the_episode_with_its_refusals_and_duration() -> N
         vc.advance(2.0)
         assert budget.try_withdraw()  # no episode: nothing
     assert [e["event"] for e in events] == ["budget.exhausted", "budget.recovered"]
+    assert [e["log_level"] for e in events] == ["warning", "info"]  # rfc/0001, "Levels"
     recovered = events[1]
     assert recovered == {
         "event": "budget.recovered",
@@ -160,6 +161,7 @@ def test_throttle_recovered_ends_the_episode_with_its_refusals_and_duration() ->
         assert throttle.admit()  # throttle.recovered
         assert throttle.admit()
     assert [e["event"] for e in events] == [EVENT_THROTTLE_REFUSING, EVENT_THROTTLE_RECOVERED]
+    assert [e["log_level"] for e in events] == ["warning", "info"]
     assert events[1] == {
         "event": "throttle.recovered",
         "log_level": "info",
@@ -237,7 +239,7 @@ def test_limiter_logs_refusing_then_recovered_once(kind: str) -> None:
     assert shedding == [
         {
             "event": "limiter.refusing",
-            "log_level": "info",
+            "log_level": "warning",  # an episode starts (rfc/0001, "Levels")
             "limiter": "db:5432",
             "limit": 1,
             "in_flight": 1,

@@ -161,7 +161,9 @@ class RetryThrottler:
             t._refused += 1
 
     def _event(self, event: str, milli: int, refused: int | None) -> None:
-        log = _log.enabled(_log.INFO)
+        # engaged (retries stop) starts an episode: a warning; released ends it: info.
+        engaged = refused is None
+        log = _log.enabled(_log.WARNING if engaged else _log.INFO)
         if log is None:
             return
         fields: dict[str, object] = {
@@ -170,9 +172,11 @@ class RetryThrottler:
             "max_tokens": self._max / 1000,
             "threshold": self._max / 2000,
         }
-        if refused is not None:
+        if engaged:
+            log.warning(event, **fields)
+        else:
             fields["refused"] = refused
-        log.info(event, **fields)
+            log.info(event, **fields)
 
     def __repr__(self) -> str:
         return (

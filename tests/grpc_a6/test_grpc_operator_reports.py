@@ -74,7 +74,7 @@ async def test_the_throttler_logs_once_when_it_engages_and_when_it_releases(
     assert engaged == [
         {
             "event": "throttle.engaged",
-            "log_level": "info",
+            "log_level": "warning",
             "target": server.target,
             "tokens": 2.0,
             "max_tokens": 4.0,
