@@ -67,7 +67,7 @@ if TYPE_CHECKING:  # imported at first use (``_LAZY``); for type checkers and ID
     from ._orphans import OrphanReporter
     from ._telemetry import Telemetry
     from ._threshold import ThresholdReporter
-    from ._throttle import AdaptiveThrottle
+    from ._throttle import AdaptiveThrottle, default_is_rejection
 
 #: Public name -> the private module that defines it, imported when the name is first used.
 _LAZY = {
@@ -83,6 +83,7 @@ _LAZY = {
     "RetryBudget": "_budget",
     "Telemetry": "_telemetry",
     "ThresholdReporter": "_threshold",
+    "default_is_rejection": "_throttle",
 }
 
 __all__ = [
@@ -138,6 +139,7 @@ __all__ = [
     "__version__",
     "best_effort_backoff",
     "controlled_backoff",
+    "default_is_rejection",
     "describe_error",
     "dispatch_unsent",
     "exponential_backoff",
@@ -153,6 +155,7 @@ def _name_public_classes() -> None:
     for name in __all__:
         if name not in _LAZY:
             _name(globals()[name])
+    _name(FailFastRetryStrategy)  # public as sdkcore.FailFastRetryStrategy, though not in __all__
 
 
 def _name(obj: Any) -> None:

@@ -358,6 +358,23 @@ def test_version_and_reprs() -> None:
 def test_fail_fast_is_internal() -> None:
     assert "FailFastRetryStrategy" not in sdkcore.__all__
     assert "Internal" in (sdkcore.FailFastRetryStrategy.__doc__ or "")
+    # named where it is imported from, in reprs and error messages (not sdkcore._strategy)
+    assert sdkcore.FailFastRetryStrategy.__module__ == "sdkcore"
+
+
+def test_the_throttles_default_is_public_to_extend() -> None:
+    """rfc/0009 tells users to write ``default_is_rejection(e) or ...``: importable."""
+    from sdkcore import AdaptiveThrottle, default_is_rejection
+
+    assert "default_is_rejection" in sdkcore.__all__
+    assert default_is_rejection(RetryableError(RetryReason.KV_TEMPORARY_FAILURE))
+    assert not default_is_rejection(TimeoutError("slow"))
+    throttle = AdaptiveThrottle(
+        is_rejection=lambda e: default_is_rejection(e) or isinstance(e, TimeoutError)
+    )
+    with pytest.raises(TimeoutError), throttle.guard():
+        raise TimeoutError("slow")
+    assert throttle.accepts == 0
 
 
 async def test_a_sync_send_given_to_execute_is_a_clear_type_error() -> None:

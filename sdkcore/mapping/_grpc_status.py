@@ -390,7 +390,8 @@ def grpc_failure(
     server, and gRPC does not promise that a failed status means nothing was
     applied. A RetryableError for a status therefore carries
     ``effect=AttemptEffect.MAYBE_APPLIED``, as an ``sdkcore.grpc`` channel records
-    it: a non-idempotent write retried on UNAVAILABLE times out *ambiguously*. Only
+    it: a non-idempotent write that failed with UNAVAILABLE is not retried
+    (RequestCanceledException, NO_MORE_RETRIES, saying it may have been applied). Only
     a LOCKED precondition violation, which by Couchbase's protocol means the
     document was locked and the mutation refused, is ``NOT_APPLIED``.
 
