@@ -111,10 +111,11 @@ class RequestCanceledException(CouchbaseException):
     * ``RETRY_BUDGET_EXHAUSTED``: the retry budget refused the retry (or more hedges);
     * ``CANCELLED_VIA_CONTEXT``: the application called ``Request.cancel()``.
 
-    A request that times out raises a :class:`TimeoutException` (``TIMEOUT``), and one
-    whose task is cancelled lets the task's own cancellation propagate
-    (``TASK_CANCELLED``); handing such a request to a door again raises this exception
-    with that reason. ``sdkcore.mapping`` also maps a gRPC ``CANCELLED`` status to it.
+    A request that times out raises a :class:`TimeoutException` (``TIMEOUT``), also when
+    it is handed to a door again; one whose task is cancelled lets the task's own
+    cancellation propagate (``TASK_CANCELLED``), and handing it to a door again raises
+    this exception with that reason. ``sdkcore.mapping`` also maps a gRPC ``CANCELLED``
+    status to it.
     """
 
     default_message = "request canceled"

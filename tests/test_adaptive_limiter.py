@@ -804,3 +804,47 @@ def test_defaults_and_the_limits_order() -> None:
     with pytest.raises(ValueError, match=r"\(initial_limit\) must be between .* \(2 to 9\), got 1"):
         AdaptiveConcurrencyLimiter(1, 2, 9)
     assert AdaptiveConcurrencyLimiter(7, 7, 7).limit == 7
+
+
+def _probe_with_timeouts(cut: float, timeouts: int) -> AdaptiveConcurrencyLimiter:
+    """A limiter against an endpoint answering in 10 ms at any concurrency, under unlimited
+    demand, until its first probe ends; the probe's first ``timeouts`` dispatches time out
+    after ``cut`` seconds."""
+    clock = VirtualClock()
+    limiter = AdaptiveConcurrencyLimiter(20, 1, 200, clock=clock.clock)
+    in_flight: list[tuple[float, int, Any, BaseException | None]] = []
+    seq = itertools.count()
+    while clock.now < 1030.0:
+        while True:  # unlimited demand: as many as the limit lets in
+            guard = limiter.guard()
+            try:
+                guard.__enter__()
+            except RetryableError:
+                break
+            error: BaseException | None = None
+            rtt = 0.010
+            if limiter._probing and timeouts:
+                timeouts -= 1
+                error, rtt = TimeoutError("attempt timed out"), cut
+            heapq.heappush(in_flight, (clock.now + rtt, next(seq), guard, error))
+        end, _, guard, error = heapq.heappop(in_flight)
+        if end > clock.now:
+            clock.advance(end - clock.now)
+        probing = limiter._probing
+        guard.__exit__(None if error is None else type(error), error, None)
+        if probing and not limiter._probing and not timeouts:
+            return limiter
+    raise AssertionError("the probe never ended")
+
+
+@pytest.mark.parametrize(("cut", "timeouts"), [(1.0, 1), (0.0005, 8)])
+def test_a_probe_dispatch_that_times_out_is_no_round_trip(cut: float, timeouts: int) -> None:
+    """The baseline probe averaged a timed-out dispatch's wait in as a round trip: one 1 s
+    timeout among its dispatches tripled a 10 ms baseline (and the gradient then let the
+    limit overshoot to 83 against an endpoint serving 20); cuts after 0.5 ms (retries
+    with little time left) pulled it low enough to halve the limit and probe again. A
+    timeout is a drop, never a latency sample: the probe ends as without them."""
+    clean = _probe_with_timeouts(cut, 0)
+    limiter = _probe_with_timeouts(cut, timeouts)
+    assert limiter.baseline_rtt == pytest.approx(0.010, rel=0.05)
+    assert limiter.limit == clean.limit

@@ -25,6 +25,7 @@ from sdkcore import (
     RetryOrchestrator,
     RetryReason,
     ScopeNotFoundException,
+    TimeoutException,
     exponential_backoff,
 )
 from sdkcore.testing import VirtualClock, capture_retry_events
@@ -58,7 +59,7 @@ async def test_exception_group_from_the_deadline_scope_completes_the_request() -
         await orch.execute(req, send)
     assert req.completed
     assert req.state is not RequestState.PENDING
-    with pytest.raises((RuntimeError, RequestCanceledException)):
+    with pytest.raises((RuntimeError, RequestCanceledException, TimeoutException)):
         await orch.maybe_retry(req, RetryReason.KV_LOCKED)
     assert req.retry_attempts == 0
 

@@ -18,7 +18,6 @@ from sdkcore import (
     CouchbaseException,
     FastFailOnTerminalErrorRetryStrategy,
     Request,
-    RequestCanceledException,
     RetryableError,
     RetryAction,
     RetryOrchestrator,
@@ -319,15 +318,15 @@ async def test_a_cut_attempt_is_ambiguous_only_when_not_idempotent(
 
 
 @pytest.mark.anyio
-async def test_a_timed_out_request_handed_back_is_canceled_with_timeout() -> None:
-    """What the RequestCanceledException docstring says of TIMEOUT."""
+async def test_a_timed_out_request_handed_back_times_out_again() -> None:
+    """What the RequestCanceledException docstring says of TIMEOUT: never "cancelled"."""
     clock = VirtualClock()
     orch = RetryOrchestrator(sleep=clock.sleep)
     request = Request(idempotent=True, timeout=1, clock=clock.clock)
     clock.advance(2)
     with pytest.raises(TimeoutException):
         await orch.maybe_retry(request, RetryReason.KV_LOCKED)
-    with pytest.raises(RequestCanceledException) as info:
+    with pytest.raises(UnambiguousTimeoutException, match="timed out already") as info:
         await orch.maybe_retry(request, RetryReason.KV_LOCKED)
     assert info.value.context is not None
     assert info.value.context.cancellation_reason is CancellationReason.TIMEOUT
