@@ -13,6 +13,7 @@ it returned where they await it, and only when the await fails.
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any
 
 from ._untrusted import show
@@ -61,4 +62,7 @@ def clock_reading(clock: Any, field: str) -> float:
             f"{field} must return seconds (a real number, monotonic), got {show(reading)} "
             f"({type(reading).__name__})"
         )
-    return float(reading)
+    seconds = float(reading)
+    if not math.isfinite(seconds):  # NaN or infinite: no time to count windows from
+        raise ValueError(f"{field} must return finite seconds (monotonic), got {seconds!r}")
+    return seconds

@@ -33,9 +33,10 @@ def to_seconds(value: object, what: str, *, allow_zero: bool = True) -> float:
     if math.isnan(seconds) or math.isinf(seconds):
         raise ValueError(f"{what} must be a finite duration, got {show(value)}")
     if seconds > MAX_SECONDS:
+        hint = "; a timeout can be None for no deadline" if "timeout" in what.lower() else ""
         raise ValueError(
             f"{what} must be at most {MAX_SECONDS:.0f} seconds (what a timedelta holds), "
-            f"got {show(value)}; a timeout can be None for no deadline"
+            f"got {show(value)}{hint}"
         )
     if seconds < 0 or (seconds == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"

@@ -237,7 +237,7 @@ class LatencyQuantile:
         clock: Callable[[], float] | None = None,
     ) -> None:
         what = "LatencyQuantile"
-        allowed = "a number greater than 0 and less than 1 (0.01: hedge at the p99 latency)"
+        allowed = "an int or float greater than 0 and less than 1 (0.01: hedge at the p99 latency)"
         if isinstance(max_extra_load, bool) or not isinstance(max_extra_load, (int, float)):
             raise TypeError(
                 f"{what}(max_extra_load) must be {allowed}, got {show(max_extra_load)} "

@@ -202,7 +202,7 @@ class AdaptiveThrottle:
         what = "AdaptiveThrottle"
         if isinstance(k, bool) or not isinstance(k, (int, float)):
             raise TypeError(
-                f"{what}(k) must be a real number >= 1 (requests per accept; the SRE book "
+                f"{what}(k) must be an int or float >= 1 (requests per accept; the SRE book "
                 f"uses 2), got {show(k)} ({type(k).__name__})"
             )
         try:

@@ -13,6 +13,7 @@ wrong (2026-11-27), 64 cases, each fixed since: they must stay refused.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import re
 import warnings
@@ -765,3 +766,42 @@ def test_a_clock_that_returns_no_seconds_is_refused_where_it_is_given(
     'NoneType' and 'float'``), naming neither the clock nor its owner."""
     with pytest.raises(TypeError, match=re.escape(what) + r" must return seconds"):
         make(lambda: reading)
+
+
+@pytest.mark.parametrize("reading", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize(
+    ("what", "make"),
+    [
+        ("ConcurrencyLimiter(clock)", lambda clock: sdkcore.ConcurrencyLimiter(2, clock=clock)),
+        (
+            "AdaptiveConcurrencyLimiter(clock)",
+            lambda clock: sdkcore.AdaptiveConcurrencyLimiter(clock=clock),
+        ),
+        ("AdaptiveThrottle(clock)", lambda clock: sdkcore.AdaptiveThrottle(clock=clock)),
+        ("LatencyQuantile(clock)", lambda clock: sdkcore.LatencyQuantile(clock=clock)),
+    ],
+)
+def test_a_clock_that_returns_no_finite_seconds_is_refused_where_it_is_given(
+    what: str, make: Any, reading: float
+) -> None:
+    """NaN or an infinity: the throttle and the quantile raised ``cannot convert float NaN
+    to integer`` (or an OverflowError), naming nothing; the limiters took it, and the
+    adaptive one never adapted."""
+    with pytest.raises(ValueError, match=re.escape(what) + r" must return finite seconds"):
+        make(lambda: reading)
+
+
+def test_messages_say_which_numbers_and_give_timeout_advice_to_timeouts_only() -> None:
+    """A Fraction is a real number, yet refused as "not a real number"; a window too long
+    for a timedelta was told "a timeout can be None for no deadline"."""
+    from fractions import Fraction
+
+    with pytest.raises(TypeError, match=r"AdaptiveThrottle\(k\) must be an int or float"):
+        AdaptiveThrottle(Fraction(3, 2))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"max_extra_load\) must be an int or float"):
+        LatencyQuantile(Fraction(1, 100))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"AdaptiveThrottle\(window\)") as window:
+        AdaptiveThrottle(window=timedelta.max)
+    assert "timeout" not in str(window.value)
+    with pytest.raises(ValueError, match=r"a timeout can be None for no deadline"):
+        Request(timeout=10**20)
