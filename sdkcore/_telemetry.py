@@ -136,6 +136,11 @@ class _Watched:
         self.unnamed: dict[int, int] = {}
         # Per kind: the distinct labels handed out (at most MAX_NAMES; past it, "other").
         self.handed: dict[int, set[str]] = {}
+        # Request names as given -> their metric attributes and request.duration's on
+        # success, made once and shared by every Telemetry on the provider, and the
+        # distinct names recorded as themselves (at most MAX_NAMES: Telemetry.name).
+        self.named: dict[str, tuple[dict[str, str], dict[str, str]]] = {}
+        self.distinct = 0
 
     def groups(self) -> tuple[weakref.WeakSet[Any], ...]:
         return self.breakers, self.budgets, self.limiters, self.throttles, self.quantiles
@@ -244,10 +249,6 @@ class Telemetry:
         self.threshold_reporter = threshold_reporter
         self._trace = trace
         self._client = trace.SpanKind.CLIENT
-        # Per request name as given: its metric attributes and request.duration's on
-        # success, made once and shared (bounded: see _named).
-        self._named: dict[str, tuple[dict[str, str], dict[str, str]]] = {}
-        self._distinct = 0  # distinct names recorded as themselves (at most MAX_NAMES)
         self._other = ({NAME: "other"}, {NAME: "other", OUTCOME: "success"})
         self._context = otel_context
         self.meter: Any = (
@@ -264,6 +265,9 @@ class Telemetry:
         self._failed: set[str] = set()
         # Shared with every Telemetry on the same meter provider (see _Watched).
         w = self._watched = _watched_for(meter_provider, metrics.get_meter_provider())
+        # The provider's request names (bounded across its Telemetry objects, as labels
+        # are), read once per request: the dict itself, not a copy.
+        self._named = w.named
         m = self.meter
         self.request_duration = m.create_histogram(
             "sdkcore.request.duration",
@@ -585,7 +589,8 @@ class Telemetry:
 
         Made once per name: every request of that name records with the same two
         dicts (OpenTelemetry copies what it keeps). Names are cut at :data:`MAX_TEXT`;
-        past :data:`MAX_NAMES` distinct ones, a new name is ``other``. The map holds at
+        past :data:`MAX_NAMES` distinct ones on the meter provider (every Telemetry on it
+        together, as labels), a new name is ``other``. The map holds at
         most ``4 * MAX_NAMES`` names as given (long names and late ones map to a
         shared entry), so it stays bounded whatever names requests carry.
         """
@@ -593,16 +598,17 @@ class Telemetry:
         if named is not None:
             return named
         cut = _cut(name)
-        with self._lock:
-            named = self._named.get(cut)
+        w = self._watched  # one bound per meter provider, whichever Telemetry records
+        with w.lock:
+            named = w.named.get(cut)
             if named is None:
-                if self._distinct >= MAX_NAMES:
+                if w.distinct >= MAX_NAMES:
                     named = self._other
                 else:
-                    self._distinct += 1
-                    named = self._named[cut] = ({NAME: cut}, {NAME: cut, OUTCOME: "success"})
-            if len(self._named) < 4 * MAX_NAMES:
-                self._named[name] = named
+                    w.distinct += 1
+                    named = w.named[cut] = ({NAME: cut}, {NAME: cut, OUTCOME: "success"})
+            if len(w.named) < 4 * MAX_NAMES:
+                w.named[name] = named
         return named
 
     def begin(

@@ -84,6 +84,24 @@ def test_names_past_the_cap_are_other(otel: Otel) -> None:
     assert not any(name.startswith("late") for name in counts)
 
 
+def test_the_name_bound_holds_across_telemetry_objects_on_one_provider(otel: Otel) -> None:
+    """Three clients in one process, each with its own Telemetry on the same provider:
+    each had a bound of its own, and together they recorded 2,001 name series. One
+    bound per provider, as the labels of breakers and budgets."""
+    others = [Telemetry(meter_provider=otel.meters, tracer_provider=otel.tracers) for _ in range(2)]
+    doors = [otel.orchestrator()] + [RetryOrchestrator(telemetry=t) for t in others]
+    for n in range(MAX_NAMES + 200):
+        doors[n % 3].execute_sync(Request(name=f"op{n}"), ok)
+    doors[1].execute_sync(Request(name="op0"), ok)  # a name another one recorded: itself
+    duration = otel.metrics()["sdkcore.request.duration"]
+    counts = {a[NAME]: count for a, (count, _) in duration.points}
+    assert len(counts) == MAX_NAMES + 1
+    assert counts["other"] == 200
+    assert counts["op0"] == 2
+    assert others[0].name("op5") == "op5"
+    assert others[1].name("never-seen") == "other"
+
+
 def test_texts_are_cut_at_100_characters(otel: Otel) -> None:
     assert MAX_TEXT == 100
     clock = VirtualClock()
