@@ -345,6 +345,10 @@ class _Controller:
                     f"RetryController(hedge_delay=...) returned {_show(learned)} for {name}: "
                     "a LatencyQuantile or None (the service config's hedgingDelay) is needed"
                 )
+            if learned is not None and self.telemetry is not None and watched_by(learned) is None:
+                # reports its delay (sdkcore.hedge.delay) as the channel's limiter and
+                # throttle do, labelled by target and method, unless watched elsewhere
+                self.telemetry.watch(learned, name=f"{self.target}{name}")
             plan = HedgePlan(
                 mc,
                 max_attempts_cap=self._strategy_args["max_attempts_cap"],

@@ -94,3 +94,38 @@ async def test_a_wrong_answer_is_a_clear_error_and_nothing_is_sent(server: Serve
 def test_hedge_delay_must_be_callable() -> None:
     with pytest.raises(TypeError, match=r"hedge_delay=\.\.\.\) must be a callable"):
         insecure_channel("127.0.0.1:1", hedge_delay=LatencyQuantile())  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+async def test_a_channel_with_telemetry_reports_its_learned_delays(server: Server) -> None:
+    """The channel watched its limiter and throttle but not its learned hedge delays:
+    ``sdkcore.hedge.delay`` showed nothing unless the application watched each one."""
+    pytest.importorskip("opentelemetry.sdk")
+    from telemetry_kit import Otel
+
+    otel = Otel()
+    try:
+        q = LatencyQuantile(min_samples=20, min_delay=0)
+        for _ in range(20):
+            q.record(0.05)
+        mine = LatencyQuantile(min_samples=20, min_delay=0)
+        for _ in range(20):
+            mine.record(0.05)
+        otel.telemetry.watch(mine, name="the application's own")
+        script = HedgeScript(server, "M", {0: ok(0.0, b"ok")})
+        other = HedgeScript(server, "N", {0: ok(0.0, b"ok")})
+        async with insecure_channel(
+            server.target,
+            service_config=hedging_config(max_attempts=2, delay="5s"),
+            hedge_delay=lambda m: q if m.endswith("/M") else mine,
+            telemetry=otel.telemetry,
+        ) as ch:
+            with anyio.fail_after(TEST_TIMEOUT):
+                assert await ch.unary_unary(script.method)(b"x") == b"ok"
+                assert await ch.unary_unary(other.method)(b"x") == b"ok"
+        points = otel.metrics()["sdkcore.hedge.delay"].points
+        labels = {a["sdkcore.endpoint"] for a, _ in points}
+        assert f"{server.target}/test.Svc/M" in labels
+        assert "the application's own" in labels  # left with its own label
+    finally:
+        otel.shutdown()
