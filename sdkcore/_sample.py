@@ -4,9 +4,11 @@ The common part of :class:`~sdkcore.ThresholdReporter` and
 :class:`~sdkcore.OrphanReporter` (Couchbase SDK RFC 67): per service, a count and a
 min-heap of at most ``sample_size`` entries keyed by their total duration, so a new
 entry costs O(log sample_size) and one slower than none of the kept ones costs one
-comparison. No timer and no task: the report of an interval is emitted by the first
-record at or after its end (or by ``flush()``), as the circuit breaker is brought up
-to date by whoever calls next.
+comparison. The report of an interval is emitted by the first record at or after its
+end (or by ``flush()``), and, on the real clock, by a timer thread armed when the
+interval opens (one short-lived daemon thread per interval that kept a record, none
+while nothing is recorded): a burst followed by silence is reported on time, as RFC 67's
+worker does.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import heapq
 import itertools
 import math
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -168,6 +171,7 @@ class Sample:
         "_lock",
         "_seq",
         "_size",
+        "_timed",
         "due",
     )
 
@@ -184,6 +188,9 @@ class Sample:
         self._interval = to_seconds(emit_interval, f"{what}(emit_interval)", allow_zero=False)
         sync_callable(clock, f"{what}(clock)", "() -> seconds")
         self._clock: Callable[[], float] = clock  # type: ignore[assignment]
+        # On the real clock a timer logs each report at its interval's end; an injected
+        # clock (a test's) is moved by its owner, and reports wait for a record or flush().
+        self._timed = clock is time.monotonic
         self._lock = threading.Lock()
         self._seq = itertools.count()
         self._heaps: dict[str, list[_Entry]] = {}
@@ -205,9 +212,8 @@ class Sample:
         with self._lock:
             if now >= self.due:  # the interval is over: its report goes first
                 taken = self._take()
-            elif now < self.due - self._interval:  # the clock stepped back
-                self.due = now + self._interval
-            if self.due == math.inf:
+            opened = self._timed and self.due == math.inf  # this record opens an interval
+            if now < self.due - self._interval:  # the clock stepped back (or none is open)
                 self.due = now + self._interval
             heaps = self._heaps
             heap = heaps.get(service)
@@ -227,6 +233,24 @@ class Sample:
                 heapq.heapreplace(heap, (total_us, -next(self._seq), fields))
         if taken is not None:
             self._emit(taken)
+        if opened:
+            self._arm(self._interval, now + self._interval)
+
+    def _arm(self, delay: float, due: float) -> None:
+        """A timer thread that logs the report due at ``due`` (the real clock's seconds)."""
+        timer = threading.Timer(delay, self._fire, (due,))
+        timer.name = "sdkcore-report"
+        timer.daemon = True  # never holds the process open
+        timer.start()
+
+    def _fire(self, due: float) -> None:
+        if self.due != due:
+            return  # reported already (a record, flush()); a new interval has its own timer
+        left = due - self._clock()
+        if left > 0.0:
+            self._arm(left, due)  # woken a little early
+        else:
+            self.poll()
 
     def poll(self) -> None:
         """Emit the pending report if its interval is over (a record that kept nothing)."""

@@ -38,9 +38,10 @@ class ThresholdReporter:
         "operation_name":"get","operation_id":"0x23","last_remote_socket":"10.0.0.1:11210",
         "timeout_ms":2500}, ...]}}
 
-    Nothing is logged for an interval with no slow request. No timer and no task: a
-    report waits for the next record (any record, fast or slow, once one is pending)
-    or for :meth:`flush`.
+    Nothing is logged for an interval with no slow request. A report is logged by the
+    next record at or after its interval's end (any record, fast or slow, once one is
+    pending), by :meth:`flush`, or, on the real clock, by a timer thread at the
+    interval's end (one per interval that kept a request; none while none is slow).
 
     Thresholds (a ``timedelta`` or seconds, >= 0): ``kv_threshold`` 500 ms; the
     ``query``, ``views``, ``search`` and ``analytics`` ones default to

@@ -8,8 +8,10 @@ orphan reporter does with them.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -191,3 +193,54 @@ def test_32_threads() -> None:
         f"0x{largest - k:x}" for k in range(10)
     ]
     assert len(events) == 1
+
+
+# -- on the real clock, a report is logged on time (the one real-time test here) -------------
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.events: list[str] = []
+        self.arrived = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        event = getattr(record, "sdkcore", {}).get("event")
+        if event is not None:
+            self.events.append(event)
+            self.arrived.set()
+
+
+@pytest.mark.parametrize("kind", ["orphan", "threshold"])
+def test_a_burst_then_silence_is_reported_at_the_intervals_end(kind: str) -> None:
+    """The report waited for the next record: orphans seen during an incident, then none,
+    were never logged (RFC 67's worker logs every interval). On the real clock a timer
+    thread logs it at the interval's end; nothing is left running afterwards."""
+    from sdkcore import ThresholdReporter
+
+    logger = logging.getLogger("sdkcore")
+    handler = _Records()
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        if kind == "orphan":
+            OrphanReporter(emit_interval=0.05).record("kv", "get", 2.0, operation_id="0x1")
+        else:
+            ThresholdReporter(emit_interval=0.05).record("kv", "get", 2.0)
+        assert handler.arrived.wait(10), "no report within 10 s of a 50 ms interval"
+        assert handler.events == [f"{kind}.report"]
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    deadline = time.monotonic() + 5
+    while any(t.name == "sdkcore-report" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the timer thread is still running"
+        time.sleep(0.01)
+
+
+def test_an_injected_clock_arms_no_timer() -> None:
+    r, _clock = reporter(emit_interval=0.01)
+    r.record("kv", "get", 1.0)
+    assert not any(t.name == "sdkcore-report" for t in threading.enumerate())
+    assert r.report() is not None  # pending until a record or flush() on that clock

@@ -353,6 +353,12 @@ class _RetryingCall:
                 message = await call.read()
             except aio.AioRpcError as err:
                 self._account_end(err.code(), err.trailing_metadata(), err)
+                if self._cancelled and err.code() is grpc.StatusCode.CANCELLED:
+                    # cancel() returned True while this read, past the stream's end, waited
+                    # for the status: grpc.aio then raises its local CANCELLED as an error
+                    # (its _raise_for_status read is_locally_cancelled() before the wait);
+                    # the cancellation, as after any cancel() that returned True.
+                    raise asyncio.CancelledError() from None
                 raise self._c._final(err) from None
             except asyncio.CancelledError:
                 # The reading task was cancelled: grpc.aio cancels the RPC with it, and the
