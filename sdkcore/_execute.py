@@ -449,7 +449,15 @@ async def maybe_retry(
         raise TypeError(
             f"maybe_retry(cause=...) must be the attempt's exception or None, got {cause!r}"
         )
-    cut = None if cause is None else _cancellation_in(cause)
+    cut = None  # the caller's cancellation, if cause is (or was raised for) it
+    if cause is not None:
+        context = cause.__context__
+        if not isinstance(cause, Exception):
+            cut = cause
+        elif context is not None and not isinstance(context, Exception):
+            cut = context  # a RetryableError raised in the cancellation's handler
+        if cut is not None and not _caller_cancelled():
+            cut = None  # another task's cancellation (a helper's): the driver's to report
     if isinstance(cause, RetryableError):
         if cause.reason is not reason:  # its effect would be booked under another reason's
             raise ValueError(
@@ -529,15 +537,6 @@ async def maybe_retry(
             # caller gets (the AioRpcError), not with sdkcore's own refusal or timeout.
             trace.end(request, exc)
         raise
-
-
-def _cancellation_in(cause: BaseException) -> BaseException | None:
-    """The caller's cancellation that ``cause`` is, or was raised for (a send that turned
-    it into a RetryableError), while the caller is being cancelled; else None."""
-    for cut in (cause, cause.__cause__, cause.__context__):
-        if cut is not None and not isinstance(cut, Exception):
-            return cut if _caller_cancelled() else None
-    return None
 
 
 async def _bounded(
