@@ -209,18 +209,20 @@ async def execute(
                 ) from None
             except RetryableError as failure:
                 del pending  # the finished attempt: not held through the backoff
-                if scope is not None and scope.fired:
-                    # The deadline or Request.cancel() cut the attempt and send raised this
-                    # for the cut: the cut, booked in flight as attempt() books it (a
-                    # refusal that sent nothing, a limiter's queue, stays not sent).
-                    if failure.effect is _NOT_SENT:
-                        now = request._clock()
-                        request._attempt_failed(failure.reason, _NOT_SENT, failure, now)
-                    raise
                 cut = failure.__context__
-                if cut is not None and not isinstance(cut, Exception) and _caller_cancelled():
-                    # send turned the caller's cancellation into this: it is never retried
-                    raise cut from None
+                if cut is not None and not isinstance(cut, Exception):
+                    # Raised while handling a cancellation: send turned it into this.
+                    if scope is not None and scope.fired:
+                        # Our deadline or Request.cancel() cut the attempt: the cut, booked
+                        # in flight as attempt() books it (a refusal that sent nothing, a
+                        # limiter's queue, stays not sent). An answer raised after the cut
+                        # without meeting it (trio runs a woken task on) is no such error.
+                        if failure.effect is _NOT_SENT:
+                            now = request._clock()
+                            request._attempt_failed(failure.reason, _NOT_SENT, failure, now)
+                        raise
+                    if _caller_cancelled():  # the caller's own: never retried
+                        raise cut from None
                 if token is not None:
                     token[2] = None  # (a queue's cut that send got past: not the next one's)
                 if trace is not None:

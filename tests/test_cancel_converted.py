@@ -19,6 +19,7 @@ from sdkcore import (
     AmbiguousTimeoutException,
     AttemptEffect,
     Request,
+    RequestCanceledException,
     RequestState,
     RetryableError,
     RetryOrchestrator,
@@ -165,3 +166,29 @@ async def test_a_cancelled_helper_task_turned_into_a_retryable_error_is_retried(
     assert await RetryOrchestrator().execute(request, send) == "ok"
     assert sends == 2
     assert request.retry_attempts == 1
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_an_answer_raised_after_a_cut_it_never_met_keeps_its_effect() -> None:
+    """trio runs a task already woken by its answer on, uncut: a driver's reader hands
+    the answer ("locked": not applied) over, then Request.cancel() comes before the
+    sender runs. The sender raises the answer without meeting the cut: it is the
+    answer, booked with its own effect, and the cancellation says "not applied"."""
+    answered = anyio.Event()
+    request = Request(name="kv.upsert", idempotent=False, timeout=5.0)
+
+    async def reader() -> None:
+        await anyio.sleep(0.01)
+        answered.set()
+        request.cancel()
+
+    async def send(r: Request) -> str:
+        await answered.wait()
+        raise RetryableError(RetryReason.KV_LOCKED, "locked")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(reader)
+        with anyio.fail_after(5), pytest.raises(RequestCanceledException) as info:
+            await RetryOrchestrator().execute(request, send)
+    assert "not applied" in str(info.value)
+    assert [a.effect for a in request.attempts] == [AttemptEffect.NOT_APPLIED]

@@ -224,6 +224,7 @@ def test_a_burst_then_silence_is_reported_at_the_intervals_end(kind: str) -> Non
     level = logger.level
     logger.setLevel(logging.WARNING)
     try:
+        before = set(threading.enumerate())  # other tests' reporters may have timers too
         if kind == "orphan":
             OrphanReporter(emit_interval=0.05).record("kv", "get", 2.0, operation_id="0x1")
         else:
@@ -234,13 +235,14 @@ def test_a_burst_then_silence_is_reported_at_the_intervals_end(kind: str) -> Non
         logger.removeHandler(handler)
         logger.setLevel(level)
     deadline = time.monotonic() + 5
-    while any(t.name == "sdkcore-report" for t in threading.enumerate()):
+    while any(t.name == "sdkcore-report" for t in set(threading.enumerate()) - before):
         assert time.monotonic() < deadline, "the timer thread is still running"
         time.sleep(0.01)
 
 
 def test_an_injected_clock_arms_no_timer() -> None:
+    before = set(threading.enumerate())
     r, _clock = reporter(emit_interval=0.01)
     r.record("kv", "get", 1.0)
-    assert not any(t.name == "sdkcore-report" for t in threading.enumerate())
+    assert not any(t.name == "sdkcore-report" for t in set(threading.enumerate()) - before)
     assert r.report() is not None  # pending until a record or flush() on that clock

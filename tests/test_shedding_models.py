@@ -302,7 +302,7 @@ BAD_THROTTLE: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"k": math.nan}, ValueError, r"AdaptiveThrottle\(k\)"),
     ({"k": math.inf}, ValueError, r"AdaptiveThrottle\(k\)"),
     ({"k": 10**400}, ValueError, r"AdaptiveThrottle\(k\)"),
-    ({"k": True}, TypeError, r"AdaptiveThrottle\(k\) must be a real number"),
+    ({"k": True}, TypeError, r"AdaptiveThrottle\(k\) must be an int or float"),
     ({"k": "2"}, TypeError, r"AdaptiveThrottle\(k\)"),
     ({"window": 0.5}, ValueError, r"AdaptiveThrottle\(window\) must be between 1 second"),
     ({"window": 86401.0}, ValueError, r"AdaptiveThrottle\(window\)"),
