@@ -154,6 +154,42 @@ async def test_a_connection_silent_through_a_timeout_is_replaced(
     assert connections == 2
 
 
+async def test_requests_failed_by_a_silent_connections_close_are_told_whose_deadline(
+    memcached: Memcached, proxy: FaultProxy
+) -> None:
+    """A SET in flight on a connection closed because a GET's deadline passed in its
+    silence read "no byte from ... before the deadline", 0.2 s before its own deadline
+    came: its own, it seemed. The close names whose deadline it was."""
+    failures: dict[str, BaseException] = {}
+    with anyio.fail_after(LIMIT):
+        async with MemcachedClient(
+            f"127.0.0.1:{proxy.port}", timeout=0.3, breaker=never_trips
+        ) as client:
+            await client.set("k", b"v")
+            proxy.black_hole_open()
+
+            async def get() -> None:
+                try:
+                    await client.get("k")
+                except TimeoutException as exc:
+                    failures["get"] = exc
+
+            async def set_later() -> None:
+                await anyio.sleep(0.2)  # in flight when the GET's deadline passes
+                try:
+                    await client.set("k2", b"v2")
+                except CouchbaseException as exc:
+                    failures["set"] = exc
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(get)
+                tg.start_soon(set_later)
+    get_context = failures["get"].context  # type: ignore[attr-defined]
+    text = str(failures["set"])
+    assert f"until request {get_context.request_id}'s deadline" in text, text
+    assert "closed: no byte from it for" in text, text
+
+
 async def test_a_frame_sent_with_little_time_left_does_not_close_a_slow_connection(
     memcached: Memcached, proxy: FaultProxy
 ) -> None:

@@ -312,7 +312,13 @@ class _Connection:
                     if time.monotonic() - sent_at >= silent_for and await self._still_silent(
                         silent_since
                     ):
-                        await self.drop(f"no byte from {self.name} before the deadline")
+                        silent_ms = (time.monotonic() - sent_at) * 1000.0
+                        whose = "a request's" if request is None else f"request {request.id}'s"
+                        # every request waiting on it fails with this: say whose deadline
+                        await self.drop(
+                            f"connection to {self.name} closed: no byte from it for "
+                            f"{silent_ms:.0f} ms, until {whose} deadline"
+                        )
                 if not waiter.done.is_set():
                     self._remember_cut(opaque, sent_at, request)
                 raise
