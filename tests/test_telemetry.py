@@ -59,12 +59,13 @@ INSTRUMENTS = {
     "sdkcore.retries": ("{retry}", "counter"),
     "sdkcore.retry.delay": ("s", "histogram"),
     "sdkcore.hedges": ("{hedge}", "counter"),
-    "sdkcore.hedge.wins": (None, "counter"),  # unit not fixed by the issue
-    "sdkcore.circuit_breaker.state": (None, "gauge"),
-    "sdkcore.circuit_breaker.transitions": (None, "counter"),
-    "sdkcore.circuit_breaker.rejections": (None, "counter"),
-    "sdkcore.retry_budget.balance": (None, "gauge"),
-    "sdkcore.retry_budget.rejections": (None, "counter"),
+    # units the issue leaves open, as rfc/0008's table fixes them
+    "sdkcore.hedge.wins": ("{request}", "counter"),
+    "sdkcore.circuit_breaker.state": ("1", "gauge"),
+    "sdkcore.circuit_breaker.transitions": ("{transition}", "counter"),
+    "sdkcore.circuit_breaker.rejections": ("{dispatch}", "counter"),
+    "sdkcore.retry_budget.balance": ("{retry}", "gauge"),
+    "sdkcore.retry_budget.rejections": ("{retry}", "counter"),
 }
 
 
