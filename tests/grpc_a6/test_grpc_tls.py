@@ -158,3 +158,32 @@ async def test_a_plain_text_client_cannot_talk_to_the_tls_server(
         assert server.count("Echo") == 0
     finally:
         await server.stop()
+
+
+async def test_a_secure_channel_records_telemetry(pem: tuple[bytes, bytes]) -> None:
+    """``secure_channel(..., telemetry=...)`` records as ``insecure_channel`` does (only
+    the insecure one was tested): A66/A96 per call and sdkcore's core metrics."""
+    pytest.importorskip("opentelemetry.sdk")
+    from telemetry_kit import Otel
+
+    otel = Otel()
+    server = await _tls_server(pem)
+    try:
+        with anyio.fail_after(TEST_TIMEOUT):
+            async with sdkcore.grpc.secure_channel(
+                server.target,
+                grpc.ssl_channel_credentials(root_certificates=pem[1]),
+                service_config=retry_config(max_attempts=3),
+                telemetry=otel.telemetry,
+            ) as channel:
+                assert await channel.unary_unary("/test.Svc/Echo")(b"x", timeout=5) == b"tls:x"
+        metrics = otel.metrics()
+        started = metrics["grpc.client.attempt.started"].points
+        assert sum(value for _, value in started) == 3
+        assert {a["grpc.target"] for a, _ in started} == {f"dns:///{server.target}"}
+        (retries,) = metrics["grpc.client.call.retries"].points
+        assert retries[1] == (1, 2)  # one call, retried twice
+        assert metrics["sdkcore.retries"].total() == 2
+    finally:
+        await server.stop()
+        otel.shutdown()
