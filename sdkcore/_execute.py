@@ -19,7 +19,7 @@ from ._context import DEFAULT_EFFECT, AttemptEffect, CancellationReason
 from ._core import OrchestratorCore
 from ._decision import Verdict
 from ._duration import to_seconds
-from ._errors import CouchbaseException, RetryableError
+from ._errors import CouchbaseException, RetryableError, TimeoutException
 from ._hooks import INSTANT_DELAYS
 from ._log import DEBUG as _DEBUG
 from ._reason import RetryReason, suggest_member
@@ -36,6 +36,7 @@ _PENDING = RequestState.PENDING
 _RETRY = Verdict.RETRY
 _MAYBE = AttemptEffect.MAYBE_APPLIED
 _NOT_SENT = AttemptEffect.NOT_SENT
+_TIMEOUT = CancellationReason.TIMEOUT
 _INF = math.inf
 
 
@@ -53,10 +54,28 @@ def _unsent_cut(request: Request, mark: Any, exc: BaseException) -> None:
         request._attempt_failed(reason, _NOT_SENT, None, request.clock())
 
 
-def _caller_cancelled() -> bool:
-    """Whether the running task is being cancelled (read only when an attempt's error
-    was raised while handling a cancellation)."""
-    return bool(_runtime.current().cancelled())
+def _converted_cut(request: Request, failure: RetryableError, scope: Any) -> None:
+    """Raise the cancellation ``failure`` stands for, if ``send`` raised it while handling
+    one (its ``__context__``): cancellation is never retried (rfc/0001). Returns when it
+    is an answer.
+
+    Cut by ``execute``'s own scope (the deadline, ``Request.cancel()``): ``failure``
+    itself goes on to the door's end, which reports the cut with the attempt in flight,
+    as ``attempt()`` does (a refusal that sent nothing, a limiter's queue, booked not
+    sent). The caller being cancelled since the scope opened (asyncio 3.11+ counts it,
+    trio's enclosing scopes): that cancellation. A cancellation already being handled
+    when the door began (a cleanup request in an ``except CancelledError``) is neither,
+    nor is an answer raised after a cut it never met (trio runs a woken task on).
+    """
+    cut = failure.__context__
+    if cut is None or isinstance(cut, Exception):
+        return
+    if scope.fired:
+        if failure.effect is _NOT_SENT:
+            request._attempt_failed(failure.reason, _NOT_SENT, failure, request._clock())
+        raise failure
+    if scope.cancelled_elsewhere():
+        raise cut
 
 
 def _check_request(request: object, door: str) -> None:
@@ -209,20 +228,8 @@ async def execute(
                 ) from None
             except RetryableError as failure:
                 del pending  # the finished attempt: not held through the backoff
-                cut = failure.__context__
-                if cut is not None and not isinstance(cut, Exception):
-                    # Raised while handling a cancellation: send turned it into this.
-                    if scope is not None and scope.fired:
-                        # Our deadline or Request.cancel() cut the attempt: the cut, booked
-                        # in flight as attempt() books it (a refusal that sent nothing, a
-                        # limiter's queue, stays not sent). An answer raised after the cut
-                        # without meeting it (trio runs a woken task on) is no such error.
-                        if failure.effect is _NOT_SENT:
-                            now = request._clock()
-                            request._attempt_failed(failure.reason, _NOT_SENT, failure, now)
-                        raise
-                    if _caller_cancelled():  # the caller's own: never retried
-                        raise cut from None
+                if scope is not None and failure.__context__ is not None:
+                    _converted_cut(request, failure, scope)  # raises the cut, if it is one
                 if token is not None:
                     token[2] = None  # (a queue's cut that send got past: not the next one's)
                 if trace is not None:
@@ -345,6 +352,10 @@ def _failed(
                 raise _scope_fired(
                     self, request, exc if in_flight else None, in_flight=in_flight
                 ) from _failing.cause(request)
+            if isinstance(exc, RetryableError):  # raised for our cut (_converted_cut), and
+                cut = exc.__context__  # the caller's own came in the same turn: the caller's
+                if cut is not None and not isinstance(cut, Exception):
+                    exc = cut
         if isinstance(exc, Exception) and in_flight:
             if request.state is not _PENDING:
                 # Request.cancel() while the attempt was in flight (no deadline scope: it ran
@@ -389,10 +400,10 @@ def _completed(
     (its timeout, caught by a loop's ``except TimeoutError``) is raised again as it was.
     A door that adopted the request's span (a gRPC call) ends the trace itself.
     """
-    if isinstance(cause, CouchbaseException):
+    if isinstance(cause, TimeoutException) and request.cancellation_reason is _TIMEOUT:
         context = cause.context
         if context is not None and context.request_id == request.id:
-            return cause
+            return cause  # its own timeout, as attempt() raised it
     error = _failing.already_completed(request, reason)
     trace = request._trace
     if trace is not None and trace.owns_span:
@@ -451,15 +462,6 @@ async def maybe_retry(
         raise TypeError(
             f"maybe_retry(cause=...) must be the attempt's exception or None, got {cause!r}"
         )
-    cut = None  # the caller's cancellation, if cause is (or was raised for) it
-    if cause is not None:
-        context = cause.__context__
-        if not isinstance(cause, Exception):
-            cut = cause
-        elif context is not None and not isinstance(context, Exception):
-            cut = context  # a RetryableError raised in the cancellation's handler
-        if cut is not None and not _caller_cancelled():
-            cut = None  # another task's cancellation (a helper's): the driver's to report
     if isinstance(cause, RetryableError):
         if cause.reason is not reason:  # its effect would be booked under another reason's
             raise ValueError(
@@ -480,12 +482,17 @@ async def maybe_retry(
         raise _completed(request, reason, cause)
     if request._sending:  # inside the send of execute or hedge: their loop books it
         raise _failing.in_use(request, "maybe_retry(request, reason)")
-    if cut is not None:  # the caller's cancellation, handed over as the failure: not retried
-        _failing.finish_by(request, cut)
-        raise cut
     telemetry = self._telemetry
     if telemetry is not None and request._trace is None:
         telemetry.begin(request)  # a hand-wired loop without attempt(): its first failure
+    if cause is not None and not isinstance(cause, Exception):
+        # A cancellation handed over as the attempt's failure: never retried. The request
+        # ends CANCELLED (TASK_CANCELLED) and the cancellation goes on.
+        _failing.finish_by(request, cause)
+        trace = request._trace
+        if trace is not None:
+            trace.end(request, cause)
+        raise cause
     try:
         now = request.clock()
         request._attempt_failed(reason, effect or DEFAULT_EFFECT[reason], cause, now)
@@ -587,7 +594,7 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
     _check_request(request, "attempt(request)")
     if request.state is not _PENDING:
         raise _completed(request, request.last_reason)
-    if request._sending or request._in_flight:  # another door, or another attempt() block
+    if request._sending or request._in_block:  # another door, or another attempt() block
         raise _failing.in_use(request, "attempt(request)")
     now = request.clock()
     left = request.deadline - now
@@ -608,6 +615,7 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
     handle = None if trace is None else trace.attempt(request.retry_attempts + 1)
     token = request._dispatching()  # requests made in the block keep within this deadline
     error: BaseException | None = None
+    request._in_block = True  # cleared in the finally below
     try:
         rt = _runtime.current()
         # Without a deadline too: the scope is what Request.cancel() cuts the attempt with.
@@ -637,6 +645,7 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
             error = _failing.already_completed(request, request.last_reason, answered=True)
             raise error
     finally:
+        request._in_block = False
         Request._dispatched_done(token)
         if error is not None and not isinstance(error, Exception):
             _failing.finish_by(request, error)  # the caller's cancellation (never retried)

@@ -186,13 +186,16 @@ def in_use(request: Request, door: str) -> RuntimeError:
     """The refusal of a door handed a request another call is already sending: a request
     is one operation, and two loops over it would send it twice (a write too)."""
     attempts = request.failed_attempts + (1 if request.in_flight else 0)
+    if door.startswith("maybe_retry("):
+        return RuntimeError(
+            f"{door}: request {request.id} ({request.name!r}) is being sent by execute or "
+            "hedge, whose loop books its failures: raise a RetryableError from send instead "
+            "(the door decides and retries it)"
+        )
     if request._sending:
         by = "another call"
-    elif door.startswith("attempt(") and request.in_flight:
-        by = (
-            "an attempt() block still in flight (or one whose failure never reached "
-            "maybe_retry(), which books it before the next attempt())"
-        )
+    elif request._in_block:
+        by = "an attempt() block still open (in another task)"
     else:
         by = "a hand-wired loop (attempt(), maybe_retry()), which sent it already"
     return RuntimeError(

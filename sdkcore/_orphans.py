@@ -36,10 +36,10 @@ class OrphanReporter:
         "last_local_socket":"127.0.0.1:50412","last_remote_socket":"127.0.0.1:11211",
         "timeout_ms":1500}]}}
 
-    Nothing is logged for an interval without orphans. On the real clock a timer thread
-    logs the report at its interval's end if no record did (one per interval that kept an
-    orphan; none while there are none); on an injected clock only records and
-    :meth:`flush` do.
+    Nothing is logged for an interval without orphans. On the real clock the process's
+    report thread logs the report at its interval's end if no record did (one daemon
+    thread for every reporter, holding none alive); on an injected clock only records
+    and :meth:`flush` do.
     Thread-safe and loop-agnostic; a record costs O(log sample_size) under a lock.
     ``clock``: monotonic seconds (default ``time.monotonic``; a test's virtual clock).
     """

@@ -58,6 +58,7 @@ class RetryState:
         "_cancellation",
         "_dispatched",
         "_history",
+        "_in_block",
         "_in_flight",
         "_last_error",
         "_last_reason",
@@ -87,6 +88,7 @@ class RetryState:
         self._dispatched = False  # a door has counted its first attempt
         self._threaded = False  # run by execute_sync: its endings hold _ENDING
         self._sending = False  # a door is sending it (execute, execute_sync, hedge)
+        self._in_block = False  # an attempt() block is open on it (a hand-wired loop)
 
     # -- read-only retry state -------------------------------------------------
     @property

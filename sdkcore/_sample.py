@@ -5,19 +5,21 @@ The common part of :class:`~sdkcore.ThresholdReporter` and
 min-heap of at most ``sample_size`` entries keyed by their total duration, so a new
 entry costs O(log sample_size) and one slower than none of the kept ones costs one
 comparison. The report of an interval is emitted by the first record at or after its
-end (or by ``flush()``), and, on the real clock, by a timer thread armed when the
-interval opens (one short-lived daemon thread per interval that kept a record, none
-while nothing is recorded): a burst followed by silence is reported on time, as RFC 67's
-worker does.
+end (or by ``flush()``), and, on the real clock, by one daemon thread for the process
+(:class:`_Timer`, started by the first interval that opens) at the interval's end: a
+burst followed by silence is reported on time, as RFC 67's worker does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import math
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -163,6 +165,7 @@ class Sample:
     """
 
     __slots__ = (
+        "__weakref__",  # the report timer holds reporters weakly
         "_clock",
         "_counts",
         "_event",
@@ -234,23 +237,7 @@ class Sample:
         if taken is not None:
             self._emit(taken)
         if opened:
-            self._arm(self._interval, now + self._interval)
-
-    def _arm(self, delay: float, due: float) -> None:
-        """A timer thread that logs the report due at ``due`` (the real clock's seconds)."""
-        timer = threading.Timer(delay, self._fire, (due,))
-        timer.name = "sdkcore-report"
-        timer.daemon = True  # never holds the process open
-        timer.start()
-
-    def _fire(self, due: float) -> None:
-        if self.due != due:
-            return  # reported already (a record, flush()); a new interval has its own timer
-        left = due - self._clock()
-        if left > 0.0:
-            self._arm(left, due)  # woken a little early
-        else:
-            self.poll()
+            _TIMER.schedule(now + self._interval, self)
 
     def poll(self) -> None:
         """Emit the pending report if its interval is over (a record that kept nothing)."""
@@ -295,6 +282,70 @@ class Sample:
         log = _log.enabled(_log.WARNING)
         if log is not None:
             log.warning(self._event, report=_line(report), emit_interval_s=self._interval)
+
+
+class _Timer:
+    """The one thread that logs reports at their interval's end (real clock only).
+
+    A heap of (due, seq, reporter held weakly): a reporter that is gone is skipped, and
+    the thread holds none alive. Started by the first interval that opens (a thread start
+    is about 0.1 ms, once per process); a daemon, so it never holds the process open; a
+    wait is capped at an hour, so any ``emit_interval`` is waited out in steps. A thread
+    that cannot be started leaves reports to records and ``flush()``, as on an injected
+    clock. A forked child starts its own.
+    """
+
+    _MAX_WAIT = 3600.0
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._heap: list[tuple[float, int, weakref.ref[Sample]]] = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def schedule(self, due: float, sample: Sample) -> None:
+        """Have ``sample`` polled once ``time.monotonic()`` reaches ``due``."""
+        with self._cond:
+            heapq.heappush(self._heap, (due, next(self._seq), weakref.ref(sample)))
+            if self._thread is None:
+                thread = threading.Thread(target=self._run, name="sdkcore-report", daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError:  # no thread can be started now: the next interval tries
+                    self._heap.clear()
+                    return
+                self._thread = thread
+            elif self._heap[0][0] == due:
+                self._cond.notify()  # the earliest now: the thread waits for a later one
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if not self._heap:
+                        self._cond.wait()
+                        continue
+                    due = self._heap[0][0]
+                    left = due - time.monotonic()
+                    if left <= 0.0:
+                        ref = heapq.heappop(self._heap)[2]
+                        break
+                    self._cond.wait(min(left, self._MAX_WAIT))
+            sample = ref()
+            if sample is not None and sample.due == due:
+                with contextlib.suppress(Exception):  # a record or flush() reports it later
+                    sample.poll()
+            del sample, ref  # hold nothing while waiting
+
+    def _forked(self) -> None:
+        """In a forked child: the parent's thread is not there, and its lock may be held."""
+        self._cond = threading.Condition(threading.Lock())
+        self._thread = None
+
+
+_TIMER = _Timer()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_TIMER._forked)
 
 
 def _line(report: dict[str, Any]) -> str:

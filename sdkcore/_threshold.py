@@ -40,8 +40,8 @@ class ThresholdReporter:
 
     Nothing is logged for an interval with no slow request. A report is logged by the
     next record at or after its interval's end (any record, fast or slow, once one is
-    pending), by :meth:`flush`, or, on the real clock, by a timer thread at the
-    interval's end (one per interval that kept a request; none while none is slow).
+    pending), by :meth:`flush`, or, on the real clock, by the process's report thread
+    at the interval's end (one daemon thread for every reporter, holding none alive).
 
     Thresholds (a ``timedelta`` or seconds, >= 0): ``kv_threshold`` 500 ms; the
     ``query``, ``views``, ``search`` and ``analytics`` ones default to

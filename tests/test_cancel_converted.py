@@ -94,10 +94,12 @@ async def test_a_limiter_refusal_at_the_deadline_stays_not_sent() -> None:
 @pytest.mark.skipif(not _COUNTS, reason="3.10 cannot tell a task is being cancelled")
 async def test_the_callers_task_cancel_turned_into_a_retryable_error_is_not_retried() -> None:
     """On asyncio the cancellation is delivered once: swallowed by send, the request was
-    retried and the caller's task.cancel() lost (it got an answer)."""
+    retried and the caller's task.cancel() lost (it got an answer). Told apart with the
+    request's deadline scope, which counts the task's cancellations since it opened
+    (without a deadline ``execute`` arms none, and such a send is retried as before)."""
     driver = _Driver()
     orchestrator = RetryOrchestrator()
-    request = Request(name="kv.upsert", idempotent=False)
+    request = Request(name="kv.upsert", idempotent=False, timeout=5.0)
     task = asyncio.ensure_future(orchestrator.execute(request, driver.send))
     with anyio.fail_after(5):
         await driver.entered.wait()
@@ -112,8 +114,8 @@ async def test_the_callers_task_cancel_turned_into_a_retryable_error_is_not_retr
 
 
 async def test_maybe_retry_given_the_callers_cancellation_lets_it_through() -> None:
-    """A hand-wired loop handing the cancellation (or the RetryableError raised for it)
-    to maybe_retry: the request ends cancelled, the cancellation goes on."""
+    """A hand-wired loop handing the cancellation (or a RetryableError raised from it) to
+    maybe_retry: the request ends cancelled, the cancellation goes on."""
     orchestrator = RetryOrchestrator()
     for wrapped in (False, True):
         request = Request(name="kv.upsert", idempotent=False, timeout=5.0)
@@ -192,3 +194,65 @@ async def test_an_answer_raised_after_a_cut_it_never_met_keeps_its_effect() -> N
             await RetryOrchestrator().execute(request, send)
     assert "not applied" in str(info.value)
     assert [a.effect for a in request.attempts] == [AttemptEffect.NOT_APPLIED]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_cleanup_request_while_the_task_is_being_cancelled_is_retried() -> None:
+    """A request made in an ``except CancelledError`` (releasing a lock at shutdown): its
+    failures carry that cancellation as ``__context__``, which is no cut of theirs. They
+    are retried as usual, and the cancellation being handled goes on afterwards."""
+    sends = 0
+
+    async def release(request: Request) -> str:
+        nonlocal sends
+        sends += 1
+        if sends == 1:
+            raise RetryableError(RetryReason.KV_TEMPORARY_FAILURE, "busy")
+        return "released"
+
+    async def worker() -> str:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            request = Request(name="kv.unlock", idempotent=True, timeout=5.0)
+            return await RetryOrchestrator().execute(request, release)
+        return "not cancelled"
+
+    task = asyncio.ensure_future(worker())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    assert await task == "released"
+    assert sends == 2
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.skipif(not _COUNTS, reason="3.10 cannot tell a task is being cancelled")
+async def test_request_cancel_and_the_callers_cancel_in_one_turn_the_callers_wins() -> None:
+    """Both in one loop turn, and send turns the cut into a RetryableError: that error
+    escaped ``execute`` raw, and the caller's cancellation was lost."""
+    request = Request(name="kv.upsert", idempotent=False, timeout=5.0)
+
+    async def send(r: Request) -> str:
+        task = asyncio.current_task()
+        assert task is not None
+
+        def both() -> None:
+            task.cancel()  # the caller's
+            r.cancel()  # and Request.cancel(), in the same turn
+
+        asyncio.get_running_loop().call_soon(both)
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            raise RetryableError(
+                RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT,
+                "closed",
+                effect=AttemptEffect.NOT_APPLIED,
+            ) from None
+        return "answer"
+
+    task = asyncio.ensure_future(RetryOrchestrator().execute(request, send))
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert request.state is RequestState.CANCELLED
+    assert request.maybe_applied  # cut in flight: its own "not applied" is not believed

@@ -7,11 +7,12 @@ orphan reporter does with them.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
 import threading
-import time
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -199,50 +200,60 @@ def test_32_threads() -> None:
 
 
 class _Records(logging.Handler):
-    def __init__(self) -> None:
+    """The reports of one kind (another test's reporter on the real clock may log too)."""
+
+    def __init__(self, event: str) -> None:
         super().__init__(logging.WARNING)
-        self.events: list[str] = []
+        self.event = event
+        self.reports: list[str] = []
         self.arrived = threading.Event()
 
     def emit(self, record: logging.LogRecord) -> None:
-        event = getattr(record, "sdkcore", {}).get("event")
-        if event is not None:
-            self.events.append(event)
+        fields = getattr(record, "sdkcore", {})
+        if fields.get("event") == self.event:
+            self.reports.append(fields["report"])
             self.arrived.set()
 
 
 @pytest.mark.parametrize("kind", ["orphan", "threshold"])
 def test_a_burst_then_silence_is_reported_at_the_intervals_end(kind: str) -> None:
     """The report waited for the next record: orphans seen during an incident, then none,
-    were never logged (RFC 67's worker logs every interval). On the real clock a timer
-    thread logs it at the interval's end; nothing is left running afterwards."""
+    were never logged (RFC 67's worker logs every interval). On the real clock one timer
+    thread for the process logs it at the interval's end, and holds no reporter alive."""
     from sdkcore import ThresholdReporter
 
     logger = logging.getLogger("sdkcore")
-    handler = _Records()
+    handler = _Records(f"{kind}.report")
     logger.addHandler(handler)
     level = logger.level
     logger.setLevel(logging.WARNING)
     try:
-        before = set(threading.enumerate())  # other tests' reporters may have timers too
+        reporter_: Any
         if kind == "orphan":
-            OrphanReporter(emit_interval=0.05).record("kv", "get", 2.0, operation_id="0x1")
+            reporter_ = OrphanReporter(emit_interval=0.05)
+            reporter_.record("kv", "get", 2.0, operation_id="0x1")
         else:
-            ThresholdReporter(emit_interval=0.05).record("kv", "get", 2.0)
+            reporter_ = ThresholdReporter(emit_interval=0.05)
+            reporter_.record("kv", "get", 2.0)
         assert handler.arrived.wait(10), "no report within 10 s of a 50 ms interval"
-        assert handler.events == [f"{kind}.report"]
+        assert len(handler.reports) == 1
+        assert '"total_count":1' in handler.reports[0]
+        assert reporter_.report() is None  # taken by the timer
+        held = weakref.ref(reporter_._sample)
+        reporter_.record("kv", "get", 2.0)  # opens another interval: scheduled, held weakly
+        del reporter_
+        gc.collect()
+        assert held() is None
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
-    deadline = time.monotonic() + 5
-    while any(t.name == "sdkcore-report" for t in set(threading.enumerate()) - before):
-        assert time.monotonic() < deadline, "the timer thread is still running"
-        time.sleep(0.01)
+    assert sum(t.name == "sdkcore-report" for t in threading.enumerate()) == 1
 
 
 def test_an_injected_clock_arms_no_timer() -> None:
-    before = set(threading.enumerate())
+    from sdkcore._sample import _TIMER
+
     r, _clock = reporter(emit_interval=0.01)
     r.record("kv", "get", 1.0)
-    assert not any(t.name == "sdkcore-report" for t in set(threading.enumerate()) - before)
+    assert all(ref() is not r._sample for _, _, ref in _TIMER._heap)
     assert r.report() is not None  # pending until a record or flush() on that clock

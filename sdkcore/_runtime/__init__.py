@@ -9,11 +9,10 @@ two waiting operations:
 * ``Scope(deadline)``: a deadline scope around an attempt, a backoff or a whole
   ``execute``: armed at ``deadline`` (the loop's clock, ``math.inf`` for none),
   cancelled early by ``Scope.cancel()`` (``Request.cancel()``), and ``exit(error)``
-  tells whether the scope itself cut what ran inside it;
+  tells whether the scope itself cut what ran inside it (``fired`` before it), and
+  ``cancelled_elsewhere()`` whether the task is being cancelled by someone else;
 
-plus ``now()``, the loop's clock that deadlines are armed on, ``cancelled()``, whether
-the running task is being cancelled (read when a ``send`` turned a cancellation into an
-error: cancellation is never retried) (trio's module also has
+plus ``now()``, the loop's clock that deadlines are armed on (trio's module also has
 ``scope_left()``, the enclosing scopes' deadline: ``sdkcore._request._scope_left``
 says why asyncio's half is not here), and ``Hedges(chain,
 deadline)``, which runs the copies of one hedged request as the loop's own tasks

@@ -25,21 +25,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from . import HedgeChain
 
-__all__ = ["Hedges", "Scope", "cancelled", "now", "sleep"]
+__all__ = ["Hedges", "Scope", "now", "sleep"]
 
 sleep = asyncio.sleep
 
 
 def now() -> float:
     return asyncio.get_running_loop().time()
-
-
-def cancelled() -> bool:
-    """Whether the running task is being cancelled: a cancellation was requested and not
-    taken back (``Task.cancelling()``, 3.11+), even if the code that got it swallowed it.
-    3.10 cannot tell: False. Read only when an error was raised for a cancellation."""
-    task: Any = asyncio.current_task()
-    return _COUNTS and task is not None and task.cancelling() > 0
 
 
 class _Deadlines:
@@ -174,6 +166,13 @@ class Scope:
         task = self._task
         if self.open and task is not None and not self._sent:
             self._send(task)
+
+    def cancelled_elsewhere(self) -> bool:
+        """Whether the task was asked to cancel since the scope opened, not by the scope
+        (3.11+ counts it; 3.10 cannot tell: False). Read only when an error was raised
+        while handling a cancellation, before :meth:`exit`."""
+        task = self._task
+        return _COUNTS and task is not None and task.cancelling() > self._base + self._sent
 
     def exit(self, error: BaseException | None) -> bool:
         """Close the scope after its code ended with ``error`` (None: it returned).

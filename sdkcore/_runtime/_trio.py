@@ -14,7 +14,7 @@ if sys.version_info < (3, 11):  # pragma: no cover - trio brings the backport th
 if TYPE_CHECKING:
     from . import HedgeChain
 
-__all__ = ["Hedges", "Scope", "cancelled", "now", "scope_left", "sleep"]
+__all__ = ["Hedges", "Scope", "now", "scope_left", "sleep"]
 
 sleep = trio.sleep
 now = trio.current_time
@@ -37,12 +37,6 @@ def scope_left() -> float:
     return deadline - trio.current_time()
 
 
-def cancelled() -> bool:
-    """Whether a cancel scope enclosing the running task was cancelled (its effective
-    deadline is ``-inf``). Read only when an error was raised for a cancellation."""
-    return scope_left() == -math.inf
-
-
 class Scope:
     """A ``trio.CancelScope`` entered at once and left by :meth:`exit` (same task, LIFO)."""
 
@@ -56,6 +50,11 @@ class Scope:
     @property
     def fired(self) -> bool:
         return self._scope.cancel_called
+
+    def cancelled_elsewhere(self) -> bool:
+        """Whether a scope enclosing this one is cancelled (not this one: see ``fired``):
+        the task's effective deadline is ``-inf``. See the asyncio backend."""
+        return not self._scope.cancel_called and scope_left() == -math.inf
 
     def cancel(self) -> None:
         if self.open:
