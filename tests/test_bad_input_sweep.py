@@ -746,18 +746,22 @@ def test_bug_grpc_helpers() -> None:
 # Real credentials build a TLS channel that works: tests/grpc_a6/test_grpc_tls.py.
 
 
+#: What takes a clock and reads it where it is given: (its field, how to make one).
+_CLOCK_OWNERS = [
+    ("ConcurrencyLimiter(clock)", lambda clock: sdkcore.ConcurrencyLimiter(2, clock=clock)),
+    (
+        "AdaptiveConcurrencyLimiter(clock)",
+        lambda clock: sdkcore.AdaptiveConcurrencyLimiter(clock=clock),
+    ),
+    ("AdaptiveThrottle(clock)", lambda clock: sdkcore.AdaptiveThrottle(clock=clock)),
+    ("LatencyQuantile(clock)", lambda clock: sdkcore.LatencyQuantile(clock=clock)),
+]
+
+
 @pytest.mark.parametrize("reading", [None, "12.5", True])
 @pytest.mark.parametrize(
     ("what", "make"),
-    [
-        ("ConcurrencyLimiter(clock)", lambda clock: sdkcore.ConcurrencyLimiter(2, clock=clock)),
-        (
-            "AdaptiveConcurrencyLimiter(clock)",
-            lambda clock: sdkcore.AdaptiveConcurrencyLimiter(clock=clock),
-        ),
-        ("AdaptiveThrottle(clock)", lambda clock: sdkcore.AdaptiveThrottle(clock=clock)),
-        ("LatencyQuantile(clock)", lambda clock: sdkcore.LatencyQuantile(clock=clock)),
-    ],
+    _CLOCK_OWNERS,
 )
 def test_a_clock_that_returns_no_seconds_is_refused_where_it_is_given(
     what: str, make: Any, reading: object
@@ -771,15 +775,7 @@ def test_a_clock_that_returns_no_seconds_is_refused_where_it_is_given(
 @pytest.mark.parametrize("reading", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize(
     ("what", "make"),
-    [
-        ("ConcurrencyLimiter(clock)", lambda clock: sdkcore.ConcurrencyLimiter(2, clock=clock)),
-        (
-            "AdaptiveConcurrencyLimiter(clock)",
-            lambda clock: sdkcore.AdaptiveConcurrencyLimiter(clock=clock),
-        ),
-        ("AdaptiveThrottle(clock)", lambda clock: sdkcore.AdaptiveThrottle(clock=clock)),
-        ("LatencyQuantile(clock)", lambda clock: sdkcore.LatencyQuantile(clock=clock)),
-    ],
+    _CLOCK_OWNERS,
 )
 def test_a_clock_that_returns_no_finite_seconds_is_refused_where_it_is_given(
     what: str, make: Any, reading: float
