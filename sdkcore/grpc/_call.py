@@ -51,7 +51,11 @@ _READY = grpc.ChannelConnectivity.READY
 _TRANSIENT_FAILURE = grpc.ChannelConnectivity.TRANSIENT_FAILURE
 
 #: Why a call whose request did not fit in the replay buffer is not retried (A6: committed).
-BUFFER_FULL = "the request outgrew the replay buffer: perRpcBufferLimit or the channel's limit"
+BUFFER_FULL = (
+    "the request outgrew the replay buffer: per_call_buffer_limit "
+    "(grpc.per_rpc_retry_buffer_size) or the channel's channel_buffer_limit "
+    "(grpc.retry_buffer_size)"
+)
 
 #: Why a call whose last status the client made after the answer arrived is not retried.
 ANSWERED = (

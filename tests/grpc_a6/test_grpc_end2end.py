@@ -446,3 +446,35 @@ async def test_success_of_a_method_without_policy_feeds_the_throttler(server: Se
 
 async def one(message: bytes) -> Any:
     yield message
+
+
+@pytest.mark.parametrize(
+    ("option", "field"),
+    [
+        ("grpc.per_rpc_retry_buffer_size", "per_call_buffer_limit"),
+        ("grpc.retry_buffer_size", "channel_buffer_limit"),
+    ],
+)
+async def test_grpcios_own_buffer_options_set_the_replay_limits(
+    server: Server, option: str, field: str
+) -> None:
+    """A channel ported from grpcio keeps its retry buffer options: they went to C-core,
+    whose retry filter is off, and a 300 KiB request was not retried (over the 256 KiB
+    default). A keyword of sdkcore's own that says otherwise is a conflict."""
+    method = server.unary_unary("M", fail_then_ok(1))
+    big = b"x" * (300 * 1024)
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target,
+            service_config=retry_config(),
+            options=[(option, 64 * 1024 * 1024)],
+        ) as ch:
+            assert getattr(retry_controller(ch), field) == 64 * 1024 * 1024
+            if field == "per_call_buffer_limit":
+                assert await ch.unary_unary(method)(big) == b"ok:" + big
+    if field == "per_call_buffer_limit":
+        assert server.count("M") == 2  # retried: the request fit the replay buffer
+    with pytest.raises(ValueError, match=rf"{option}.*conflicts with {field}=1000"):
+        insecure_channel(server.target, options=[(option, 4096)], **{field: 1000})
+    with pytest.raises(ValueError, match=r"must be a number of bytes"):
+        insecure_channel(server.target, options=[(option, "big")])
