@@ -311,8 +311,8 @@ def _wrap(text: str) -> str:
 
 def run(args: argparse.Namespace, out: Output) -> int:
     cap = args.max_attempts_cap
-    if cap < 2:
-        raise UsageError(f"--max-attempts-cap must be an integer >= 2, got {cap}")
+    if cap < 1:  # as the channels' max_attempts_cap (1: no retries, no hedges)
+        raise UsageError(f"--max-attempts-cap must be an integer >= 1, got {cap}")
     text = _read(args.file)
     source = "stdin" if args.file == "-" else printable(args.file)
     err = sys.stderr

@@ -229,6 +229,32 @@ def _loop(
         return result
 
 
+def _check_clocks(request: Request, sleep: Callable[[float], Any]) -> None:
+    """A backoff that waits on one clock for a deadline on another never meets it: a
+    virtual clock's ``sleep_sync`` for a request on the real clock timed it out at once
+    ("after 10 retries" in no time), and ``time.sleep`` for a request on a virtual clock
+    retried until the end of real time. Refused at the first wait, naming both."""
+    if request.timeout is None:
+        return
+    if sleep is time.sleep:
+        owner = getattr(request.clock, "__self__", None)
+        if callable(getattr(owner, "sleep_sync", None)):
+            raise ValueError(
+                f"request {request.id} ({request.name!r}) runs on the virtual clock "
+                f"{request.clock!r}, but execute_sync waits with time.sleep, which never "
+                "moves it: pass its blocking sleep, execute_sync(request, send, "
+                "sleep=<the clock>.sleep_sync)"
+            )
+        return
+    clock = getattr(getattr(sleep, "__self__", None), "clock", None)
+    if callable(clock) and clock is not request.clock and request.clock is time.monotonic:
+        raise ValueError(
+            f"execute_sync(sleep={sleep!r}) waits on a virtual clock, but request "
+            f"{request.id} ({request.name!r}) runs on {request.clock!r}: build the request "
+            "with Request(clock=<the same clock>.clock) so its deadline follows the waits"
+        )
+
+
 def _blocking_sleep(sleep: Callable[[float], Any], delay: float) -> None:
     """An injected ``sleep``; one that returned an awaitable never waited (an async
     callable the door's check could not tell, e.g. a lambda returning a coroutine)."""
@@ -308,6 +334,7 @@ def _retry(
     )
     try:
         if delay > 0.0 and not INSTANT_DELAYS.get():
+            _check_clocks(request, sleep)
             if sleep is time.sleep:
                 _wait(request, delay)  # Request.cancel() from another thread wakes it
             else:

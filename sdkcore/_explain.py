@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -186,11 +187,17 @@ def add_parser(sub: Any) -> None:
 # -- parsing the value ---------------------------------------------------------------------
 
 
+#: An int literal as int(text, 0) reads it (sign, base prefix, underscores).
+_LONG_INT = re.compile(r"[+-]?(0[xX][0-9a-fA-F_]+|0[oO][0-7_]+|0[bB][01_]+|[0-9][0-9_]*)")
+
+
 def _number(text: str) -> int | None:
     """``text`` as an int (``7``, ``0x07``, ``-5``), or None when it is not a number."""
     digits = text.strip()
     if len(digits) > 32:  # no accepted value is this long; int() of 5000 digits raises
-        digits = digits[:1] + "0" * 32 if digits[:1] in "-+" else "1" + "0" * 32
+        if _LONG_INT.fullmatch(digits) is None:
+            return None
+        return -(10**33) if digits[:1] == "-" else 10**33  # out of range, with its sign
     try:
         return int(digits, 0)
     except ValueError:

@@ -209,9 +209,9 @@ def test_missing_file_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_bad_cap_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = _check(tmp_path, capsys, {}, "--max-attempts-cap", "1")
+    code, _, err = _check(tmp_path, capsys, {}, "--max-attempts-cap", "0")
     assert code == 2
-    assert "--max-attempts-cap must be an integer >= 2, got 1" in err
+    assert "--max-attempts-cap must be an integer >= 1, got 0" in err
 
 
 def test_runs_without_grpcio(tmp_path: Path) -> None:

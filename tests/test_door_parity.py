@@ -138,6 +138,41 @@ def test_execute_sync_on_a_virtual_clock_refuses_a_request_on_the_real_one() -> 
     assert clock.sleeps == []
 
 
+def test_execute_sync_given_a_virtual_sleep_refuses_a_request_on_the_real_clock() -> None:
+    """``execute_sync(..., sleep=clock.sleep_sync)`` (what VirtualClock's docstring shows)
+    with a request on the real clock: the orchestrator's check never ran for a sleep
+    given to the call, and the request "timed out after 10 retries" in no time."""
+    clock = VirtualClock()
+    request = Request(idempotent=True, timeout=0.3)  # time.monotonic
+    sent: list[int] = []
+
+    def send(_: Request) -> None:
+        sent.append(1)
+        raise RetryableError(RetryReason.KV_LOCKED)
+
+    with pytest.raises(ValueError, match=r"Request\(clock=<the same clock>\.clock\)"):
+        RetryOrchestrator().execute_sync(request, send, sleep=clock.sleep_sync)
+    assert clock.sleeps == []
+    assert sent == [1]  # refused at the first wait
+
+
+def test_execute_sync_refuses_to_wait_in_real_time_for_a_request_on_a_virtual_clock() -> None:
+    """The other way round: it retried until the end of real time (the request's virtual
+    deadline never came)."""
+    clock = VirtualClock()
+    request = Request(idempotent=True, timeout=0.3, clock=clock.clock)
+
+    def send(_: Request) -> None:
+        raise RetryableError(RetryReason.KV_LOCKED)
+
+    with pytest.raises(ValueError, match=r"sleep=<the clock>\.sleep_sync"):
+        RetryOrchestrator().execute_sync(request, send)
+    # on its own clock, as documented: the deadline comes
+    again = Request(idempotent=True, timeout=0.3, clock=clock.clock)
+    with pytest.raises(UnambiguousTimeoutException):
+        RetryOrchestrator().execute_sync(again, send, sleep=clock.sleep_sync)
+
+
 def test_execute_sync_names_a_virtual_clock_without_a_blocking_sleep() -> None:
     class AsyncOnly:
         now = 0.0

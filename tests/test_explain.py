@@ -178,6 +178,11 @@ def test_no_log_lines_leak_into_the_output(capsys: pytest.CaptureFixture[str]) -
         (["query", "0"], "query: error code '0' is out of range; expected 1..99999"),
         (["analytics", "-23000"], "analytics: error code '-23000' is out of range"),
         (["analytics", "1" + "0" * 5000], "analytics: error code '1000"),
+        # over 32 characters with a sign: read as 0 ("SUCCESS, not a failure") before
+        (["kv", "-" + "9" * 40], "kv: status '-9999"),
+        (["kv", "+" + "9" * 40], "kv: status '+9999"),
+        (["grpc", "+" + "9" * 40], "grpc: status code '+9999"),
+        (["kv", "+" + "9" * 31 + "x" * 9], "kv: unknown status '+9999"),
         (["views", "200"], "views: HTTP 200 is a success, not a failure"),
         (["search", "200"], "search: HTTP 200 is a success, not a failure"),
         (["search", "204"], "search: HTTP 204 is a success, not a failure"),
