@@ -286,7 +286,15 @@ class ErrorContext:
         # described without their context while a request runs, see describe_error).
         import json
 
-        return json.dumps(self.to_dict(), default=str, sort_keys=False)
+        out = self.to_dict()
+        attempts = out.get("attempts")
+        if attempts is not None and len(attempts) > 2 * SHOWN_ATTEMPTS:
+            # A message a person reads: the first and the last attempts, and how many are
+            # left out (instant retries until a timeout made 157,000 of them, 23 MB).
+            # ``attempts`` and to_dict() keep every one.
+            out["attempts"] = attempts[:SHOWN_ATTEMPTS] + attempts[-SHOWN_ATTEMPTS:]
+            out["attempts_omitted"] = len(attempts) - 2 * SHOWN_ATTEMPTS
+        return json.dumps(out, default=str, sort_keys=False)
 
     def __reduce__(self) -> tuple[object, ...]:
         # ``extra`` is a read-only mappingproxy, which pickle cannot copy: rebuild it.
@@ -298,6 +306,10 @@ class ErrorContext:
     def evolve(self, **changes: Any) -> ErrorContext:
         """A copy with some fields replaced (e.g. ``extra``)."""
         return attrs.evolve(self, **changes)
+
+
+#: ``str(ErrorContext)`` shows this many of the first attempts and of the last ones.
+SHOWN_ATTEMPTS = 10
 
 
 def _rebuild_context(fields: dict[str, Any]) -> ErrorContext:

@@ -131,6 +131,34 @@ def test_context_json_is_one_line_and_parses() -> None:
     }
 
 
+def test_a_context_of_many_attempts_shows_the_first_and_the_last_ones() -> None:
+    """A one-step failing script under instant_retries() made 157,000 attempts before its
+    timeout, and str(exc) was 23 MB. The message shows the first and the last ten, and
+    how many are left out; the context itself keeps them all."""
+    from sdkcore import AttemptEffect, AttemptRecord
+
+    records = tuple(
+        AttemptRecord(
+            number=n,
+            reason=RetryReason.KV_LOCKED,
+            effect=AttemptEffect.NOT_APPLIED,
+            error=f"Locked: #{n}",
+            duration=timedelta(milliseconds=1),
+            delay=None,
+        )
+        for n in range(1, 1001)
+    )
+    ctx = _context(attempts=records)
+    data = json.loads(str(ctx))
+    shown = [a["attempt"] for a in data["attempts"]]
+    assert shown == [*range(1, 11), *range(991, 1001)]
+    assert data["attempts_omitted"] == 980
+    assert len(str(ctx)) < 5_000
+    assert len(ctx.attempts) == len(ctx.to_dict()["attempts"]) == 1000
+    few = _context(attempts=records[:20])
+    assert "attempts_omitted" not in json.loads(str(few))
+
+
 def test_context_without_timeout_renders_null() -> None:
     assert json.loads(str(_context(timeout=None)))["timeout_ms"] is None
 
