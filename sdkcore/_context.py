@@ -286,14 +286,15 @@ class ErrorContext:
         # described without their context while a request runs, see describe_error).
         import json
 
-        out = self.to_dict()
-        attempts = out.get("attempts")
-        if attempts is not None and len(attempts) > 2 * SHOWN_ATTEMPTS:
-            # A message a person reads: the first and the last attempts, and how many are
-            # left out (instant retries until a timeout made 157,000 of them, 23 MB).
-            # ``attempts`` and to_dict() keep every one.
-            out["attempts"] = attempts[:SHOWN_ATTEMPTS] + attempts[-SHOWN_ATTEMPTS:]
-            out["attempts_omitted"] = len(attempts) - 2 * SHOWN_ATTEMPTS
+        attempts = self.attempts
+        if len(attempts) <= 2 * SHOWN_ATTEMPTS:
+            return json.dumps(self.to_dict(), default=str, sort_keys=False)
+        # A message a person reads: the first and the last attempts, and how many are
+        # left out (instant retries until a timeout made 157,000 of them, 23 MB).
+        # ``attempts`` and to_dict() keep every one.
+        shown = attempts[:SHOWN_ATTEMPTS] + attempts[-SHOWN_ATTEMPTS:]
+        out = attrs.evolve(self, attempts=shown).to_dict()
+        out["attempts_omitted"] = len(attempts) - 2 * SHOWN_ATTEMPTS
         return json.dumps(out, default=str, sort_keys=False)
 
     def __reduce__(self) -> tuple[object, ...]:

@@ -54,6 +54,18 @@ def _unsent_cut(request: Request, mark: Any, exc: BaseException) -> None:
         request._attempt_failed(reason, _NOT_SENT, None, request.clock())
 
 
+def _callers_cut(error: BaseException, scope: Any) -> BaseException | None:
+    """The caller's cancellation ``error`` stands for: a RetryableError raised while
+    handling a cancellation (its ``__context__``) while the caller is being cancelled
+    since ``scope`` opened, not by it (see :func:`_converted_cut`). Else None."""
+    if not isinstance(error, RetryableError):
+        return None
+    cut = error.__context__
+    if cut is None or isinstance(cut, Exception) or scope.fired:
+        return None
+    return cut if scope.cancelled_elsewhere() else None
+
+
 def _converted_cut(request: Request, failure: RetryableError, scope: Any) -> None:
     """Raise the cancellation ``failure`` stands for, if ``send`` raised it while handling
     one (its ``__context__``): cancellation is never retried (rfc/0001). Returns when it
@@ -75,7 +87,7 @@ def _converted_cut(request: Request, failure: RetryableError, scope: Any) -> Non
             request._attempt_failed(failure.reason, _NOT_SENT, failure, request._clock())
         raise failure
     if scope.cancelled_elsewhere():
-        raise cut
+        raise cut from None
 
 
 def _check_request(request: object, door: str) -> None:
@@ -462,6 +474,9 @@ async def maybe_retry(
         raise TypeError(
             f"maybe_retry(cause=...) must be the attempt's exception or None, got {cause!r}"
         )
+    # A cancellation handed over itself (a RetryableError raised from one may stand for a
+    # helper task's, which the driver reports as retryable: attempt() tells the caller's).
+    cancelled = cause is not None and not isinstance(cause, Exception)
     if isinstance(cause, RetryableError):
         if cause.reason is not reason:  # its effect would be booked under another reason's
             raise ValueError(
@@ -485,9 +500,10 @@ async def maybe_retry(
     telemetry = self._telemetry
     if telemetry is not None and request._trace is None:
         telemetry.begin(request)  # a hand-wired loop without attempt(): its first failure
-    if cause is not None and not isinstance(cause, Exception):
+    if cancelled:
         # A cancellation handed over as the attempt's failure: never retried. The request
         # ends CANCELLED (TASK_CANCELLED) and the cancellation goes on.
+        assert cause is not None
         _failing.finish_by(request, cause)
         trace = request._trace
         if trace is not None:
@@ -597,6 +613,10 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
     if request._sending or request._in_block:  # another door, or another attempt() block
         raise _failing.in_use(request, "attempt(request)")
     now = request.clock()
+    if request._in_flight:
+        # The last block ended without its attempt being booked (a loop that tries again
+        # by itself): it went out, so it may have been applied (the safe side).
+        request._attempt_failed(None, _MAYBE, None, now)
     left = request.deadline - now
     if left <= 0.0:  # expired before the attempt: nothing is sent
         if request._has_unsent_retry():  # the retry maybe_retry booked, and paid for, never goes
@@ -626,6 +646,7 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
         except BaseException as exc:
             request._set_cancel_hook(previous)
             _unsent_cut(request, token, exc)
+            cut = _callers_cut(exc, scope)  # read before exit(), which takes the count back
             if scope.exit(exc):
                 in_flight = request.in_flight
                 if in_flight and isinstance(exc, RetryableError) and exc.effect is _NOT_SENT:
@@ -635,6 +656,9 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
                     in_flight = False
                 error = _scope_fired(self, request, exc, in_flight=in_flight)
                 raise error from _failing.cause(request)
+            if cut is not None:  # the block turned the caller's cancellation into this
+                error = cut
+                raise cut from None
             error = exc
             raise
         request._set_cancel_hook(previous)

@@ -233,12 +233,14 @@ def _check_clocks(request: Request, sleep: Callable[[float], Any]) -> None:
     """A backoff that waits on one clock for a deadline on another never meets it: a
     virtual clock's ``sleep_sync`` for a request on the real clock timed it out at once
     ("after 10 retries" in no time), and ``time.sleep`` for a request on a virtual clock
-    retried until the end of real time. Refused at the first wait, naming both."""
+    retried until the end of real time. Refused at the first wait, naming both. Only a
+    clock marked ``sdkcore_virtual`` (a ``VirtualClock``) counts: a wrapper of real time
+    with the same method names is no mismatch."""
     if request.timeout is None:
         return
     if sleep is time.sleep:
         owner = getattr(request.clock, "__self__", None)
-        if callable(getattr(owner, "sleep_sync", None)):
+        if getattr(owner, "sdkcore_virtual", False) is True:  # a VirtualClock
             raise ValueError(
                 f"request {request.id} ({request.name!r}) runs on the virtual clock "
                 f"{request.clock!r}, but execute_sync waits with time.sleep, which never "
@@ -246,8 +248,8 @@ def _check_clocks(request: Request, sleep: Callable[[float], Any]) -> None:
                 "sleep=<the clock>.sleep_sync)"
             )
         return
-    clock = getattr(getattr(sleep, "__self__", None), "clock", None)
-    if callable(clock) and clock is not request.clock and request.clock is time.monotonic:
+    owner = getattr(sleep, "__self__", None)
+    if getattr(owner, "sdkcore_virtual", False) is True and request.clock is time.monotonic:
         raise ValueError(
             f"execute_sync(sleep={sleep!r}) waits on a virtual clock, but request "
             f"{request.id} ({request.name!r}) runs on {request.clock!r}: build the request "

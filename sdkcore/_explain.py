@@ -187,14 +187,16 @@ def add_parser(sub: Any) -> None:
 # -- parsing the value ---------------------------------------------------------------------
 
 
-#: An int literal as int(text, 0) reads it (sign, base prefix, underscores).
-_LONG_INT = re.compile(r"[+-]?(0[xX][0-9a-fA-F_]+|0[oO][0-7_]+|0[bB][01_]+|[0-9][0-9_]*)")
+#: Past this many characters int() raises for its digit limit (4300): such a text is
+#: judged by _LONG_INT instead, a decimal literal as int(text, 0) reads one.
+_INT_MAX_DIGITS = 4000
+_LONG_INT = re.compile(r"[+-]?[1-9](_?[0-9])*")
 
 
 def _number(text: str) -> int | None:
     """``text`` as an int (``7``, ``0x07``, ``-5``), or None when it is not a number."""
     digits = text.strip()
-    if len(digits) > 32:  # no accepted value is this long; int() of 5000 digits raises
+    if len(digits) > _INT_MAX_DIGITS:  # int() refuses this many digits (Python's limit)
         if _LONG_INT.fullmatch(digits) is None:
             return None
         return -(10**33) if digits[:1] == "-" else 10**33  # out of range, with its sign

@@ -166,6 +166,7 @@ class Sample:
 
     __slots__ = (
         "__weakref__",  # the report timer holds reporters weakly
+        "_armed",
         "_clock",
         "_counts",
         "_event",
@@ -194,6 +195,7 @@ class Sample:
         # On the real clock a timer logs each report at its interval's end; an injected
         # clock (a test's) is moved by its owner, and reports wait for a record or flush().
         self._timed = clock is time.monotonic
+        self._armed = False  # the report timer has an entry for it (one at most)
         self._lock = threading.Lock()
         self._seq = itertools.count()
         self._heaps: dict[str, list[_Entry]] = {}
@@ -215,7 +217,10 @@ class Sample:
         with self._lock:
             if now >= self.due:  # the interval is over: its report goes first
                 taken = self._take()
-            opened = self._timed and self.due == math.inf  # this record opens an interval
+            # this record opens an interval: the timer is told, unless it has an entry already
+            arm = self._timed and self.due == math.inf and not self._armed
+            if arm:
+                self._armed = True
             if now < self.due - self._interval:  # the clock stepped back (or none is open)
                 self.due = now + self._interval
             heaps = self._heaps
@@ -236,8 +241,19 @@ class Sample:
                 heapq.heapreplace(heap, (total_us, -next(self._seq), fields))
         if taken is not None:
             self._emit(taken)
-        if opened:
+        if arm:
             _TIMER.schedule(now + self._interval, self)
+
+    def _timer_fired(self) -> float | None:
+        """The timer's entry came due: report if the interval is over. Returns when to
+        come back (an interval opened since), or None: nothing pending, entry dropped."""
+        with contextlib.suppress(Exception):  # a record or flush() reports it later
+            self.poll()
+        with self._lock:
+            if self.due == math.inf:
+                self._armed = False
+                return None
+            return self.due
 
     def poll(self) -> None:
         """Emit the pending report if its interval is over (a record that kept nothing)."""
@@ -287,12 +303,14 @@ class Sample:
 class _Timer:
     """The one thread that logs reports at their interval's end (real clock only).
 
-    A heap of (due, seq, reporter held weakly): a reporter that is gone is skipped, and
-    the thread holds none alive. Started by the first interval that opens (a thread start
-    is about 0.1 ms, once per process); a daemon, so it never holds the process open; a
-    wait is capped at an hour, so any ``emit_interval`` is waited out in steps. A thread
-    that cannot be started leaves reports to records and ``flush()``, as on an injected
-    clock. A forked child starts its own.
+    A heap of (due, seq, reporter held weakly), at most one entry per reporter (moved to
+    its next interval when that opened before the entry came due): a reporter that is
+    gone is skipped when its entry comes due, and the thread holds none alive. Started by
+    the first interval that opens (a thread start is about 0.1 ms, once per process); a
+    daemon, so it never holds the process open; a wait is capped at an hour, so any
+    ``emit_interval`` is waited out in steps. A thread that cannot be started leaves
+    reports to records and ``flush()``, as on an injected clock. A forked child starts
+    its own for what it inherited.
     """
 
     _MAX_WAIT = 3600.0
@@ -312,7 +330,8 @@ class _Timer:
                 try:
                     thread.start()
                 except RuntimeError:  # no thread can be started now: the next interval tries
-                    self._heap.clear()
+                    self._heap.clear()  # this entry only: none is pushed without a thread
+                    sample._armed = False
                     return
                 self._thread = thread
             elif self._heap[0][0] == due:
@@ -332,15 +351,23 @@ class _Timer:
                         break
                     self._cond.wait(min(left, self._MAX_WAIT))
             sample = ref()
-            if sample is not None and sample.due == due:
-                with contextlib.suppress(Exception):  # a record or flush() reports it later
-                    sample.poll()
+            if sample is not None:
+                again = sample._timer_fired()
+                if again is not None:  # a later interval is pending: one entry, moved
+                    with self._cond:
+                        heapq.heappush(self._heap, (again, next(self._seq), ref))
             del sample, ref  # hold nothing while waiting
 
     def _forked(self) -> None:
-        """In a forked child: the parent's thread is not there, and its lock may be held."""
+        """In a forked child: the parent's thread is not there, and its lock may be held.
+        The child times what it inherited with a thread of its own."""
         self._cond = threading.Condition(threading.Lock())
         self._thread = None
+        if self._heap:
+            thread = threading.Thread(target=self._run, name="sdkcore-report", daemon=True)
+            with contextlib.suppress(RuntimeError):
+                thread.start()
+                self._thread = thread
 
 
 _TIMER = _Timer()

@@ -114,36 +114,109 @@ async def test_the_callers_task_cancel_turned_into_a_retryable_error_is_not_retr
 
 
 async def test_maybe_retry_given_the_callers_cancellation_lets_it_through() -> None:
-    """A hand-wired loop handing the cancellation (or a RetryableError raised from it) to
-    maybe_retry: the request ends cancelled, the cancellation goes on."""
+    """A hand-wired loop handing the cancellation itself to maybe_retry: the request
+    ends cancelled, the cancellation goes on (and the request's trace ends)."""
     orchestrator = RetryOrchestrator()
-    for wrapped in (False, True):
-        request = Request(name="kv.upsert", idempotent=False, timeout=5.0)
-        reached: list[str] = []
-        with anyio.CancelScope() as scope:
-            with orchestrator.attempt(request):
-                pass  # sent; its answer is lost as the caller is cancelled
-            scope.cancel()
+    request = Request(name="kv.upsert", idempotent=False, timeout=5.0)
+    reached: list[str] = []
+    with anyio.CancelScope() as scope:
+        with orchestrator.attempt(request):
+            pass  # sent; its answer is lost as the caller is cancelled
+        scope.cancel()
+        try:
+            await anyio.sleep(1)
+        except anyio.get_cancelled_exc_class() as exc:
             try:
-                await anyio.sleep(1)
-            except anyio.get_cancelled_exc_class() as exc:
-                cause: BaseException = exc
-                if wrapped:
-                    try:
-                        raise RetryableError(RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT) from exc
-                    except RetryableError as error:
-                        cause = error
-                try:
-                    await orchestrator.maybe_retry(
-                        request, RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT, cause=cause
-                    )
-                finally:
-                    reached.append("after")
-        assert scope.cancelled_caught, wrapped
-        assert reached == ["after"]
-        assert request.cancellation_reason is CancellationReason.TASK_CANCELLED, wrapped
-        assert request.retry_attempts == 0, wrapped
-        assert request.maybe_applied, wrapped
+                await orchestrator.maybe_retry(
+                    request, RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT, cause=exc
+                )
+            finally:
+                reached.append("after")
+    assert scope.cancelled_caught
+    assert reached == ["after"]
+    assert request.cancellation_reason is CancellationReason.TASK_CANCELLED
+    assert request.retry_attempts == 0
+    assert request.maybe_applied
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_maybe_retry_given_a_helpers_cancellation_raised_as_retryable_retries() -> None:
+    """``raise RetryableError(...) from exc`` for a helper task's CancelledError (the
+    caller is not cancelled): maybe_retry unwrapped it to the cancellation and raised it
+    into a caller nobody cancelled. It is the driver's retryable failure."""
+    orchestrator = RetryOrchestrator()
+    request = Request(name="kv.get", idempotent=True, timeout=5.0)
+    helper = asyncio.ensure_future(asyncio.sleep(10))
+    helper.cancel()
+    try:
+        with orchestrator.attempt(request):
+            try:
+                await helper
+            except asyncio.CancelledError as exc:
+                raise RetryableError(RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT) from exc
+    except RetryableError as failure:
+        await orchestrator.maybe_retry(request, failure.reason, cause=failure)
+    assert request.retry_attempts == 1
+    assert request.state is RequestState.PENDING
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.skipif(not _COUNTS, reason="3.10 cannot tell a task is being cancelled")
+async def test_an_attempt_block_that_turns_the_callers_cancel_into_retryable_raises_it() -> None:
+    """The hand-wired loop's own door: the block's RetryableError raised for the caller's
+    task.cancel() was handed to maybe_retry and retried into an answer."""
+    driver = _Driver()
+    orchestrator = RetryOrchestrator()
+    request = Request(name="kv.upsert", idempotent=False, timeout=5.0)
+
+    async def dispatch() -> str:
+        while True:
+            try:
+                with orchestrator.attempt(request):
+                    answer = await driver.send(request)
+            except RetryableError as failure:
+                await orchestrator.maybe_retry(request, failure.reason, cause=failure)
+                continue
+            orchestrator.succeed(request)
+            return answer
+
+    task = asyncio.ensure_future(dispatch())
+    with anyio.fail_after(5):
+        await driver.entered.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert driver.sends == 1
+    assert request.cancellation_reason is CancellationReason.TASK_CANCELLED
+    assert request.maybe_applied
+
+
+async def test_a_block_that_ended_unbooked_is_booked_maybe_applied_before_the_next() -> None:
+    """A loop that reconnects by itself after a reset following the write: the first
+    attempt vanished (overwritten by the next block) and the write timed out "not
+    applied (unambiguous)". It is booked as maybe applied when the next block opens."""
+    orchestrator = RetryOrchestrator()
+    request = Request(name="kv.upsert", idempotent=False, timeout=0.1)
+    sent = 0
+
+    async def dispatch() -> None:
+        nonlocal sent
+        while True:
+            try:
+                with orchestrator.attempt(request):
+                    sent += 1
+                    if sent == 1:
+                        raise ConnectionResetError("reset after the write")
+                    await anyio.sleep(10)  # the second one hangs until the deadline
+            except ConnectionResetError:
+                continue  # reconnect and try again, without asking maybe_retry
+
+    with pytest.raises(AmbiguousTimeoutException):
+        await dispatch()
+    assert [a.effect for a in request.attempts] == [
+        AttemptEffect.MAYBE_APPLIED,
+        AttemptEffect.MAYBE_APPLIED,
+    ]
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])

@@ -257,3 +257,16 @@ def test_an_injected_clock_arms_no_timer() -> None:
     r.record("kv", "get", 1.0)
     assert all(ref() is not r._sample for _, _, ref in _TIMER._heap)
     assert r.report() is not None  # pending until a record or flush() on that clock
+
+
+def test_the_timer_keeps_one_entry_per_reporter() -> None:
+    """Every interval that opened pushed an entry, and flush() left it there until it came
+    due: 100,000 record-and-flush cycles on one reporter kept 100,000 entries."""
+    from sdkcore._sample import _TIMER
+
+    r = OrphanReporter(emit_interval=3600)  # the real clock: the timer is used
+    for _ in range(1000):
+        r.record("kv", "get", 1.0)
+        r.flush()
+    mine = [ref for _, _, ref in _TIMER._heap if ref() is r._sample]
+    assert len(mine) == 1

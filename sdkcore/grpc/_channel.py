@@ -18,6 +18,7 @@ from .._orchestrator import RetryOrchestrator
 from .._telemetry import Telemetry
 from .._throttle import AdaptiveThrottle
 from .._untrusted import show as _show
+from ._controller import OPT_BUFFERS
 from ._gate import GatedMultiCallable
 from ._hedged_call import _HedgedCall, _TracedHedgedCall
 from ._interceptors import (
@@ -160,6 +161,30 @@ class _Channel(_aio_channel.Channel):  # type: ignore[misc]
         return await super().__aexit__(exc_type, exc_val, exc_tb)
 
 
+def _buffer_options(options: Any, retry_options: dict[str, Any]) -> None:
+    """grpcio's replay buffer options (``grpc.per_rpc_retry_buffer_size``,
+    ``grpc.retry_buffer_size``) set the channel's limits: C-core's retry filter is off, so
+    they would do nothing, and a channel ported from grpcio would lose its limits. A
+    keyword given with another value than the default is a conflict. Checked before the
+    controller is made: a refused option changes nothing."""
+    for item in options or ():
+        if not isinstance(item, tuple) or len(item) != 2 or item[0] not in OPT_BUFFERS:
+            continue  # the controller checks every option's shape
+        key, value = item
+        field, default = OPT_BUFFERS[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(
+                f"channel option ({key!r}, {value!r}) must be a number of bytes, an int >= 0"
+            )
+        current = retry_options[field]
+        if current != default and current != value:
+            raise ValueError(
+                f"channel option ({key!r}, {value!r}) conflicts with {field}={current}: "
+                "give one of them"
+            )
+        retry_options[field] = value
+
+
 def _build(
     target: str,
     credentials: grpc.ChannelCredentials | None,
@@ -188,6 +213,7 @@ def _build(
                 "give the retry budget to the orchestrator (RetryOrchestrator(retry_budget=...)) "
                 "or to the channel, not a different one to each"
             )
+    _buffer_options(options, retry_options)
     controller = RetryController(target, service_config, orchestrator=orchestrator, **retry_options)
     try:
         channel_options = controller.channel_options(options)

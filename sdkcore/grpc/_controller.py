@@ -35,8 +35,9 @@ from ._throttle import _acquire as _acquire_throttler
 _OPT_SERVICE_CONFIG = "grpc.service_config"
 _OPT_ENABLE_RETRIES = "grpc.enable_retries"
 _OPT_NO_RESOLVED_CONFIG = "grpc.service_config_disable_resolution"
-#: grpcio's own replay buffer options, and the limits they set here (rfc/0003).
-_OPT_BUFFERS = {
+#: grpcio's own replay buffer options, and the limits they set on a channel the helpers
+#: build (rfc/0003).
+OPT_BUFFERS = {
     "grpc.per_rpc_retry_buffer_size": ("per_call_buffer_limit", DEFAULT_PER_CALL_BUFFER_LIMIT),
     "grpc.retry_buffer_size": ("channel_buffer_limit", DEFAULT_CHANNEL_BUFFER_LIMIT),
 }
@@ -252,22 +253,6 @@ class _Controller:
                     )
                 native = 1 if _truthy(value) else 0
                 continue
-            if key in _OPT_BUFFERS:
-                # grpcio's names for the replay buffer limits: as C-core's retry filter is
-                # off, they set sdkcore's (a channel ported from grpcio keeps its limits)
-                field, default = _OPT_BUFFERS[key]
-                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                    raise ValueError(
-                        f"channel option ({key!r}, {value!r}) must be a number of bytes, an "
-                        "int >= 0"
-                    )
-                current = getattr(self, field)
-                if current != default and current != value:
-                    raise ValueError(
-                        f"channel option ({key!r}, {value!r}) conflicts with "
-                        f"{field}={current}: give one of them"
-                    )
-                setattr(self, field, value)
             if key == _OPT_NO_RESOLVED_CONFIG:
                 if not _truthy(value):
                     raise ValueError(

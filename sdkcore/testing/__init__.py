@@ -303,6 +303,10 @@ class VirtualClock:
     requested delay.
     """
 
+    #: Marks a clock that only moves when slept on: ``execute_sync`` refuses to wait on one
+    #: for a deadline on another (see ``sdkcore._execute_sync._check_clocks``).
+    sdkcore_virtual = True
+
     def __init__(self, start: float = 1000.0) -> None:
         self.now = _seconds(start, "VirtualClock(start)", minimum=None)
         self.sleeps: list[float] = []

@@ -23,6 +23,7 @@ from grpc_server import (  # noqa: E402
 from sdkcore import Request, RequestCanceledException, RequestState, RetryOrchestrator  # noqa: E402
 from sdkcore.grpc import (  # noqa: E402
     BackoffJitter,
+    RetryController,
     insecure_channel,
     previous_rpc_attempts,
     retry_controller,
@@ -478,3 +479,7 @@ async def test_grpcios_own_buffer_options_set_the_replay_limits(
         insecure_channel(server.target, options=[(option, 4096)], **{field: 1000})
     with pytest.raises(ValueError, match=r"must be a number of bytes"):
         insecure_channel(server.target, options=[(option, "big")])
+    # A controller built by hand (channel_options is public) is not changed by them.
+    controller = RetryController(server.target)
+    controller.channel_options([(option, 4096)])
+    assert getattr(controller, field) != 4096
