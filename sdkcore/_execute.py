@@ -416,6 +416,8 @@ def _completed(
         context = cause.context
         if context is not None and context.request_id == request.id:
             return cause  # its own timeout, as attempt() raised it
+    if cause is not None and not isinstance(cause, Exception):
+        return cause  # a cancellation (attempt() ended the request with it): let it through
     error = _failing.already_completed(request, reason)
     trace = request._trace
     if trace is not None and trace.owns_span:
@@ -457,7 +459,10 @@ async def maybe_retry(
     (NO_MORE_RETRIES / TOO_MANY_REQUESTS_IN_RETRY / RETRY_BUDGET_EXHAUSTED /
     CANCELLED_VIA_CONTEXT), a TimeoutException when the backoff reaches the deadline
     or the server's ``retry_after`` would pass it (the deadline also bounds a strategy
-    that must be awaited), or whatever the strategy raised.
+    that must be awaited), or whatever the strategy raised. Also: ``cause`` itself when
+    it is a cancellation (never retried; the request ends TASK_CANCELLED) or this
+    request's own timeout handed back; ValueError for a RetryableError ``cause`` of
+    another reason; RuntimeError inside the ``send`` of ``execute`` or ``hedge``.
     """
     _check_request(request, "maybe_retry(request, reason)")
     if type(reason) is not RetryReason:
@@ -603,9 +608,12 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
     deadline the attempt is cancelled and the ``with`` raises the timeout
     (AmbiguousTimeoutException if a non-idempotent request may have been applied,
     UnambiguousTimeoutException otherwise), whatever the cancelled send raised;
-    ``Request.cancel()`` cancels it too (RequestCanceledException). Other
-    exceptions pass through unchanged; the attempt's duration is recorded for the
-    next :meth:`maybe_retry`. Use it from async code (asyncio or trio).
+    ``Request.cancel()`` cancels it too (RequestCanceledException). A RetryableError
+    the block raised for the caller's own cancellation leaves as that cancellation.
+    Other exceptions pass through unchanged; the attempt's duration is recorded for
+    the next :meth:`maybe_retry`. A second block open on the request at once is a
+    RuntimeError; an earlier block whose attempt was never booked is booked maybe
+    applied when this one opens. Use it from async code (asyncio or trio).
     """
     _check_request(request, "attempt(request)")
     if request.state is not _PENDING:

@@ -49,7 +49,10 @@ def execute_sync(
     timeout, a retryable failure included: any other error counts as cut in flight
     (maybe applied); a ``RetryableError`` keeps the effect it reports (a NOT_SENT one
     leaves the timeout unambiguous).
-    Backoffs block in ``sleep`` (default ``time.sleep``). Only strategies that
+    Backoffs block: by default on an event that ``Request.cancel()`` sets from any
+    thread (and a deadline); a ``sleep`` of your own replaces it, and the caller then
+    stays blocked until it returns. A backoff on a ``VirtualClock`` for a deadline on
+    ``time.monotonic``, or the reverse, is refused at the first wait. Only strategies that
     decide synchronously can be used here (the built-ins, and subclasses that
     override ``decide``); an async one raises TypeError. Safe to call from many
     threads on one orchestrator, and from a strategy or a ``send`` on it: no lock

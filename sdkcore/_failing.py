@@ -195,7 +195,7 @@ def in_use(request: Request, door: str) -> RuntimeError:
     if request._sending:
         by = "another call"
     elif request._in_block:
-        by = "an attempt() block still open (in another task)"
+        by = "an attempt() block still open (not left yet)"
     else:
         by = "a hand-wired loop (attempt(), maybe_retry()), which sent it already"
     return RuntimeError(

@@ -44,7 +44,7 @@ class ConcurrencyLimiter(Permits):
     ``"10.0.0.1:11210"``) is in the refusal's message and is the ``limiter`` field of
     the events (``""`` when unnamed).
 
-    Events (info): ``limiter.refusing`` at the first refusal after a permit was granted
+    Events: ``limiter.refusing`` (warning) at the first refusal after a permit was granted
     (``limit``, ``in_flight``, ``queued``), and ``limiter.recovered`` at the first permit
     granted a quiet second (``EPISODE_QUIET``) or more after the last refusal: a permit
     granted between two refusals does not end the episode (``refused``: the refusals

@@ -97,7 +97,7 @@ EVENT_BREAKER_OPENED = "breaker.opened"
 EVENT_BREAKER_HALF_OPEN = "breaker.half_open"
 #: info: a circuit breaker closed (cause: probe_succeeded or reset).
 EVENT_BREAKER_CLOSED = "breaker.closed"
-#: info: a retry budget refused a withdrawal, the first of an episode (fields: budget,
+#: warning: a retry budget refused a withdrawal, the first of an episode (fields: budget,
 #: balance, min_retries_per_sec, retry_ratio, ttl_s).
 EVENT_BUDGET_EXHAUSTED = "budget.exhausted"
 #: info: a retry budget's episode of refusals ended: a withdrawal granted at least
@@ -115,14 +115,14 @@ EPISODE_QUIET = 1.0
 # RetryThrottler's (it stops retries), ``throttle.refusing``/``recovered`` the SRE
 # AdaptiveThrottle's (it refuses requests).
 # gRPC retryThrottling (rfc/0003). Fields: target, tokens, max_tokens, threshold.
-#: info: a gRPC RetryThrottler's tokens fell to its threshold: retries and hedges stop.
+#: warning: a gRPC RetryThrottler's tokens fell to its threshold: retries and hedges stop.
 EVENT_THROTTLE_ENGAGED = "throttle.engaged"
 #: info: its tokens rose above the threshold again (field refused: retries and hedges it
 #: refused while engaged).
 EVENT_THROTTLE_RELEASED = "throttle.released"
 
 # Concurrency limiters (rfc/0009). Field limiter: the limiter's name ("" when unnamed).
-#: info: a limiter refused a dispatch, the first of an episode (fields: limit,
+#: warning: a limiter refused a dispatch, the first of an episode (fields: limit,
 #: in_flight, queued).
 EVENT_LIMITER_REFUSING = "limiter.refusing"
 #: info: a limiter's episode of refusals ended: a permit granted at least EPISODE_QUIET
@@ -135,7 +135,7 @@ EVENT_LIMITER_RECOVERED = "limiter.recovered"
 EVENT_LIMITER_LIMIT_CHANGED = "limiter.limit_changed"
 
 # AdaptiveThrottle, Google SRE client-side throttling (rfc/0009).
-#: info: the throttle refused a request after a time without refusals (fields: throttle,
+#: warning: the throttle refused a request after a time without refusals (fields: throttle,
 #: rejection_probability, requests, accepts, k).
 EVENT_THROTTLE_REFUSING = "throttle.refusing"
 #: info: the first admission after an episode of refusals that finds nothing to refuse

@@ -85,7 +85,7 @@ class RetryReason(enum.Enum):
     __hash__ = object.__hash__
 
     # The flags are RFC 0049's table and must not be reassigned (AttemptEffect's defaults
-    # are computed from them once). Not enforced: a __setattr__ refusing it cost 2,400
+    # are computed from them once). Not enforced: a __setattr__ refusing it cost 2,418
     # instructions (1.4%) of a retried execute, though no flag is ever written
     # (bench/README, "The ninth session's hot paths").
 

@@ -154,7 +154,7 @@ class AdaptiveThrottle:
     nothing was sent (``NOT_SENT``: another guard refused it) records nothing. A
     cancellation (an error that is not an :class:`Exception`) records nothing.
 
-    Events (info): ``throttle.refusing`` at the first refusal of an episode, and
+    Events: ``throttle.refusing`` (warning) at the first refusal of an episode, and
     ``throttle.recovered`` (the requests refused in it, how long it lasted) from the
     first :meth:`admit` after it that finds the rejection probability back at zero.
 

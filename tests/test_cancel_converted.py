@@ -329,3 +329,23 @@ async def test_request_cancel_and_the_callers_cancel_in_one_turn_the_callers_win
         await task
     assert request.state is RequestState.CANCELLED
     assert request.maybe_applied  # cut in flight: its own "not applied" is not believed
+
+
+async def test_a_cancellation_that_left_an_attempt_block_goes_through_maybe_retry() -> None:
+    """The block ended the request TASK_CANCELLED; a loop whose ``except BaseException``
+    hands the cancellation to maybe_retry got "request was cancelled"
+    (RequestCanceledException), the conversion the rule forbids. It gets the
+    cancellation back."""
+    orchestrator = RetryOrchestrator()
+    request = Request(name="kv.upsert", idempotent=False, timeout=5.0)
+    with anyio.CancelScope() as scope:
+        try:
+            with orchestrator.attempt(request):
+                scope.cancel()
+                await anyio.sleep(1)
+        except BaseException as exc:  # the loop under test does this
+            await orchestrator.maybe_retry(
+                request, RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT, cause=exc
+            )
+    assert scope.cancelled_caught
+    assert request.cancellation_reason is CancellationReason.TASK_CANCELLED

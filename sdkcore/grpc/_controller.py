@@ -291,7 +291,8 @@ class _Controller:
             return None
 
     def _close_calls(self) -> None:
-        """The channel is closing: cancel every call waiting between attempts.
+        """The channel is closing: cancel every call waiting between attempts, and every
+        hedged call whose runner has started.
 
         grpc.aio refuses new calls once ``close()`` starts and cancels the calls it
         tracks (each attempt in flight). A call waiting in sdkcore's backoff has no

@@ -28,7 +28,7 @@ class RetryThrottler:
     it (grpc C-core's replacement rule), so calls still holding the old one
     keep counting in the same bucket.
 
-    Logs ``throttle.engaged`` (info) when a failure brings the count to the
+    Logs ``throttle.engaged`` (warning) when a failure brings the count to the
     threshold or below, and ``throttle.released`` (info) when a success lifts it
     above again, with ``refused``: the retries and hedges refused in between
     (fields ``target``, ``tokens``, ``max_tokens``, ``threshold``; rfc/0003).
