@@ -487,12 +487,15 @@ class _Call:
             # The attempt's AioRpcError is the cause: logged as caused_by, the context's
             # last_error, and the __cause__ of the orchestrator's refusal.
             pushback = st.pushback  # A6 server pushback, the same hint as any server's
+            hint: Any = None if pushback is None or pushback < 0 else pushback / 1000.0
+            if hint is None and isinstance(err, LocalRefusal):
+                # the limiter's or throttle's own hint (an adaptive limiter's last round
+                # trip), as the core doors take it from the refusal (rfc/0009)
+                refused = err.__cause__
+                if isinstance(refused, RetryableError):
+                    hint = refused.retry_after
             await core.orchestrator.maybe_retry(
-                request,
-                reason,
-                cause=err,
-                effect=effect,
-                retry_after=None if pushback is None or pushback < 0 else pushback / 1000.0,
+                request, reason, cause=err, effect=effect, retry_after=hint
             )
         except TimeoutException as exc:
             if kind is not None:

@@ -377,3 +377,31 @@ async def test_a_throttle_refusal_is_retried_under_its_own_reason(server: Server
     assert reasons
     assert set(reasons) == {"CLIENT_THROTTLED"}
     assert server.count("M") == 2
+
+
+async def test_a_refusal_waits_at_least_the_adaptive_limiters_hint(server: Server) -> None:
+    """An adaptive limiter's refusal carries its last round trip as ``retry_after``; the
+    channel re-sent the refused attempt after its own transparent backoff (10 ms,
+    doubling) without reading it, as the core doors do."""
+
+    async def slow(request: bytes, context: Any, n: int) -> bytes:
+        await asyncio.sleep(0.3)
+        return b"slow"
+
+    slow_method = server.unary_unary("S", slow)
+    method, entered, release = _held(server, "M")
+    limiter = AdaptiveConcurrencyLimiter(1, min_limit=1, max_limit=1, name="svc")
+    with capture_retry_events() as events:
+        async with insecure_channel(server.target, limiter=limiter) as ch:
+            with anyio.fail_after(TEST_TIMEOUT):
+                assert await ch.unary_unary(slow_method)(b"s") == b"slow"  # last RTT >= 0.3 s
+                first = ch.unary_unary(method)(b"a")
+                await entered.wait()
+                second = asyncio.ensure_future(ch.unary_unary(method)(b"b", timeout=TEST_TIMEOUT))
+                await wait_until(lambda: any(e["event"] == "retry.scheduled" for e in events))
+                release.set()
+                assert await first == b"ok1"
+                assert await second == b"ok2"
+    delays = [e["delay_ms"] for e in events if e["event"] == "retry.scheduled"]
+    assert delays
+    assert min(delays) >= 300.0, delays  # the hint, not the 10 ms transparent backoff
