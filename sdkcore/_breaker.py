@@ -33,7 +33,7 @@ from types import TracebackType
 from typing import Any
 
 from . import _log
-from ._callables import sync_callable
+from ._callables import clock_reading, sync_callable
 from ._context import describe_error
 from ._duration import to_seconds
 from ._errors import RetryableError, TimeoutException
@@ -311,6 +311,7 @@ class CircuitBreaker:
         )
         sync_callable(is_failure, f"{what}(is_failure)", "(error) -> bool", optional=True)
         sync_callable(clock, f"{what}(clock)", "() -> seconds")
+        clock_reading(clock, f"{what}(clock)")  # a clock that returns no seconds: here
         if name is not None and not isinstance(name, str):
             raise TypeError(f"{what}(name) must be a str or None, got {name!r}")
         self._is_failure = default_is_failure if is_failure is None else is_failure
@@ -386,6 +387,8 @@ class CircuitBreaker:
                 left = None
             elif state is _OPEN:
                 left = max(0.0, self._opened_at + self._sleep_window - now)
+            elif self._token is None:  # the probe was cancelled: the next dispatch probes
+                left = 0.0
             else:
                 left = self._probe_at + self._canary_timeout + self._sleep_window - now
         if event is not None:
@@ -425,16 +428,22 @@ class CircuitBreaker:
             expired = self._expire_probe(now)
             if expired is not None:
                 events.append(expired)
-            if self._state is _HALF_OPEN or now < self._opened_at + self._sleep_window:
-                granted = token = None
+            half_open = self._state is _HALF_OPEN
+            if half_open:
+                busy = self._token is not None  # a probe is out
             else:
+                busy = now < self._opened_at + self._sleep_window  # still sleeping
+            if busy:
+                granted = token = None
+            else:  # the probe goes (again, after a probe cancelled without an outcome)
                 self._state = _HALF_OPEN
                 self._probe_at = now
                 self._token = token = object()
                 granted = _HALF_OPEN
-                events.append(
-                    self._event(_log.EVENT_BREAKER_HALF_OPEN, _log.INFO, self._tripped({}))
-                )
+                if not half_open:
+                    events.append(
+                        self._event(_log.EVENT_BREAKER_HALF_OPEN, _log.INFO, self._tripped({}))
+                    )
         if token is not None:
             _hold(token)  # this task or thread holds the probe
         for event in events:
@@ -499,6 +508,8 @@ class CircuitBreaker:
         if not isinstance(error, Exception):
             cut = _cut_at_deadline(dispatching(), error)
             if cut is None:
+                if self._state is _HALF_OPEN:
+                    self._probe_cancelled()
                 return
             error = cut
         if not self._is_failure(error):
@@ -621,8 +632,19 @@ class CircuitBreaker:
         self._window_end = -float("inf")
         return event
 
+    def _probe_cancelled(self) -> None:
+        """The probe's dispatch was cancelled from elsewhere (a hedge copy that lost, the
+        caller's own cancellation): no outcome. The probe is free again for the next
+        dispatch; held, it cut the endpoint off until ``canary_timeout``, then reopened
+        the breaker for a timeout that never happened."""
+        with self._lock:
+            token = self._token
+            if self._state is _HALF_OPEN and token is not None and token in _PROBES.get():
+                self._token = None
+                _release(token)
+
     def _expire_probe(self, now: float) -> tuple[Any, ...] | None:
-        if self._state is not _HALF_OPEN:
+        if self._state is not _HALF_OPEN or self._token is None:
             return None
         ran_out = self._probe_at + self._canary_timeout
         if now < ran_out:

@@ -16,10 +16,11 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from fractions import Fraction
 from typing import Any
 
 from . import _log
-from ._callables import sync_callable
+from ._callables import clock_reading, sync_callable
 from ._duration import to_seconds
 from ._log import EPISODE_QUIET
 from ._untrusted import show
@@ -124,14 +125,17 @@ class RetryBudget:
         cost = _SCALE / ratio if ratio else 1.0
         self._withdraw = _NEVER if cost >= _NEVER else int(cost)
         empty = minimum == 0 and ratio == 0.0
-        self._reserve = 0 if empty else int(minimum * seconds * self._withdraw)
+        # minimum * ttl retries, exactly as written (2.05/s for 60 s is 123, where floats
+        # give 122.99999999999999 and int() 122)
+        exact = Fraction(repr(float(minimum))) * Fraction(repr(float(seconds)))
+        self._reserve = 0 if empty else int(exact * self._withdraw)
         if empty:  # Finagle's RetryBudget.Empty: no token is ever enough
             self._withdraw = _NEVER
         self._per_slice = _SLICES / seconds  # slice number = int(now * per_slice)
         self._lock = threading.Lock()
         self._slices = [0] * _SLICES
         self._sum = 0
-        self._index = int(clock() * self._per_slice)
+        self._index = int(clock_reading(clock, "RetryBudget(clock)") * self._per_slice)
         self._slice_end = (self._index + 1) / self._per_slice
         # Deposits in the current slice are counted by an itertools.count (atomic in
         # CPython: no lock on the hot path); the lock holder moves them into the slice.
@@ -257,8 +261,8 @@ class RetryBudget:
         the current slice, so they may outlive the withdrawal's slice by that delay.
         """
         cost = self._withdraw
-        if cost >= _NEVER:
-            return
+        if cost >= _NEVER and self._reserve == 0:
+            return  # no withdrawal is ever granted (Finagle's Empty): nothing to give back
         index = int(self._clock() * self._per_slice)
         with self._lock:
             self._catch_up(index)

@@ -755,6 +755,8 @@ _CLOCK_OWNERS = [
     ),
     ("AdaptiveThrottle(clock)", lambda clock: sdkcore.AdaptiveThrottle(clock=clock)),
     ("LatencyQuantile(clock)", lambda clock: sdkcore.LatencyQuantile(clock=clock)),
+    ("RetryBudget(clock)", lambda clock: sdkcore.RetryBudget(clock=clock)),
+    ("CircuitBreaker(clock)", lambda clock: sdkcore.CircuitBreaker(clock=clock)),
 ]
 
 

@@ -549,3 +549,34 @@ def test_lock_free_successes_from_threads_are_all_counted() -> None:
     for _ in range(10):
         breaker.record_failure(TimeoutError())
     assert breaker.state is CircuitState.CLOSED  # 10 of 40010 failed
+
+
+@pytest.mark.anyio
+async def test_a_probe_cancelled_without_an_outcome_frees_the_probe() -> None:
+    """The probe's dispatch cancelled from elsewhere (a hedge copy that lost to a faster
+    replica): no outcome, yet the probe stayed out. The endpoint was cut off until
+    canary_timeout, then the breaker reopened with cause canary_timeout, a timeout that
+    never happened. The next dispatch is the probe now."""
+    clock = Clock()
+    breaker = make(clock)
+    trip(breaker)
+    clock.now += 5.0  # the sleep window is over
+    with capture_retry_events() as events:
+        with anyio.CancelScope() as scope:
+            with breaker.guard():  # this dispatch is the probe
+                assert breaker.state is CircuitState.HALF_OPEN
+                scope.cancel()  # the copy lost the race: cancelled, no outcome
+                await anyio.sleep(1)
+        assert scope.cancelled_caught
+        assert breaker.state is CircuitState.HALF_OPEN
+        assert breaker.probe_after() == 0.0
+        assert breaker.admit() is CircuitState.HALF_OPEN  # the next dispatch probes at once
+        assert not breaker.try_acquire()  # one probe out at a time
+        breaker.record_success()  # the new probe's outcome decides
+        clock.now += 10.0  # past canary_timeout: nothing is left to time out
+    assert breaker.state is CircuitState.CLOSED
+    causes = [e.get("cause") for e in events if e["event"].startswith("breaker.")]
+    assert "canary_timeout" not in causes
+    assert [e["event"] for e in events if e["event"] == "breaker.half_open"] == [
+        "breaker.half_open"
+    ]

@@ -379,3 +379,24 @@ def test_the_old_percentage_name_is_refused_with_the_new_unit() -> None:
     assert RetryBudget(retry_ratio=1000).retry_ratio == 1000  # Finagle's range stays reachable
     with pytest.raises(ValueError, match=r"retry_ratio\) must be a ratio in \[0, 1000\]"):
         RetryBudget(retry_ratio=1000.5)
+
+
+def test_the_reserve_is_min_retries_times_ttl_exactly() -> None:
+    """2.05 a second for 60 s is 123 retries; floats made it 122.99999999999999 and
+    int() 122 (the only one of 1,794 combinations a review tried)."""
+    assert RetryBudget(min_retries_per_sec=2.05, ttl=60, clock=lambda: 0.0).balance == 123
+    assert RetryBudget(min_retries_per_sec=0.1, ttl=30, clock=lambda: 0.0).balance == 3
+
+
+def test_a_refund_gives_back_what_a_tiny_ratio_budget_granted() -> None:
+    """With a ratio so small that only the reserve pays, a granted withdrawal's refund
+    was a no-op: the reserve shrank by one retry each time one was refused after it."""
+    budget = RetryBudget(min_retries_per_sec=10, ttl=10, retry_ratio=1e-17, clock=lambda: 0.0)
+    assert budget.balance == 100
+    assert budget.try_withdraw()
+    assert budget.balance == 99
+    budget.refund()
+    assert budget.balance == 100
+    empty = RetryBudget(min_retries_per_sec=0, retry_ratio=0.0, clock=lambda: 0.0)
+    empty.refund()  # Finagle's Empty: nothing was ever granted, nothing comes back
+    assert not empty.try_withdraw()
