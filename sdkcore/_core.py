@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from . import _failing, _log
 from ._action import RetryAction
-from ._context import AttemptEffect
 from ._decision import Decision, Verdict, decide, spends_budget
 from ._reason import RetryReason
 from ._request import Request, RequestState
@@ -238,8 +237,6 @@ class OrchestratorCore:
             error = _failing.bad_action(name, reason, action, _failing.asked(strategy))
             _failing.strategy_failed(request, reason, name, error, raised=False)
             raise error
-        if self._budget is not None:
-            self._refund_paid_unsent(request)
         left = request.deadline - now
         if threads:
             verdict, delay = self._decide_on_threads(request, reason, action, left, hint)
@@ -324,23 +321,6 @@ class OrchestratorCore:
             hint,
             request.maybe_applied,
         )
-
-    def _refund_paid_unsent(self, request: Request) -> None:
-        """The attempt just booked was never sent (refused by an OPEN breaker, cut before
-        its write) and the retry before it paid the budget: that retry added no load, and
-        the budget gets it back, as a hedge's refused copy does. Without it, one outage
-        (every retry refused by the open breaker) emptied the budget for its ``ttl``
-        without a single retry reaching the server."""
-        history = request._history
-        if (
-            len(history) >= 2
-            and history[-1][1] is AttemptEffect.NOT_SENT
-            and history[-2][4] is not None  # the attempt before was retried...
-            and spends_budget(history[-2][1])  # ...and its retry withdrew
-        ):
-            refund = getattr(self._budget, "refund", None)
-            if refund is not None:
-                refund()
 
     def _refund_unsent(self, request: Request, verdict: Verdict) -> None:
         """A retry that :meth:`_settle` booked is not sent (its backoff was cut, or the
