@@ -257,6 +257,10 @@ class OrchestratorCore:
             if not granted:
                 self._leave_backoff(threads)
                 verdict = Verdict.BUDGET_EXHAUSTED
+            elif hasattr(budget, "refund"):
+                # Paid for the attempt this retry sends: one that comes back NOT_SENT (an
+                # OPEN breaker's refusal) is refunded when booked (RetryState._attempt_failed).
+                request._paid = budget
         if verdict is not _RETRY and verdict is not _TIME_OUT:
             if request.state is not RequestState.PENDING:
                 # Request.cancel() (from another thread) while the strategy decided: the
@@ -327,6 +331,7 @@ class OrchestratorCore:
         request completed meanwhile): the retry budget gets back what it paid for it."""
         budget = self._budget
         if verdict is _RETRY and budget is not None and spends_budget(request.last_effect):
+            request._paid = None  # refunded here: its attempt never comes
             refund = getattr(budget, "refund", None)
             if refund is not None:
                 refund()

@@ -63,6 +63,7 @@ class RetryState:
         "_last_error",
         "_last_reason",
         "_maybe_applied",
+        "_paid",
         "_reasons",
         "_retries",
         "_sending",
@@ -89,6 +90,7 @@ class RetryState:
         self._threaded = False  # run by execute_sync: its endings hold _ENDING
         self._sending = False  # a door is sending it (execute, execute_sync, hedge)
         self._in_block = False  # an attempt() block is open on it (a hand-wired loop)
+        self._paid: Any = None  # the retry budget that paid for the attempt being sent
 
     # -- read-only retry state -------------------------------------------------
     @property
@@ -225,6 +227,11 @@ class RetryState:
         """
         if started is None:
             started = self._sent_at
+        paid = self._paid
+        if paid is not None:  # the attempt a budget paid for: booked now
+            self._paid = None
+            if effect is _NOT_SENT:  # it added no load (an OPEN breaker's refusal): given back
+                paid.refund()
         self._history.append(
             [reason, effect, error, None if started < 0.0 else now - started, None]
         )

@@ -721,7 +721,13 @@ class World:
             if plan.door == "hedge":
                 mine = sum(1 for d in dispatches if d.index > 0 and d.effect is not NOT_SENT)
             else:
-                mine = sum(1 for before in dispatches[:-1] if before.effect is not NOT_SENT)
+                # a retry after an attempt that reached the server withdraws; given back
+                # if its own attempt was never sent (an OPEN breaker's refusal)
+                mine = sum(
+                    1
+                    for before, after in itertools.pairwise(dispatches)
+                    if before.effect is not NOT_SENT and after.effect is not NOT_SENT
+                )
             spent += mine
             # Its own operations: net withdrawals as computed above; its first attempt
             # deposits, once (a hedge deposits before its first copy runs, so a hedge cut

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from sdkcore import (
+    AttemptEffect,
     BestEffortRetryStrategy,
     CancellationReason,
     CircuitBreaker,
@@ -344,3 +345,41 @@ async def test_every_hedge_after_the_first_withdraws_from_the_budget() -> None:
     assert context.cancellation_reason is CancellationReason.RETRY_BUDGET_EXHAUSTED
     assert context.extra["hedge_stopped_by"] == "retry_budget"
     assert "retry budget refused more hedges" in info.value.message
+
+
+@pytest.mark.parametrize("door", ["execute", "execute_sync"])
+async def test_a_paid_retry_refused_by_an_open_breaker_is_refunded(door: str) -> None:
+    """A retry after an attempt that reached the server withdraws; the breaker, open
+    meanwhile, refuses it before anything is written. It added no load, yet it was never
+    refunded: an outage (every retry refused) emptied the budget for its ttl without a
+    retry reaching the server. A hedge's refused copy was refunded already."""
+    clock = VirtualClock()
+    budget = RetryBudget(ttl=10, min_retries_per_sec=10, retry_ratio=0.0, clock=clock.clock)
+    breaker = CircuitBreaker(volume_threshold=1, sleep_window=60.0, clock=clock.clock)
+    orch = RetryOrchestrator(sleep=clock.sleep, retry_budget=budget)
+    before = budget.balance
+
+    def attempt(request: Request) -> str:
+        try:
+            with breaker.guard():  # OPEN after the first failure: nothing more is written
+                raise ConnectionResetError("reset after the write")
+        except ConnectionResetError as exc:
+            raise RetryableError(RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT) from exc
+
+    async def send(request: Request) -> str:
+        return attempt(request)
+
+    request = Request(name="kv.get", idempotent=True, timeout=1.0, clock=clock.clock)
+
+    async def run() -> None:
+        if door == "execute":
+            await orch.execute(request, send)
+        else:
+            orch.execute_sync(request, attempt, sleep=clock.sleep_sync)
+
+    with pytest.raises(TimeoutException):
+        await run()
+    effects = [a.effect for a in request.attempts]
+    assert effects[0] is AttemptEffect.MAYBE_APPLIED
+    assert set(effects[1:]) == {AttemptEffect.NOT_SENT}
+    assert budget.balance == before  # the one paid retry never went out: given back

@@ -825,7 +825,13 @@ class World:
         for record in self.records:
             attempts = record.attempts
             dispatched += bool(attempts)
-            mine = sum(1 for before in attempts[:-1] if before.effect is not NOT_SENT)
+            # a retry after an attempt that reached the server withdraws; given back if its
+            # own attempt was never sent (an OPEN breaker's refusal)
+            mine = sum(
+                1
+                for before, after in itertools.pairwise(attempts)
+                if before.effect is not NOT_SENT and after.effect is not NOT_SENT
+            )
             spent += mine
             # Its own operations: net withdrawals as computed above; execute_sync deposits
             # once per request, before its first attempt.
