@@ -13,10 +13,13 @@ __all__ = ["MAX_SECONDS", "to_seconds"]
 MAX_SECONDS = float(timedelta.max.days * 86400)
 
 
-def to_seconds(value: object, what: str, *, allow_zero: bool = True) -> float:
+def to_seconds(
+    value: object, what: str, *, allow_zero: bool = True, none_hint: str | None = None
+) -> float:
     """Seconds as a float from a ``timedelta`` or a real number, else a clear error.
 
-    ``what`` names the field in the message, e.g. ``"Request.timeout"``.
+    ``what`` names the field in the message, e.g. ``"Request.timeout"``; ``none_hint``:
+    what the field takes None for, told when the value is too long for a timedelta.
     """
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
@@ -33,7 +36,7 @@ def to_seconds(value: object, what: str, *, allow_zero: bool = True) -> float:
     if math.isnan(seconds) or math.isinf(seconds):
         raise ValueError(f"{what} must be a finite duration, got {show(value)}")
     if seconds > MAX_SECONDS:
-        hint = "; a timeout can be None for no deadline" if "timeout" in what.lower() else ""
+        hint = "" if none_hint is None else f"; {none_hint}"
         raise ValueError(
             f"{what} must be at most {MAX_SECONDS:.0f} seconds (what a timedelta holds), "
             f"got {show(value)}{hint}"

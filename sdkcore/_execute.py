@@ -54,16 +54,23 @@ def _unsent_cut(request: Request, mark: Any, exc: BaseException) -> None:
         request._attempt_failed(reason, _NOT_SENT, None, request.clock())
 
 
-def _callers_cut(error: BaseException, scope: Any) -> BaseException | None:
-    """The caller's cancellation ``error`` stands for: a RetryableError raised while
-    handling a cancellation (its ``__context__``) while the caller is being cancelled
-    since ``scope`` opened, not by it (see :func:`_converted_cut`). Else None."""
+def _raised_for_cut(error: BaseException) -> BaseException | None:
+    """The cancellation a RetryableError was raised while handling (its ``__context__``):
+    a ``send`` that turned a cancellation into a retryable failure. Else None."""
     if not isinstance(error, RetryableError):
         return None
     cut = error.__context__
-    if cut is None or isinstance(cut, Exception) or scope.fired:
+    return None if cut is None or isinstance(cut, Exception) else cut
+
+
+def _callers_cut(error: BaseException, scope: Any) -> BaseException | None:
+    """The caller's cancellation ``error`` stands for: raised for a cancellation while the
+    caller is being cancelled since ``scope`` opened, not by it (see
+    :func:`_converted_cut`). Else None."""
+    cut = _raised_for_cut(error)
+    if cut is None or scope.fired or not scope.cancelled_elsewhere():
         return None
-    return cut if scope.cancelled_elsewhere() else None
+    return cut
 
 
 def _converted_cut(request: Request, failure: RetryableError, scope: Any) -> None:
@@ -79,14 +86,12 @@ def _converted_cut(request: Request, failure: RetryableError, scope: Any) -> Non
     when the door began (a cleanup request in an ``except CancelledError``) is neither,
     nor is an answer raised after a cut it never met (trio runs a woken task on).
     """
-    cut = failure.__context__
-    if cut is None or isinstance(cut, Exception):
-        return
-    if scope.fired:
+    if scope.fired and _raised_for_cut(failure) is not None:
         if failure.effect is _NOT_SENT:
             request._attempt_failed(failure.reason, _NOT_SENT, failure, request._clock())
         raise failure
-    if scope.cancelled_elsewhere():
+    cut = _callers_cut(failure, scope)
+    if cut is not None:
         raise cut from None
 
 
@@ -364,10 +369,9 @@ def _failed(
                 raise _scope_fired(
                     self, request, exc if in_flight else None, in_flight=in_flight
                 ) from _failing.cause(request)
-            if isinstance(exc, RetryableError):  # raised for our cut (_converted_cut), and
-                cut = exc.__context__  # the caller's own came in the same turn: the caller's
-                if cut is not None and not isinstance(cut, Exception):
-                    exc = cut
+            # raised for our cut (_converted_cut), and the caller's own cancellation came
+            # in the same turn (the scope did not take it for its own): the caller's
+            exc = _raised_for_cut(exc) or exc
         if isinstance(exc, Exception) and in_flight:
             if request.state is not _PENDING:
                 # Request.cancel() while the attempt was in flight (no deadline scope: it ran
@@ -481,7 +485,7 @@ async def maybe_retry(
         )
     # A cancellation handed over itself (a RetryableError raised from one may stand for a
     # helper task's, which the driver reports as retryable: attempt() tells the caller's).
-    cancelled = cause is not None and not isinstance(cause, Exception)
+    cancellation = None if isinstance(cause, Exception) else cause
     if isinstance(cause, RetryableError):
         if cause.reason is not reason:  # its effect would be booked under another reason's
             raise ValueError(
@@ -501,19 +505,18 @@ async def maybe_retry(
     if request.state is not _PENDING:
         raise _completed(request, reason, cause)
     if request._sending:  # inside the send of execute or hedge: their loop books it
-        raise _failing.in_use(request, "maybe_retry(request, reason)")
+        raise _failing.inside_send(request)
     telemetry = self._telemetry
     if telemetry is not None and request._trace is None:
         telemetry.begin(request)  # a hand-wired loop without attempt(): its first failure
-    if cancelled:
+    if cancellation is not None:
         # A cancellation handed over as the attempt's failure: never retried. The request
         # ends CANCELLED (TASK_CANCELLED) and the cancellation goes on.
-        assert cause is not None
-        _failing.finish_by(request, cause)
+        _failing.finish_by(request, cancellation)
         trace = request._trace
         if trace is not None:
-            trace.end(request, cause)
-        raise cause
+            trace.end(request, cancellation)
+        raise cancellation
     try:
         now = request.clock()
         request._attempt_failed(reason, effect or DEFAULT_EFFECT[reason], cause, now)

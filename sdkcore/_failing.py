@@ -186,12 +186,6 @@ def in_use(request: Request, door: str) -> RuntimeError:
     """The refusal of a door handed a request another call is already sending: a request
     is one operation, and two loops over it would send it twice (a write too)."""
     attempts = request.failed_attempts + (1 if request.in_flight else 0)
-    if door.startswith("maybe_retry("):
-        return RuntimeError(
-            f"{door}: request {request.id} ({request.name!r}) is being sent by execute or "
-            "hedge, whose loop books its failures: raise a RetryableError from send instead "
-            "(the door decides and retries it)"
-        )
     if request._sending:
         by = "another call"
     elif request._in_block:
@@ -201,6 +195,16 @@ def in_use(request: Request, door: str) -> RuntimeError:
     return RuntimeError(
         f"{door}: request {request.id} ({request.name!r}) is already being sent by {by} "
         f"({attempts} attempt(s) so far); one door sends a Request: build one per operation"
+    )
+
+
+def inside_send(request: Request) -> RuntimeError:
+    """The refusal of ``maybe_retry`` called inside the ``send`` of ``execute`` or
+    ``hedge``: their loop books the failure, and would book a second retry for it."""
+    return RuntimeError(
+        f"maybe_retry(request, reason): request {request.id} ({request.name!r}) is being "
+        "sent by execute or hedge, whose loop books its failures: raise a RetryableError "
+        "from send instead (the door decides and retries it)"
     )
 
 
@@ -347,7 +351,8 @@ def timed_out(
             )
         if hint is not None:
             fields["retry_after_ms"] = round(hint[0] * 1000.0, 3)
-            fields["hinted_by"] = "server" if reason is None else _HINT_FIELD.get(reason, "server")
+            who = None if reason is None else _HINTED_BY.get(reason)
+            fields["hinted_by"] = "server" if who is None else who[1]
         fields["in_flight"] = in_flight
         fields.update(_outcome_fields(request))
         if previous is not None:
@@ -391,8 +396,9 @@ def _history(request: Request, in_flight: bool, copies_cut: int = 0) -> str:
 def _hint_source(request: Request, reason: RetryReason | None) -> str:
     """Who asked for the wait: a circuit breaker (quoting its refusal, which names it) or
     the server."""
-    who = None if reason is None else _HINTED_BY.get(reason)
-    if who is not None:
+    hinted = None if reason is None else _HINTED_BY.get(reason)
+    if hinted is not None:
+        who = hinted[0]
         error = request.last_error
         if isinstance(error, RetryableError):
             said = error._message
@@ -403,16 +409,11 @@ def _hint_source(request: Request, reason: RetryReason | None) -> str:
 
 
 #: The local refusals whose retry_after is the client's own, not the server's.
+#: (in a message, as ``retry.timed_out``'s ``hinted_by`` field: ``server`` for the others)
 _HINTED_BY = {
-    RetryReason.CIRCUIT_BREAKER_OPEN: "circuit breaker",
-    RetryReason.CONCURRENCY_LIMITED: "concurrency limiter",
-    RetryReason.CLIENT_THROTTLED: "client-side throttle",
-}
-#: The same, as ``retry.timed_out``'s ``hinted_by`` field (``server`` for the others).
-_HINT_FIELD = {
-    RetryReason.CIRCUIT_BREAKER_OPEN: "circuit_breaker",
-    RetryReason.CONCURRENCY_LIMITED: "concurrency_limiter",
-    RetryReason.CLIENT_THROTTLED: "client_throttle",
+    RetryReason.CIRCUIT_BREAKER_OPEN: ("circuit breaker", "circuit_breaker"),
+    RetryReason.CONCURRENCY_LIMITED: ("concurrency limiter", "concurrency_limiter"),
+    RetryReason.CLIENT_THROTTLED: ("client-side throttle", "client_throttle"),
 }
 
 

@@ -195,7 +195,12 @@ class Request(RetryState):
         elif type(timeout) is float and 0.0 < timeout <= MAX_SECONDS:
             seconds = timeout
         else:
-            seconds = to_seconds(timeout, "Request.timeout", allow_zero=False)
+            seconds = to_seconds(
+                timeout,
+                "Request.timeout",
+                allow_zero=False,
+                none_hint="a timeout can be None for no deadline",
+            )
         self._id = next(_ids)
         self._name = name
         self._idempotent = idempotent

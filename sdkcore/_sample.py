@@ -326,14 +326,9 @@ class _Timer:
         with self._cond:
             heapq.heappush(self._heap, (due, next(self._seq), weakref.ref(sample)))
             if self._thread is None:
-                thread = threading.Thread(target=self._run, name="sdkcore-report", daemon=True)
-                try:
-                    thread.start()
-                except RuntimeError:  # no thread can be started now: the next interval tries
+                if not self._start():  # no thread can be started now: the next interval tries
                     self._heap.clear()  # this entry only: none is pushed without a thread
                     sample._armed = False
-                    return
-                self._thread = thread
             elif self._heap[0][0] == due:
                 self._cond.notify()  # the earliest now: the thread waits for a later one
 
@@ -354,8 +349,7 @@ class _Timer:
             if sample is not None:
                 again = sample._timer_fired()
                 if again is not None:  # a later interval is pending: one entry, moved
-                    with self._cond:
-                        heapq.heappush(self._heap, (again, next(self._seq), ref))
+                    self.schedule(again, sample)
             del sample, ref  # hold nothing while waiting
 
     def _forked(self) -> None:
@@ -364,10 +358,18 @@ class _Timer:
         self._cond = threading.Condition(threading.Lock())
         self._thread = None
         if self._heap:
-            thread = threading.Thread(target=self._run, name="sdkcore-report", daemon=True)
-            with contextlib.suppress(RuntimeError):
-                thread.start()
-                self._thread = thread
+            self._start()
+
+    def _start(self) -> bool:
+        """Start the thread (under the condition's lock, or in a forked child); False when
+        none can be started."""
+        thread = threading.Thread(target=self._run, name="sdkcore-report", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:
+            return False
+        self._thread = thread
+        return True
 
 
 _TIMER = _Timer()

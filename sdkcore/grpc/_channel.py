@@ -18,7 +18,6 @@ from .._orchestrator import RetryOrchestrator
 from .._telemetry import Telemetry
 from .._throttle import AdaptiveThrottle
 from .._untrusted import show as _show
-from ._controller import OPT_BUFFERS
 from ._gate import GatedMultiCallable
 from ._hedged_call import _HedgedCall, _TracedHedgedCall
 from ._interceptors import (
@@ -161,6 +160,14 @@ class _Channel(_aio_channel.Channel):  # type: ignore[misc]
         return await super().__aexit__(exc_type, exc_val, exc_tb)
 
 
+#: grpcio's own replay buffer options, and the limits they set on a channel the helpers
+#: build (rfc/0003).
+_OPT_BUFFERS = {
+    "grpc.per_rpc_retry_buffer_size": ("per_call_buffer_limit", DEFAULT_PER_CALL_BUFFER_LIMIT),
+    "grpc.retry_buffer_size": ("channel_buffer_limit", DEFAULT_CHANNEL_BUFFER_LIMIT),
+}
+
+
 def _buffer_options(options: Any, retry_options: dict[str, Any]) -> None:
     """grpcio's replay buffer options (``grpc.per_rpc_retry_buffer_size``,
     ``grpc.retry_buffer_size``) set the channel's limits: C-core's retry filter is off, so
@@ -168,10 +175,10 @@ def _buffer_options(options: Any, retry_options: dict[str, Any]) -> None:
     keyword given with another value than the default is a conflict. Checked before the
     controller is made: a refused option changes nothing."""
     for item in options or ():
-        if not isinstance(item, tuple) or len(item) != 2 or item[0] not in OPT_BUFFERS:
+        if not isinstance(item, tuple) or len(item) != 2 or item[0] not in _OPT_BUFFERS:
             continue  # the controller checks every option's shape
         key, value = item
-        field, default = OPT_BUFFERS[key]
+        field, default = _OPT_BUFFERS[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(
                 f"channel option ({key!r}, {value!r}) must be a number of bytes, an int >= 0"

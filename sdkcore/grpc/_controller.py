@@ -35,12 +35,6 @@ from ._throttle import _acquire as _acquire_throttler
 _OPT_SERVICE_CONFIG = "grpc.service_config"
 _OPT_ENABLE_RETRIES = "grpc.enable_retries"
 _OPT_NO_RESOLVED_CONFIG = "grpc.service_config_disable_resolution"
-#: grpcio's own replay buffer options, and the limits they set on a channel the helpers
-#: build (rfc/0003).
-OPT_BUFFERS = {
-    "grpc.per_rpc_retry_buffer_size": ("per_call_buffer_limit", DEFAULT_PER_CALL_BUFFER_LIMIT),
-    "grpc.retry_buffer_size": ("channel_buffer_limit", DEFAULT_CHANNEL_BUFFER_LIMIT),
-}
 
 
 class _Controller:
