@@ -243,6 +243,7 @@ class _Call:
         #: Whether the channel was READY (or unknown) when the current attempt started.
         self.ready_at_start = True
         self._request: Request | None = None
+        core._live.add(self)  # until release(): close(grace) waits for it
 
     @classmethod
     def from_details(cls, core: _Controller, plan: _Plan, details: Any) -> _Call:
@@ -336,9 +337,13 @@ class _Call:
             self.buffered = size
 
     def release(self) -> None:
+        """The call sends no attempt more (it ended, or its stream committed): its replay
+        buffer goes back to the channel, and ``close(grace)`` stops waiting for it."""
+        core = self.core
         if self.buffered:
-            self.core._release(self.buffered)
+            core._release(self.buffered)
             self.buffered = 0
+        core._no_more_attempts(self)
 
     def sent(self) -> None:
         """The attempt's grpc.aio call is made: the call's request, once it exists (a

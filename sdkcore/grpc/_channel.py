@@ -57,7 +57,8 @@ class _Channel(_aio_channel.Channel):  # type: ignore[misc]
     Measured in bench/bench_grpc_cpu.py.
 
     ``close()`` (and ``async with``) also cancel the calls waiting between attempts,
-    which grpc.aio does not track (see ``_Controller._close_calls``).
+    which grpc.aio does not track (see ``_Controller._close_calls``); ``close(grace)``
+    first lets sdkcore's calls retry and hedge within the grace (``_Controller._drain``).
     """
 
     def __init__(
@@ -100,7 +101,7 @@ class _Channel(_aio_channel.Channel):  # type: ignore[misc]
                 return DirectMultiCallable(core, hedging, inner, method, hedged)
         plan = core.plan(method)
         if plan is None:  # grpc.aio's own calls, within an outer request's deadline
-            return BoundedMultiCallable(inner)
+            return BoundedMultiCallable(core, inner)
         if core._tel is not None:  # the telemetry of every call (rfc/0008)
             return DirectMultiCallable(core, plan, inner, method, _TracedUnaryCall)
         if plan.strategy.policy is None and core.gate is None and core.throttler is None:
@@ -151,8 +152,13 @@ class _Channel(_aio_channel.Channel):  # type: ignore[misc]
             tel.register(method)
 
     async def close(self, grace: float | None = None) -> None:
+        core = self._sdkcore
+        if grace is not None and grace > 0 and not core._closing:
+            # As grpcio's own retries: sdkcore's calls keep retrying and hedging within
+            # the grace (new calls are refused), then grpc.aio's close gets what is left.
+            grace = await core._drain(grace)
         if grace is None or not grace < 0:  # grpc.aio refuses a negative grace (NaN: it closes)
-            self._sdkcore._close_calls()
+            core._close_calls()
         await super().close(grace)
 
     async def __aexit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> Any:

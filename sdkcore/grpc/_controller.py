@@ -7,10 +7,14 @@ what it holds.
 
 from __future__ import annotations
 
+import asyncio
+import math
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from grpc import aio
 
 from .._callables import sync_callable
 from .._latency import LatencyQuantile
@@ -35,6 +39,13 @@ from ._throttle import _acquire as _acquire_throttler
 _OPT_SERVICE_CONFIG = "grpc.service_config"
 _OPT_ENABLE_RETRIES = "grpc.enable_retries"
 _OPT_NO_RESOLVED_CONFIG = "grpc.service_config_disable_resolution"
+
+
+def closed_channel() -> Exception:
+    """What grpc.aio raises for a call made on a closing channel: a new call made while
+    ``close(grace)`` waits for sdkcore's calls (:meth:`_Controller._drain`; grpc.aio's
+    channel is still open then) is refused with it too."""
+    return aio.UsageError("Channel is closed.")  # type: ignore[no-any-return]
 
 
 class _Controller:
@@ -204,6 +215,16 @@ class _Controller:
         self._waiting: set[Any] = set()
         #: True once the channel helper's channel started closing: no call waits then.
         self._closing = False
+        #: True once ``close()`` started: the channel takes no new call. With a grace,
+        #: sdkcore's calls still retry and hedge until :meth:`_drain` ends (rfc/0003,
+        #: "Closing the channel"); ``_closing`` follows then.
+        self._refusing = False
+        #: sdkcore's calls that may still send an attempt: a unary or streaming call's
+        #: state until it ends (or its stream commits: ``_Call.release``), a hedged call
+        #: until it ends. ``close(grace)`` waits for them (:meth:`_drain`).
+        self._live: set[Any] = set()
+        #: Set when ``_live`` empties while :meth:`_drain` waits (made by it).
+        self._drained: asyncio.Event | None = None
 
     # -- the channel ----------------------------------------------------------------
     def channel_options(
@@ -285,22 +306,60 @@ class _Controller:
             return None
 
     def _close_calls(self) -> None:
-        """The channel is closing: cancel every call waiting between attempts, and every
-        hedged call whose runner has started.
+        """The channel stops taking attempts: cancel every call waiting between attempts,
+        and every hedged call whose runner has started.
 
-        grpc.aio refuses new calls once ``close()`` starts and cancels the calls it
+        grpc.aio refuses new calls once its ``close()`` starts and cancels the calls it
         tracks (each attempt in flight). A call waiting in sdkcore's backoff has no
-        attempt in flight, so grpc.aio does not see it: it is cancelled here, at once
-        and whatever the grace, the way grpc.aio ends a call in flight (``await``
-        raises ``asyncio.CancelledError``, ``code()`` is CANCELLED). A call whose
-        attempt fails later, while the channel closes, ends the same way instead of
-        waiting (``_Call.failed``).
+        attempt in flight, so grpc.aio does not see it: it is cancelled here, the way
+        grpc.aio ends a call in flight (``await`` raises ``asyncio.CancelledError``,
+        ``code()`` is CANCELLED). A call whose attempt fails later, while the channel
+        closes, ends the same way instead of waiting (``_Call.failed``). Called as
+        ``close()`` starts, or once :meth:`_drain` is over for ``close(grace)``.
         """
-        self._closing = True
+        self._closing = self._refusing = True
+        drained = self._drained
+        if drained is not None:  # a close(grace) still waiting: nothing left to wait for
+            drained.set()
         waiting = list(self._waiting)
         self._waiting.clear()
         for call in waiting:
             call.cancel()
+
+    async def _drain(self, grace: float) -> float:
+        """``close(grace)`` with a grace above 0, before grpc.aio's close: refuse new calls
+        and let sdkcore's calls retry and hedge until none may send another attempt, or
+        until the grace is over; returns the grace left for grpc.aio's close.
+
+        grpcio's own retries and hedges live inside one C-core call, which its close lets
+        finish within the grace; sdkcore's attempts are separate grpc.aio calls, which
+        grpc.aio refuses once its close starts. So the channel stays open while this
+        waits, and refuses new calls itself (``UsageError``, as grpc.aio does).
+        """
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        self._refusing = True
+        if self._live and not self._closing:
+            drained = self._drained
+            if drained is None:
+                drained = self._drained = asyncio.Event()
+            try:
+                if grace == math.inf:
+                    await drained.wait()
+                else:
+                    await asyncio.wait_for(drained.wait(), grace)
+            except asyncio.TimeoutError:
+                pass  # the grace is over: the calls still live are cancelled
+        return max(grace - (loop.time() - start), 0.0)
+
+    def _no_more_attempts(self, call: Any) -> None:
+        """``call`` (in :attr:`_live`) sends no attempt more."""
+        live = self._live
+        live.discard(call)
+        if not live:
+            drained = self._drained
+            if drained is not None:
+                drained.set()
 
     # -- per-method plans ------------------------------------------------------
     def plan(self, method: Any) -> _Plan | None:

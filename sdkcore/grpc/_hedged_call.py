@@ -110,6 +110,7 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         self._delay = delay
         if plan.policy.effective_max_attempts > 1 and delay != math.inf:
             self._timer = loop.call_later(0.0 if INSTANT_DELAYS.get() else delay, self._hedge)
+        core._live.add(self)  # until it ends (_wake): close(grace) waits for it
         first.add_done_callback(self._first_done)
 
     # -- hedge 0, the timer, the runner ------------------------------------------------
@@ -193,6 +194,8 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             timer.cancel()
 
     def _wake(self) -> None:
+        """The call ended (every ending calls this): its readers wake."""
+        self._core._no_more_attempts(self)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)

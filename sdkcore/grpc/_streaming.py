@@ -17,7 +17,7 @@ from grpc.aio import _base_call
 from .._context import AttemptEffect
 from .._request import RequestState, dispatching
 from ._call import _Call, _TracedCall, outer_details
-from ._controller import _Controller
+from ._controller import _Controller, closed_channel
 from ._metadata import _client_trailing
 from ._policy import PUSHBACK_KEY, costs_token, parse_pushback, time_out_at_deadline
 from ._replay import _ReplayBuffer
@@ -84,9 +84,10 @@ class _RetryingCall:
                 if replay is not None and replay.error is not None:
                     raise self._source_failed()
                 source = self._request if replay is None else replay.attempt_messages()
-                if c.core._closing and not c._retried():
+                if c.core._refusing and c.state.attempts == 0:
                     # Made just before the channel started closing: refused as grpc.aio
-                    # refuses it, before an attempt is counted.
+                    # refuses it, before an attempt is counted (also while close(grace)
+                    # waits for sdkcore's calls: grpc.aio's channel is still open then).
                     raise aio.UsageError("Channel is closed.")
                 details = c.next_details()
                 trace = c.trace
@@ -470,6 +471,8 @@ async def streaming_call(
     response_streaming: bool,
 ) -> Any:
     """A retrying call for a streaming method with a plan, else the plain call."""
+    if core._refusing and not core._closing:
+        raise closed_channel()  # close(grace) waits for sdkcore's calls: no new one
     plan = core.plan(details.method)
     if plan is None or core._closing:  # closing: grpc.aio's own call refuses it
         outer = dispatching()

@@ -20,7 +20,7 @@ from grpc.aio import _base_call
 
 from .._request import dispatching
 from ._call import _Call, _TracedCall, call_timeout, outer_details, within_outer
-from ._controller import _Controller
+from ._controller import _Controller, closed_channel
 from ._finished import _ended_ok, _FinishedUnaryCall, _Readers
 from ._hedging import intercepted_hedged_unary_unary
 from ._metadata import _client_trailing, _strip_attempts
@@ -137,7 +137,11 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         self._ended = False
         self._cancelled = False
         self._abandoned = False  # its awaiting task was cancelled: no retry (see _abandon)
-        self._call = self._attempt()
+        try:
+            self._call = self._attempt()
+        except BaseException:  # refused at once: nothing to drive, nothing to wait for
+            c.release()
+            raise
         # The retry loop must run even if nobody awaits the call: the first attempt's
         # end starts it (a failure) or does the success's bookkeeping.
         self._call.add_done_callback(self._first_done)
@@ -541,9 +545,10 @@ class BoundedMultiCallable(aio.UnaryUnaryMultiCallable):  # type: ignore[misc]
     request's send gets the earlier of its timeout and that request's time left.
     """
 
-    __slots__ = ("_inner",)
+    __slots__ = ("_core", "_inner")
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, core: _Controller, inner: Any) -> None:
+        self._core = core
         self._inner = inner
 
     def __call__(
@@ -556,6 +561,9 @@ class BoundedMultiCallable(aio.UnaryUnaryMultiCallable):  # type: ignore[misc]
         wait_for_ready: bool | None = None,
         compression: Any = None,
     ) -> Any:
+        core = self._core
+        if core._refusing and not core._closing:
+            raise closed_channel()  # close(grace) waits for sdkcore's calls: no new one
         outer = dispatching()
         if outer is not None:  # made inside a request's send: never outlive it
             timeout = within_outer(outer, timeout)
@@ -596,9 +604,14 @@ class DirectMultiCallable(aio.UnaryUnaryMultiCallable):  # type: ignore[misc]
         wait_for_ready: bool | None = None,
         compression: Any = None,
     ) -> Any:
-        if self._core._closing:
+        core = self._core
+        if core._refusing:
             # The channel is closing or closed: it takes no new call. grpc.aio's own call
             # refuses it (UsageError), as without sdkcore; no sdkcore attempt starts.
+            # While close(grace) waits for sdkcore's calls, grpc.aio's channel is open:
+            # refused here, the same way.
+            if not core._closing:
+                raise closed_channel()
             return self._inner(
                 request,
                 timeout=timeout,
@@ -646,6 +659,8 @@ class FirstAttemptMultiCallable(DirectMultiCallable):
         compression: Any = None,
     ) -> Any:
         core = self._core
+        if core._refusing and not core._closing:
+            raise closed_channel()  # close(grace) waits for sdkcore's calls: no new one
         plan = self._plan
         budget = core.orchestrator.retry_budget
         if budget is not None:  # every call's first attempt pays into the retry budget

@@ -156,6 +156,18 @@ async def settle(busy: Callable[[], bool], bound: float = SETTLE) -> None:
         await asyncio.sleep(0.005)
 
 
+def stamped(close_calls: Callable[[], None], stamp: Callable[[], None]) -> Callable[[], None]:
+    """The channel's ``_Controller._close_calls`` (where it stops taking attempts: at once
+    for a close without a grace, at the grace's end or once sdkcore's calls are over with
+    one), noting when it runs first."""
+
+    def stamping() -> None:
+        stamp()
+        close_calls()
+
+    return stamping
+
+
 async def close_channel(
     channel: Any, grace: float | None = None, bound: float | None = None
 ) -> BaseException | None:

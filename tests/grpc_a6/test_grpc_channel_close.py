@@ -5,9 +5,11 @@ awaiting task gets ``asyncio.CancelledError``, ``code()`` is CANCELLED and ``det
 "Locally cancelled by application!" (checked against a plain grpc.aio call below). A
 call waiting in sdkcore's backoff, in a transparent retry's delay or between hedges
 has no attempt in flight for grpc.aio to cancel: it must end the same way, at once
-(not when its wait ends), and send no further attempt. grpc.aio's close is
-asyncio-only, hence no trio variants. Every wait here is at least 8 s (proportional
-jitter of a 10 s backoff), so "at once" is checked with a bound far below it.
+(not when its wait ends), and send no further attempt. ``close(grace)`` first lets
+sdkcore's calls retry and hedge within the grace (as grpcio's own retries do inside one
+C-core call), refusing new calls, and ends the rest when the grace is over. grpc.aio's
+close is asyncio-only, hence no trio variants. Every wait here is at least 8 s
+(proportional jitter of a 10 s backoff), so "at once" is checked with a bound far below it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from grpc_server import (  # noqa: E402
     wait_until,
 )
 from hedge_server import UNAVAILABLE, HedgeScript, block, fail, hedging_config  # noqa: E402
+from hedge_server import ok as answer  # noqa: E402
 
 from sdkcore import RetryOrchestrator  # noqa: E402
 from sdkcore.grpc import BackoffJitter, RetryController, insecure_channel, retry_stats  # noqa: E402
@@ -173,37 +176,121 @@ async def test_a_call_waiting_to_retry_a_failed_connection_ends_cancelled() -> N
         assert stats.for_method("/test.Svc/M").retry_attempts == sent  # nothing after close
 
 
-async def test_close_with_a_grace_ends_waiting_calls_at_once_and_lets_attempts_finish(
+def fail_first_then_ok(hold: float = 0.0) -> Any:
+    """The first attempt fails UNAVAILABLE (after ``hold`` seconds), every later one is OK."""
+
+    async def fn(request: Any, context: Any, attempt: int) -> bytes:
+        await asyncio.sleep(hold)
+        if attempt == 1:
+            await abort(context, UNAVAILABLE)
+        return b"ok"
+
+    return fn
+
+
+async def test_close_with_a_grace_lets_a_call_in_backoff_retry_and_succeed(
     server: Server,
 ) -> None:
-    """``close(grace)``: calls in backoff end at once; an attempt in flight may finish.
+    """A call waiting 0.3 s to retry when ``close(grace=8)`` starts is retried within the
+    grace and succeeds, as with grpcio's own retries; the close ends as soon as sdkcore's
+    calls are over, not at the grace's end. Before: the call ended cancelled at once."""
+    method = server.unary_unary("M", fail_first_then_ok())
+    cfg = retry_config(max_attempts=3, initial="0.3s", maximum="0.3s")
+    with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
+        ch = insecure_channel(server.target, service_config=cfg)
+        call = ch.unary_unary(method)(b"x")
+        waiting = asyncio.ensure_future(outcome(call))
+        await wait_until(scheduled(events))
+        with anyio.fail_after(PROMPT):
+            await ch.close(grace=8)
+            assert waiting.done()  # over before the close returned
+        assert await ended(waiting) == b"ok"
+        assert await call.code() is grpc.StatusCode.OK
+    assert server.count("M") == 2
 
-    grpc.aio refuses new calls as soon as close starts, so a call whose attempt then
-    fails with a retryable status ends cancelled at once instead of waiting to retry;
-    one whose attempt succeeds within the grace returns its response.
-    """
-    waiting_m = server.unary_unary("Waiting", always())
-    failing_m = server.unary_unary("Failing", hold_then(0.3, always()))
+
+async def test_close_with_a_grace_retries_an_attempt_that_fails_within_it(
+    server: Server,
+) -> None:
+    """An attempt in flight when the close starts fails 0.3 s later: it is retried within
+    the grace (before: the call ended cancelled, grpc.aio refusing the new attempt); an
+    attempt that succeeds within the grace returns its response; the close returns once
+    both calls are over."""
+    failing_m = server.unary_unary("Failing", fail_first_then_ok(hold=0.3))
     ok_m = server.unary_unary("Ok", hold_then(0.3, ok()))
+    cfg = retry_config(max_attempts=3, initial="0.05s", maximum="0.05s")
+    with anyio.fail_after(TEST_TIMEOUT):
+        ch = insecure_channel(server.target, service_config=cfg)
+        failing = asyncio.ensure_future(outcome(ch.unary_unary(failing_m)(b"x")))
+        succeeding = asyncio.ensure_future(outcome(ch.unary_unary(ok_m)(b"x")))
+        await wait_until(lambda: server.count("Failing") == server.count("Ok") == 1)
+        with anyio.fail_after(PROMPT):
+            await ch.close(grace=8)
+            assert failing.done()
+            assert succeeding.done()
+        assert await ended(failing) == b"ok"
+        assert await ended(succeeding) == b"ok"
+    assert (server.count("Failing"), server.count("Ok")) == (2, 1)
+
+
+async def test_close_with_a_grace_ends_a_call_still_waiting_when_the_grace_is_over(
+    server: Server,
+) -> None:
+    """A backoff of 8-12 s outlasts a grace of 0.5 s: the call ends cancelled when the
+    grace is over (as grpcio ends its calls then), and no attempt follows."""
+    method = server.unary_unary("M", always())
     cfg = retry_config(max_attempts=5, **LONG)
     with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
         ch = insecure_channel(
             server.target, service_config=cfg, backoff_jitter=BackoffJitter.PROPORTIONAL
         )
-        in_backoff = asyncio.ensure_future(outcome(ch.unary_unary(waiting_m)(b"x")))
+        call = ch.unary_unary(method)(b"x")
+        waiting = asyncio.ensure_future(outcome(call))
         await wait_until(scheduled(events))
-        failing = asyncio.ensure_future(outcome(ch.unary_unary(failing_m)(b"x")))
-        succeeding = asyncio.ensure_future(outcome(ch.unary_unary(ok_m)(b"x")))
-        await wait_until(lambda: server.count("Failing") == server.count("Ok") == 1)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
         with anyio.fail_after(PROMPT):
-            closing = asyncio.ensure_future(ch.close(grace=8))
-            assert type(await ended(in_backoff)) is asyncio.CancelledError
-            assert not closing.done()  # ended before the grace, not by its end
-            assert type(await ended(failing)) is asyncio.CancelledError
-            assert await ended(succeeding) == b"ok"
-            await closing
+            await ch.close(grace=0.5)
+            exc = await ended(waiting)
+        assert loop.time() - start >= 0.45  # it waited for the grace
+        assert type(exc) is asyncio.CancelledError
+        assert await call.code() is grpc.StatusCode.CANCELLED
         await asyncio.sleep(0.1)
-    assert (server.count("Waiting"), server.count("Failing"), server.count("Ok")) == (1, 1, 1)
+    assert server.count("M") == 1
+
+
+async def test_new_calls_during_a_grace_are_refused_as_grpc_aio_refuses_them(
+    server: Server,
+) -> None:
+    """While ``close(grace)`` waits for a retrying call, grpc.aio's channel is still open:
+    every new call (a retried method, one without a plan, each streaming shape) is refused
+    with grpc.aio's ``UsageError("Channel is closed.")`` all the same, and nothing reaches
+    the server."""
+    method = server.unary_unary("M", fail_first_then_ok())
+    plain = server.unary_unary("Plain", ok())
+    streams = streaming_methods(server)
+    cfg = retry_config(max_attempts=3, initial="1s", maximum="1s")
+    with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
+        ch = insecure_channel(server.target, service_config=cfg)
+        call = ch.unary_unary(method)(b"x")
+        await wait_until(scheduled(events))
+        closing = asyncio.ensure_future(ch.close(grace=8))
+        await asyncio.sleep(0.05)
+        assert not closing.done()  # waiting for the call in its 1 s backoff
+        with pytest.raises(aio.UsageError, match="Channel is closed"):
+            ch.unary_unary(method)(b"x")
+        for name in ("Plain", "/test.Svc/Unknown"):
+            target = plain if name == "Plain" else name
+            with pytest.raises(aio.UsageError, match="Channel is closed"):
+                ch.unary_unary(target)(b"x")
+        for shape, make in streams.items():
+            stream_call = make(ch)
+            with pytest.raises(aio.UsageError, match="Channel is closed"):
+                await (stream_call if shape == "SU" else stream_call.read())
+        assert await call == b"ok"  # the call made before the close is retried
+        await closing
+    assert (server.count("M"), server.count("Plain")) == (2, 0)
+    assert sum(server.count(shape) for shape in streams) == 0
 
 
 def streaming_methods(server: Server) -> dict[str, Callable[[Any], Any]]:
@@ -236,12 +323,13 @@ def streaming_methods(server: Server) -> dict[str, Callable[[Any], Any]]:
 
 
 @pytest.mark.parametrize("shape", ["US", "SU", "SS"])
-@pytest.mark.parametrize("grace", [None, 8.0])
+@pytest.mark.parametrize("grace", [None, 0.5])
 async def test_a_streaming_call_in_backoff_ends_cancelled(
     server: Server, shape: str, grace: float | None
 ) -> None:
     """Without a grace grpc.aio cancelled these already (its interceptor call); with one,
-    the call slept through the grace and then met UsageError."""
+    the call slept through the grace and then met UsageError. Now it ends cancelled at
+    once, or when a grace shorter than its backoff is over."""
     make = streaming_methods(server)[shape]
     cfg = retry_config(max_attempts=5, **LONG)
     with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
@@ -263,7 +351,7 @@ async def test_a_streaming_call_in_backoff_ends_cancelled(
 
 # (NaN: grpc.aio closes with it as with a grace; the channel's check took it for a
 # negative grace grpc.aio refuses, and left the waiting calls alone)
-@pytest.mark.parametrize("grace", [None, 8.0, math.nan])
+@pytest.mark.parametrize("grace", [None, 0.5, math.nan])
 async def test_a_hedged_call_waiting_for_its_next_hedge_ends_cancelled(
     server: Server, grace: float | None
 ) -> None:
@@ -344,39 +432,114 @@ async def test_a_call_on_a_closed_channel_is_refused_as_grpc_aio_refuses_it(
 
 @pytest.mark.parametrize(
     ("code", "ends_with"),
-    [(UNAVAILABLE, "cancelled"), (grpc.StatusCode.INVALID_ARGUMENT, "its status")],
+    [(UNAVAILABLE, "the next hedge"), (grpc.StatusCode.INVALID_ARGUMENT, "its status")],
 )
-async def test_hedge_zero_failing_during_a_grace_sends_no_other_hedge(
+async def test_hedge_zero_failing_during_a_grace_is_hedged_within_it(
     server: Server, code: Any, ends_with: str
 ) -> None:
     """Hedge 0 is in flight when ``close(grace)`` starts and fails within the grace: a
-    non-fatal status ends the call cancelled (no hedge can follow), a fatal one is the
-    call's answer, as for a call that is not hedged."""
-    script = HedgeScript(server, "H", {0: fail(code, delay=0.3)})
+    non-fatal status sends the next hedge, whose answer is the call's (as grpcio's hedging
+    within its grace; before: the call ended cancelled); a fatal one is the call's answer."""
+    script = HedgeScript(server, "H", {0: fail(code, delay=0.3), 1: answer()})
     with anyio.fail_after(TEST_TIMEOUT):
         ch = insecure_channel(server.target, service_config=hedging_config(delay="5s"))
         call = ch.unary_unary(script.method)(b"x")
         waiting = asyncio.ensure_future(outcome(call))
         await wait_until(lambda: script.count == 1)
         with anyio.fail_after(PROMPT):
-            closing = asyncio.ensure_future(ch.close(grace=8))
+            await ch.close(grace=8)
+            assert waiting.done()
             exc = await ended(waiting)
-            await closing
-        if ends_with == "cancelled":
-            assert type(exc) is asyncio.CancelledError
-            assert await call.code() is grpc.StatusCode.CANCELLED
+        if ends_with == "the next hedge":
+            assert exc == b"ok"
+            assert script.count == 2
         else:
             assert isinstance(exc, aio.AioRpcError)
             assert exc.code() is code
-        await asyncio.sleep(0.1)
-    assert script.count == 1
+            assert script.count == 1
+
+
+async def test_a_hedge_due_within_the_grace_is_sent(server: Server) -> None:
+    """Hedge 0 hangs; the next hedge is due 0.3 s after it, within a grace of 8 s: it goes
+    out and answers the call, and the close returns then (hedge 0 is cancelled)."""
+    script = HedgeScript(server, "H", {0: block(), 1: answer()})
+    with anyio.fail_after(TEST_TIMEOUT):
+        ch = insecure_channel(
+            server.target, service_config=hedging_config(max_attempts=2, delay="0.3s")
+        )
+        call = ch.unary_unary(script.method)(b"x")
+        waiting = asyncio.ensure_future(outcome(call))
+        await wait_until(lambda: script.count == 1)
+        with anyio.fail_after(PROMPT):
+            await ch.close(grace=8)
+        assert await ended(waiting) == b"ok"
+        await wait_until(lambda: script.cancelled() == {0})
+    assert script.count == 2
+
+
+async def test_a_close_without_grace_during_a_grace_ends_everything_at_once(
+    server: Server,
+) -> None:
+    """A second ``close()`` (no grace) while the first waits within its grace: the calls
+    end cancelled at once and both closes return."""
+    method = server.unary_unary("M", always())
+    cfg = retry_config(max_attempts=5, **LONG)
+    with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
+        ch = insecure_channel(
+            server.target, service_config=cfg, backoff_jitter=BackoffJitter.PROPORTIONAL
+        )
+        call = ch.unary_unary(method)(b"x")
+        waiting = asyncio.ensure_future(outcome(call))
+        await wait_until(scheduled(events))
+        graceful = asyncio.ensure_future(ch.close(grace=30))
+        await asyncio.sleep(0.05)
+        assert not graceful.done()
+        with anyio.fail_after(PROMPT):
+            await ch.close()
+            await graceful
+            exc = await ended(waiting)
+        assert type(exc) is asyncio.CancelledError
+    assert server.count("M") == 1
+
+
+async def test_the_channel_waits_for_no_call_once_they_are_over(server: Server) -> None:
+    """Every way a call ends lets go of it (OK, a final status, retried then OK, cancelled,
+    hedged, streaming): a later ``close(grace=30)`` returns at once."""
+    okm = server.unary_unary("Ok", ok())
+    bad = server.unary_unary("Bad", always(grpc.StatusCode.INVALID_ARGUMENT))
+    flaky = server.unary_unary("Flaky", fail_first_then_ok())
+    hung = server.unary_unary("Hung", hang())
+    streams = streaming_methods(server)
+    cfg = retry_config(max_attempts=2, initial="0.01s", maximum="0.01s")
+    with anyio.fail_after(TEST_TIMEOUT):
+        ch = insecure_channel(server.target, service_config=cfg)
+        assert await ch.unary_unary(okm)(b"x") == b"ok"
+        assert type(await outcome(ch.unary_unary(bad)(b"x"))) is aio.AioRpcError
+        assert await ch.unary_unary(flaky)(b"x") == b"ok"
+        cut = ch.unary_unary(hung)(b"x")
+        await wait_until(lambda: server.count("Hung") == 1)
+        cut.cancel()
+        assert type(await outcome(cut)) is asyncio.CancelledError
+        for shape, make in streams.items():
+            stream_call = make(ch)
+            await outcome(stream_call if shape == "SU" else stream_call.read())
+        fired = ch.unary_unary(okm)(b"x")  # nobody awaits it
+        await wait_until(fired.done)
+        with anyio.fail_after(PROMPT):
+            await ch.close(grace=30)
+    hedged = HedgeScript(server, "H", {0: answer()})
+    with anyio.fail_after(TEST_TIMEOUT):
+        ch = insecure_channel(server.target, service_config=hedging_config())
+        assert await ch.unary_unary(hedged.method)(b"x") == b"ok"
+        with anyio.fail_after(PROMPT):
+            await ch.close(grace=30)
 
 
 @pytest.mark.parametrize("interceptor", [False, True], ids=["plain", "app_interceptor"])
 async def test_close_starting_as_a_backoff_ends_ends_the_call_cancelled(
     server: Server, interceptor: bool
 ) -> None:
-    """``close(grace)`` starts in the turn the backoff ends, so the retry attempt is refused.
+    """``close()`` starts in the turn the backoff ends, so the retry attempt is refused.
     With an application interceptor the refusal came out of ``await call`` as grpc's raw
     ``UsageError`` ("Channel is closed.") instead of the cancellation rfc/0003 promises."""
     method = server.unary_unary("Failing", always())
@@ -388,7 +551,7 @@ async def test_close_starting_as_a_backoff_ends_ends_the_call_cancelled(
 
         def end_backoff_and_close() -> None:
             done.set_result(None)  # the backoff ends...
-            holder["close"] = asyncio.ensure_future(holder["ch"].close(0.5))  # ...as close starts
+            holder["close"] = asyncio.ensure_future(holder["ch"].close(0))  # ...as close starts
 
         loop.call_later(seconds, end_backoff_and_close)
         await done

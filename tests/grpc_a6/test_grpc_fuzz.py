@@ -46,7 +46,9 @@ created. The events:
   coroutine (sdkcore's ``__await__`` sees it first, in the same step). ``task.cancel()``
   was called earlier, but the task only learns of it when it next runs;
 * the channel's close: when ``close()`` was called (``_Channel.close`` cancels the calls
-  waiting between attempts before its first await);
+  waiting between attempts before its first await); with a grace, the channel takes
+  new attempts (retries, hedges) until it stops (``_Controller._close_calls``: every call
+  that may send one is over, or the grace is), as grpcio's own retries within a grace;
 * the deadline: the first attempt's creation plus the call's timeout (the smaller of the
   call's and the method config's). sdkcore's clock starts before that attempt is made,
   so this is never earlier than its deadline. An attempt made after it (a stalled loop)
@@ -145,6 +147,7 @@ from _fuzz_common import (  # noqa: E402
     settle,
     show,
     slack,
+    stamped,
     status_delay,
 )
 from fuzz_kit import leaked_tasks  # noqa: E402
@@ -436,6 +439,8 @@ class World:
         self.records = [self.plan(i) for i in range(rng.randint(20, 32))]
         self.by_cid = {r.plan.cid: r for r in self.records}
         self.close_seq: int | None = None
+        #: When the channel stopped taking attempts (close_seq's, or a grace's end).
+        self.stop_seq: int | None = None
         self.close_error: BaseException | None = None
         self.throttle_ops: list[tuple[str, bool, int]] = []
         self.throttler: RetryThrottler | None = None
@@ -679,7 +684,12 @@ class World:
         assert self.close_at is not None
         await asyncio.sleep(self.close_at)
         self.close_seq = next(self.seq)
+        self.core._close_calls = stamped(self.core._close_calls, self.stopped)
         self.close_error = await close_channel(self.channel, self.grace)
+
+    def stopped(self) -> None:
+        if self.stop_seq is None:
+            self.stop_seq = next(self.seq)
 
     async def run_call(self, record: Record) -> None:
         plan = record.plan
@@ -822,8 +832,8 @@ class World:
                         f"copy {a.index} made after the call was cancelled ended "
                         f"{name_of(a.code)}, not CANCELLED"
                     )
-            if self.close_seq is not None and a.created > self.close_seq:
-                problem(f"attempt {a.index} created after the channel's close started")
+            if self.stop_seq is not None and a.created > self.stop_seq:
+                problem(f"attempt {a.index} created after the channel stopped taking attempts")
             # Made after the deadline, with no time left: grpc fails such an attempt at once
             # and sends nothing. Reaching the server would be sending it. (sdkcore reads its
             # clock a little before the probe: an attempt made within the slack of the

@@ -62,8 +62,10 @@ The promises checked, per call (A6 "When Retries are Valid", "Memory Management
   attempt that reads the end of the stream got all of it, and only if the application
   ended it (iterator exhausted, ``done_writing()``) - never a truncated stream;
 * cut: no attempt after ``call.cancel()``, after a ``CancelledError`` reached a task
-  reading the call, after the request iterator raised, after the channel's close
-  started, after the call ended; each attempt's own deadline within the call's;
+  reading the call, after the request iterator raised, after the channel stopped
+  taking attempts (at ``close()``; with a grace, once every call that may send one is
+  over or the grace is: ``_Controller._close_calls``), after the call ended; each
+  attempt's own deadline within the call's;
 * outcome: an answer the last attempt sent OK (its response names it, the request count
   is the application's) and ``grpc-previous-rpc-attempts`` in the trailers naming it;
   an ``AioRpcError`` with the status of the last attempt (its details name it; the
@@ -176,6 +178,7 @@ from _fuzz_common import (  # noqa: E402
     run_calls,
     settle,
     show,
+    stamped,
     status_delay,
 )
 from fuzz_kit import leaked_tasks  # noqa: E402
@@ -421,6 +424,8 @@ class World:
         self.records = [self.plan(i) for i in range(rng.randint(10, 16))]
         self.by_cid = {r.plan.cid: r for r in self.records}
         self.close_seq: int | None = None
+        #: When the channel stopped taking attempts (close_seq's, or a grace's end).
+        self.stop_seq: int | None = None
         self.close_error: BaseException | None = None
         self.core: Any = None
         self.channel: Any = None
@@ -812,6 +817,7 @@ class World:
         assert self.close_at is not None
         await asyncio.sleep(self.close_at)
         self.close_seq = next(self.seq)
+        self.core._close_calls = stamped(self.core._close_calls, self.stopped)
         try:
             # In this task (asyncio.wait_for would start the close a loop step later on
             # Python 3.11): _Channel.close cancels the waiting calls before its first await.
@@ -819,6 +825,10 @@ class World:
                 await self.channel.close(self.grace)
         except BaseException as exc:
             self.close_error = exc
+
+    def stopped(self) -> None:
+        if self.stop_seq is None:
+            self.stop_seq = next(self.seq)
 
     async def requests(self, record: Record) -> AsyncIterator[bytes]:
         plan = record.plan
@@ -1075,7 +1085,7 @@ class World:
             (record.caught if reading else None, "the reading task's CancelledError"),
             (record.cleanup_cancel, "call.cancel() (after a cancelled await)"),
             (record.raised, "the request iterator raised"),
-            (close, "the channel's close"),
+            (self.stop_seq, "the channel stopped taking attempts"),
             (record.end, "the call's end"),
         ]
         for a in attempts[1:]:
