@@ -243,7 +243,6 @@ class _Call:
         #: Whether the channel was READY (or unknown) when the current attempt started.
         self.ready_at_start = True
         self._request: Request | None = None
-        core._live.add(self)  # until release(): close(grace) waits for it
 
     @classmethod
     def from_details(cls, core: _Controller, plan: _Plan, details: Any) -> _Call:
@@ -314,6 +313,9 @@ class _Call:
         st.transparent = None
         previous = st.attempts - 1
         core = self.core
+        # It sends: close(grace) waits for it until release() (registered here, not when
+        # made, so that a call whose making raised is never waited for).
+        core._live.add(self)
         if core.transparent_retries and core._channel is not None:
             state = core._connectivity()
             self.ready_at_start = state is None or state is _READY

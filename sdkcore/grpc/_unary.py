@@ -358,9 +358,10 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             call = self._call
             try:
                 code = await call.code()
-            except aio.UsageError as exc:
+            except Exception as exc:
                 # Refused inside the application's interceptors (the channel closed before
-                # they handed the first attempt on): over, without a status.
+                # they handed the first attempt on), or one of them raised: over, without a
+                # status (grpc.aio re-raises such an error from code()).
                 self._end_without_status(exc)
                 raise
             if self._driving() or self._result is not None:
@@ -458,8 +459,8 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             call = self._call
             if not call.done():
                 return False
-            if call.cancelled() or _ended_ok(call):
-                return True
+            if call.cancelled() or self._ended or _ended_ok(call):
+                return True  # (ended: answered OK, or over without a status)
             if not self._awaited:
                 self._watch()  # a failed attempt: retried, or final once the policy says so
             return False

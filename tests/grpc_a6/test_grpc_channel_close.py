@@ -37,7 +37,13 @@ from hedge_server import UNAVAILABLE, HedgeScript, block, fail, hedging_config  
 from hedge_server import ok as answer  # noqa: E402
 
 from sdkcore import RetryOrchestrator  # noqa: E402
-from sdkcore.grpc import BackoffJitter, RetryController, insecure_channel, retry_stats  # noqa: E402
+from sdkcore.grpc import (  # noqa: E402
+    BackoffJitter,
+    RetryController,
+    insecure_channel,
+    retry_controller,
+    retry_stats,
+)
 from sdkcore.testing import capture_retry_events  # noqa: E402
 
 pytestmark = pytest.mark.asyncio
@@ -533,6 +539,60 @@ async def test_the_channel_waits_for_no_call_once_they_are_over(server: Server) 
         assert await ch.unary_unary(hedged.method)(b"x") == b"ok"
         with anyio.fail_after(PROMPT):
             await ch.close(grace=30)
+
+
+def _bad_size(message: Any) -> int:
+    if message == b"bad":
+        raise ValueError("cannot size")
+    return len(message)
+
+
+class _Failing(aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """An application interceptor that raises instead of handing the call on."""
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        raise RuntimeError("interceptor failed")
+
+
+async def test_a_call_whose_making_raised_is_not_waited_for(server: Server) -> None:
+    """A call whose making raised (the channel's ``message_size`` refused the message) was
+    noted as a live call before the error, and a later ``close(grace=30)`` waited the whole
+    grace for it; so did a streaming call whose first message could not be sized."""
+    method = server.unary_unary("M", ok())
+
+    async def one(request: Any, context: Any, attempt: int) -> AsyncIterator[bytes]:
+        yield b"a"
+
+    stream = server.unary_stream("S", one)
+    with anyio.fail_after(TEST_TIMEOUT):
+        ch = insecure_channel(server.target, service_config=retry_config(), message_size=_bad_size)
+        with pytest.raises(ValueError, match="cannot size"):
+            ch.unary_unary(method)(b"bad")
+        assert type(await outcome(ch.unary_stream(stream)(b"bad").read())) is ValueError
+        with anyio.fail_after(PROMPT):
+            await ch.close(grace=30)
+
+
+@pytest.mark.parametrize("read", ["nobody", "code", "await"])
+async def test_a_call_an_application_interceptor_failed_is_over(server: Server, read: str) -> None:
+    """An application interceptor raised instead of sending: a call nobody awaited, or read
+    only through ``code()``, never ended (``done()`` stayed False, its replay buffer stayed
+    reserved) and ``close(grace=30)`` waited the whole grace for it."""
+    method = server.unary_unary("M", ok())
+    with anyio.fail_after(TEST_TIMEOUT):
+        ch = insecure_channel(
+            server.target, service_config=retry_config(), interceptors=[_Failing()]
+        )
+        call = ch.unary_unary(method)(b"x")
+        if read == "code":
+            assert type(await outcome(call.code())) is RuntimeError
+        elif read == "await":
+            assert type(await outcome(call)) is RuntimeError
+        await wait_until(call.done)
+        assert retry_controller(ch).buffered_bytes == 0
+        with anyio.fail_after(PROMPT):
+            await ch.close(grace=30)
+    assert server.count("M") == 0
 
 
 @pytest.mark.parametrize("interceptor", [False, True], ids=["plain", "app_interceptor"])
