@@ -96,6 +96,23 @@ class _Attempt:
         return out
 
 
+def _split_cut(cut: BaseException) -> tuple[BaseException, BaseException | None]:
+    """A copy's cancellation, and what ``send`` raised beside it for the cut.
+
+    A ``send`` running a nursery whose task reports the cut as its own error ("connection
+    reset") raises a group of both (trio). The runner's scope takes back only a
+    cancellation: the error part would escape it and replace the winner's answer. So the
+    group is split: ``(cancellation part, error part)``; ``(cut, None)`` for anything else.
+    """
+    split = getattr(cut, "split", None)
+    if split is None or isinstance(cut, Exception):
+        return cut, None
+    own, rest = split(Exception)
+    if own is None or rest is None:
+        return cut, None
+    return rest, own
+
+
 class _Chain:
     """One hedged request: what is sent when, and what each copy's outcome means.
 
@@ -281,17 +298,15 @@ class _Chain:
             non_fatal = self.policy.non_fatal
             if non_fatal is None or failure.reason in non_fatal:
                 self._failed(attempt, failure)  # unless the strategy refuses to go past it
+            elif failure.effect is not AttemptEffect.NOT_SENT and self._being_cut(attempt):
+                # A fatal reason raised for the cut (a send that turns its cancellation into
+                # SOCKET_CLOSED_WHILE_IN_FLIGHT): cut, as below, not the chain's end.
+                self._cut_copy(attempt, mark, failure)
             else:
                 self._fatal(attempt, failure)
         except Exception as exc:
             self.outstanding -= 1
-            cutting = self.cutting
-            if (
-                self.over
-                or self.cut
-                or self.clock() >= self.deadline
-                or (cutting is not None and cutting(attempt.index))
-            ):
+            if self.over or self._being_cut(attempt):
                 # Raised as the copy was being cut (another copy's answer, Request.cancel(),
                 # the deadline, the caller's cancellation reaching a copy): a send whose read
                 # is cut may raise its own error ("connection reset") for the cancellation.
@@ -310,8 +325,11 @@ class _Chain:
             self._fatal(attempt, exc)
         except BaseException as cut:
             self.outstanding -= 1
-            self._cut_copy(attempt, mark, cut)
-            raise
+            cancellation, own = _split_cut(cut)
+            self._cut_copy(attempt, mark, cut if own is None else own)
+            if cancellation is cut:
+                raise
+            raise cancellation from None  # the runner's scope takes back its own
         else:
             self.outstanding -= 1
             latency = self.latency
@@ -323,6 +341,16 @@ class _Chain:
             wake = self.wake
             if wake is not None:
                 wake()
+
+    def _being_cut(self, attempt: _Attempt) -> bool:
+        """Whether ``attempt`` is being cut: ``Request.cancel()`` or the deadline cut the
+        chain, or the caller's cancellation is reaching the copy."""
+        cutting = self.cutting
+        return (
+            self.cut
+            or self.clock() >= self.deadline
+            or (cutting is not None and cutting(attempt.index))
+        )
 
     def _cut_copy(self, attempt: _Attempt, mark: Any, cut: BaseException) -> None:
         """``attempt`` was cut in flight, ending with ``cut`` (the cancellation, or what
@@ -506,7 +534,10 @@ class _Chain:
         if self.over:
             return
         if not self._allows(failure):
-            self._fatal(attempt, failure, booked=True)
+            if not self._being_cut(attempt):
+                self._fatal(attempt, failure, booked=True)
+            # else raised for the cut (refused, e.g. by FailFastRetryStrategy): the cut ends
+            # the chain, with the timeout or Request.cancel()'s error, not "not retried"
             return
         if self.over:  # the strategy failed: the chain ends with its error
             return

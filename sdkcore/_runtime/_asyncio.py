@@ -363,9 +363,18 @@ class Hedges:
         return bool(task.cancelling() > self.base)
 
     def _start(self, attempt: object) -> None:
-        task = self.loop.create_task(self.chain.run(attempt))
+        task = self.loop.create_task(self._copy(attempt))
         self.tasks[task] = attempt
         task.add_done_callback(self._ended)
+
+    async def _copy(self, attempt: object) -> None:
+        """One copy's task. A copy booked before the caller's cancellation and begun after
+        it sends nothing (booked not sent), as trio's runner skips a copy whose task
+        begins cancelled: its send would be cut at its first await, maybe after its write."""
+        if self._caller_cancelled():
+            self.chain.skip(attempt)
+            return
+        await self.chain.run(attempt)
 
     def _ended(self, task: asyncio.Task[None]) -> None:
         # A task cancelled before its first step never ran its copy: not sent after all.

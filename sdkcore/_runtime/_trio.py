@@ -66,8 +66,19 @@ class Scope:
         scope = self._scope
         if error is None:
             scope.__exit__(None, None, None)
-        elif scope.__exit__(type(error), error, error.__traceback__):
-            return True  # our own trio.Cancelled, swallowed by the scope
+        else:
+            try:
+                if scope.__exit__(type(error), error, error.__traceback__):
+                    return True  # our own trio.Cancelled, swallowed by the scope
+            except Exception:
+                # A group of our Cancelled beside errors the cut code raised for it (a
+                # nursery in send whose task reported the cut as "connection reset"): the
+                # scope took its Cancelled out and raised the rest. Ours, as when the code
+                # raises its own error for the cut. (A rest holding another cancellation
+                # is not an Exception: it propagates.)
+                if scope.cancel_called:
+                    return True
+                raise
         if not scope.cancel_called:
             return False
         # Cut while the code swallowed the cancellation, or raised its own error for it.

@@ -818,6 +818,10 @@ class World:
         check_attempt_deadlines(attempts, deadline_at, problem, self.pauses)
         cut = [x for x in (record.cancel_seq, record.caught) if x is not None]
         cut_at = min(cut) if cut else None
+        if close is not None and close < (record.start or 0) and attempts:
+            # made once close had started: refused, whatever the grace (the channel refuses
+            # it itself while close(grace) waits for sdkcore's calls)
+            problem(f"{len(attempts)} attempt(s) of a call made after the channel's close started")
         for a in attempts[1:]:
             if cut_at is not None and a.created > cut_at:
                 if not hedged:
@@ -834,6 +838,7 @@ class World:
                     )
             if self.stop_seq is not None and a.created > self.stop_seq:
                 problem(f"attempt {a.index} created after the channel stopped taking attempts")
+
             # Made after the deadline, with no time left: grpc fails such an attempt at once
             # and sends nothing. Reaching the server would be sending it. (sdkcore reads its
             # clock a little before the probe: an attempt made within the slack of the

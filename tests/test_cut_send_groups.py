@@ -1,0 +1,176 @@
+"""Cuts that reach a ``send`` in odd shapes (a trio edge review's repros, rfc/0001 and rfc/0004).
+
+1. trio: a ``send`` running a nursery (a reader task beside the writer) whose task reports
+   the cut as its own error raises a group of the cut's ``Cancelled`` and that error. The
+   deadline's ``trio.CancelScope`` took its ``Cancelled`` out and raised the rest: the
+   caller got an ``ExceptionGroup`` instead of the timeout, a write cut in flight ended
+   FAILED and "not applied", ``attempt()`` left its request PENDING, a hedge's loser
+   replaced the winner's answer, and the error escaped the caller's own cancel scope.
+2. A hedge copy that turns the deadline's cut into a ``RetryableError`` whose reason ends
+   the chain (not in ``non_fatal``, or refused by the strategy) ended the request "not
+   retried" instead of timing out, as ``execute`` does with the same ``send``.
+3. asyncio: copies booked just before the caller's cancellation called ``send`` after it
+   (trio's runner skips a copy whose task begins cancelled).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from sdkcore import (
+    AmbiguousTimeoutException,
+    FailFastRetryStrategy,
+    HedgePolicy,
+    Request,
+    RequestCanceledException,
+    RequestState,
+    RetryableError,
+    RetryOrchestrator,
+    RetryReason,
+    UnambiguousTimeoutException,
+)
+
+pytestmark = pytest.mark.anyio
+
+SAFETY = 10.0
+
+
+class Reset(Exception):
+    """What a driver's reader task raises when its read is cut."""
+
+
+async def _reader(latency: float) -> None:
+    try:
+        await anyio.sleep(latency)
+    except anyio.get_cancelled_exc_class():
+        raise Reset("connection reset by the cut") from None
+
+
+async def driver(latency: float) -> str:
+    """A send with a task group: a reader beside the writer, both waiting ``latency``."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_reader, latency)
+        await anyio.sleep(latency)
+    return f"answer after {latency}s"
+
+
+async def test_a_write_cut_in_a_task_group_times_out_ambiguous() -> None:
+    orch = RetryOrchestrator()
+    request = Request(name="upsert", idempotent=False, timeout=0.05)
+    with anyio.fail_after(SAFETY), pytest.raises(AmbiguousTimeoutException):
+        await orch.execute(request, lambda r: driver(60))
+    assert request.state is RequestState.CANCELLED
+    assert request.maybe_applied
+
+
+async def test_an_attempt_block_cut_in_a_task_group_times_out() -> None:
+    orch = RetryOrchestrator()
+    request = Request(name="upsert", idempotent=False, timeout=0.05)
+    with anyio.fail_after(SAFETY), pytest.raises(AmbiguousTimeoutException), orch.attempt(request):
+        await driver(60)
+    assert request.state is RequestState.CANCELLED
+    assert not request.in_flight
+
+
+async def test_a_losing_copy_cut_in_a_task_group_leaves_the_winners_answer() -> None:
+    orch = RetryOrchestrator()
+    request = Request(name="get", idempotent=True, timeout=5)
+
+    async def send(r: Request, index: int) -> str:
+        return await driver([60.0, 0.005][index])
+
+    with anyio.fail_after(SAFETY):
+        answer = await orch.hedge(request, send, HedgePolicy(max_attempts=2, delay=0.01))
+    assert answer == "answer after 0.005s"
+    assert request.state is RequestState.SUCCEEDED
+
+
+@pytest.mark.parametrize("cut_by", ["deadline", "Request.cancel()", "caller's scope"])
+async def test_hedged_copies_cut_in_task_groups_end_as_the_cut_says(cut_by: str) -> None:
+    orch = RetryOrchestrator()
+    request = Request(name="get", idempotent=True, timeout=0.1 if cut_by == "deadline" else 5)
+
+    async def send(r: Request, index: int) -> str:
+        return await driver(60)
+
+    policy = HedgePolicy(max_attempts=2, delay=0.01)
+    with anyio.fail_after(SAFETY):
+        if cut_by == "deadline":
+            with pytest.raises(UnambiguousTimeoutException):
+                await orch.hedge(request, send, policy)
+        elif cut_by == "Request.cancel()":
+            async with anyio.create_task_group() as tg:
+
+                async def cancel_soon() -> None:
+                    await anyio.sleep(0.05)
+                    request.cancel()
+
+                tg.start_soon(cancel_soon)
+                with pytest.raises(RequestCanceledException):
+                    await orch.hedge(request, send, policy)
+        else:
+            with anyio.move_on_after(0.05) as scope:
+                await orch.hedge(request, send, policy)
+            assert scope.cancelled_caught  # before, on trio: Reset escaped the scope
+    assert request.state is RequestState.CANCELLED
+
+
+@pytest.mark.parametrize("refused_by", ["non_fatal", "strategy"])
+async def test_a_hedge_copy_turning_the_deadlines_cut_into_a_final_reason_times_out(
+    refused_by: str,
+) -> None:
+    orch = RetryOrchestrator()
+    strategy = FailFastRetryStrategy() if refused_by == "strategy" else None
+    request = Request(name="get", idempotent=True, timeout=0.05, retry_strategy=strategy)
+
+    async def send(r: Request, index: int) -> str:
+        try:
+            await anyio.sleep(60)
+        except anyio.get_cancelled_exc_class():
+            raise RetryableError(RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT) from None
+        return "never"
+
+    non_fatal = frozenset({RetryReason.KV_LOCKED}) if refused_by == "non_fatal" else None
+    policy = HedgePolicy(max_attempts=2, delay=timedelta(milliseconds=10), non_fatal=non_fatal)
+    with anyio.fail_after(SAFETY), pytest.raises(UnambiguousTimeoutException):
+        await orch.hedge(request, send, policy)  # before: RequestCanceledException (not retried)
+    assert request.state is RequestState.CANCELLED
+    with anyio.fail_after(SAFETY), pytest.raises(UnambiguousTimeoutException):
+        await orch.execute(
+            Request(name="get", idempotent=True, timeout=0.05, retry_strategy=strategy),
+            lambda r: send(r, 0),
+        )  # the same send through execute: the door's answer hedge must match
+
+
+@pytest.mark.parametrize("turns", [0, 1, 2, 3])
+async def test_no_copy_is_sent_after_the_callers_cancellation(turns: int) -> None:
+    """Every copy due at once (delay 0); the caller's scope is cancelled ``turns`` loop turns
+    after ``hedge`` began. A copy whose send was called after the cancel is the bug."""
+    orch = RetryOrchestrator()
+    events: list[str] = []
+
+    async def send(r: Request, index: int) -> None:
+        events.append(f"send({index})")
+        await anyio.sleep(60)
+
+    request = Request(name="get", idempotent=True, timeout=5)
+    with anyio.fail_after(SAFETY):
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+
+                async def canceller() -> None:
+                    for _ in range(turns):
+                        await anyio.lowlevel.checkpoint()
+                    events.append("cancelled")
+                    scope.cancel()
+
+                tg.start_soon(canceller)
+                await orch.hedge(request, send, HedgePolicy(max_attempts=3, delay=0))
+    assert scope.cancelled_caught
+    assert "cancelled" in events
+    assert not any(e.startswith("send") for e in events[events.index("cancelled") :])
+    assert request.state is RequestState.CANCELLED
