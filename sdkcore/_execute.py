@@ -54,20 +54,11 @@ def _unsent_cut(request: Request, mark: Any, exc: BaseException) -> None:
         request._attempt_failed(reason, _NOT_SENT, None, request.clock())
 
 
-def _raised_for_cut(error: BaseException) -> BaseException | None:
-    """The cancellation a RetryableError was raised while handling (its ``__context__``):
-    a ``send`` that turned a cancellation into a retryable failure. Else None."""
-    if not isinstance(error, RetryableError):
-        return None
-    cut = error.__context__
-    return None if cut is None or isinstance(cut, Exception) else cut
-
-
 def _callers_cut(error: BaseException, scope: Any) -> BaseException | None:
     """The caller's cancellation ``error`` stands for: raised for a cancellation while the
     caller is being cancelled since ``scope`` opened, not by it (see
     :func:`_converted_cut`). Else None."""
-    cut = _raised_for_cut(error)
+    cut = _failing.raised_for_cut(error)
     if cut is None or scope.fired or not scope.cancelled_elsewhere():
         return None
     return cut
@@ -86,7 +77,7 @@ def _converted_cut(request: Request, failure: RetryableError, scope: Any) -> Non
     when the door began (a cleanup request in an ``except CancelledError``) is neither,
     nor is an answer raised after a cut it never met (trio runs a woken task on).
     """
-    if scope.fired and _raised_for_cut(failure) is not None:
+    if scope.fired and _failing.raised_for_cut(failure) is not None:
         if failure.effect is _NOT_SENT:
             request._attempt_failed(failure.reason, _NOT_SENT, failure, request._clock())
         raise failure
@@ -107,7 +98,9 @@ def _scope_fired(
     if request.cancellation_reason is CancellationReason.CANCELLED_VIA_CONTEXT:
         return _failing.already_completed(request, request.last_reason, cut=in_flight)
     if error is not None and not isinstance(error, Exception):
-        error = None  # the cancellation itself: not the attempt's failure
+        # the cancellation itself: not the attempt's failure; but what a task of the
+        # attempt's nursery raised beside it for the cut (trio's group) is
+        error = _failing.errors_beside(error)
     return _failing.timed_out(
         request,
         request.last_reason,
@@ -371,7 +364,7 @@ def _failed(
                 ) from _failing.cause(request)
             # raised for our cut (_converted_cut), and the caller's own cancellation came
             # in the same turn (the scope did not take it for its own): the caller's
-            exc = _raised_for_cut(exc) or exc
+            exc = _failing.raised_for_cut(exc) or exc
         if isinstance(exc, Exception) and in_flight:
             if request.state is not _PENDING:
                 # Request.cancel() while the attempt was in flight (no deadline scope: it ran

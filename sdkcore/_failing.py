@@ -122,6 +122,31 @@ def event_fields(
     return fields
 
 
+def raised_for_cut(error: BaseException) -> BaseException | None:
+    """The cancellation a RetryableError was raised while handling (its ``__context__``):
+    a ``send`` that turned a cancellation into a retryable failure. Else None."""
+    if not isinstance(error, RetryableError):
+        return None
+    cut = error.__context__
+    return None if cut is None or isinstance(cut, Exception) else cut
+
+
+def errors_beside(cut: BaseException) -> BaseException | None:
+    """The errors a group holds beside a cancellation: what a ``send`` running a nursery
+    or task group raised for its cut ("connection reset"), the cancellation being the
+    rest (trio: ``BaseExceptionGroup([Cancelled, ...])``). None for anything else."""
+    split = getattr(cut, "split", None)
+    if split is None or isinstance(cut, Exception):
+        return None
+    own, rest = split(Exception)
+    return None if rest is None else own
+
+
+def without_errors(cut: BaseException) -> BaseException:
+    """``cut`` without the errors :func:`errors_beside` finds: its cancellation part."""
+    return cut.split(Exception)[1]  # type: ignore[attr-defined,no-any-return]
+
+
 def cause(request: Request) -> BaseException | None:
     """The ``__cause__`` of a final exception: the last attempt's failure, never a cancellation."""
     error = request.last_error

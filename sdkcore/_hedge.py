@@ -96,23 +96,6 @@ class _Attempt:
         return out
 
 
-def _split_cut(cut: BaseException) -> tuple[BaseException, BaseException | None]:
-    """A copy's cancellation, and what ``send`` raised beside it for the cut.
-
-    A ``send`` running a nursery whose task reports the cut as its own error ("connection
-    reset") raises a group of both (trio). The runner's scope takes back only a
-    cancellation: the error part would escape it and replace the winner's answer. So the
-    group is split: ``(cancellation part, error part)``; ``(cut, None)`` for anything else.
-    """
-    split = getattr(cut, "split", None)
-    if split is None or isinstance(cut, Exception):
-        return cut, None
-    own, rest = split(Exception)
-    if own is None or rest is None:
-        return cut, None
-    return rest, own
-
-
 class _Chain:
     """One hedged request: what is sent when, and what each copy's outcome means.
 
@@ -296,12 +279,18 @@ class _Chain:
         except RetryableError as failure:
             self.outstanding -= 1
             non_fatal = self.policy.non_fatal
-            if non_fatal is None or failure.reason in non_fatal:
+            if (
+                not self.over
+                and _failing.raised_for_cut(failure) is not None
+                and self._being_cut(attempt)
+            ):
+                # Raised while handling the copy's cut (a send that turns its cancellation
+                # into SOCKET_CLOSED_WHILE_IN_FLIGHT): the cut ends the chain (the timeout,
+                # Request.cancel()'s error), whatever the reason or the strategy would say,
+                # as execute gives the timeout for it.
+                self._converted_cut(attempt, mark, failure)
+            elif non_fatal is None or failure.reason in non_fatal:
                 self._failed(attempt, failure)  # unless the strategy refuses to go past it
-            elif failure.effect is not AttemptEffect.NOT_SENT and self._being_cut(attempt):
-                # A fatal reason raised for the cut (a send that turns its cancellation into
-                # SOCKET_CLOSED_WHILE_IN_FLIGHT): cut, as below, not the chain's end.
-                self._cut_copy(attempt, mark, failure)
             else:
                 self._fatal(attempt, failure)
         except Exception as exc:
@@ -325,11 +314,15 @@ class _Chain:
             self._fatal(attempt, exc)
         except BaseException as cut:
             self.outstanding -= 1
-            cancellation, own = _split_cut(cut)
+            own = _failing.errors_beside(cut)  # a nursery's errors for the cut (trio's group)
             self._cut_copy(attempt, mark, cut if own is None else own)
-            if cancellation is cut:
+            if own is None:
                 raise
-            raise cancellation from None  # the runner's scope takes back its own
+            # Only the cancellation: the runner's scope takes it back, where the errors
+            # would escape it and replace the winner's answer. (No local keeps the group:
+            # its traceback holds this frame.)
+            own = None
+            raise _failing.without_errors(cut) from None
         else:
             self.outstanding -= 1
             latency = self.latency
@@ -341,6 +334,18 @@ class _Chain:
             wake = self.wake
             if wake is not None:
                 wake()
+
+    def _converted_cut(self, attempt: _Attempt, mark: Any, failure: RetryableError) -> None:
+        """``failure`` was raised while handling ``attempt``'s cut (its ``__context__``, as
+        ``execute`` tells it): booked as cut in flight, its error kept (a copy that says it
+        sent nothing, ``NOT_SENT``, booked so). As ``execute``, whose deadline gives the
+        timeout for it whatever its reason (rfc/0004, "A cut copy that raises its own error")."""
+        if failure.effect is AttemptEffect.NOT_SENT:
+            attempt.outcome = _NOT_SENT
+            self._book(attempt, failure.reason, AttemptEffect.NOT_SENT, failure)
+            self._log_cancelled(attempt)
+            return
+        self._cut_copy(attempt, mark, failure)
 
     def _being_cut(self, attempt: _Attempt) -> bool:
         """Whether ``attempt`` is being cut: ``Request.cancel()`` or the deadline cut the
@@ -534,10 +539,7 @@ class _Chain:
         if self.over:
             return
         if not self._allows(failure):
-            if not self._being_cut(attempt):
-                self._fatal(attempt, failure, booked=True)
-            # else raised for the cut (refused, e.g. by FailFastRetryStrategy): the cut ends
-            # the chain, with the timeout or Request.cancel()'s error, not "not retried"
+            self._fatal(attempt, failure, booked=True)
             return
         if self.over:  # the strategy failed: the chain ends with its error
             return

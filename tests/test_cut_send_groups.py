@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import sys
+import time
 from datetime import timedelta
 
 import anyio
@@ -23,6 +25,7 @@ import pytest
 
 from sdkcore import (
     AmbiguousTimeoutException,
+    AttemptEffect,
     FailFastRetryStrategy,
     HedgePolicy,
     Request,
@@ -119,6 +122,62 @@ async def test_hedged_copies_cut_in_task_groups_end_as_the_cut_says(cut_by: str)
     assert request.state is RequestState.CANCELLED
 
 
+async def test_a_timeout_inside_hedge_0s_send_just_after_the_hedge_was_due_keeps_it() -> None:
+    """asyncio: hedge 0's send has its own read timeout (``anyio.move_on_after``), which
+    cancels the caller's task for a moment and takes it back. Expiring in the turn the
+    hedge's timer fired, just after it, the hedge was booked first and then skipped for
+    good (the caller looked cancelled as its task began): the request waited for the slow
+    copy. The copy waits while the caller is being cancelled, and goes out once the
+    timeout is taken back. (A review's repro of the first version of the skip.)"""
+    orch = RetryOrchestrator()
+    sent: list[int] = []
+
+    async def send(r: Request, index: int) -> str:
+        sent.append(index)
+        if index == 0:
+            with anyio.move_on_after(0.021):  # the read timeout, just after the hedge is due
+                await anyio.sleep(60)
+            await anyio.sleep(1.0)
+            return "slow"
+        return "fast"
+
+    async def stall() -> None:  # the loop late: the hedge's timer and the timeout in one turn
+        await anyio.sleep(0.005)
+        time.sleep(0.03)  # noqa: ASYNC251 - blocking on purpose: a late loop
+
+    request = Request(name="get", idempotent=True, timeout=5)
+    with anyio.fail_after(SAFETY):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stall)
+            answer = await orch.hedge(request, send, HedgePolicy(max_attempts=2, delay=0.02))
+    assert answer == "fast"
+    assert sent == [0, 1]
+
+
+@pytest.mark.parametrize("refused_by", ["non_fatal", "strategy"])
+async def test_a_not_sent_refusal_raised_for_the_deadlines_cut_times_out(refused_by: str) -> None:
+    """A copy that says it sent nothing (``NOT_SENT``) as the deadline cut it, with a reason
+    that would end the chain: the timeout, as execute gives (was "not hedged further")."""
+    orch = RetryOrchestrator()
+    strategy = FailFastRetryStrategy() if refused_by == "strategy" else None
+    request = Request(name="get", idempotent=True, timeout=0.05, retry_strategy=strategy)
+
+    async def send(r: Request, index: int) -> str:
+        try:
+            await anyio.sleep(60)
+        except anyio.get_cancelled_exc_class():
+            raise RetryableError(
+                RetryReason.SOCKET_NOT_AVAILABLE, effect=AttemptEffect.NOT_SENT
+            ) from None
+        return "never"
+
+    non_fatal = frozenset({RetryReason.KV_LOCKED}) if refused_by == "non_fatal" else None
+    policy = HedgePolicy(max_attempts=2, delay=timedelta(milliseconds=10), non_fatal=non_fatal)
+    with anyio.fail_after(SAFETY), pytest.raises(UnambiguousTimeoutException):
+        await orch.hedge(request, send, policy)
+    assert request.state is RequestState.CANCELLED
+
+
 @pytest.mark.parametrize("refused_by", ["non_fatal", "strategy"])
 async def test_a_hedge_copy_turning_the_deadlines_cut_into_a_final_reason_times_out(
     refused_by: str,
@@ -147,9 +206,13 @@ async def test_a_hedge_copy_turning_the_deadlines_cut_into_a_final_reason_times_
 
 
 @pytest.mark.parametrize("turns", [0, 1, 2, 3])
-async def test_no_copy_is_sent_after_the_callers_cancellation(turns: int) -> None:
+async def test_no_copy_is_sent_after_the_callers_cancellation(
+    turns: int, anyio_backend: str
+) -> None:
     """Every copy due at once (delay 0); the caller's scope is cancelled ``turns`` loop turns
     after ``hedge`` began. A copy whose send was called after the cancel is the bug."""
+    if anyio_backend == "asyncio" and sys.version_info < (3, 11):
+        pytest.skip("asyncio counts a task's pending cancellations from 3.11 (rfc/0004)")
     orch = RetryOrchestrator()
     events: list[str] = []
 

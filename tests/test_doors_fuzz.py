@@ -726,7 +726,7 @@ class World:
                 mine = sum(
                     1
                     for before, after in itertools.pairwise(dispatches)
-                    if before.effect is not NOT_SENT and after.effect is not NOT_SENT
+                    if before.effect is not NOT_SENT and booked_effect(plan, after) is not NOT_SENT
                 )
             spent += mine
             # Its own operations: net withdrawals as computed above; its first attempt
@@ -752,6 +752,20 @@ class World:
             spending="retries (or hedges)",
             at_most_are="started",
         )
+
+
+def booked_effect(plan: Plan, dispatch: Dispatch) -> AttemptEffect | None:
+    """The effect sdkcore can book for ``dispatch``: a dispatch cut in the limiter's queue
+    says so with ``dispatch_unsent()``, through the mark the door set, and ``execute``
+    without a deadline sets none (rfc/0001, "Dispatch not sent"): cut in flight for it."""
+    if (
+        dispatch.outcome == "cancelled"
+        and dispatch.effect is NOT_SENT
+        and plan.door == "execute"
+        and plan.timeout is None
+    ):
+        return MAYBE
+    return dispatch.effect
 
 
 @pytest.mark.parametrize("seed", SEEDS)

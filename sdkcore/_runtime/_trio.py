@@ -73,10 +73,11 @@ class Scope:
             except Exception:
                 # A group of our Cancelled beside errors the cut code raised for it (a
                 # nursery in send whose task reported the cut as "connection reset"): the
-                # scope took its Cancelled out and raised the rest. Ours, as when the code
-                # raises its own error for the cut. (A rest holding another cancellation
-                # is not an Exception: it propagates.)
-                if scope.cancel_called:
+                # scope took its Cancelled out (``cancelled_caught``) and raised the rest.
+                # Ours, as when the code raises its own error for the cut. (A rest holding
+                # another cancellation is not an Exception, and trio's own errors, a
+                # misnested scope, set no ``cancelled_caught``: they propagate.)
+                if scope.cancelled_caught:
                     return True
                 raise
         if not scope.cancel_called:
