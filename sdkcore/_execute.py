@@ -78,7 +78,7 @@ def _converted_cut(request: Request, failure: RetryableError, scope: Any) -> Non
     nor is an answer raised after a cut it never met (trio runs a woken task on).
     """
     if scope.fired and _failing.raised_for_cut(failure) is not None:
-        if failure.effect is _NOT_SENT:
+        if (failure.effect or DEFAULT_EFFECT[failure.reason]) is _NOT_SENT:
             request._attempt_failed(failure.reason, _NOT_SENT, failure, request._clock())
         raise failure
     cut = _callers_cut(failure, scope)
@@ -653,7 +653,11 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
             cut = _callers_cut(exc, scope)  # read before exit(), which takes the count back
             if scope.exit(exc):
                 in_flight = request.in_flight
-                if in_flight and isinstance(exc, RetryableError) and exc.effect is _NOT_SENT:
+                if (
+                    in_flight
+                    and isinstance(exc, RetryableError)
+                    and (exc.effect or DEFAULT_EFFECT[exc.reason]) is _NOT_SENT
+                ):
                     # The block's own refusal as the deadline passed (a limiter's queue that
                     # gave its permit back): nothing was sent, as execute books it.
                     request._attempt_failed(exc.reason, _NOT_SENT, exc, request.clock())

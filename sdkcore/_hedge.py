@@ -340,7 +340,7 @@ class _Chain:
         ``execute`` tells it): booked as cut in flight, its error kept (a copy that says it
         sent nothing, ``NOT_SENT``, booked so). As ``execute``, whose deadline gives the
         timeout for it whatever its reason (rfc/0004, "A cut copy that raises its own error")."""
-        if failure.effect is AttemptEffect.NOT_SENT:
+        if (failure.effect or AttemptEffect.for_reason(failure.reason)) is AttemptEffect.NOT_SENT:
             attempt.outcome = _NOT_SENT
             self._book(attempt, failure.reason, AttemptEffect.NOT_SENT, failure)
             self._log_cancelled(attempt)

@@ -237,3 +237,55 @@ async def test_no_copy_is_sent_after_the_callers_cancellation(
     assert "cancelled" in events
     assert not any(e.startswith("send") for e in events[events.index("cancelled") :])
     assert request.state is RequestState.CANCELLED
+
+
+# -- 4. a refusal whose reason says "not sent" by default (no effect given) -----------------------
+
+
+async def test_a_block_refused_unsent_as_the_request_is_cancelled_is_booked_not_sent() -> None:
+    """``attempt()``: the block's answer is a refusal whose reason means nothing was sent
+    (``SERVICE_NOT_AVAILABLE``, no ``effect`` given: the reason's default), and
+    ``Request.cancel()`` came as it was handed over. The door read only an explicit
+    ``effect``, booked the attempt maybe applied, and never refunded the retry's budget
+    token (the doors fuzz at 1,000 seeds, trio seed 378)."""
+    from sdkcore import RetryBudget
+
+    budget = RetryBudget()
+    orch = RetryOrchestrator(retry_budget=budget)
+    request = Request(name="upsert", idempotent=False)
+
+    def refused(reason: RetryReason, cancel: bool) -> None:
+        with orch.attempt(request):
+            if cancel:
+                request.cancel()
+            raise RetryableError(reason)
+
+    with pytest.raises(RetryableError):
+        refused(RetryReason.KV_TEMPORARY_FAILURE, cancel=False)  # not applied: retried
+    await orch.maybe_retry(request, RetryReason.KV_TEMPORARY_FAILURE)  # pays one token
+    balance = budget.balance
+    with pytest.raises(RequestCanceledException) as caught:
+        refused(RetryReason.SERVICE_NOT_AVAILABLE, cancel=True)
+    assert request.attempts[-1].effect is AttemptEffect.NOT_SENT
+    assert not request.maybe_applied
+    assert "not applied" in str(caught.value)
+    assert budget.balance == balance + 1  # the token for the retry that sent nothing
+
+
+async def test_a_write_cut_by_its_deadline_into_an_unsent_reason_times_out_unambiguous() -> None:
+    """``execute``: the deadline cuts a write waiting for a connection, and its send turns
+    the cut into ``SERVICE_NOT_AVAILABLE`` (nothing sent, by the reason's default): the
+    timeout said "may have been applied" (only an explicit ``effect`` was read)."""
+    orch = RetryOrchestrator()
+    request = Request(name="upsert", idempotent=False, timeout=0.05)
+
+    async def send(r: Request) -> str:
+        try:
+            await anyio.sleep(60)  # waiting for a connection
+        except anyio.get_cancelled_exc_class():
+            raise RetryableError(RetryReason.SERVICE_NOT_AVAILABLE) from None
+        return "never"
+
+    with anyio.fail_after(SAFETY), pytest.raises(UnambiguousTimeoutException):
+        await orch.execute(request, send)
+    assert not request.maybe_applied
