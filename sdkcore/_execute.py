@@ -100,7 +100,8 @@ def _scope_fired(
     if error is not None and not isinstance(error, Exception):
         # the cancellation itself: not the attempt's failure; but what a task of the
         # attempt's nursery raised beside it for the cut (trio's group) is
-        error = _failing.errors_beside(error)
+        parts = _failing.split_cut(error)
+        error = None if parts is None else parts[0]
     return _failing.timed_out(
         request,
         request.last_reason,

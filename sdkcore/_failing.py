@@ -131,20 +131,17 @@ def raised_for_cut(error: BaseException) -> BaseException | None:
     return None if cut is None or isinstance(cut, Exception) else cut
 
 
-def errors_beside(cut: BaseException) -> BaseException | None:
-    """The errors a group holds beside a cancellation: what a ``send`` running a nursery
-    or task group raised for its cut ("connection reset"), the cancellation being the
-    rest (trio: ``BaseExceptionGroup([Cancelled, ...])``). None for anything else."""
-    split = getattr(cut, "split", None)
-    if split is None or isinstance(cut, Exception):
+def split_cut(cut: BaseException) -> tuple[BaseException, BaseException] | None:
+    """``(errors, cancellation)`` of a group holding a cancellation beside the errors a
+    ``send`` running a nursery or task group raised for its cut ("connection reset"):
+    trio's ``BaseExceptionGroup([Cancelled, ...])``. None for anything else."""
+    split = None if isinstance(cut, Exception) else getattr(cut, "split", None)
+    if split is None:  # not a group (3.10: the backport's groups have split too)
         return None
-    own, rest = split(Exception)
-    return None if rest is None else own
-
-
-def without_errors(cut: BaseException) -> BaseException:
-    """``cut`` without the errors :func:`errors_beside` finds: its cancellation part."""
-    return cut.split(Exception)[1]  # type: ignore[attr-defined,no-any-return]
+    errors, cancellation = split(Exception)
+    if errors is None or cancellation is None:
+        return None
+    return errors, cancellation
 
 
 def cause(request: Request) -> BaseException | None:

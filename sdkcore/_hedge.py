@@ -109,6 +109,7 @@ class _Chain:
         "asked",
         "attempts",
         "budget",
+        "callers_cut",
         "clock",
         "cut",
         "cutting",
@@ -180,6 +181,10 @@ class _Chain:
         #: Whether copy ``index`` is being cut now (set by the runner, asked in the copy's
         #: task): an error its send raises then is how it ended being cut (:meth:`run`).
         self.cutting: Callable[[int], bool] | None = None
+        #: Whether the caller's own cancellation is reaching copy ``index`` in the caller's
+        #: task (asyncio's hedge 0; set by the runner): a cut its send turned into a
+        #: RetryableError is then the caller's (:meth:`run`).
+        self.callers_cut: Callable[[int], bool] | None = None
         self.wake: Callable[[], None] | None = None  # called by every copy that ends
 
     @property
@@ -279,17 +284,22 @@ class _Chain:
         except RetryableError as failure:
             self.outstanding -= 1
             non_fatal = self.policy.non_fatal
-            if (
-                not self.over
-                and _failing.raised_for_cut(failure) is not None
-                and self._being_cut(attempt)
-            ):
+            if _failing.raised_for_cut(failure) is None:
+                pass  # an answer: below
+            elif self.over or self._being_cut(attempt):
                 # Raised while handling the copy's cut (a send that turns its cancellation
-                # into SOCKET_CLOSED_WHILE_IN_FLIGHT): the cut ends the chain (the timeout,
-                # Request.cancel()'s error), whatever the reason or the strategy would say,
-                # as execute gives the timeout for it.
-                self._converted_cut(attempt, mark, failure)
-            elif non_fatal is None or failure.reason in non_fatal:
+                # into SOCKET_CLOSED_WHILE_IN_FLIGHT): a cut copy, as a plain error below;
+                # the cut ends the chain (the timeout, Request.cancel()'s error), whatever
+                # the reason or the strategy would say, as execute gives the timeout for it.
+                self._book_converted_cut(attempt, mark, failure)
+                return
+            elif self.callers_cut is not None and self.callers_cut(attempt.index):
+                # Hedge 0 in the caller's task (asyncio) turned the caller's own
+                # cancellation into this: the caller's cancellation, never retried (as
+                # execute's; rfc/0001). The runner cuts every copy and re-raises it.
+                self._book_converted_cut(attempt, mark, failure)
+                raise _failing.raised_for_cut(failure) from None  # type: ignore[misc]
+            if non_fatal is None or failure.reason in non_fatal:
                 self._failed(attempt, failure)  # unless the strategy refuses to go past it
             else:
                 self._fatal(attempt, failure)
@@ -314,15 +324,13 @@ class _Chain:
             self._fatal(attempt, exc)
         except BaseException as cut:
             self.outstanding -= 1
-            own = _failing.errors_beside(cut)  # a nursery's errors for the cut (trio's group)
-            self._cut_copy(attempt, mark, cut if own is None else own)
-            if own is None:
+            parts = _failing.split_cut(cut)  # a nursery's errors beside the cut (trio's group)
+            self._cut_copy(attempt, mark, cut if parts is None else parts[0])
+            if parts is None:
                 raise
             # Only the cancellation: the runner's scope takes it back, where the errors
-            # would escape it and replace the winner's answer. (No local keeps the group:
-            # its traceback holds this frame.)
-            own = None
-            raise _failing.without_errors(cut) from None
+            # would escape it and replace the winner's answer.
+            raise parts[1] from None
         else:
             self.outstanding -= 1
             latency = self.latency
@@ -335,7 +343,7 @@ class _Chain:
             if wake is not None:
                 wake()
 
-    def _converted_cut(self, attempt: _Attempt, mark: Any, failure: RetryableError) -> None:
+    def _book_converted_cut(self, attempt: _Attempt, mark: Any, failure: RetryableError) -> None:
         """``failure`` was raised while handling ``attempt``'s cut (its ``__context__``, as
         ``execute`` tells it): booked as cut in flight, its error kept (a copy that says it
         sent nothing, ``NOT_SENT``, booked so). As ``execute``, whose deadline gives the

@@ -289,3 +289,65 @@ async def test_a_write_cut_by_its_deadline_into_an_unsent_reason_times_out_unamb
     with anyio.fail_after(SAFETY), pytest.raises(UnambiguousTimeoutException):
         await orch.execute(request, send)
     assert not request.maybe_applied
+
+
+# -- 5. a final review's repros -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("seconds", [1.0, None])
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="counts pending cancellations from 3.11")
+async def test_hedge_0_turning_the_callers_cancellation_into_a_retry_is_the_cancellation(
+    seconds: float | None,
+) -> None:
+    """asyncio runs hedge 0 in the caller's task: a send that turns the caller's own
+    ``task.cancel()`` into a non-fatal ``RetryableError`` had the chain carry on, polling
+    every millisecond until the deadline (timed out 0.95 s later) or for ever without one;
+    ``execute`` gives the caller's cancellation at once. So does ``hedge`` now."""
+    import asyncio
+
+    orch = RetryOrchestrator()
+    sent: list[int] = []
+
+    async def send(r: Request, index: int) -> None:
+        sent.append(index)
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            raise RetryableError(RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT, "reset") from None
+
+    request = Request(name="get", idempotent=True, timeout=seconds)
+    task = asyncio.ensure_future(orch.hedge(request, send, HedgePolicy(max_attempts=3, delay=10)))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=0.5)  # before: 0.95 s, or never
+    assert task in done
+    assert task.cancelled()
+    assert sent == [0]
+    assert request.state is RequestState.CANCELLED
+
+
+async def test_a_losing_copy_turning_its_cut_into_a_retry_is_booked_cut() -> None:
+    """Cut because another copy answered, a loser whose send turns the cut into a
+    ``RetryableError`` is a cut copy (``hedge.cancelled``, maybe applied), as one raising a
+    plain error is; it was booked a failure for its reason (rfc/0004 said cut)."""
+    from sdkcore.testing import capture_retry_events
+
+    orch = RetryOrchestrator()
+
+    async def send(r: Request, index: int) -> str:
+        if index == 1:
+            return "fast"
+        try:
+            await anyio.sleep(60)
+        except anyio.get_cancelled_exc_class():
+            raise RetryableError(RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT, "reset") from None
+        return "never"
+
+    request = Request(name="get", idempotent=True, timeout=5)
+    with anyio.fail_after(SAFETY), capture_retry_events() as events:
+        answer = await orch.hedge(request, send, HedgePolicy(max_attempts=2, delay=0.01))
+    assert answer == "fast"
+    cancelled = [e for e in events if e["event"] == "hedge.cancelled"]
+    assert [e["hedge"] for e in cancelled] == [0]
+    assert request.retry_reasons == ()

@@ -45,6 +45,9 @@ class HedgeChain(Protocol):
     #: Set by ``Hedges``: whether copy ``index`` is being cut now (asked in the copy's task
     #: when its send raises: an error raised for its cut is how it ended being cut).
     cutting: Callable[[int], bool] | None
+    #: Set by asyncio's ``Hedges``: whether the caller's own cancellation is reaching copy
+    #: ``index`` in the caller's task (hedge 0).
+    callers_cut: Callable[[int], bool] | None
 
     @property
     def over(self) -> bool:

@@ -273,6 +273,7 @@ class Hedges:
         # Asked in the copies' tasks (an error raised for a cut); let go when the call
         # ends: kept, the chain and this runner would be a cycle only a collection frees.
         chain.cutting = self._cutting
+        chain.callers_cut = self._callers_cut
         try:
             scope = self.scope = Scope(self.deadline)
             if _COUNTS:
@@ -307,7 +308,7 @@ class Hedges:
                 await self._reap()
                 raise
         finally:
-            chain.cutting = None
+            chain.cutting = chain.callers_cut = None
 
     def step(self) -> None:
         """Something changed (the timer fired, a hedge ended, a cut): act on it.
@@ -360,6 +361,11 @@ class Hedges:
             return scope is not None and scope.fired
         task: Any = asyncio.current_task()
         return _COUNTS and task is not None and bool(task.cancelling() > 0)
+
+    def _callers_cut(self, index: int) -> bool:
+        """Whether the caller's own cancellation is reaching copy ``index`` in the caller's
+        task (``_Chain.callers_cut``): hedge 0 while the caller is being cancelled."""
+        return index == 0 and self._caller_cancelled()
 
     def _caller_cancelled(self) -> bool:
         """Whether the caller's task is being cancelled from outside (3.11+: more pending

@@ -345,7 +345,7 @@ class _Call:
         if self.buffered:
             core._release(self.buffered)
             self.buffered = 0
-        core._no_more_attempts(self)
+        core._stopped_sending(self)
 
     def sent(self) -> None:
         """The attempt's grpc.aio call is made: the call's request, once it exists (a

@@ -41,7 +41,7 @@ _OPT_ENABLE_RETRIES = "grpc.enable_retries"
 _OPT_NO_RESOLVED_CONFIG = "grpc.service_config_disable_resolution"
 
 
-def closed_channel() -> Exception:
+def channel_closed_error() -> Exception:
     """What grpc.aio raises for a call made on a closing channel: a new call made while
     ``close(grace)`` waits for sdkcore's calls (:meth:`_Controller._drain`; grpc.aio's
     channel is still open then) is refused with it too."""
@@ -213,7 +213,8 @@ class _Controller:
         #: delay, a hedged call's later copies): objects whose ``cancel()`` ends them
         #: as the application's ``call.cancel()`` does. Closing the channel cancels them.
         self._waiting: set[Any] = set()
-        #: True once the channel helper's channel started closing: no call waits then.
+        #: True once the channel helper's channel stopped taking attempts (at ``close()``,
+        #: or once ``close(grace)``'s wait is over): no call waits then.
         self._closing = False
         #: True once ``close()`` started: the channel takes no new call. With a grace,
         #: sdkcore's calls still retry and hedge until :meth:`_drain` ends (rfc/0003,
@@ -223,7 +224,8 @@ class _Controller:
         #: state until it ends (or its stream commits: ``_Call.release``), a hedged call
         #: until it ends. ``close(grace)`` waits for them (:meth:`_drain`).
         self._live: set[Any] = set()
-        #: Set when ``_live`` empties while :meth:`_drain` waits (made by it).
+        #: Set when ``_live`` empties while :meth:`_drain` waits (made by it), or when the
+        #: channel stops taking attempts (:meth:`_close_calls`).
         self._drained: asyncio.Event | None = None
 
     # -- the channel ----------------------------------------------------------------
@@ -352,8 +354,8 @@ class _Controller:
                 pass  # the grace is over: the calls still live are cancelled
         return max(grace - (loop.time() - start), 0.0)
 
-    def _no_more_attempts(self, call: Any) -> None:
-        """``call`` (in :attr:`_live`) sends no attempt more."""
+    def _stopped_sending(self, call: Any) -> None:
+        """Note that ``call`` (in :attr:`_live`) sends no attempt more."""
         live = self._live
         live.discard(call)
         if not live:

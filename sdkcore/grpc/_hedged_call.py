@@ -195,7 +195,7 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
 
     def _wake(self) -> None:
         """The call ended (every ending calls this): its readers wake."""
-        self._core._no_more_attempts(self)
+        self._core._stopped_sending(self)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)

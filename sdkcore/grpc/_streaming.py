@@ -17,7 +17,7 @@ from grpc.aio import _base_call
 from .._context import AttemptEffect
 from .._request import RequestState, dispatching
 from ._call import _Call, _TracedCall, outer_details
-from ._controller import _Controller, closed_channel
+from ._controller import _Controller, channel_closed_error
 from ._metadata import _client_trailing
 from ._policy import PUSHBACK_KEY, costs_token, parse_pushback, time_out_at_deadline
 from ._replay import _ReplayBuffer
@@ -72,6 +72,9 @@ class _RetryingCall:
         self._callbacks: list[Callable[[Any], None]] = []
         self._driver: asyncio.Task[_Outcome] = asyncio.get_running_loop().create_task(self._drive())
         self._driver.add_done_callback(self._driver_done)
+        # Made before close(grace) began (sdkcore's interceptor let it in): the close waits
+        # for it, its first attempt included, until release() (_driver_done, a commit).
+        c.core._live.add(c)
 
     # -- the attempt loop ------------------------------------------------------------
     async def _drive(self) -> _Outcome:
@@ -84,11 +87,11 @@ class _RetryingCall:
                 if replay is not None and replay.error is not None:
                     raise self._source_failed()
                 source = self._request if replay is None else replay.attempt_messages()
-                if c.core._refusing and c.state.attempts == 0:
-                    # Made just before the channel started closing: refused as grpc.aio
-                    # refuses it, before an attempt is counted (also while close(grace)
-                    # waits for sdkcore's calls: grpc.aio's channel is still open then).
-                    raise aio.UsageError("Channel is closed.")
+                if c.core._closing and c.state.attempts == 0:
+                    # Made just before the channel stopped taking attempts: refused as
+                    # grpc.aio refuses it, before an attempt is counted. (While close(grace)
+                    # waits for sdkcore's calls, grpc.aio's channel is open: it goes out.)
+                    raise channel_closed_error()
                 details = c.next_details()
                 trace = c.trace
                 token = None if trace is None else trace.enter(trace.current)
@@ -472,7 +475,7 @@ async def streaming_call(
 ) -> Any:
     """A retrying call for a streaming method with a plan, else the plain call."""
     if core._refusing and not core._closing:
-        raise closed_channel()  # close(grace) waits for sdkcore's calls: no new one
+        raise channel_closed_error()  # close(grace) waits for sdkcore's calls: no new one
     plan = core.plan(details.method)
     if plan is None or core._closing:  # closing: grpc.aio's own call refuses it
         outer = dispatching()

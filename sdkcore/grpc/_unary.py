@@ -20,7 +20,7 @@ from grpc.aio import _base_call
 
 from .._request import dispatching
 from ._call import _Call, _TracedCall, call_timeout, outer_details, within_outer
-from ._controller import _Controller, closed_channel
+from ._controller import _Controller, channel_closed_error
 from ._finished import _ended_ok, _FinishedUnaryCall, _Readers
 from ._hedging import intercepted_hedged_unary_unary
 from ._metadata import _client_trailing, _strip_attempts
@@ -564,7 +564,7 @@ class BoundedMultiCallable(aio.UnaryUnaryMultiCallable):  # type: ignore[misc]
     ) -> Any:
         core = self._core
         if core._refusing and not core._closing:
-            raise closed_channel()  # close(grace) waits for sdkcore's calls: no new one
+            raise channel_closed_error()  # close(grace) waits for sdkcore's calls: no new one
         outer = dispatching()
         if outer is not None:  # made inside a request's send: never outlive it
             timeout = within_outer(outer, timeout)
@@ -612,7 +612,7 @@ class DirectMultiCallable(aio.UnaryUnaryMultiCallable):  # type: ignore[misc]
             # While close(grace) waits for sdkcore's calls, grpc.aio's channel is open:
             # refused here, the same way.
             if not core._closing:
-                raise closed_channel()
+                raise channel_closed_error()
             return self._inner(
                 request,
                 timeout=timeout,
@@ -661,7 +661,7 @@ class FirstAttemptMultiCallable(DirectMultiCallable):
     ) -> Any:
         core = self._core
         if core._refusing and not core._closing:
-            raise closed_channel()  # close(grace) waits for sdkcore's calls: no new one
+            raise channel_closed_error()  # close(grace) waits for sdkcore's calls: no new one
         plan = self._plan
         budget = core.orchestrator.retry_budget
         if budget is not None:  # every call's first attempt pays into the retry budget
