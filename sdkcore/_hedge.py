@@ -264,10 +264,11 @@ class _Chain:
     async def run(self, attempt: _Attempt) -> None:
         """Send one copy and book its outcome. Raises only the copy's cancellation."""
         attempt.begun = True
-        if self.over or self.cut:
-            # Booked in the same turn as the answer that ended the chain (or as the cut),
-            # and begun after it (trio starts every task it was given, cancelled or not):
-            # not sent.
+        if self.over or self.cut or self.stop == "pushback":
+            # Booked before the answer that ended the chain (or the cut, or a "don't retry"
+            # pushback, after which A6 sends no hedge), and begun after it (trio starts
+            # every task it was given, cancelled or not; an asyncio copy waits while its
+            # caller is being cancelled): not sent.
             self.skip(attempt)
             return
         trace = self.request._trace
