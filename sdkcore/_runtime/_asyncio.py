@@ -208,17 +208,6 @@ class Scope:
 _RECHECK = 0.001
 
 
-async def _copy(caller: Any, base: int, chain: HedgeChain, attempt: object) -> None:
-    """A copy's task (3.11+). Booked just before the caller's cancellation and begun after
-    it, it would call ``send`` and be cut at its first await, maybe after its write: it
-    waits instead, as :meth:`Hedges.step` does, until the runner cuts it (booked not sent
-    by the runner's done callback) or the cancellation is taken back (a timeout inside
-    hedge 0's send), then sends. This frame holds no runner (no cycle through it)."""
-    while caller.cancelling() > base:  # noqa: ASYNC110 - no event says "taken back"
-        await asyncio.sleep(_RECHECK)
-    await chain.run(attempt)
-
-
 class Hedges:
     """The copies of one hedged request, run as asyncio tasks (rfc/0004, "The runner").
 
@@ -380,11 +369,7 @@ class Hedges:
         return bool(task.cancelling() > self.base)
 
     def _start(self, attempt: object) -> None:
-        caller = self.caller
-        if caller is None:  # 3.10: cannot tell the caller is being cancelled
-            task = self.loop.create_task(self.chain.run(attempt))
-        else:
-            task = self.loop.create_task(_copy(caller, self.base, self.chain, attempt))
+        task = self.loop.create_task(self.chain.run(attempt))
         self.tasks[task] = attempt
         task.add_done_callback(self._ended)
 
