@@ -37,8 +37,8 @@ from typing import Any
 from . import _log
 from ._breaker import _cut_at_deadline, default_is_failure
 from ._callables import clock_reading, sync_callable
-from ._context import DEFAULT_EFFECT, AttemptEffect
-from ._errors import RetryableError
+from ._context import AttemptEffect
+from ._errors import sent_nothing
 from ._permits import TOKEN, Permits, permits, text
 from ._request import dispatching
 
@@ -94,10 +94,7 @@ def _judge(error: BaseException) -> int:
     """What a dispatch that ended with ``error`` says (see ``_IGNORE``, ``_SAMPLE``, ``_DROP``)."""
     if not isinstance(error, Exception):  # a cancellation, KeyboardInterrupt
         return _IGNORE if _cut_at_deadline(dispatching(), error) is None else _DROP
-    if (
-        isinstance(error, RetryableError)
-        and (error.effect or DEFAULT_EFFECT[error.reason]) is _NOT_SENT
-    ):
+    if sent_nothing(error):
         return _IGNORE  # refused before the write (a breaker, no connection)
     if _timed_out(error):
         return _DROP

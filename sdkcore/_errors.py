@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import TypeGuard
 
-from ._context import AttemptEffect, ErrorContext
+from ._context import DEFAULT_EFFECT, AttemptEffect, ErrorContext
 from ._duration import to_seconds
 from ._reason import RetryReason, suggest_member
 
@@ -213,6 +214,17 @@ class RetryableError(Exception):
             _rebuild_retryable,
             (type(self), self.reason, self._message, self.effect, self.retry_after),
         )
+
+
+def sent_nothing(error: BaseException) -> TypeGuard[RetryableError]:
+    """Whether ``error`` is a RetryableError saying the attempt never left the client: its
+    ``effect``, else its reason's default (:meth:`AttemptEffect.for_reason`), is NOT_SENT."""
+    if not isinstance(error, RetryableError):
+        return False
+    effect = error.effect
+    if effect is None:
+        effect = DEFAULT_EFFECT[error.reason]
+    return effect is AttemptEffect.NOT_SENT
 
 
 def _rebuild_retryable(

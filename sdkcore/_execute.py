@@ -19,7 +19,7 @@ from ._context import DEFAULT_EFFECT, AttemptEffect, CancellationReason
 from ._core import OrchestratorCore
 from ._decision import Verdict
 from ._duration import to_seconds
-from ._errors import CouchbaseException, RetryableError, TimeoutException
+from ._errors import CouchbaseException, RetryableError, TimeoutException, sent_nothing
 from ._hooks import INSTANT_DELAYS
 from ._log import DEBUG as _DEBUG
 from ._reason import RetryReason, suggest_member
@@ -78,7 +78,7 @@ def _converted_cut(request: Request, failure: RetryableError, scope: Any) -> Non
     nor is an answer raised after a cut it never met (trio runs a woken task on).
     """
     if scope.fired and _failing.raised_for_cut(failure) is not None:
-        if (failure.effect or DEFAULT_EFFECT[failure.reason]) is _NOT_SENT:
+        if sent_nothing(failure):
             request._attempt_failed(failure.reason, _NOT_SENT, failure, request._clock())
         raise failure
     cut = _callers_cut(failure, scope)
@@ -654,11 +654,7 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
             cut = _callers_cut(exc, scope)  # read before exit(), which takes the count back
             if scope.exit(exc):
                 in_flight = request.in_flight
-                if (
-                    in_flight
-                    and isinstance(exc, RetryableError)
-                    and (exc.effect or DEFAULT_EFFECT[exc.reason]) is _NOT_SENT
-                ):
+                if in_flight and sent_nothing(exc):
                     # The block's own refusal as the deadline passed (a limiter's queue that
                     # gave its permit back): nothing was sent, as execute books it.
                     request._attempt_failed(exc.reason, _NOT_SENT, exc, request.clock())

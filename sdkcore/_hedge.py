@@ -27,6 +27,7 @@ from ._errors import (
     InvalidArgumentException,
     RequestCanceledException,
     RetryableError,
+    sent_nothing,
 )
 from ._hooks import INSTANT_DELAYS
 from ._log import EVENT_HEDGE_CANCELLED, EVENT_HEDGE_FAILED, EVENT_HEDGE_SENT, EVENT_HEDGE_WON
@@ -267,8 +268,7 @@ class _Chain:
         if self.over or self.cut or self.stop == "pushback":
             # Booked before the answer that ended the chain (or the cut, or a "don't retry"
             # pushback, after which A6 sends no hedge), and begun after it (trio starts
-            # every task it was given, cancelled or not; an asyncio copy waits while its
-            # caller is being cancelled): not sent.
+            # every task it was given, cancelled or not): not sent.
             self.skip(attempt)
             return
         trace = self.request._trace
@@ -284,22 +284,22 @@ class _Chain:
             result = await pending
         except RetryableError as failure:
             self.outstanding -= 1
+            cut = _failing.raised_for_cut(failure)  # send turned a cancellation into it
+            if cut is not None:
+                if self.over or self._being_cut(attempt):
+                    # The copy's own cut (a send that turns it into SOCKET_CLOSED_WHILE_IN_
+                    # FLIGHT): a cut copy, as a plain error below; the cut ends the chain (the
+                    # timeout, Request.cancel()'s error), whatever the reason or the strategy
+                    # would say, as execute gives the timeout for it.
+                    self._book_converted_cut(attempt, mark, failure)
+                    return
+                if self.callers_cut is not None and self.callers_cut(attempt.index):
+                    # Hedge 0 in the caller's task (asyncio) turned the caller's own
+                    # cancellation into this: the caller's cancellation, never retried (as
+                    # execute's; rfc/0001). The runner cuts every copy and re-raises it.
+                    self._book_converted_cut(attempt, mark, failure)
+                    raise cut from None
             non_fatal = self.policy.non_fatal
-            if _failing.raised_for_cut(failure) is None:
-                pass  # an answer: below
-            elif self.over or self._being_cut(attempt):
-                # Raised while handling the copy's cut (a send that turns its cancellation
-                # into SOCKET_CLOSED_WHILE_IN_FLIGHT): a cut copy, as a plain error below;
-                # the cut ends the chain (the timeout, Request.cancel()'s error), whatever
-                # the reason or the strategy would say, as execute gives the timeout for it.
-                self._book_converted_cut(attempt, mark, failure)
-                return
-            elif self.callers_cut is not None and self.callers_cut(attempt.index):
-                # Hedge 0 in the caller's task (asyncio) turned the caller's own
-                # cancellation into this: the caller's cancellation, never retried (as
-                # execute's; rfc/0001). The runner cuts every copy and re-raises it.
-                self._book_converted_cut(attempt, mark, failure)
-                raise _failing.raised_for_cut(failure) from None  # type: ignore[misc]
             if non_fatal is None or failure.reason in non_fatal:
                 self._failed(attempt, failure)  # unless the strategy refuses to go past it
             else:
@@ -349,7 +349,7 @@ class _Chain:
         ``execute`` tells it): booked as cut in flight, its error kept (a copy that says it
         sent nothing, ``NOT_SENT``, booked so). As ``execute``, whose deadline gives the
         timeout for it whatever its reason (rfc/0004, "A cut copy that raises its own error")."""
-        if (failure.effect or AttemptEffect.for_reason(failure.reason)) is AttemptEffect.NOT_SENT:
+        if sent_nothing(failure):
             attempt.outcome = _NOT_SENT
             self._book(attempt, failure.reason, AttemptEffect.NOT_SENT, failure)
             self._log_cancelled(attempt)

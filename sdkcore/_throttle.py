@@ -19,13 +19,14 @@ from types import TracebackType
 
 from . import _log
 from ._callables import clock_reading, sync_callable
-from ._context import DEFAULT_EFFECT, AttemptEffect
+from ._context import AttemptEffect
 from ._duration import to_seconds
 from ._errors import (
     QuotaLimitedException,
     RateLimitedException,
     RetryableError,
     TemporaryFailureException,
+    sent_nothing,
 )
 from ._log import EVENT_THROTTLE_RECOVERED, EVENT_THROTTLE_REFUSING
 from ._reason import RetryReason
@@ -59,16 +60,6 @@ _OVERLOAD_REASONS = frozenset(
 )
 _OVERLOAD_ERRORS = (RateLimitedException, QuotaLimitedException, TemporaryFailureException)
 _OVERLOAD_CODES = frozenset({"RESOURCE_EXHAUSTED", "UNAVAILABLE", 8, 14})
-
-
-def _not_sent(error: BaseException) -> bool:
-    """A RetryableError that says nothing reached the backend."""
-    if not isinstance(error, RetryableError):
-        return False
-    effect = error.effect
-    if effect is None:
-        effect = DEFAULT_EFFECT[error.reason]
-    return effect is _NOT_SENT
 
 
 def _grpc_code(error: BaseException) -> object:
@@ -112,7 +103,7 @@ def default_is_rejection(error: BaseException) -> bool:
     ``is_rejection=lambda e: default_is_rejection(e) or isinstance(e, TimeoutError)`` to
     count them.
     """
-    if _not_sent(error):
+    if sent_nothing(error):
         return False
     for _ in range(_CAUSES):
         if isinstance(error, RetryableError):
@@ -414,7 +405,7 @@ class AdaptiveThrottle:
             raise TypeError(
                 f"AdaptiveThrottle.record_failure(error) must be an exception, got {show(error)}"
             )
-        if not isinstance(error, Exception) or _not_sent(error):
+        if not isinstance(error, Exception) or sent_nothing(error):
             return
         if not self._is_rejection(error):  # user code: outside the lock
             self.record_success()

@@ -216,10 +216,10 @@ class _Controller:
         #: True once the channel helper's channel stopped taking attempts (at ``close()``,
         #: or once ``close(grace)``'s wait is over): no call waits then.
         self._closing = False
-        #: True once ``close()`` started: the channel takes no new call. With a grace,
-        #: sdkcore's calls still retry and hedge until :meth:`_drain` ends (rfc/0003,
-        #: "Closing the channel"); ``_closing`` follows then.
-        self._refusing = False
+        #: True while ``close(grace)`` waits for sdkcore's calls (:meth:`_drain`; rfc/0003,
+        #: "Closing the channel"): they still retry and hedge, and the channel refuses new
+        #: calls itself (grpc.aio's channel is still open). ``_closing`` follows.
+        self._draining = False
         #: sdkcore's calls that may still send an attempt: a unary or streaming call's
         #: state until it ends (or its stream commits: ``_Call.release``), a hedged call
         #: until it ends. ``close(grace)`` waits for them (:meth:`_drain`).
@@ -319,7 +319,8 @@ class _Controller:
         closes, ends the same way instead of waiting (``_Call.failed``). Called as
         ``close()`` starts, or once :meth:`_drain` is over for ``close(grace)``.
         """
-        self._closing = self._refusing = True
+        self._closing = True
+        self._draining = False
         drained = self._drained
         if drained is not None:  # a close(grace) still waiting: nothing left to wait for
             drained.set()
@@ -340,8 +341,8 @@ class _Controller:
         """
         loop = asyncio.get_running_loop()
         start = loop.time()
-        self._refusing = True
-        if self._live and not self._closing:
+        self._draining = True
+        if self._live:
             drained = self._drained
             if drained is None:
                 drained = self._drained = asyncio.Event()

@@ -474,7 +474,7 @@ async def streaming_call(
     response_streaming: bool,
 ) -> Any:
     """A retrying call for a streaming method with a plan, else the plain call."""
-    if core._refusing and not core._closing:
+    if core._draining:
         raise channel_closed_error()  # close(grace) waits for sdkcore's calls: no new one
     plan = core.plan(details.method)
     if plan is None or core._closing:  # closing: grpc.aio's own call refuses it

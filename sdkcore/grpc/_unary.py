@@ -563,7 +563,7 @@ class BoundedMultiCallable(aio.UnaryUnaryMultiCallable):  # type: ignore[misc]
         compression: Any = None,
     ) -> Any:
         core = self._core
-        if core._refusing and not core._closing:
+        if core._draining:
             raise channel_closed_error()  # close(grace) waits for sdkcore's calls: no new one
         outer = dispatching()
         if outer is not None:  # made inside a request's send: never outlive it
@@ -606,13 +606,11 @@ class DirectMultiCallable(aio.UnaryUnaryMultiCallable):  # type: ignore[misc]
         compression: Any = None,
     ) -> Any:
         core = self._core
-        if core._refusing:
+        if core._draining:
+            raise channel_closed_error()  # close(grace) waits for sdkcore's calls: no new one
+        if core._closing:
             # The channel is closing or closed: it takes no new call. grpc.aio's own call
             # refuses it (UsageError), as without sdkcore; no sdkcore attempt starts.
-            # While close(grace) waits for sdkcore's calls, grpc.aio's channel is open:
-            # refused here, the same way.
-            if not core._closing:
-                raise channel_closed_error()
             return self._inner(
                 request,
                 timeout=timeout,
@@ -660,7 +658,7 @@ class FirstAttemptMultiCallable(DirectMultiCallable):
         compression: Any = None,
     ) -> Any:
         core = self._core
-        if core._refusing and not core._closing:
+        if core._draining:
             raise channel_closed_error()  # close(grace) waits for sdkcore's calls: no new one
         plan = self._plan
         budget = core.orchestrator.retry_budget
