@@ -155,49 +155,34 @@ async def test_a_timeout_inside_hedge_0s_send_just_after_the_hedge_was_due_keeps
     assert sent == [0, 1]
 
 
+@pytest.mark.parametrize("effect", [None, AttemptEffect.NOT_SENT], ids=["in_flight", "not_sent"])
 @pytest.mark.parametrize("refused_by", ["non_fatal", "strategy"])
-async def test_a_not_sent_refusal_raised_for_the_deadlines_cut_times_out(refused_by: str) -> None:
-    """A copy that says it sent nothing (``NOT_SENT``) as the deadline cut it, with a reason
-    that would end the chain: the timeout, as execute gives (was "not hedged further")."""
+async def test_a_hedge_copy_turning_the_deadlines_cut_into_a_final_reason_times_out(
+    refused_by: str, effect: AttemptEffect | None
+) -> None:
+    """A copy that turns the deadline's cut into a reason that would end the chain (not in
+    ``non_fatal``, or refused by the strategy), also one saying it sent nothing: the
+    timeout, as ``execute`` gives for the same send (was "not retried"/"not hedged further")."""
     orch = RetryOrchestrator()
     strategy = FailFastRetryStrategy() if refused_by == "strategy" else None
     request = Request(name="get", idempotent=True, timeout=0.05, retry_strategy=strategy)
+    reason = (
+        RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT
+        if effect is None
+        else RetryReason.SOCKET_NOT_AVAILABLE
+    )
 
     async def send(r: Request, index: int) -> str:
         try:
             await anyio.sleep(60)
         except anyio.get_cancelled_exc_class():
-            raise RetryableError(
-                RetryReason.SOCKET_NOT_AVAILABLE, effect=AttemptEffect.NOT_SENT
-            ) from None
+            raise RetryableError(reason, effect=effect) from None
         return "never"
 
     non_fatal = frozenset({RetryReason.KV_LOCKED}) if refused_by == "non_fatal" else None
     policy = HedgePolicy(max_attempts=2, delay=timedelta(milliseconds=10), non_fatal=non_fatal)
     with anyio.fail_after(SAFETY), pytest.raises(UnambiguousTimeoutException):
         await orch.hedge(request, send, policy)
-    assert request.state is RequestState.CANCELLED
-
-
-@pytest.mark.parametrize("refused_by", ["non_fatal", "strategy"])
-async def test_a_hedge_copy_turning_the_deadlines_cut_into_a_final_reason_times_out(
-    refused_by: str,
-) -> None:
-    orch = RetryOrchestrator()
-    strategy = FailFastRetryStrategy() if refused_by == "strategy" else None
-    request = Request(name="get", idempotent=True, timeout=0.05, retry_strategy=strategy)
-
-    async def send(r: Request, index: int) -> str:
-        try:
-            await anyio.sleep(60)
-        except anyio.get_cancelled_exc_class():
-            raise RetryableError(RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT) from None
-        return "never"
-
-    non_fatal = frozenset({RetryReason.KV_LOCKED}) if refused_by == "non_fatal" else None
-    policy = HedgePolicy(max_attempts=2, delay=timedelta(milliseconds=10), non_fatal=non_fatal)
-    with anyio.fail_after(SAFETY), pytest.raises(UnambiguousTimeoutException):
-        await orch.hedge(request, send, policy)  # before: RequestCanceledException (not retried)
     assert request.state is RequestState.CANCELLED
     with anyio.fail_after(SAFETY), pytest.raises(UnambiguousTimeoutException):
         await orch.execute(
