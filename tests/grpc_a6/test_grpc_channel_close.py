@@ -103,6 +103,21 @@ def scheduled(events: list[Any]) -> Callable[[], bool]:
     return lambda: any(e["event"] == "retry.scheduled" for e in events)
 
 
+async def in_long_backoff(server: Server) -> tuple[Any, Any, Any]:
+    """A channel, and a call of method "M" (always UNAVAILABLE) waiting 8-12 s to retry:
+    ``(channel, call, task awaiting the call's outcome)``."""
+    method = server.unary_unary("M", always())
+    cfg = retry_config(max_attempts=5, **LONG)
+    with capture_retry_events() as events:
+        ch = insecure_channel(
+            server.target, service_config=cfg, backoff_jitter=BackoffJitter.PROPORTIONAL
+        )
+        call = ch.unary_unary(method)(b"x")
+        waiting = asyncio.ensure_future(outcome(call))
+        await wait_until(scheduled(events))
+    return ch, call, waiting
+
+
 async def in_flight_at_close(server: Server) -> tuple[Any, Any, Any, bool]:
     """A plain grpc.aio call in flight when its channel closes: what its reader sees."""
     method = server.unary_unary("Native", hang())
@@ -119,15 +134,8 @@ async def test_a_unary_call_in_backoff_ends_as_grpc_aio_ends_a_call_in_flight(
 ) -> None:
     native_exc, native_code, native_details, native_cancelled = await in_flight_at_close(server)
     assert type(native_exc) is asyncio.CancelledError
-    method = server.unary_unary("M", always())
-    cfg = retry_config(max_attempts=5, **LONG)
-    with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
-        ch = insecure_channel(
-            server.target, service_config=cfg, backoff_jitter=BackoffJitter.PROPORTIONAL
-        )
-        call = ch.unary_unary(method)(b"x")
-        waiting = asyncio.ensure_future(outcome(call))
-        await wait_until(scheduled(events))
+    with anyio.fail_after(TEST_TIMEOUT):
+        ch, call, waiting = await in_long_backoff(server)
         with anyio.fail_after(PROMPT):
             await ch.close()
             exc = await ended(waiting)
@@ -241,15 +249,8 @@ async def test_close_with_a_grace_ends_a_call_still_waiting_when_the_grace_is_ov
 ) -> None:
     """A backoff of 8-12 s outlasts a grace of 0.5 s: the call ends cancelled when the
     grace is over (as grpcio ends its calls then), and no attempt follows."""
-    method = server.unary_unary("M", always())
-    cfg = retry_config(max_attempts=5, **LONG)
-    with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
-        ch = insecure_channel(
-            server.target, service_config=cfg, backoff_jitter=BackoffJitter.PROPORTIONAL
-        )
-        call = ch.unary_unary(method)(b"x")
-        waiting = asyncio.ensure_future(outcome(call))
-        await wait_until(scheduled(events))
+    with anyio.fail_after(TEST_TIMEOUT):
+        ch, call, waiting = await in_long_backoff(server)
         loop = asyncio.get_running_loop()
         start = loop.time()
         with anyio.fail_after(PROMPT):
@@ -484,15 +485,8 @@ async def test_a_close_without_grace_during_a_grace_ends_everything_at_once(
 ) -> None:
     """A second ``close()`` (no grace) while the first waits within its grace: the calls
     end cancelled at once and both closes return."""
-    method = server.unary_unary("M", always())
-    cfg = retry_config(max_attempts=5, **LONG)
-    with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
-        ch = insecure_channel(
-            server.target, service_config=cfg, backoff_jitter=BackoffJitter.PROPORTIONAL
-        )
-        call = ch.unary_unary(method)(b"x")
-        waiting = asyncio.ensure_future(outcome(call))
-        await wait_until(scheduled(events))
+    with anyio.fail_after(TEST_TIMEOUT):
+        ch, _, waiting = await in_long_backoff(server)
         graceful = asyncio.ensure_future(ch.close(grace=30))
         await asyncio.sleep(0.05)
         assert not graceful.done()
