@@ -834,7 +834,9 @@ async def run_hedged(
             if request.state is not RequestState.PENDING:  # Request.cancel(), as below
                 raise _cancelled_after_answer(request, chain)
             return chain.result  # type: ignore[no-any-return]
-        if not request._finish(RequestState.SUCCEEDED):
+        # _succeeded(): a losing copy booked with its own error for the cut lets go of
+        # its traceback, as a retried request's last failure does (a reference cycle else)
+        if not request._succeeded():
             # Request.cancel() came after a copy answered, before the caller resumed: a
             # cancelled request never reports success (rfc/0001, "Application cancel").
             raise _cancelled_after_answer(request, chain)

@@ -117,3 +117,73 @@ async def test_a_retried_execute_sync_leaves_nothing() -> None:
         return orch.execute_sync(Request(idempotent=True, timeout=5.0), send)
 
     assert await left_by(call) == []
+
+
+def fails_twice_while_handling() -> Callable[[Request], Awaitable[str]]:
+    """A send that maps a transport error inside its ``except`` block, without ``from``:
+    the ``RetryableError``'s ``__context__`` keeps the transport error, whose traceback
+    holds the send's frame and with it the request."""
+    sent = [0]
+
+    async def send(request: Request) -> str:
+        sent[0] += 1
+        if sent[0] % 3:
+            try:
+                raise ConnectionResetError("reset by peer")
+            except OSError:
+                raise RetryableError(REASON, "busy")  # noqa: B904 (the pattern under test)
+        return "ok"
+
+    return send
+
+
+@pytest.mark.parametrize("request_timeout", [None, 5.0], ids=["no deadline", "deadline"])
+async def test_a_failure_raised_while_handling_another_leaves_nothing(
+    request_timeout: float | None,
+) -> None:
+    orch = orchestrator()
+    send = fails_twice_while_handling()
+
+    async def call() -> object:
+        request = Request(idempotent=True, timeout=request_timeout)
+        assert await orch.execute(request, send) == "ok"
+        assert request.retry_attempts == 2
+        return request
+
+    assert await left_by(call) == []
+
+
+async def test_a_hedge_copy_raising_its_own_error_for_the_cut_leaves_nothing() -> None:
+    orch = orchestrator()
+
+    async def send(request: Request, index: int) -> int:
+        if index == 0:  # the loser: its read cut by the winner's answer says "reset"
+            try:
+                await anyio.sleep(0.02)
+            except anyio.get_cancelled_exc_class():
+                raise ConnectionResetError("reset by the cut") from None
+        return index
+
+    policy = HedgePolicy(delay=timedelta(milliseconds=1), max_attempts=2)
+
+    async def call() -> object:
+        request = Request(idempotent=True, timeout=5.0)
+        assert await orch.hedge(request, send, policy) == 1
+        assert (request.attempts[0].error or "").startswith("ConnectionResetError")
+        return request
+
+    assert await left_by(call) == []
+
+
+async def test_the_callers_own_exception_keeps_its_traceback() -> None:
+    """A door called in an ``except`` block: the failures' chains reach the exception the
+    caller handles, whose traceback is the caller's, not the request's to free."""
+    orch = orchestrator()
+    send = fails_twice()
+    try:
+        raise KeyError("the caller's")
+    except KeyError as handled:
+        result = await orch.execute(Request(idempotent=True, timeout=5.0), send)
+        traceback = handled.__traceback__
+    assert result == "ok"
+    assert traceback is not None
