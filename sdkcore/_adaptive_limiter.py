@@ -5,8 +5,8 @@ rfc/0009, "Adaptive concurrency limiter".
 Netflix concurrency-limits' ``Gradient2Limit`` (the version with ``rttTolerance``)
 fed by windows as its ``WindowedLimit`` feeds it, with their parameters. Gradient2:
 smoothing 0.2, RTT tolerance 1.5, a long-term RTT averaged over 600 windows after
-10 warm-up windows, a gradient clamped to [0.5, 1], a window with a drop counted as
-gradient 0.5, no growth while fewer than half the permits were used. A window is
+10 warm-up windows, a gradient clamped to [0.5, 1], no growth while fewer than half
+the permits were used. A window is
 the average round trip of at least 10 samples (WindowedLimit's ``windowSize``; a
 window waits for them, as failsafe-go's AdaptiveLimiter does, rather than being
 dropped) and lasts twice the smallest round trip of the one before, bounded to
@@ -15,13 +15,16 @@ Envoy's ``concurrency_update_interval``; the ceiling WindowedLimit's default). T
 headroom added while latency is flat is ``max(4, sqrt(limit))`` (concurrency-limits'
 ``SquareRootFunction.create(4)``; Gradient2's own default is 4).
 
-One addition, measured in rfc/0009: upstream, a steady overload teaches the
+Where this differs from upstream (a window with a drop halves the limit at once,
+unsmoothed; only timeouts and cuts that ran 1.5 baselines count as drops; a window
+keeps collecting until it has its samples; the probe below...): rfc/0009, "Where we
+differ". The probe, measured there: upstream, a steady overload teaches the
 long-term RTT its own queue, and the limit drifts up with it to ``max_limit``. Here
 a baseline that no unloaded window confirmed for 30 windows in a row (saturated,
 above the baseline) is re-measured by a probe, as Envoy's adaptive_concurrency
-re-measures its minimum RTT: the limit is held at half while 50 dispatches (Envoy's
-``request_count``) go out at that concurrency, and their average, once every one of
-them has ended, is the new baseline. A probe that finds it 10 % lower probes again
+re-measures its minimum RTT: the limit is held at half while 10 dispatches per permit,
+at most 50 (Envoy's ``request_count``), go out at that concurrency, and their average,
+once every one of them has ended, is the new baseline. A probe that finds it 10 % lower probes again
 at half as much; warm-up windows that were all saturated end with a probe.
 """
 

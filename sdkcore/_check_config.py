@@ -160,6 +160,12 @@ def lint(obj: Any, cap: int = DEFAULT_MAX_ATTEMPTS_CAP) -> list[str]:
         retry = mc.get("retryPolicy")
         if isinstance(retry, Mapping):
             out += _backoff_order(f"{path}.retryPolicy", retry)
+            if "perAttemptRecvTimeout" in retry:
+                out.append(
+                    f"{path}.retryPolicy.perAttemptRecvTimeout: not supported by sdkcore "
+                    "channels, ignored (an attempt ends with the call's timeout); see "
+                    'rfc/0003, "Not done here"'
+                )
     throttling = obj.get("retryThrottling")
     if isinstance(throttling, Mapping):
         out += _unknown_keys("retryThrottling", throttling, _THROTTLING)

@@ -371,3 +371,23 @@ def test_max_attempts_beyond_an_int32_is_refused_without_a_treated_as_warning(
     assert code == 1
     assert "an int32" in err
     assert "treated as" not in err  # refused, not capped
+
+
+def test_per_attempt_recv_timeout_is_warned_as_ignored() -> None:
+    """A valid key of gRPC's retry policy (not A6's) that sdkcore's channels do not apply:
+    accepted, and said to be ignored rather than passed silently."""
+    policy = {
+        "maxAttempts": 3,
+        "initialBackoff": "0.1s",
+        "maxBackoff": "1s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": ["UNAVAILABLE"],
+        "perAttemptRecvTimeout": "0.5s",
+    }
+    warnings = lint({"methodConfig": [{"name": [{}], "retryPolicy": policy}]})
+    assert warnings == [
+        "methodConfig[0].retryPolicy.perAttemptRecvTimeout: not supported by sdkcore channels, "
+        'ignored (an attempt ends with the call\'s timeout); see rfc/0003, "Not done here"'
+    ]
+    del policy["perAttemptRecvTimeout"]
+    assert lint({"methodConfig": [{"name": [{}], "retryPolicy": policy}]}) == []

@@ -222,11 +222,10 @@ class _Client:
 
         async def send(request: Request) -> dict[str, Any]:
             counts.channel_calls += 1  # one channel call per attempt (per hedged copy)
-            left = request.time_left
-            # The orchestrator's deadline fires first; the call's own is a backstop.
-            timeout = None if left is None else left.total_seconds() + 0.25
             try:
-                raw = await call(payload, timeout=timeout)
+                # No timeout of its own: made inside the request's send, the call is bounded
+                # by the request's time left (rfc/0003, "A call inside a request").
+                raw = await call(payload)
             except aio.AioRpcError as err:
                 raise_failure(_map_status(err, request), cause=err)
             reply: dict[str, Any] = json.loads(raw)

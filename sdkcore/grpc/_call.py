@@ -375,7 +375,7 @@ class _Call:
         (one its orchestrator already scheduled a retry for) cut in flight by a
         cancellation ends its request as a core door does: the attempt cut is booked
         maybe applied and ``retry.cancelled`` is logged (:func:`sdkcore._failing.finish_by`;
-        rfc/0003, "Cancellation"). :class:`_TracedCall` also ends the call's telemetry.
+        rfc/0003, "How one call runs"). :class:`_TracedCall` also ends the call's telemetry.
         """
         request = self._request
         if (
