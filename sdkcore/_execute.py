@@ -374,7 +374,7 @@ def _failed(
             # a non-retryable answer: the last attempt's failure
             request._attempt_failed(None, _MAYBE, exc, request.clock())
             if isinstance(exc, CouchbaseException):
-                _give_context(request, exc)
+                _failing.give_context(request, exc)
         raise exc
     except BaseException as final:  # the error, our timeout, or what the scope re-raised
         _failing.finish_by(request, final)
@@ -385,18 +385,6 @@ def _failed(
             trace.attempt_end(handle, final if fired else exc)
             trace.end(request, final)
         raise
-
-
-def _give_context(request: Request, error: CouchbaseException) -> None:
-    """The request's error context on ``error``, the final answer of an attempt.
-
-    Kept apart from ``execute``: one local less in its frame (see :func:`_failed`).
-    """
-    old = error.context  # none yet, or built by a mapper for this request
-    if old is None or old.request_id == request.id:
-        error.context = request.error_context(
-            request.last_reason, extra=None if old is None else old.extra
-        )
 
 
 def _completed(

@@ -18,7 +18,7 @@ from ._action import RetryAction
 from ._context import DEFAULT_EFFECT, AttemptEffect, CancellationReason
 from ._core import OrchestratorCore
 from ._decision import Verdict
-from ._errors import RequestCanceledException, RetryableError
+from ._errors import CouchbaseException, RequestCanceledException, RetryableError
 from ._hooks import INSTANT_DELAYS
 from ._log import DEBUG
 from ._reason import RetryReason
@@ -213,6 +213,8 @@ def _loop(
                     request, request.last_reason, answered=True
                 ) from exc
             request._attempt_failed(None, _MAYBE, exc, now)
+            if isinstance(exc, CouchbaseException):
+                _failing.give_context(request, exc)
             request._finish_by(exc)
             raise
         except BaseException as exc:  # the caller's own (a KeyboardInterrupt): in flight

@@ -26,6 +26,7 @@ from ._context import (
 from ._decision import Verdict
 from ._errors import (
     AmbiguousTimeoutException,
+    CouchbaseException,
     RequestCanceledException,
     RetryableError,
     TimeoutException,
@@ -305,6 +306,18 @@ def _outcome_fields(request: Request) -> dict[str, Any]:
         "timeout_ms": None if timeout is None else round(timeout.total_seconds() * 1000.0, 3),
         "elapsed_ms": round(request.elapsed.total_seconds() * 1000.0, 3),
     }
+
+
+def give_context(request: Request, error: CouchbaseException) -> None:
+    """The request's error context on ``error``, a ``CouchbaseException`` that ``send``
+    raised as the request's final answer (README, "When things fail"): none yet, or one a
+    mapper built for this request (its ``extra`` kept), becomes the request's, with every
+    attempt. A context made for another request (an inner request's error) stays."""
+    old = error.context
+    if old is None or old.request_id == request.id:
+        error.context = request.error_context(
+            request.last_reason, extra=None if old is None else old.extra
+        )
 
 
 def log_not_retried(

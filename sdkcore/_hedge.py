@@ -608,9 +608,12 @@ class _Chain:
         if self.over:
             return
         self.fatal = error
-        log = _log.enabled(_log.INFO)
+        # debug, as a non-fatal one: how the request ended is the door's event at info
+        # (retry.not_retried for a reason the policy does not hedge past), and an answer
+        # such as "not found" is logged by no door (rfc/0004, "Log events")
+        log = _log.enabled(_log.DEBUG)
         if log is not None:
-            log.info(
+            log.debug(
                 EVENT_HEDGE_FAILED,
                 request_id=self.request.id,
                 request_name=self.request.name,
@@ -660,7 +663,7 @@ _NOT_HEDGED = {
     ),
     "retry_budget": (
         "retry_budget_exhausted",
-        "the retry budget refused more hedges and the sent ones failed",
+        "the retry budget{budget} refused more hedges and the sent ones failed",
     ),
 }
 
@@ -868,13 +871,16 @@ async def run_hedged(
             raise error from fatal.__cause__ or fatal
         if isinstance(fatal, RetryableError):
             request._finish(RequestState.CANCELLED, CancellationReason.NO_MORE_RETRIES)
+            why = f"{fatal.reason.name} is not a non-fatal reason of the hedging policy"
+            _failing.log_not_retried(request, fatal.reason, "hedge", "fatal_reason", detail=why)
             error = RequestCanceledException(
-                f"not hedged further: {fatal.reason.name} is not a non-fatal reason of the "
-                "hedging policy",
+                f"not hedged further: {why}",
                 context=request.error_context(fatal.reason, extra=chain.extra()),
             )
             error.__cause__ = fatal.__cause__ or fatal
             raise error
+        if isinstance(fatal, CouchbaseException):
+            _failing.give_context(request, fatal)  # as execute's (README, "When things fail")
         request._finish(RequestState.FAILED)
         raise fatal
     if chain.cut:  # the deadline: every hedge still in flight was cut and recorded as such
@@ -892,11 +898,18 @@ async def run_hedged(
         else CancellationReason.NO_MORE_RETRIES,
     )
     event_why, why = _NOT_HEDGED[chain.stop]
-    why = why.format(sent=len(chain.attempts))
-    _failing.log_not_retried(request, last.reason, "hedge", event_why, detail=why)
+    fields: dict[str, Any] = {}
+    extra = chain.extra()
+    budget_name = getattr(chain.budget, "name", None) if chain.stop == "retry_budget" else None
+    if budget_name is not None:  # which budget, as execute's refusal names it
+        fields["budget"] = extra["budget"] = budget_name
+    why = why.format(
+        sent=len(chain.attempts), budget="" if not budget_name else f" {budget_name!r}"
+    )
+    _failing.log_not_retried(request, last.reason, "hedge", event_why, detail=why, **fields)
     error = RequestCanceledException(
         f"not hedged further: {why}; the last failure was {last.reason.name}",
-        context=request.error_context(last.reason, extra=chain.extra()),
+        context=request.error_context(last.reason, extra=extra),
     )
     error.__cause__ = last.__cause__ or last
     raise error

@@ -13,6 +13,7 @@ from fuzz_kit import CountingBudget
 from sdkcore import (
     AmbiguousTimeoutException,
     AttemptEffect,
+    CouchbaseException,
     FailFastRetryStrategy,
     HedgePolicy,
     Request,
@@ -421,3 +422,47 @@ async def test_a_loop_that_catches_sdkcores_own_timeout_gets_it_back() -> None:
         orchestrator.attempt(request),
     ):
         raise AssertionError("sent after its timeout")
+
+
+class _NotFound(CouchbaseException):
+    pass
+
+
+@pytest.mark.parametrize("door", ["execute", "execute_sync", "hedge"])
+async def test_a_couchbase_exception_send_raised_gets_the_requests_context(door: str) -> None:
+    """README, "When things fail": a ``CouchbaseException`` ``send`` raised as the final
+    answer gets the request's context (every attempt, its id), a mapper's ``extra`` kept.
+    ``execute_sync`` and ``hedge`` raised it without one."""
+    orchestrator = RetryOrchestrator()
+    request = Request(name="kv.get", idempotent=True, timeout=5)
+    failures = [RetryableError(TEMP, "busy"), None]
+
+    def answer(_: Request) -> str:
+        failure = failures.pop(0)
+        if failure is not None:
+            raise failure
+        error = _NotFound("no such document")
+        error.context = request.error_context(None, extra={"bucket": "b1"})  # the mapper's
+        raise error
+
+    async def send(r: Request) -> str:
+        return answer(r)
+
+    async def copy(r: Request, index: int) -> str:
+        return answer(r)
+
+    async def run() -> str:
+        if door == "execute":
+            return await orchestrator.execute(request, send)
+        if door == "execute_sync":
+            return orchestrator.execute_sync(request, answer)
+        return await orchestrator.hedge(request, copy, HedgePolicy(2, delay=0.0))
+
+    with pytest.raises(_NotFound) as info:
+        await run()
+    context = info.value.context
+    assert context is not None
+    assert context.request_id == request.id
+    assert context.extra["bucket"] == "b1"
+    assert [a.reason for a in context.attempts][:1] == [TEMP]
+    assert len(context.attempts) == 2  # the final answer's attempt included

@@ -681,7 +681,7 @@ async def test_a_huge_failure_message_stays_bounded() -> None:
     send = Script(
         {
             0: (0.0, RetryableError(TEMP, huge)),  # non-fatal (debug event)
-            1: (0.02, RetryableError(LOCKED, huge, cause=OSError(huge))),  # fatal (info event)
+            1: (0.02, RetryableError(LOCKED, huge, cause=OSError(huge))),  # fatal
         }
     )
     policy = HedgePolicy(2, delay=0.0, non_fatal={TEMP})
@@ -915,3 +915,25 @@ async def test_a_copy_booked_as_the_caller_is_cancelled_is_never_sent() -> None:
     assert sent == [0]
     assert budget.refunds == 1  # the copy that never went gives its withdrawal back
     assert live_tasks() == before
+
+
+async def test_a_reason_outside_non_fatal_ends_as_a_logged_refusal() -> None:
+    """The operator's one line at info says why the hedged request ended, as execute's
+    refusal does; the copy's own hedge.failed is debug (an application answer such as
+    "not found" is logged by no door)."""
+    send = Script({0: (0.0, RetryableError(LOCKED, "locked"))})
+    policy = HedgePolicy(2, delay=0.05, non_fatal={TEMP})
+    with (
+        anyio.fail_after(SAFETY),
+        capture_retry_events() as events,
+        pytest.raises(RequestCanceledException) as info,
+    ):
+        await RetryOrchestrator().hedge(idem(), send, policy)
+    assert "KV_LOCKED is not a non-fatal reason of the hedging policy" in str(info.value)
+    [refusal] = [e for e in events if e["event"] == "retry.not_retried"]
+    assert refusal["strategy"] == "hedge"
+    assert refusal["why"] == "fatal_reason"
+    assert refusal["reason"] == "KV_LOCKED"
+    assert refusal["log_level"] == "info"
+    [failed] = [e for e in events if e["event"] == "hedge.failed"]
+    assert (failed["fatal"], failed["log_level"]) == (True, "debug")

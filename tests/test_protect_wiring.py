@@ -347,6 +347,31 @@ async def test_every_hedge_after_the_first_withdraws_from_the_budget() -> None:
     assert "retry budget refused more hedges" in info.value.message
 
 
+
+async def test_a_hedge_stopped_by_a_named_budget_names_it_as_execute_does() -> None:
+    """The operator reads which budget refused: in the message, the context and the event
+    (execute's refusal named it; the hedge's said only "the retry budget")."""
+    from sdkcore import HedgePolicy
+
+    clock = VirtualClock()
+    shared = RetryBudget(
+        ttl=10, min_retries_per_sec=0.0, retry_ratio=1.0, clock=clock.clock, name="cluster-A"
+    )
+    orch = RetryOrchestrator(retry_budget=shared)
+
+    async def send(request: Request, index: int) -> str:
+        raise RetryableError(RetryReason.KV_TEMPORARY_FAILURE)
+
+    with capture_retry_events() as events, pytest.raises(RequestCanceledException) as info:
+        await orch.hedge(Request(idempotent=True, timeout=5), send, HedgePolicy(4, delay=0))
+    assert "the retry budget 'cluster-A' refused more hedges" in info.value.message
+    context = info.value.context
+    assert context is not None
+    assert context.extra["budget"] == "cluster-A"
+    (refusal,) = [e for e in events if e["event"] == "retry.not_retried"]
+    assert refusal["why"] == "retry_budget_exhausted"
+    assert refusal["budget"] == "cluster-A"
+
 @pytest.mark.parametrize("door", ["execute", "execute_sync"])
 async def test_a_paid_retry_refused_by_an_open_breaker_is_refunded(door: str) -> None:
     """A retry after an attempt that reached the server withdraws; the breaker, open
