@@ -347,7 +347,6 @@ async def test_every_hedge_after_the_first_withdraws_from_the_budget() -> None:
     assert "retry budget refused more hedges" in info.value.message
 
 
-
 async def test_a_hedge_stopped_by_a_named_budget_names_it_as_execute_does() -> None:
     """The operator reads which budget refused: in the message, the context and the event
     (execute's refusal named it; the hedge's said only "the retry budget")."""
@@ -371,6 +370,7 @@ async def test_a_hedge_stopped_by_a_named_budget_names_it_as_execute_does() -> N
     (refusal,) = [e for e in events if e["event"] == "retry.not_retried"]
     assert refusal["why"] == "retry_budget_exhausted"
     assert refusal["budget"] == "cluster-A"
+
 
 @pytest.mark.parametrize("door", ["execute", "execute_sync"])
 async def test_a_paid_retry_refused_by_an_open_breaker_is_refunded(door: str) -> None:
