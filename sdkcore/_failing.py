@@ -609,6 +609,7 @@ def strategy_failed(
             _log.EVENT_STRATEGY_FAILED,
             **event_fields(request, reason, strategy),
             error=describe_error(error),
+            **_outcome_fields(request),  # a write that may have been applied says so here too
         )
 
 

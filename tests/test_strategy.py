@@ -13,6 +13,7 @@ import anyio.lowlevel
 import pytest
 
 from sdkcore import (
+    AttemptEffect,
     AuthenticationFailureException,
     BestEffortRetryStrategy,
     CancellationReason,
@@ -32,7 +33,7 @@ from sdkcore import (
     RetryStrategy,
     ScopeNotFoundException,
 )
-from sdkcore.testing import VirtualClock
+from sdkcore.testing import VirtualClock, capture_retry_events
 
 pytestmark = pytest.mark.anyio
 
@@ -807,3 +808,29 @@ async def test_a_shared_refusal_exception_keeps_one_may_have_been_applied_note()
     notes = getattr(shared, "__notes__", [])
     assert len(notes) == 1
     assert "may have been applied" in notes[0]
+
+
+@pytest.mark.parametrize("answer", ["raises", "not an action"])
+async def test_a_failed_strategy_event_says_whether_the_write_may_have_applied(answer: str) -> None:
+    """The operator's one warning line for a write the strategy failed: the request failed,
+    and whether the write may be on the server (as retry.not_retried says it)."""
+
+    class Broken(BestEffortRetryStrategy):
+        def decide(self, request: Request, reason: RetryReason) -> RetryAction:
+            if answer == "raises":
+                raise ValueError("config service down")
+            return "later"  # type: ignore[return-value]
+
+    async def send(request: Request) -> None:
+        raise RetryableError(RetryReason.KV_LOCKED, effect=AttemptEffect.MAYBE_APPLIED)
+
+    request = Request(name="kv.insert", idempotent=False, timeout=5.0)
+    with capture_retry_events() as events, pytest.raises((ValueError, TypeError)):
+        await RetryOrchestrator(Broken()).execute(request, send)
+    (failed,) = [e for e in events if e["event"] == "retry.strategy_failed"]
+    assert failed["request_id"] == request.id
+    assert failed["ambiguous"] is True
+    assert failed["maybe_applied"] is True
+    assert failed["effect"] == "MAYBE_APPLIED"
+    assert failed["timeout_ms"] == 5000.0
+    assert failed["elapsed_ms"] >= 0.0
