@@ -467,6 +467,7 @@ class _Call:
                         final = self._final(err, copy=True)
                     raise final from self._answer_context(request, err, timeout)
                 raise final
+        first = self._request is None  # built now, at the first attempt's failure
         request = self.request
         st.transparent = kind
         committed = st.committed
@@ -501,6 +502,10 @@ class _Call:
                 refused = err.__cause__
                 if isinstance(refused, RetryableError):
                     hint = refused.retry_after
+            if first:
+                # Sent at the call's start (the request's clock starts there): booked with
+                # its duration, as every later attempt is (sent() begins those).
+                request._begin_attempt(0.0)
             await core.orchestrator.maybe_retry(
                 request, reason, cause=err, effect=effect, retry_after=hint
             )

@@ -413,7 +413,14 @@ class A6RetryStrategy:
             why = state.commit_why or "response headers or messages received"
             return _refusal(f"the call is committed ({why})", state)
         if state.attempts >= self._max_attempts:
-            return _refusal(f"all {self._max_attempts} attempts (maxAttempts) used", state)
+            used = self._max_attempts
+            if policy.max_attempts > used:  # not the number in the config: say where it came from
+                return _refusal(
+                    f"all {used} attempts used (maxAttempts {policy.max_attempts}, capped at "
+                    f"{used} by the channel's max_attempts_cap)",
+                    state,
+                )
+            return _refusal(f"all {used} attempts (maxAttempts) used", state)
         if pushback is not None:
             state.backoff_n = 0
             delay = pushback / 1000.0

@@ -19,7 +19,7 @@ grpc = pytest.importorskip("grpc")
 from grpc import aio  # noqa: E402
 from grpc_server import TEST_TIMEOUT, Server, abort, retry_config  # noqa: E402
 
-from sdkcore import AttemptEffect, UnambiguousTimeoutException  # noqa: E402
+from sdkcore import AttemptEffect, CouchbaseException, UnambiguousTimeoutException  # noqa: E402
 from sdkcore._context import describe_error  # noqa: E402
 from sdkcore.grpc import RetryThrottler, insecure_channel, retry_controller  # noqa: E402
 from sdkcore.testing import capture_retry_events  # noqa: E402
@@ -138,6 +138,42 @@ async def test_not_retried_says_why_the_policy_stopped(server: Server) -> None:
     [event] = [e for e in events if e["event"] == "retry.not_retried"]
     assert event["why"] == "strategy_declined"
     assert event["detail"] == "all 2 attempts (maxAttempts) used"
+
+
+async def test_a_capped_max_attempts_is_reported_with_the_configured_number(server: Server) -> None:
+    """maxAttempts 100 runs 5 attempts (the client cap, A6): the refusal names both, or the
+    operator looks for a 5 that is in no config."""
+    method = server.unary_unary("M", fails_on_x())
+    with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
+        async with insecure_channel(
+            server.target,
+            service_config=retry_config(max_attempts=100, initial="0.001s", maximum="0.002s"),
+        ) as ch:
+            with pytest.raises(aio.AioRpcError):
+                await ch.unary_unary(method)(b"x")
+    assert server.count("M") == 5
+    [event] = [e for e in events if e["event"] == "retry.not_retried"]
+    assert event["detail"] == (
+        "all 5 attempts used (maxAttempts 100, capped at 5 by the channel's max_attempts_cap)"
+    )
+
+
+async def test_the_first_attempt_is_booked_with_its_duration(server: Server) -> None:
+    """The call's request is built at its first failure; its first attempt, sent at the
+    call's start, had no duration in the error context where every later one had."""
+    method = server.unary_unary("M", fails_on_x())
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=retry_config(max_attempts=3)
+        ) as ch:
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(method)(b"x")
+    cause = info.value.__cause__
+    assert isinstance(cause, CouchbaseException)
+    assert cause.context is not None
+    attempts = cause.context.attempts
+    assert len(attempts) == 3
+    assert all(a.duration is not None and a.duration.total_seconds() >= 0 for a in attempts)
 
 
 async def test_the_nested_error_text_says_the_attempt_count_once(server: Server) -> None:
