@@ -630,6 +630,7 @@ class AdaptivePermit:
         self._held = 0
         limiter = self._limiter
         limiter._tokens.append(TOKEN)  # first: nothing below may keep the permit (see _exit)
+        interrupted: BaseException | None = None
         try:
             end = limiter._clock()
             rtt = end - self._start
@@ -637,6 +638,10 @@ class AdaptivePermit:
         except Exception:  # a clock or an error's __cause__ that raises: no sample
             end = rtt = 0.0
             outcome = _IGNORE
+        except BaseException as exc:  # an interrupt there: no sample, re-raised at the end,
+            end = rtt = 0.0  # once a probe's dispatch is closed (else the probe never ends)
+            outcome = _IGNORE
+            interrupted = exc
         if held < 0:  # one of a probe's
             with limiter._lock:
                 woken = limiter._probed(rtt, outcome)
@@ -661,6 +666,8 @@ class AdaptivePermit:
                 limiter._count_now()
         if limiter._waiters or limiter._debt:
             limiter._settle()
+        if interrupted is not None:
+            raise interrupted
 
 
 class AdaptiveGuard(AdaptivePermit):

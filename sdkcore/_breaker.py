@@ -36,7 +36,7 @@ from . import _log
 from ._callables import clock_reading, sync_callable
 from ._context import describe_error
 from ._duration import to_seconds
-from ._errors import RetryableError, TimeoutException
+from ._errors import RetryableError, TimeoutException, sent_nothing
 from ._reason import RetryReason
 from ._request import Request, dispatching
 from ._retry_state import RequestState
@@ -446,8 +446,13 @@ class CircuitBreaker:
                     )
         if token is not None:
             _hold(token)  # this task or thread holds the probe
-        for event in events:
-            _emit(*event)
+        try:
+            for event in events:
+                _emit(*event)
+        except BaseException:  # a log handler that raised: the probe was granted, not sent
+            if token is not None:
+                self._probe_cancelled()  # free for the next dispatch, as a cancelled probe
+            raise
         if granted is None:
             # Counted here, whichever way the dispatch asked (guard, admit, try_acquire).
             telemetry = self._telemetry
@@ -513,6 +518,13 @@ class CircuitBreaker:
                 return
             error = cut
         if not self._is_failure(error):
+            if sent_nothing(error):
+                # Nothing reached the endpoint (an inner breaker's or a limiter's refusal, a
+                # connection that was never tried): no outcome, as a cancellation. Counted a
+                # success, a probe that never left closed the breaker (rfc/0007).
+                if self._state is _HALF_OPEN:
+                    self._probe_cancelled()
+                return
             self._record(False)
         elif self._state is _OPEN:
             self._record(True)  # ignored while OPEN: not described

@@ -228,13 +228,17 @@ class RetryBudget:
         if refused >= 0:
             log = _log.enabled(_log.INFO)
             if log is not None:
-                log.info(
-                    _log.EVENT_BUDGET_RECOVERED,
-                    budget=self._name,
-                    refused=refused,
-                    duration_ms=_log.duration_ms(since, now),
-                    balance=(tokens - cost) // cost,
-                )
+                try:
+                    log.info(
+                        _log.EVENT_BUDGET_RECOVERED,
+                        budget=self._name,
+                        refused=refused,
+                        duration_ms=_log.duration_ms(since, now),
+                        balance=(tokens - cost) // cost,
+                    )
+                except BaseException:  # a log handler that raised: the door sends no retry
+                    self.refund()
+                    raise
             return True
         telemetry = self._telemetry
         if telemetry is not None:

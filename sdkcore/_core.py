@@ -282,8 +282,9 @@ class OrchestratorCore:
                     capped=verdict is _TIME_OUT,
                     **({} if verdict is not _TIME_OUT else _requested(action, hint)),
                 )
-            except BaseException:
+            except BaseException:  # a log handler that raises: the retry is not sent
                 self._leave_backoff(threads)
+                self._refund_unsent(request, verdict)
                 raise
         return verdict, delay
 

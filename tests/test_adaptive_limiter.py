@@ -848,3 +848,51 @@ def test_a_probe_dispatch_that_times_out_is_no_round_trip(cut: float, timeouts: 
     limiter = _probe_with_timeouts(cut, timeouts)
     assert limiter.baseline_rtt == pytest.approx(0.010, rel=0.05)
     assert limiter.limit == clean.limit
+
+
+def test_a_probe_dispatch_interrupted_as_it_ends_still_ends_the_probe() -> None:
+    """A KeyboardInterrupt as one of the probe's dispatches read the clock in its exit:
+    the permit came back, but the probe's count of open dispatches kept it, so the probe
+    never ended, the limit stayed at half for good and no window was counted again."""
+
+    class Clock:
+        def __init__(self) -> None:
+            self.now = 1000.0
+            self.armed = False
+
+        def __call__(self) -> float:
+            if self.armed:
+                self.armed = False
+                raise KeyboardInterrupt
+            return self.now
+
+    clock = Clock()
+    limiter = AdaptiveConcurrencyLimiter(20, 1, 200, clock=clock)
+    in_flight: list[tuple[float, int, Any]] = []
+    seq = itertools.count()
+    interrupted = probes_ended = 0
+    while clock.now < 1100.0 and not probes_ended:
+        while True:  # unlimited demand against an endpoint answering in 10 ms
+            guard = limiter.guard()
+            try:
+                guard.__enter__()
+            except RetryableError:
+                break
+            heapq.heappush(in_flight, (clock.now + 0.010, next(seq), guard))
+        end, _, guard = heapq.heappop(in_flight)
+        clock.now = max(clock.now, end)
+        probing = limiter._probing
+        if probing and not interrupted and guard._held < 0:  # one of the probe's
+            interrupted += 1
+            clock.armed = True
+            with pytest.raises(KeyboardInterrupt):
+                guard.__exit__(None, None, None)
+        else:
+            guard.__exit__(None, None, None)
+        if probing and not limiter._probing:
+            probes_ended += 1
+    assert interrupted == 1
+    assert probes_ended == 1
+    for _, _, guard in in_flight:
+        guard.__exit__(None, None, None)
+    assert limiter.in_flight == 0

@@ -14,9 +14,12 @@ import pytest
 
 from sdkcore import (
     AmbiguousTimeoutException,
+    AttemptEffect,
     CircuitBreaker,
     CircuitState,
     DocumentNotFoundException,
+    RetryableError,
+    RetryReason,
     TemporaryFailureException,
     UnambiguousTimeoutException,
 )
@@ -580,3 +583,54 @@ async def test_a_probe_cancelled_without_an_outcome_frees_the_probe() -> None:
     assert [e["event"] for e in events if e["event"] == "breaker.half_open"] == [
         "breaker.half_open"
     ]
+
+
+# -- a failure that says nothing was sent -------------------------------------------------
+
+
+def test_a_nested_breakers_refusal_is_no_outcome_for_the_outer_probe() -> None:
+    """A per-node breaker inside a per-service one: the node's refusal (nothing was sent)
+    closed the service's HALF_OPEN breaker as a success, on a probe that never reached the
+    endpoint. It is no outcome: the probe is free again for the next dispatch."""
+    clock = Clock()
+    outer = make(clock, volume_threshold=1, name="service")
+    node = make(clock, volume_threshold=1, sleep_window=100.0, name="node")
+    outer.record_failure(TimeoutError("down"))
+    node.record_failure(TimeoutError("down"))
+    clock.now += 6.0  # the service's probe may go; the node's breaker is still sleeping
+    with pytest.raises(RetryableError) as refused, outer.guard(), node.guard():
+        pass  # never runs
+    assert refused.value.reason is RetryReason.CIRCUIT_BREAKER_OPEN
+    assert outer.state is CircuitState.HALF_OPEN  # not CLOSED
+    with outer.guard() as state:  # the probe is free: this dispatch is it
+        assert state is CircuitState.HALF_OPEN
+    assert outer.state is CircuitState.CLOSED
+
+
+@pytest.mark.parametrize(
+    ("error", "counted"),
+    [
+        (RetryableError(RetryReason.SOCKET_NOT_AVAILABLE, "pool empty"), (0, 0)),  # default
+        (RetryableError(RetryReason.KV_LOCKED, effect=AttemptEffect.NOT_SENT), (0, 0)),
+        (RetryableError(RetryReason.KV_LOCKED), (1, 0)),  # reached the server: a success
+    ],
+    ids=["reason's default", "explicit effect", "sent"],
+)
+def test_a_failure_that_sent_nothing_is_not_counted_while_closed(
+    error: RetryableError, counted: tuple[int, int]
+) -> None:
+    breaker = make(Clock())
+    breaker.record_failure(error)
+    assert breaker.counts == counted
+
+
+def test_a_refused_connection_still_counts_as_a_failure() -> None:
+    """The default rule counts a refused connection (the endpoint is down), though the
+    RetryableError that carries it says nothing was sent."""
+    breaker = make(Clock(), volume_threshold=1)
+    try:
+        raise ConnectionRefusedError(errno.ECONNREFUSED, "refused")
+    except ConnectionRefusedError as exc:
+        failure = RetryableError(RetryReason.SOCKET_NOT_AVAILABLE, "cannot connect", cause=exc)
+    breaker.record_failure(failure)
+    assert breaker.state is CircuitState.OPEN

@@ -13,6 +13,7 @@ the mark was set) left the request pending.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import signal
 import sys
@@ -25,6 +26,7 @@ import pytest
 
 from sdkcore import (
     AdaptiveConcurrencyLimiter,
+    AttemptEffect,
     BestEffortRetryStrategy,
     CancellationReason,
     Request,
@@ -220,3 +222,60 @@ def test_an_interrupt_as_the_adaptive_guard_reads_its_clock_gives_the_permit_bac
         with pytest.raises(KeyboardInterrupt):
             orchestrator.execute_sync(Request(idempotent=True), send)
         assert limiter.in_flight == 0
+
+
+def _converting_send(sent: list[int]) -> Any:
+    """A driver that turns Ctrl-C, landing while it waits for its connection, into a
+    retryable "not sent" failure; its retry would answer."""
+
+    def send(request: Request) -> str:
+        sent.append(1)
+        if len(sent) == 1:
+            try:
+                raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                raise RetryableError(  # noqa: B904 (the pattern under test)
+                    RetryReason.SOCKET_NOT_AVAILABLE,
+                    "connection wait cut",
+                    effect=AttemptEffect.NOT_SENT,
+                )
+        return "answer from a retry"
+
+    return send
+
+
+@pytest.mark.parametrize("idempotent", [True, False])
+def test_an_interrupt_send_turned_into_a_retryable_failure_is_never_retried(
+    idempotent: bool,
+) -> None:
+    """rfc/0001: cancellation is never a retryable failure. execute tells such a failure
+    by its ``__context__``; the sync door retried it and the caller's Ctrl-C was lost."""
+    sent: list[int] = []
+    request = Request(idempotent=idempotent, timeout=5.0)
+    with pytest.raises(KeyboardInterrupt):
+        RetryOrchestrator().execute_sync(request, _converting_send(sent))
+    assert sent == [1]
+    assert request.state is RequestState.CANCELLED
+    assert request.cancellation_reason is CancellationReason.TASK_CANCELLED
+
+
+def test_a_cleanup_request_made_while_handling_an_interrupt_still_retries() -> None:
+    """The caller's own handled interrupt is every failure's ``__context__`` inside its
+    ``except`` block: no interrupt of this call's."""
+    sent = [0]
+
+    def send(request: Request) -> str:
+        sent[0] += 1
+        if sent[0] == 1:
+            raise RetryableError(RetryReason.KV_TEMPORARY_FAILURE)
+        return "cleaned up"
+
+    orchestrator = RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda n: 0.0))
+    answer = None
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        with contextlib.suppress(KeyboardInterrupt):  # (escaping, it stops the test run)
+            answer = orchestrator.execute_sync(Request(idempotent=True, timeout=5.0), send)
+    assert answer == "cleaned up"
+    assert sent == [2]

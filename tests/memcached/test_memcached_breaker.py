@@ -231,3 +231,30 @@ async def test_one_reset_with_many_requests_in_flight_is_one_failure(
         assert len(results) == 30
         assert all(r == b"v" for r in results)
         assert breaker.state is CircuitState.CLOSED
+
+
+def test_sync_canary_interrupted_frees_the_probe(memcached: Memcached) -> None:
+    """Ctrl-C while the sync client's NOOP canary waits: no outcome, and the probe is free
+    again for the next dispatch (rfc/0007), as the async client's cut canary. Held, every
+    thread's request was refused CIRCUIT_BREAKER_OPEN until canary_timeout, then the
+    breaker reopened for a probe that never ended."""
+    opened = breaker_factory(volume_threshold=1, canary_timeout=30.0)
+    with SyncMemcachedClient(memcached.address, timeout=2.0, breaker=opened) as client:
+        breaker = client.breakers[0]
+        client.set("k", b"v")
+        breaker.record_failure(TimeoutError("earlier timeouts"))
+        assert breaker.state is CircuitState.OPEN
+        time.sleep(SLEEP_WINDOW * 1.5)  # the next dispatch is the probe
+        endpoint = client._endpoints[0]
+        roundtrip = endpoint._roundtrip
+
+        def interrupted(*args: Any) -> Any:
+            endpoint._roundtrip = roundtrip  # type: ignore[method-assign]
+            raise KeyboardInterrupt  # as the canary waits for its answer
+
+        endpoint._roundtrip = interrupted  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            client.get("k")
+        assert breaker.state is CircuitState.HALF_OPEN
+        assert client.get("k") == b"v"  # the probe went (not refused for 30 s) and closed it
+        assert breaker.state is CircuitState.CLOSED
