@@ -115,6 +115,9 @@ def event_fields(
         shown = client_context_text(request.client_context)
         if shown:
             fields["client_context"] = dict(shown)
+    outer = request._deadline_from
+    if outer is not None:  # made inside another request's send, bounded by its deadline
+        fields["deadline_from"] = outer[0]  # that request's id: the two joined without traces
     trace = request._trace
     if trace is not None:  # telemetry on: the event joins the request's trace
         ids = trace.ids()

@@ -395,3 +395,37 @@ async def test_asyncio_timeout_is_not_seen() -> None:
         assert seconds(Request(timeout=60).time_left) > 59
         assert Request(timeout=None).time_left is None
         await asyncio.sleep(0)
+
+
+async def test_the_inner_requests_events_name_the_outer_request() -> None:
+    """The operator joins an inner request's log lines to the outer's without traces:
+    ``deadline_from`` is the outer request's ``request_id`` on each of the inner's events,
+    and on none of the outer's own."""
+    from sdkcore.testing import capture_retry_events
+
+    clock = VirtualClock()
+    orch = RetryOrchestrator(
+        BestEffortRetryStrategy(backoff=lambda attempt: 0.1), sleep=clock.sleep
+    )
+    inner_ids: list[int] = []
+
+    async def inner_send(request: Request) -> str:
+        raise RetryableError(LOCKED)
+
+    async def outer_send(request: Request) -> str:
+        if not inner_ids:
+            inner_ids.append(0)
+            raise RetryableError(LOCKED)  # the outer's own retry: an event of its own
+        inner = Request(name="get-config", idempotent=True, timeout=None, clock=clock.clock)
+        inner_ids.append(inner.id)
+        return await orch.execute(inner, inner_send)  # retried until the outer's deadline
+
+    outer = Request(name="checkout", idempotent=True, timeout=1.0, clock=clock.clock)
+    with capture_retry_events() as events, pytest.raises(TimeoutException):
+        await orch.execute(outer, outer_send)
+    inner_events = [e for e in events if e["request_id"] == inner_ids[1]]
+    outer_events = [e for e in events if e["request_id"] == outer.id]
+    assert len(inner_events) > 1
+    assert outer_events
+    assert all(e["deadline_from"] == outer.id for e in inner_events)
+    assert all("deadline_from" not in e for e in outer_events)
