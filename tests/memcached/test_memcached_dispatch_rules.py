@@ -29,13 +29,13 @@ def test_refuse_if_open_is_the_guard() -> None:
     breaker = CircuitBreaker(name="h:1", volume_threshold=1, sleep_window=1.0, clock=clock)
     assert refuse_if_open(breaker) is False  # closed: go, not a probe
     breaker.record_failure(TimeoutError())
-    with pytest.raises(RetryableError, match="circuit breaker of h:1 is open") as caught:
+    with pytest.raises(RetryableError, match="circuit breaker h:1 is OPEN: nothing") as caught:
         refuse_if_open(breaker)
     assert caught.value.reason is RetryReason.CIRCUIT_BREAKER_OPEN
     clock.now += 1.0
     assert refuse_if_open(breaker) is True  # the probe
-    with pytest.raises(RetryableError):
-        refuse_if_open(breaker)
+    with pytest.raises(RetryableError, match="circuit breaker h:1 is HALF_OPEN: nothing"):
+        refuse_if_open(breaker)  # the probe is out: said so, not "open"
 
 
 @pytest.mark.parametrize(

@@ -96,10 +96,11 @@ def refuse_if_open(breaker: CircuitBreaker) -> bool:
     admitted = breaker.admit()
     if admitted is None:
         # As CircuitBreaker.guard() does: while OPEN, the retry waits for the probe.
-        wait = breaker.probe_after() if breaker.state is CircuitState.OPEN else None
-        raise RetryableError(
+        state = breaker.state
+        wait = breaker.probe_after() if state is CircuitState.OPEN else None
+        raise RetryableError(  # the words of CircuitBreaker.guard()'s refusal
             RetryReason.CIRCUIT_BREAKER_OPEN,
-            f"circuit breaker of {breaker.name} is open; nothing was sent",
+            f"circuit breaker {breaker.name} is {state.name}: nothing was sent",
             retry_after=wait,
         )
     return admitted is CircuitState.HALF_OPEN
