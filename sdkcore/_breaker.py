@@ -34,9 +34,9 @@ from typing import Any
 
 from . import _log
 from ._callables import clock_reading, sync_callable
-from ._context import describe_error
+from ._context import AttemptEffect, describe_error
 from ._duration import to_seconds
-from ._errors import RetryableError, TimeoutException, sent_nothing
+from ._errors import RetryableError, TimeoutException
 from ._reason import RetryReason
 from ._request import Request, dispatching
 from ._retry_state import RequestState
@@ -176,6 +176,32 @@ def _cut_at_deadline(request: Request | None, error: BaseException) -> TimeoutEr
 # The probes this task or thread holds: one token per grant (see CircuitBreaker._token).
 _PROBES: ContextVar[tuple[object, ...]] = ContextVar("sdkcore_breaker_probes", default=())
 _HELD = 16  # tokens kept per context: probes granted and never reported fall off
+
+
+#: Reasons whose failure, unless it names its effect, means the dispatch was refused on the
+#: client before anything was written. Not the terminal reasons (AUTHENTICATION_ERROR...),
+#: which also default to NOT_SENT but are the endpoint's answer: it is alive.
+_REFUSED_LOCALLY = frozenset(
+    {
+        RetryReason.CIRCUIT_BREAKER_OPEN,
+        RetryReason.CONCURRENCY_LIMITED,
+        RetryReason.CLIENT_THROTTLED,
+        RetryReason.SOCKET_NOT_AVAILABLE,
+        RetryReason.NODE_NOT_AVAILABLE,
+        RetryReason.SERVICE_NOT_AVAILABLE,
+    }
+)
+
+
+def _never_left(error: BaseException) -> bool:
+    """``error`` says the dispatch never reached the endpoint: a RetryableError whose
+    ``effect`` is NOT_SENT, or without an effect, whose reason is a local refusal."""
+    if not isinstance(error, RetryableError):
+        return False
+    effect = error.effect
+    if effect is None:
+        return error.reason in _REFUSED_LOCALLY
+    return effect is AttemptEffect.NOT_SENT
 
 
 def _hold(token: object) -> None:
@@ -518,7 +544,7 @@ class CircuitBreaker:
                 return
             error = cut
         if not self._is_failure(error):
-            if sent_nothing(error):
+            if _never_left(error):
                 # Nothing reached the endpoint (an inner breaker's or a limiter's refusal, a
                 # connection that was never tried): no outcome, as a cancellation. Counted a
                 # success, a probe that never left closed the breaker (rfc/0007).

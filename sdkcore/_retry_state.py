@@ -53,27 +53,27 @@ _ENDING = threading.Lock()
 
 
 def _let_chain_go(error: BaseException) -> None:
-    """Free the frames held by the tracebacks of the exceptions ``error`` was raised from
-    or while handling (``__cause__``, ``__context__``; its own is freed by the caller): a
-    ``send`` that raises ``RetryableError`` in an ``except`` block keeps the original
-    error, whose traceback holds ``send``'s frame, whose ``request`` holds this failure
-    (a reference cycle per retried request else). Types and messages stay. Exceptions
-    the caller is handling (a door called in an ``except`` block chains them too) keep
-    their tracebacks."""
-    seen = {id(error)}
-    handled = sys.exc_info()[1]
-    while handled is not None and len(seen) < 100:  # (bounded: a chain built in a loop)
-        seen.add(id(handled))
-        handled = handled.__context__
-    chained = [error.__cause__, error.__context__]
-    while chained and len(seen) < 200:
-        link = chained.pop()
-        if link is None or id(link) in seen:
-            continue
-        seen.add(id(link))
+    """Free the frames held by the tracebacks of the exceptions ``error`` was raised while
+    handling (its ``__context__`` chain; its own is freed by the caller): a ``send`` that
+    raises ``RetryableError`` in an ``except`` block keeps the transport error it handled,
+    whose traceback holds ``send``'s frame, whose ``request`` holds this failure (a
+    reference cycle per retried request else). Types and messages stay.
+
+    Only the implicit chain: an explicit ``__cause__`` (``raise ... from conn.broken``) may
+    be an exception the request does not own, kept by a connection or by another request's
+    caller, whose traceback is theirs. Nor the exceptions the caller is handling (a door
+    called in an ``except`` block chains them too)."""
+    handled: set[int] = set()
+    current = sys.exc_info()[1]
+    while current is not None and len(handled) < 100:  # (bounded: a chain built in a loop)
+        handled.add(id(current))
+        current = current.__context__
+    link = error.__context__
+    for _ in range(100):
+        if link is None or id(link) in handled:
+            return
         link.__traceback__ = None
-        chained.append(link.__cause__)
-        chained.append(link.__context__)
+        link = link.__context__
 
 
 class RetryState:
@@ -271,7 +271,7 @@ class RetryState:
                 # The chain's only when there is one: a call per failure was 1.7% of a
                 # retried execute's instructions (bench/README, "eleventh session").
                 previous.__traceback__ = None
-                if previous.__context__ is not None or previous.__cause__ is not None:
+                if previous.__context__ is not None:
                     _let_chain_go(previous)
             self._last_error = error
         if reason is not None:
@@ -323,7 +323,7 @@ class RetryState:
         error = self._last_error
         if error is not None:
             error.__traceback__ = None
-            if error.__context__ is not None or error.__cause__ is not None:
+            if error.__context__ is not None:
                 _let_chain_go(error)
         return completed
 

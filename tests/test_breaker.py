@@ -634,3 +634,19 @@ def test_a_refused_connection_still_counts_as_a_failure() -> None:
         failure = RetryableError(RetryReason.SOCKET_NOT_AVAILABLE, "cannot connect", cause=exc)
     breaker.record_failure(failure)
     assert breaker.state is CircuitState.OPEN
+
+
+@pytest.mark.parametrize(
+    "reason", [RetryReason.AUTHENTICATION_ERROR, RetryReason.COLLECTION_NOT_FOUND]
+)
+def test_a_terminal_answer_to_the_probe_closes_the_breaker(reason: RetryReason) -> None:
+    """The terminal reasons also default to "nothing sent" (found before the request is
+    written) but they are the endpoint's answer: it is alive, the probe closes the
+    breaker as any answer does."""
+    clock = Clock()
+    breaker = make(clock, volume_threshold=1)
+    breaker.record_failure(TimeoutError("down"))
+    clock.now += 6.0
+    with pytest.raises(RetryableError), breaker.guard():
+        raise RetryableError(reason, "answered by the endpoint")
+    assert breaker.state is CircuitState.CLOSED

@@ -187,3 +187,27 @@ async def test_the_callers_own_exception_keeps_its_traceback() -> None:
         traceback = handled.__traceback__
     assert result == "ok"
     assert traceback is not None
+
+
+async def test_an_exception_a_failure_was_raised_from_keeps_its_traceback() -> None:
+    """Only the chain of what ``send`` was handling is freed: an explicit cause may be an
+    exception the request does not own (a connection keeps the error that broke it and
+    raises every later error ``from`` it), whose traceback is its keeper's."""
+    try:
+        raise ConnectionResetError("reset while reading")
+    except ConnectionResetError as exc:
+        broken = exc
+    assert broken.__traceback__ is not None
+    sent = [0]
+
+    async def send(request: Request) -> str:
+        sent[0] += 1
+        if sent[0] == 1:
+            try:
+                raise ConnectionError("the connection is broken") from broken
+            except OSError:
+                raise RetryableError(REASON, "unusable")  # noqa: B904 (the pattern under test)
+        return "ok"
+
+    assert await orchestrator().execute(Request(idempotent=True, timeout=5.0), send) == "ok"
+    assert broken.__traceback__ is not None

@@ -279,3 +279,30 @@ def test_a_cleanup_request_made_while_handling_an_interrupt_still_retries() -> N
             answer = orchestrator.execute_sync(Request(idempotent=True, timeout=5.0), send)
     assert answer == "cleaned up"
     assert sent == [2]
+
+
+def test_a_base_exception_timeout_send_turned_into_a_retryable_failure_is_retried() -> None:
+    """Only the caller's interrupts (Ctrl-C, sys.exit) are never retried: a per-attempt
+    timeout that derives from BaseException (gevent.Timeout, eventlet's) is send's own,
+    and a driver that maps it to a retryable failure gets its retry."""
+
+    class AttemptTimeout(BaseException):
+        pass
+
+    sent = [0]
+
+    def send(request: Request) -> str:
+        sent[0] += 1
+        if sent[0] == 1:
+            try:
+                raise AttemptTimeout
+            except AttemptTimeout:
+                raise RetryableError(  # noqa: B904 (the pattern under test)
+                    RetryReason.KV_TEMPORARY_FAILURE, "attempt timed out"
+                )
+        return "answer"
+
+    orchestrator = RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda n: 0.0))
+    request = Request(idempotent=True, timeout=5.0)
+    assert orchestrator.execute_sync(request, send) == "answer"
+    assert sent == [2]

@@ -503,9 +503,10 @@ class _Call:
                 if isinstance(refused, RetryableError):
                     hint = refused.retry_after
             if first:
-                # Sent at the call's start (the request's clock starts there): booked with
-                # its duration, as every later attempt is (sent() begins those).
-                request._begin_attempt(0.0)
+                # Sent at the call's start (the first reading of the request's clock,
+                # _Since): booked with its duration, as every later attempt is (sent()
+                # begins those).
+                request._begin_attempt(self.started)
             await core.orchestrator.maybe_retry(
                 request, reason, cause=err, effect=effect, retry_after=hint
             )

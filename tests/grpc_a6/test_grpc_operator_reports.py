@@ -173,7 +173,9 @@ async def test_the_first_attempt_is_booked_with_its_duration(server: Server) -> 
     assert cause.context is not None
     attempts = cause.context.attempts
     assert len(attempts) == 3
-    assert all(a.duration is not None and a.duration.total_seconds() >= 0 for a in attempts)
+    for attempt in attempts:  # each from its send to its failure: well under the test's bound
+        assert attempt.duration is not None
+        assert 0.0 <= attempt.duration.total_seconds() < TEST_TIMEOUT
 
 
 async def test_the_nested_error_text_says_the_attempt_count_once(server: Server) -> None:

@@ -258,3 +258,27 @@ def test_sync_canary_interrupted_frees_the_probe(memcached: Memcached) -> None:
         assert breaker.state is CircuitState.HALF_OPEN
         assert client.get("k") == b"v"  # the probe went (not refused for 30 s) and closed it
         assert breaker.state is CircuitState.CLOSED
+
+
+def test_sync_canary_failing_with_a_client_error_does_not_close_the_breaker(
+    memcached: Memcached,
+) -> None:
+    """Only the caller's interrupt is reported as no outcome: an error of the client's own
+    (a reply it could not decode) reaches the caller and is no success of the probe's."""
+    opened = breaker_factory(volume_threshold=1)
+    with SyncMemcachedClient(memcached.address, timeout=2.0, breaker=opened) as client:
+        breaker = client.breakers[0]
+        client.set("k", b"v")
+        breaker.record_failure(TimeoutError("earlier timeouts"))
+        time.sleep(SLEEP_WINDOW * 1.5)
+        endpoint = client._endpoints[0]
+        roundtrip = endpoint._roundtrip
+
+        def undecodable(*args: Any) -> Any:
+            endpoint._roundtrip = roundtrip  # type: ignore[method-assign]
+            raise RuntimeError("canary reply could not be decoded")
+
+        endpoint._roundtrip = undecodable  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError):
+            client.get("k")
+        assert breaker.state is not CircuitState.CLOSED

@@ -247,8 +247,8 @@ class _SyncEndpoint:
         except OSError as exc:  # socket timeouts are TimeoutError, an OSError
             breaker.record_failure(exc)
             canary_failed(breaker, exc)
-        except BaseException as exc:  # the caller's interrupt (Ctrl-C): no outcome, the probe
-            breaker.record_failure(exc)  # is free again (rfc/0007), as the async client's cut
+        except (KeyboardInterrupt, SystemExit) as exc:  # the caller's interrupt: no outcome,
+            breaker.record_failure(exc)  # the probe free again (rfc/0007), as the async client's
             raise
         breaker.record_success()
 
