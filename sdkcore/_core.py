@@ -269,10 +269,10 @@ class OrchestratorCore:
             raise self._refusal(request, reason, verdict, action, strategy, failure, hint, left)
         request._retry_booked(reason, delay)
         trace = request._trace
-        if trace is not None:
-            trace.retry(reason, delay)
-        if log is not None:
-            try:
+        try:
+            if trace is not None:
+                trace.retry(reason, delay)
+            if log is not None:
                 log.debug(
                     _log.EVENT_SCHEDULED,
                     **_failing.event_fields(
@@ -282,10 +282,10 @@ class OrchestratorCore:
                     capped=verdict is _TIME_OUT,
                     **({} if verdict is not _TIME_OUT else _requested(action, hint)),
                 )
-            except BaseException:  # a log handler that raises: the retry is not sent
-                self._leave_backoff(threads)
-                self._refund_unsent(request, verdict)
-                raise
+        except BaseException:  # an interrupt in a log handler or an instrument: not sent
+            self._leave_backoff(threads)
+            self._refund_unsent(request, verdict)
+            raise
         return verdict, delay
 
     def _decide_on_threads(

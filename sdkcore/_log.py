@@ -31,8 +31,10 @@ after the application imported it (:func:`_attach`: a lookup in ``sys.modules`` 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
+import warnings
 from collections.abc import Callable, MutableMapping
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
@@ -222,27 +224,92 @@ def _stdlib_event(event: str, fields: dict[str, Any]) -> tuple[str, dict[str, An
     return (f"{event} {text}" if text else event), {"sdkcore": {"event": event, **fields}}
 
 
+#: The events whose logging raised once already (see :func:`_dropped`).
+_DROPPED: set[str] = set()
+
+
+def _dropped(event: str, error: Exception) -> None:
+    """Logging ``event`` raised ``error`` (an application's filter on the ``sdkcore``
+    logger, or a structlog processor, that raises): the event is dropped and sdkcore goes
+    on, as the standard library's handlers go on after an error of their own
+    (``Handler.handleError``). sdkcore's state is changed around its events (a probe
+    granted, a retry counted and paid for, a copy booked): an event that raised halfway
+    left requests pending, hedges waiting for ever and permits held. Said once per event
+    name, as a ``RuntimeWarning`` (the logging that would say it is what failed)."""
+    if event in _DROPPED:
+        return
+    _DROPPED.add(event)
+    try:
+        text = f"{type(error).__name__}: {error}"
+    except Exception:  # an error whose str() raises
+        text = type(error).__name__
+    with contextlib.suppress(Exception):  # warnings made errors: dropped all the same
+        warnings.warn(
+            f"sdkcore dropped its log event {event!r}: logging it raised {text} (a filter, "
+            "handler or structlog processor of the application's); requests went on",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 class _Stdlib:
     """sdkcore's events on the stdlib logger ``sdkcore`` (structlog left unconfigured).
 
     Plain ``logging`` calls: an application that never configured structlog never
     imports it through sdkcore (the first warning of a process would otherwise load
-    structlog, tens of milliseconds, inside that request's deadline).
+    structlog, tens of milliseconds, inside that request's deadline). An error raised
+    by logging is not sdkcore's to raise (:func:`_dropped`).
     """
 
     __slots__ = ()
 
     def debug(self, event: str, **fields: Any) -> None:
-        msg, extra = _stdlib_event(event, fields)
-        _stdlib_logger.debug(msg, extra=extra, stacklevel=2)
+        try:
+            msg, extra = _stdlib_event(event, fields)
+            _stdlib_logger.debug(msg, extra=extra, stacklevel=2)
+        except Exception as exc:
+            _dropped(event, exc)
 
     def info(self, event: str, **fields: Any) -> None:
-        msg, extra = _stdlib_event(event, fields)
-        _stdlib_logger.info(msg, extra=extra, stacklevel=2)
+        try:
+            msg, extra = _stdlib_event(event, fields)
+            _stdlib_logger.info(msg, extra=extra, stacklevel=2)
+        except Exception as exc:
+            _dropped(event, exc)
 
     def warning(self, event: str, **fields: Any) -> None:
-        msg, extra = _stdlib_event(event, fields)
-        _stdlib_logger.warning(msg, extra=extra, stacklevel=2)
+        try:
+            msg, extra = _stdlib_event(event, fields)
+            _stdlib_logger.warning(msg, extra=extra, stacklevel=2)
+        except Exception as exc:
+            _dropped(event, exc)
+
+
+class _Guarded:
+    """The application's structlog logger, whose pipeline may raise (:func:`_dropped`)."""
+
+    __slots__ = ("log",)
+
+    def __init__(self, log: Any) -> None:
+        self.log = log
+
+    def debug(self, event: str, **fields: Any) -> None:
+        try:
+            self.log.debug(event, **fields)
+        except Exception as exc:
+            _dropped(event, exc)
+
+    def info(self, event: str, **fields: Any) -> None:
+        try:
+            self.log.info(event, **fields)
+        except Exception as exc:
+            _dropped(event, exc)
+
+    def warning(self, event: str, **fields: Any) -> None:
+        try:
+            self.log.warning(event, **fields)
+        except Exception as exc:
+            _dropped(event, exc)
 
 
 _STDLIB = _Stdlib()
@@ -302,12 +369,13 @@ def _structlog_gate(structlog: Any) -> Callable[[int], Any]:
     at: Callable[[int], Any]
     level_of = getattr(log, "get_effective_level", None)
     check = getattr(log, "isEnabledFor", None) or getattr(log, "is_enabled_for", None)
+    guarded = _Guarded(log)
     if level_of is not None and not hasattr(log, "isEnabledFor"):
-        at = _Floor(log, int(level_of())).at  # filtering bound loggers: fixed by the class
+        at = _Floor(guarded, int(level_of())).at  # filtering bound loggers: fixed by the class
     elif check is not None:
-        at = _Checked(log, check).at  # e.g. structlog.stdlib: the stdlib level, live
+        at = _Checked(guarded, check).at  # e.g. structlog.stdlib: the stdlib level, live
     else:
-        at = _Floor(log, 0).at  # no level: every event goes to the pipeline
+        at = _Floor(guarded, 0).at  # no level: every event goes to the pipeline
     _cached = at
     _cached_key = (
         config["processors"],

@@ -1,14 +1,20 @@
-"""A log handler (or a structlog processor) that raises as sdkcore logs a retry: the door
-raises its error, and the request still ends as any request that raised does, with what
-its retry paid given back. Logging is the application's code; its failure must not leave
-a request pending for ever (it could neither be completed nor sent again) nor keep a
-retry budget's token for a retry that was never sent."""
+"""A log handler, filter or structlog processor of the application's that raises as
+sdkcore logs an event. sdkcore changes its state around its events (a retry counted and
+paid for, a breaker's probe granted, a hedge copy booked, a call taken off the channel's
+live set): an event that raised halfway left requests pending for ever, hedged calls
+waiting for ever, probes, permits and budget tokens held. An ``Exception`` from logging
+is not sdkcore's to raise: the event is dropped, said once per event name as a
+``RuntimeWarning``, and every request goes on as with working logging (rfc/0001, "Log
+events"). An interrupt (``KeyboardInterrupt``) raised in a handler still reaches the
+caller, and what the interrupted step had taken is given back."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, MutableMapping
+from datetime import timedelta
 from typing import Any
 
+import anyio
 import pytest
 import structlog
 
@@ -16,35 +22,39 @@ from sdkcore import (
     BestEffortRetryStrategy,
     CircuitBreaker,
     CircuitState,
+    ConcurrencyLimiter,
+    HedgePolicy,
     Request,
+    RequestCanceledException,
     RequestState,
     RetryableError,
     RetryBudget,
     RetryOrchestrator,
     RetryReason,
+    TimeoutException,
+    _log,
 )
 
 pytestmark = pytest.mark.anyio
+TEMP = RetryReason.KV_TEMPORARY_FAILURE
 
 
-def _raising(event: str, error: BaseException) -> Iterator[None]:
-    """structlog configured with a processor that raises ``error`` on ``event``."""
+def _raising(event: str | None, error: BaseException) -> Iterator[None]:
+    """structlog configured with a processor that raises ``error`` on ``event`` (None:
+    on every event), after sdkcore's once-per-event warnings were reset."""
 
     def processor(_: Any, method: str, event_dict: MutableMapping[str, Any]) -> Any:
-        if event_dict.get("event") == event:
+        if event is None or event_dict.get("event") == event:
             raise error
         raise structlog.DropEvent
 
+    _log._DROPPED.clear()
     structlog.configure(processors=[processor], cache_logger_on_first_use=False)
     try:
         yield
     finally:
         structlog.reset_defaults()
-
-
-@pytest.fixture
-def raising_on_scheduled(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield from _raising("retry.scheduled", request.param)
+        _log._DROPPED.clear()
 
 
 @pytest.fixture
@@ -52,27 +62,132 @@ def raising_on(request: pytest.FixtureRequest) -> Iterator[None]:
     yield from _raising(*request.param)
 
 
-def budget() -> RetryBudget:
-    return RetryBudget(ttl=10, min_retries_per_sec=1, retry_ratio=0.0)  # a reserve of 10
+@pytest.fixture
+def every_event_raises() -> Iterator[None]:
+    yield from _raising(None, RuntimeError("the handler broke"))
 
 
-def send_fails(request: Request) -> str:
-    raise RetryableError(RetryReason.KV_TEMPORARY_FAILURE)  # reached the server: a retry pays
+def budget(**kwargs: Any) -> RetryBudget:
+    kwargs.setdefault("min_retries_per_sec", 1)  # a reserve of 10
+    return RetryBudget(ttl=10, retry_ratio=0.0, **kwargs)
 
 
-@pytest.mark.parametrize(
-    ("raising_on_scheduled", "door", "state"),
-    [
-        (RuntimeError("the handler broke"), "execute", RequestState.FAILED),
-        (RuntimeError("the handler broke"), "execute_sync", RequestState.FAILED),
-        (KeyboardInterrupt(), "execute_sync", RequestState.CANCELLED),
-    ],
-    indirect=["raising_on_scheduled"],
-    ids=["execute", "execute_sync", "execute_sync-interrupt"],
-)
-async def test_the_request_ends_and_the_unsent_retry_is_refunded(
-    raising_on_scheduled: None, door: str, state: RequestState
-) -> None:
+def fails_then(answer: str, failures: int = 1) -> Any:
+    sent = [0]
+
+    def send(request: Request) -> str:
+        sent[0] += 1
+        if sent[0] <= failures:
+            raise RetryableError(TEMP)
+        return answer
+
+    return send
+
+
+# -- an Exception from logging: dropped, said once, every request goes on ------------------
+
+
+@pytest.mark.parametrize("door", ["execute", "execute_sync", "maybe_retry"])
+async def test_a_retry_whose_event_raised_goes_on(every_event_raises: None, door: str) -> None:
+    shared = budget()
+    orch = RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda n: 0.0), retry_budget=shared)
+    request = Request(idempotent=True, timeout=5.0)
+    send = fails_then("ok")
+
+    async def send_async(r: Request) -> str:
+        return send(r)
+
+    async def by_hand() -> str:
+        while True:
+            try:
+                with orch.attempt(request):
+                    result = send(request)
+            except RetryableError as failure:
+                await orch.maybe_retry(request, failure.reason, cause=failure)
+                continue
+            orch.succeed(request)
+            return result
+
+    async def run() -> str:
+        if door == "execute":
+            return await orch.execute(request, send_async)
+        if door == "execute_sync":
+            return orch.execute_sync(request, send)
+        return await by_hand()
+
+    with pytest.warns(RuntimeWarning, match="dropped its log event 'retry.scheduled'"):
+        assert await run() == "ok"
+    assert request.state is RequestState.SUCCEEDED
+    assert request.retry_attempts == 1
+    assert orch.requests_in_retry == 0
+    assert shared.balance == 9  # the retry that was sent paid for itself, once
+
+
+async def test_every_event_raising_changes_no_outcome(every_event_raises: None) -> None:
+    """Timeouts, refusals, hedges, a breaker's whole cycle, a limiter's refusal and a
+    budget's exhaustion, every event of each raising: the outcomes of working logging."""
+    orch = RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda n: 0.01))
+
+    async def always_fails(r: Request) -> str:
+        raise RetryableError(TEMP)
+
+    async def scenarios() -> None:
+        # a timeout after retries
+        late = Request(idempotent=True, timeout=0.05)
+        with pytest.raises(TimeoutException):
+            await orch.execute(late, always_fails)
+        assert late.state is RequestState.CANCELLED
+        assert orch.requests_in_retry == 0
+
+        # a hedge whose first copy loses (cut), and one whose first copy fails
+        async def copies(r: Request, index: int) -> int:
+            if index == 0:
+                await anyio.sleep(1.0)
+            return index
+
+        async def first_fails(r: Request, index: int) -> int:
+            if index == 0:
+                raise RetryableError(TEMP)
+            return index
+
+        with anyio.fail_after(5):  # a hedge that waits for ever fails here, not the run
+            policy = HedgePolicy(3, delay=timedelta(milliseconds=5))
+            assert await orch.hedge(Request(idempotent=True, timeout=2.0), copies, policy) == 1
+            assert await orch.hedge(Request(idempotent=True, timeout=2.0), first_fails, policy) == 1
+
+        # a breaker: opened, refusing, its probe, closed
+        breaker = CircuitBreaker(volume_threshold=1, sleep_window=0.02, name="node1")
+        breaker.record_failure(TimeoutError("down"))
+        assert breaker.state is CircuitState.OPEN
+        with pytest.raises(RetryableError), breaker.guard():
+            pass
+        await anyio.sleep(0.03)
+        with breaker.guard() as state:
+            assert state is CircuitState.HALF_OPEN
+        assert breaker.state is CircuitState.CLOSED
+
+        # a limiter's refusal, retried
+        limiter = ConcurrencyLimiter(1, name="pool")
+        with limiter.guard(), pytest.raises(RetryableError) as refused, limiter.guard():
+            pass
+        assert refused.value.reason is RetryReason.CONCURRENCY_LIMITED
+        assert limiter.in_flight == 0
+
+        # an empty budget
+        empty = RetryOrchestrator(retry_budget=budget(min_retries_per_sec=0, name="b"))
+        with pytest.raises(RequestCanceledException):
+            await empty.execute(Request(idempotent=True, timeout=1.0), always_fails)
+        assert empty.requests_in_retry == 0
+
+    with pytest.warns(RuntimeWarning):  # (once per event name)
+        await scenarios()
+
+
+# -- an interrupt from logging: it reaches the caller, what was taken is given back ---------
+
+
+@pytest.mark.parametrize("raising_on", [("retry.scheduled", KeyboardInterrupt())], indirect=True)
+def test_an_interrupted_retry_ends_the_request_and_refunds_its_token(raising_on: None) -> None:
     shared = budget()
     before = shared.balance
     orch = RetryOrchestrator(BestEffortRetryStrategy(), retry_budget=shared)
@@ -81,20 +196,12 @@ async def test_the_request_ends_and_the_unsent_retry_is_refunded(
 
     def send(r: Request) -> str:
         sent.append(1)
-        return send_fails(r)
+        raise RetryableError(TEMP)  # reached the server: its retry pays
 
-    async def send_async(r: Request) -> str:
-        return send(r)
-
-    async def run() -> str:
-        if door == "execute":
-            return await orch.execute(request, send_async)
-        return orch.execute_sync(request, send)
-
-    with pytest.raises((RuntimeError, KeyboardInterrupt)):
-        await run()
+    with pytest.raises(KeyboardInterrupt):
+        orch.execute_sync(request, send)
     assert sent == [1]
-    assert request.state is state  # was PENDING on the sync door after a RuntimeError
+    assert request.state is RequestState.CANCELLED
     assert shared.balance == before  # the withdrawal for the retry that never went out
     assert orch.requests_in_retry == 0
 
@@ -107,15 +214,13 @@ class Clock:
         return self.now
 
 
-@pytest.mark.parametrize(
-    "raising_on", [("breaker.half_open", RuntimeError("the handler broke"))], indirect=True
-)
-def test_a_breaker_whose_probe_grant_could_not_be_logged_lets_the_next_dispatch_probe(
+@pytest.mark.parametrize("raising_on", [("breaker.half_open", KeyboardInterrupt())], indirect=True)
+def test_a_breaker_whose_probe_grant_was_interrupted_lets_the_next_dispatch_probe(
     raising_on: None,
 ) -> None:
-    """The probe was granted, then its event raised: nothing was sent. Held, the probe cut
-    the endpoint off until canary_timeout, then reopened the breaker for a probe that never
-    went."""
+    """The probe was granted, then its event was interrupted: nothing was sent. Held, the
+    probe cut the endpoint off until canary_timeout, then reopened the breaker for a probe
+    that never went."""
     clock = Clock()
     breaker = CircuitBreaker(
         volume_threshold=1, sleep_window=5.0, canary_timeout=2.0, clock=clock, name="node1"
@@ -123,18 +228,16 @@ def test_a_breaker_whose_probe_grant_could_not_be_logged_lets_the_next_dispatch_
     breaker.record_failure(TimeoutError("no answer"))
     assert breaker.state is CircuitState.OPEN
     clock.now += 6.0  # the sleep window is over: the next dispatch is the probe
-    with pytest.raises(RuntimeError), breaker.guard():
-        pass  # never runs: the grant's event raised
+    with pytest.raises(KeyboardInterrupt), breaker.guard():
+        pass  # never runs: the grant's event was interrupted
     assert breaker.state is CircuitState.HALF_OPEN
     with breaker.guard() as state:  # not refused "a probe is out"
         assert state is CircuitState.HALF_OPEN
     assert breaker.state is CircuitState.CLOSED
 
 
-@pytest.mark.parametrize(
-    "raising_on", [("budget.recovered", RuntimeError("the handler broke"))], indirect=True
-)
-def test_a_budget_whose_recovery_could_not_be_logged_keeps_the_retry_it_granted(
+@pytest.mark.parametrize("raising_on", [("budget.recovered", KeyboardInterrupt())], indirect=True)
+def test_a_budget_whose_recovery_was_interrupted_keeps_the_retry_it_granted(
     raising_on: None,
 ) -> None:
     clock = Clock()
@@ -142,6 +245,36 @@ def test_a_budget_whose_recovery_could_not_be_logged_keeps_the_retry_it_granted(
     assert not shared.try_withdraw()  # empty: an exhaustion episode starts
     shared.deposit()
     clock.now += 2.0  # a quiet second after the refusal: the next grant ends the episode
-    with pytest.raises(RuntimeError):
-        shared.try_withdraw()  # granted, then its budget.recovered event raised
+    with pytest.raises(KeyboardInterrupt):
+        shared.try_withdraw()  # granted, then its budget.recovered event was interrupted
     assert shared.balance == 1  # the door sends no retry for it: given back
+
+
+async def test_a_stdlib_filter_that_raises_is_dropped_as_a_processor_is() -> None:
+    """An application on the standard library's logging alone: a filter on the ``sdkcore``
+    logger that raises (filters are not guarded by logging, handlers are)."""
+    import logging
+
+    class Raises(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            raise RuntimeError("the filter broke")
+
+    std = logging.getLogger("sdkcore")
+    old_level = std.level
+    raising = Raises()
+    std.setLevel(logging.DEBUG)
+    std.addFilter(raising)
+    _log._DROPPED.clear()
+    try:
+        orch = RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda n: 0.0))
+        send = fails_then("ok")
+
+        async def send_async(r: Request) -> str:
+            return send(r)
+
+        with pytest.warns(RuntimeWarning, match="the filter broke"):
+            assert await orch.execute(Request(idempotent=True, timeout=5.0), send_async) == "ok"
+    finally:
+        std.removeFilter(raising)
+        std.setLevel(old_level)
+        _log._DROPPED.clear()
