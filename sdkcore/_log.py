@@ -31,7 +31,6 @@ after the application imported it (:func:`_attach`: a lookup in ``sys.modules`` 
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 import warnings
@@ -229,27 +228,29 @@ _DROPPED: set[str] = set()
 
 
 def _dropped(event: str, error: Exception) -> None:
-    """Logging ``event`` raised ``error`` (an application's filter on the ``sdkcore``
-    logger, or a structlog processor, that raises): the event is dropped and sdkcore goes
-    on, as the standard library's handlers go on after an error of their own
-    (``Handler.handleError``). sdkcore's state is changed around its events (a probe
-    granted, a retry counted and paid for, a copy booked): an event that raised halfway
-    left requests pending, hedges waiting for ever and permits held. Said once per event
-    name, as a ``RuntimeWarning`` (the logging that would say it is what failed)."""
+    """Logging ``event`` raised ``error`` (an application's filter, handler or structlog
+    processor that raises): the event is dropped and sdkcore goes on. sdkcore's state is
+    changed around its events (a probe granted, a retry counted and paid for, a copy
+    booked): an event that raised halfway left requests pending, hedges waiting for ever
+    and permits held (rfc/0001, "Logging that raises").
+
+    Said as a ``RuntimeWarning`` (the logging that would say it is what failed), once per
+    event name for the process. Where warnings are errors (``-W error``, a test suite's
+    ``filterwarnings = error``) the warning is raised from the event's call: a test whose
+    logging raises on purpose still fails, as it did when the error itself was raised."""
     if event in _DROPPED:
         return
-    _DROPPED.add(event)
     try:
         text = f"{type(error).__name__}: {error}"
     except Exception:  # an error whose str() raises
         text = type(error).__name__
-    with contextlib.suppress(Exception):  # warnings made errors: dropped all the same
-        warnings.warn(
-            f"sdkcore dropped its log event {event!r}: logging it raised {text} (a filter, "
-            "handler or structlog processor of the application's); requests went on",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+    warnings.warn(
+        f"sdkcore dropped its log event {event!r}: logging it raised {text} (a filter, "
+        "handler or structlog processor of the application's); requests went on",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    _DROPPED.add(event)  # (after: a warning raised as an error is raised again next time)
 
 
 class _Stdlib:
@@ -286,30 +287,46 @@ class _Stdlib:
 
 
 class _Guarded:
-    """The application's structlog logger, whose pipeline may raise (:func:`_dropped`)."""
+    """The application's structlog logger, whose pipeline may raise (:func:`_dropped`).
 
-    __slots__ = ("log",)
+    A frame between sdkcore's call and structlog's: structlog's ``CallsiteParameterAdder``
+    names this module for sdkcore's events unless given
+    ``additional_ignores=["sdkcore._log"]`` (README, "Logging"). ``structlog.DropEvent``
+    (a ``BaseException``) that a wrapper class lets out is the drop it means, not an
+    interrupt."""
 
-    def __init__(self, log: Any) -> None:
+    __slots__ = ("drop", "log")
+
+    def __init__(self, log: Any, drop: type[BaseException]) -> None:
         self.log = log
+        self.drop = drop
 
     def debug(self, event: str, **fields: Any) -> None:
         try:
             self.log.debug(event, **fields)
         except Exception as exc:
             _dropped(event, exc)
+        except BaseException as exc:
+            if not isinstance(exc, self.drop):
+                raise
 
     def info(self, event: str, **fields: Any) -> None:
         try:
             self.log.info(event, **fields)
         except Exception as exc:
             _dropped(event, exc)
+        except BaseException as exc:
+            if not isinstance(exc, self.drop):
+                raise
 
     def warning(self, event: str, **fields: Any) -> None:
         try:
             self.log.warning(event, **fields)
         except Exception as exc:
             _dropped(event, exc)
+        except BaseException as exc:
+            if not isinstance(exc, self.drop):
+                raise
 
 
 _STDLIB = _Stdlib()
@@ -365,13 +382,18 @@ def _structlog_gate(structlog: Any) -> Callable[[int], Any]:
     ):
         return _cached
     _attach()  # structlog may route to the stdlib logger ``sdkcore``: its NullHandler first
-    log = structlog.get_logger(LOGGER_NAME).bind()
+    try:  # the application's factory, wrapper class and level: they may raise too
+        log = structlog.get_logger(LOGGER_NAME).bind()
+        level_of = getattr(log, "get_effective_level", None)
+        check = getattr(log, "isEnabledFor", None) or getattr(log, "is_enabled_for", None)
+        floor = None if level_of is None or hasattr(log, "isEnabledFor") else int(level_of())
+    except Exception as exc:  # no logger to log to: every event dropped (not cached)
+        _dropped("<structlog logger>", exc)
+        return _off
     at: Callable[[int], Any]
-    level_of = getattr(log, "get_effective_level", None)
-    check = getattr(log, "isEnabledFor", None) or getattr(log, "is_enabled_for", None)
-    guarded = _Guarded(log)
-    if level_of is not None and not hasattr(log, "isEnabledFor"):
-        at = _Floor(guarded, int(level_of())).at  # filtering bound loggers: fixed by the class
+    guarded = _Guarded(log, structlog.DropEvent)
+    if floor is not None:
+        at = _Floor(guarded, floor).at  # filtering bound loggers: fixed by the class
     elif check is not None:
         at = _Checked(guarded, check).at  # e.g. structlog.stdlib: the stdlib level, live
     else:
@@ -409,6 +431,11 @@ def gate() -> Callable[[int], Any]:
     if structlog is None or not structlog.is_configured():
         return _stdlib_gate
     return _structlog_gate(structlog)
+
+
+def _off(level: int) -> Any:
+    """The gate of a logger that could not be made: every level filtered."""
+    return None
 
 
 def _stdlib_at(level: int) -> Any:

@@ -278,3 +278,77 @@ async def test_a_stdlib_filter_that_raises_is_dropped_as_a_processor_is() -> Non
         std.removeFilter(raising)
         std.setLevel(old_level)
         _log._DROPPED.clear()
+
+
+async def test_where_warnings_are_errors_the_warning_is_raised_each_time() -> None:
+    """A test suite run with ``-W error`` whose logging raises on purpose still fails: the
+    warning is raised from the event's call, and raised again the next time (nothing is
+    marked said while nothing was said)."""
+    import warnings
+
+    def assert_no_retry(_: Any, method: str, event_dict: MutableMapping[str, Any]) -> Any:
+        raise AssertionError(f"unexpected event {event_dict['event']}")
+
+    _log._DROPPED.clear()
+    structlog.configure(processors=[assert_no_retry], cache_logger_on_first_use=False)
+    try:
+        orch = RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda n: 0.0))
+        for _ in range(2):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                with pytest.raises(RuntimeWarning, match="AssertionError: unexpected event"):
+                    await orch.maybe_retry(Request(idempotent=True, timeout=5.0), TEMP)
+    finally:
+        structlog.reset_defaults()
+        _log._DROPPED.clear()
+
+
+async def test_drop_event_from_a_wrapper_class_is_a_drop_not_an_interrupt() -> None:
+    """``structlog.DropEvent`` is a ``BaseException``: a wrapper class that lets it out
+    meant "drop this event", and the retry goes on."""
+
+    class Plain:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def bind(self, **kw: Any) -> Plain:
+            return self
+
+        def debug(self, event: str, **kw: Any) -> None:
+            raise structlog.DropEvent
+
+        info = warning = debug
+
+    structlog.configure(
+        wrapper_class=lambda *a, **k: Plain(),  # type: ignore[arg-type]
+        cache_logger_on_first_use=False,
+    )
+    try:
+        orch = RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda n: 0.0))
+        send = fails_then("ok")
+
+        async def send_async(r: Request) -> str:
+            return send(r)
+
+        assert await orch.execute(Request(idempotent=True, timeout=5.0), send_async) == "ok"
+    finally:
+        structlog.reset_defaults()
+
+
+async def test_a_structlog_logger_that_cannot_be_made_drops_every_event() -> None:
+    """The application's logger factory raises (a log file that is missing): sdkcore's
+    events are dropped, and a retry that would answer still answers."""
+
+    def factory(*args: Any) -> Any:
+        raise OSError("log file missing")
+
+    _log._DROPPED.clear()
+    structlog.configure(logger_factory=factory, cache_logger_on_first_use=False)
+    try:
+        orch = RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda n: 0.0))
+        send = fails_then("ok")
+        with pytest.warns(RuntimeWarning, match="OSError: log file missing"):
+            assert orch.execute_sync(Request(idempotent=True, timeout=5.0), send) == "ok"
+    finally:
+        structlog.reset_defaults()
+        _log._DROPPED.clear()
