@@ -8,6 +8,7 @@ orchestrator's lock, one increment at a time.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -263,7 +264,7 @@ def _check_clocks(request: Request, sleep: Callable[[float], Any]) -> None:
     retried until the end of real time. Refused at the first wait, naming both. Only a
     clock marked ``sdkcore_virtual`` (a ``VirtualClock``) counts: a wrapper of real time
     with the same method names is no mismatch."""
-    if request.timeout is None:
+    if request.deadline == math.inf:  # no deadline of its own, nor one inherited
         return
     if sleep is time.sleep:
         owner = getattr(request.clock, "__self__", None)
@@ -362,7 +363,9 @@ def _retry(
         request, reason, action, strategy, gate(DEBUG), failure, hint, now, threads=True
     )
     try:
-        if delay > 0.0 and not INSTANT_DELAYS.get():
+        # An injected sleep (a VirtualClock's) waits under instant_retries() too: it is what
+        # moves the virtual clock to the request's timeout, as on the async doors.
+        if delay > 0.0 and (sleep is not time.sleep or not INSTANT_DELAYS.get()):
             _check_clocks(request, sleep)
             if sleep is time.sleep:
                 _wait(request, delay)  # Request.cancel() from another thread wakes it

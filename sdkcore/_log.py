@@ -69,6 +69,7 @@ __all__ = [
     "EVENT_THROTTLE_RELEASED",
     "EVENT_TIMED_OUT",
     "LOGGER_NAME",
+    "Capturing",
     "duration_ms",
     "enabled",
     "gate",
@@ -178,12 +179,25 @@ INFO = 20
 WARNING = 30
 _LEVELS = {"debug": DEBUG, "info": INFO, "warning": WARNING}
 
-#: When set to a list, every sdkcore event (any level) is appended to it as a dict
-#: (``event``, ``log_level`` and the fields) instead of being logged. Set only by
-#: ``sdkcore.testing``; a contextvar, so concurrent tests keep their events apart.
-CAPTURE: ContextVar[list[MutableMapping[str, Any]] | None] = ContextVar(
-    "sdkcore_capture", default=None
-)
+
+class Capturing:
+    """One ``capture_retry_events()`` block: its list, whether it is still open, and the
+    block it is nested in (which gets the events too)."""
+
+    __slots__ = ("events", "open", "outer")
+
+    def __init__(self, events: list[MutableMapping[str, Any]], outer: Capturing | None) -> None:
+        self.events = events
+        self.open = True
+        self.outer = outer
+
+
+#: While set to an open :class:`Capturing`, every sdkcore event (any level) is appended
+#: to its list as a dict (``event``, ``log_level`` and the fields) instead of being
+#: logged. Set only by ``sdkcore.testing``; a contextvar, so concurrent tests keep their
+#: events apart. A task started in the block keeps it after the block ended: closed,
+#: it captures nothing more.
+CAPTURE: ContextVar[Capturing | None] = ContextVar("sdkcore_capture", default=None)
 
 #: The stdlib logger ``sdkcore``, set by :func:`_attach` once ``logging`` is imported.
 _stdlib_logger: logging.Logger
@@ -333,23 +347,28 @@ _STDLIB = _Stdlib()
 
 
 class _Capture:
-    """A logger that appends events to a capture list (see CAPTURE)."""
+    """A logger that appends events to a capture's list, and its enclosing ones'."""
 
-    __slots__ = ("_events",)
+    __slots__ = ("_capturing",)
 
-    def __init__(self, events: list[MutableMapping[str, Any]]) -> None:
-        self._events = events
+    def __init__(self, capturing: Capturing) -> None:
+        self._capturing = capturing
 
     def _add(self, level: str, event: str, fields: dict[str, Any]) -> None:
-        events = self._events
-        if CAPTURE.get() is not events:
-            # Its capture has ended (a request that found it keeps its gate): the event
-            # goes to the logger in force now, never to a list the with handed back.
+        capturing: Capturing | None = self._capturing
+        if capturing is None or not capturing.open:
+            # Its capture has ended (a request that found it keeps its gate, a task started
+            # in the block): the event goes to the logger in force now, never to a list
+            # the with handed back.
             log = gate()(_LEVELS[level])
             if log is not None:
                 getattr(log, level)(event, **fields)
             return
-        events.append({"event": event, "log_level": level, **fields})
+        record = {"event": event, "log_level": level, **fields}
+        while capturing is not None:  # an enclosing capture (a test's fixture) too
+            if capturing.open:
+                capturing.events.append(record)
+            capturing = capturing.outer
 
     def debug(self, event: str, **fields: Any) -> None:
         self._add("debug", event, fields)
@@ -424,9 +443,9 @@ def gate() -> Callable[[int], Any]:
     gate once per request; ``maybe_retry`` calls ``at`` once per retry, ``execute``
     once per call, at its first failure (rfc/0001, "How a failed attempt flows").
     """
-    events = CAPTURE.get()
-    if events is not None:
-        return _Floor(_Capture(events), 0).at
+    capturing = CAPTURE.get()
+    if capturing is not None and capturing.open:
+        return _Floor(_Capture(capturing), 0).at
     structlog = sys.modules.get("structlog")
     if structlog is None or not structlog.is_configured():
         return _stdlib_gate

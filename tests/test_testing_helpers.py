@@ -472,3 +472,116 @@ def test_scripted_send_sync_plays_the_script_for_execute_sync() -> None:
     assert script.calls == 3
     assert script.seen == [0, 1, 2]
     assert request.retry_reasons == (RetryReason.KV_LOCKED,)
+
+
+# -- review fixes (an SDK maintainer's tests with these helpers) -----------------------------
+
+
+def test_grpc_status_trailing_is_checked_when_built() -> None:
+    """A bad trailer made the server's abort fail (UNKNOWN, INTERNAL at the client) or,
+    a '-bin' key with a str value, hung the call until its deadline."""
+    pytest.importorskip("grpc")
+    from sdkcore.testing import GrpcStatus, grpc_server
+
+    code = GrpcCode.UNAVAILABLE
+    with pytest.raises(TypeError, match=r"\(key, value\) pairs, got the item 'a'"):
+        GrpcStatus(code, trailing=("a", "b"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'Bad Key' is not a gRPC metadata key"):
+        GrpcStatus(code, trailing=(("Bad Key", "v"),))
+    with pytest.raises(TypeError, match="binary key 'x-blob-bin' needs a bytes value"):
+        GrpcStatus(code, trailing=(("x-blob-bin", "text"),))
+    with pytest.raises(TypeError, match="needs a printable ASCII str value"):
+        GrpcStatus(code, trailing=(("x-reason", b"bytes"),))  # type: ignore[arg-type]
+    kept = GrpcStatus(code, trailing=(("grpc-retry-pushback-ms", "abc"), ("x-blob-bin", b"\0")))
+    assert kept.trailing[0] == ("grpc-retry-pushback-ms", "abc")  # a raw trailer, for parsers
+    with pytest.raises(TypeError, match=r"each method's script is a list of steps, got b'xy'"):
+        grpc_server({"/a.B/C": b"xy"})
+    with pytest.raises(TypeError, match=r"takes a list of steps, got <GrpcCode\.UNAVAILABLE"):
+        grpc_server(GrpcCode.UNAVAILABLE)  # type: ignore[arg-type]
+
+
+def test_scripted_send_checks_each_index_script_and_exception_classes() -> None:
+    with pytest.raises(TypeError, match=r"each index's script is a list of steps, got b'fast'"):
+        ScriptedSend({1: b"fast"})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match=r"got <RetryReason\.KV_LOCKED>"):
+        ScriptedSend({0: RetryReason.KV_LOCKED})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match=r"cannot be raised without arguments .*RetryReason step"):
+        ScriptedSend([RetryableError])
+    ScriptedSend([ConnectionResetError, b"ok"])  # a class raisable as it is
+
+
+def test_a_repeated_exception_step_does_not_grow_its_traceback() -> None:
+    """The last step repeats: an instance raised again kept every earlier raise in its
+    traceback (a test under instant_retries printed 15 MB for one failure)."""
+    step = ConnectionResetError("reset")
+    send: ScriptedSend[str] = ScriptedSend([step])
+    depths = []
+    for _ in range(5):
+        with pytest.raises(ConnectionResetError) as info:
+            send.sync(Request(idempotent=True))
+        tb, depth = info.value.__traceback__, 0
+        while tb is not None:
+            depth, tb = depth + 1, tb.tb_next
+        depths.append(depth)
+    assert depths == [depths[0]] * 5
+
+
+def test_instant_retries_with_execute_sync_on_a_virtual_clock_reaches_the_timeout() -> None:
+    """The virtual clock's sleep still moves it under instant_retries(), as on the async
+    doors: execute_sync retried for ever with the clock standing still."""
+    for wiring in ("orchestrator", "argument"):
+        clock = VirtualClock()
+        start = clock.now
+        send: ScriptedSend[str] = ScriptedSend([RetryReason.KV_LOCKED])
+        request = Request(idempotent=True, timeout=2.5, clock=clock.clock)
+        if wiring == "orchestrator":
+            orch, kwargs = RetryOrchestrator(sleep=clock.sleep), {}
+        else:
+            orch, kwargs = RetryOrchestrator(), {"sleep": clock.sleep_sync}
+
+        def bounded(r: Request, send: ScriptedSend[str] = send) -> str:
+            if send.calls >= 1000:  # (the clock standing still: a failure, not a hang)
+                raise RuntimeError("retried for ever on a virtual clock that never moved")
+            return send.sync(r)
+
+        with instant_retries(), pytest.raises(sdkcore.TimeoutException):
+            orch.execute_sync(request, bounded, **kwargs)
+        assert clock.now >= start + 2.5  # the virtual clock moved to the deadline
+        assert send.calls < 100
+
+
+async def test_a_virtual_clock_refuses_an_inherited_deadline_on_the_real_clock() -> None:
+    """A request built inside send without a timeout inherits the outer deadline on its
+    own (real) clock; the virtual sleep never reaches it: refused at the first wait, as
+    for a request with a timeout of its own."""
+    clock = VirtualClock()
+    orch = RetryOrchestrator(sleep=clock.sleep)
+    inner_send: ScriptedSend[str] = ScriptedSend([RetryReason.KV_LOCKED])
+
+    async def outer_send(request: Request) -> str:
+        inner = Request(idempotent=True, timeout=None)  # time.monotonic, deadline inherited
+        return await orch.execute(inner, inner_send)
+
+    with anyio.fail_after(10), pytest.raises(ValueError, match="waits on a virtual clock"):
+        await orch.execute(Request(idempotent=True, timeout=2.5, clock=clock.clock), outer_send)
+    assert inner_send.calls == 1
+
+
+async def test_a_capture_ends_for_the_tasks_started_in_it_and_feeds_its_enclosing_one() -> None:
+    orch = RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda n: 0.0))
+    go = anyio.Event()
+
+    async def retry_later() -> None:
+        await go.wait()
+        await orch.maybe_retry(Request(idempotent=True, timeout=5.0), RetryReason.KV_LOCKED)
+
+    async with anyio.create_task_group() as tg:
+        with capture_retry_events() as events:
+            tg.start_soon(retry_later)
+        go.set()  # the task logs after the with ended
+    assert events == []  # "after the with, nothing is added"
+
+    with capture_retry_events() as outer, capture_retry_events() as inner:
+        await orch.maybe_retry(Request(idempotent=True, timeout=5.0), RetryReason.KV_LOCKED)
+    assert [e["event"] for e in inner] == ["retry.scheduled"]
+    assert [e["event"] for e in outer] == ["retry.scheduled"]  # the fixture's sees it too

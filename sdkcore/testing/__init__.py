@@ -95,17 +95,21 @@ def capture_retry_events() -> Generator[list[MutableMapping[str, Any]], None, No
     event's fields (see the log-event table in the README). Only events that
     sdkcore emits inside the ``with`` (in this context, and tasks started from it)
     are captured, and they are not logged anywhere else meanwhile; after the ``with``,
-    nothing is added to the list. One limit: a request finds its logger for
+    nothing is added to the list (a task started in it logs as it would have). Nested,
+    the enclosing capture (a test's ``sdkcore_retry_events`` fixture) gets the inner
+    block's events too. One limit: a request finds its logger for
     ``retry.scheduled`` at its first retry, so one first retried before the ``with``
     logs those events as it did then (every other event is captured). structlog's
     configuration is not touched, so the application's own logging and concurrent
     tests are unaffected.
     """
     events: list[MutableMapping[str, Any]] = []
-    token = _log.CAPTURE.set(events)
+    capturing = _log.Capturing(events, outer=_log.CAPTURE.get())
+    token = _log.CAPTURE.set(capturing)
     try:
         yield events
     finally:
+        capturing.open = False  # a task started in the block keeps it: it adds nothing more
         _log.CAPTURE.reset(token)
 
 
@@ -159,6 +163,19 @@ def _check_step(step: object, where: str) -> None:
             f"{where}: GrpcCode.OK is not a failure; put the value the attempt returns "
             "in the script instead"
         )
+    elif isinstance(step, type) and issubclass(step, BaseException):
+        try:  # raised as a class, it is called without arguments: found now, not mid-test
+            step()
+        except Exception as exc:
+            hint = (
+                "a RetryReason step (e.g. RetryReason.KV_LOCKED) raises RetryableError(reason)"
+                if issubclass(step, RetryableError)
+                else f"put an instance in the script, e.g. {step.__name__}(...)"
+            )
+            raise TypeError(
+                f"{where}: the exception class {step.__name__} cannot be raised without "
+                f"arguments ({type(exc).__name__}: {exc}); {hint}"
+            ) from None
 
 
 class ScriptedSend(Generic[T]):
@@ -197,6 +214,12 @@ class ScriptedSend(Generic[T]):
                     raise TypeError(
                         "ScriptedSend({index: script}): indexes must be ints >= 0, "
                         f"got {_show(index)}"
+                    )
+                if isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
+                    raise TypeError(
+                        f"ScriptedSend({{{index}: script}}): each index's script is a list of "
+                        f"steps, got {_show(steps)} ({type(steps).__name__}); wrap it: "
+                        f"{{{index}: [{_show(steps)}]}}"
                     )
                 scripts[index] = list(steps)
             if not scripts:
@@ -283,7 +306,9 @@ class ScriptedSend(Generic[T]):
                 # a step that repeats raises the same object again: the context a door
                 # gave it for an earlier request must not follow it into this one
                 step.context = None
-            raise step
+            # nor the traceback of its earlier raises, which each raise grows (a test
+            # under instant_retries() raised one 180,000 times: a 540,000-frame report)
+            raise step.with_traceback(None)
         elif isinstance(step, type) and issubclass(step, BaseException):
             raise step
         else:
@@ -300,7 +325,9 @@ class VirtualClock:
     Pass ``clock`` to ``Request(clock=...)`` and ``sleep`` to
     ``RetryOrchestrator(sleep=...)`` (``sleep_sync`` to ``execute_sync(...,
     sleep=...)``): backoffs then take no real time and ``sleeps`` records each
-    requested delay.
+    requested delay. Under ``instant_retries()`` the backoffs still sleep on it (it is
+    what moves the clock to a timeout). Hedging is not driven by it: ``hedge`` times its
+    copies on the event loop's clock (a ``HedgePolicy`` delay of 1 s takes 1 real second).
     """
 
     #: Marks a clock that only moves when slept on: ``execute_sync`` refuses to wait on one

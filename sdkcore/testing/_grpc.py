@@ -46,6 +46,41 @@ def _check_message(instance: object, attribute: attrs.Attribute[Any], value: obj
         raise TypeError(f"GrpcStatus(message) must be a str, got {_show(value)}")
 
 
+#: What gRPC takes as a metadata key: lowercase letters, digits, ``-``, ``_`` and ``.``.
+_KEY_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-_.")
+
+
+def _check_trailing(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """(key, value) pairs as gRPC sends them, checked here: a bad one made the server's
+    abort fail (the client saw UNKNOWN or INTERNAL), and a ``-bin`` key with a str value
+    left the call hanging until its deadline."""
+    where = "GrpcStatus(trailing)"
+    if not isinstance(value, tuple):
+        raise TypeError(f"{where} must be a tuple of (key, value) pairs, got {_show(value)}")
+    for pair in value:
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise TypeError(
+                f"{where} must be a tuple of (key, value) pairs, got the item {_show(pair)}; "
+                'e.g. trailing=(("x-reason", "busy"),)'
+            )
+        key, item = pair
+        if not isinstance(key, str) or not key or not set(key) <= _KEY_CHARS:
+            raise ValueError(
+                f"{where}: the key {_show(key)} is not a gRPC metadata key (lowercase letters, "
+                "digits, '-', '_' and '.')"
+            )
+        if key.endswith("-bin"):
+            if not isinstance(item, bytes):
+                raise TypeError(
+                    f"{where}: the binary key {key!r} needs a bytes value, got {_show(item)}"
+                )
+        elif not isinstance(item, str) or not item.isprintable() or not item.isascii():
+            raise TypeError(
+                f"{where}: the key {key!r} needs a printable ASCII str value (a '-bin' key "
+                f"takes bytes), got {_show(item)}"
+            )
+
+
 @attrs.frozen(slots=True)
 class GrpcStatus:
     """A script step for :func:`grpc_server`: fail the attempt with ``code``.
@@ -58,7 +93,9 @@ class GrpcStatus:
     code: GrpcCode = attrs.field(converter=grpc_code, validator=_check_code)
     message: str = attrs.field(default="", validator=_check_message)
     pushback_ms: int | None = attrs.field(default=None, validator=_check_pushback)
-    trailing: tuple[tuple[str, str], ...] = ()
+    trailing: tuple[tuple[str, str | bytes], ...] = attrs.field(
+        default=(), validator=_check_trailing
+    )
 
 
 def _step(step: object, where: str) -> object:
@@ -157,9 +194,17 @@ def grpc_server(
                     "grpc_server({method: script}): keys are full method names such as "
                     f'"/pkg.Svc/Get", got {_show(method)}'
                 )
+            if isinstance(steps, (bytes, str)) or not isinstance(steps, Iterable):
+                raise TypeError(
+                    f"grpc_server({{{method!r}: script}}): each method's script is a list of "
+                    f"steps, got {_show(steps)} ({type(steps).__name__}); wrap it: [{_show(steps)}]"
+                )
             scripts[method] = [_step(s, f"grpc_server[{_show(method)}]") for s in steps]
-    elif isinstance(script, (bytes, str)):
-        raise TypeError("grpc_server(script) takes a list of steps; wrap a single reply: [b'...']")
+    elif isinstance(script, (bytes, str)) or not isinstance(script, Iterable):
+        raise TypeError(
+            f"grpc_server(script) takes a list of steps, got {_show(script)} "
+            f"({type(script).__name__}); wrap it: [{_show(script)}]"
+        )
     else:
         scripts[None] = [_step(s, "grpc_server(script)") for s in script]
     for key, steps in scripts.items():
