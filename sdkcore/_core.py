@@ -15,7 +15,6 @@ The door then waits (the runtime layer), calls :meth:`_leave_backoff`, and sends
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -394,7 +393,7 @@ class OrchestratorCore:
         """An injected virtual-clock sleep needs requests on the same clock."""
         if (
             self._sleep_clock is not None
-            and request.deadline != math.inf  # its own timeout, or one inherited
+            and request.timeout is not None  # (inherited deadlines: rfc/0005, "VirtualClock")
             and request.clock is time.monotonic
         ):
             raise ValueError(

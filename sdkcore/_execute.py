@@ -126,9 +126,10 @@ async def _awaited(request: Request, reason: RetryReason, answer: Any, strategy:
 
 async def _injected_wait(self: OrchestratorCore, request: Request, rt: Any, delay: float) -> None:
     """An injected ``sleep`` (e.g. a VirtualClock's), else ``instant_retries()``'s one
-    checkpoint. The injected sleep wins: it is what moves a virtual clock, so under
-    ``instant_retries()`` a request on a VirtualClock still reaches its timeout."""
-    if self._sleep is None:
+    checkpoint. A virtual clock's sleep wins: it is what moves that clock, so under
+    ``instant_retries()`` a request on a VirtualClock still reaches its timeout; an
+    injected sleep of real time does not (every delay is waited as zero there)."""
+    if self._sleep is None or (self._sleep_clock is None and INSTANT_DELAYS.get()):
         await rt.sleep(0)
     else:
         self._check_clock(request)

@@ -8,7 +8,6 @@ orchestrator's lock, one increment at a time.
 
 from __future__ import annotations
 
-import math
 import sys
 import threading
 import time
@@ -154,7 +153,17 @@ def _virtual_sleep(self: OrchestratorCore, request: Request) -> Callable[[float]
             )
         blocking(seconds)
 
+    sleep.sdkcore_virtual = True  # type: ignore[attr-defined]  # (see _is_virtual)
     return sleep
+
+
+def _is_virtual(sleep: Callable[[float], Any]) -> bool:
+    """A virtual clock's blocking sleep (a ``VirtualClock``'s ``sleep_sync``, or the
+    orchestrator's virtual sleep, :func:`_virtual_sleep`): it moves that clock."""
+    owner = getattr(sleep, "__self__", None)
+    return getattr(owner, "sdkcore_virtual", False) is True or (
+        getattr(sleep, "sdkcore_virtual", False) is True
+    )
 
 
 def _says_cancelled(error: Exception) -> bool:
@@ -264,7 +273,7 @@ def _check_clocks(request: Request, sleep: Callable[[float], Any]) -> None:
     retried until the end of real time. Refused at the first wait, naming both. Only a
     clock marked ``sdkcore_virtual`` (a ``VirtualClock``) counts: a wrapper of real time
     with the same method names is no mismatch."""
-    if request.deadline == math.inf:  # no deadline of its own, nor one inherited
+    if request.timeout is None:  # (an inherited deadline: see rfc/0005, "VirtualClock")
         return
     if sleep is time.sleep:
         owner = getattr(request.clock, "__self__", None)
@@ -363,9 +372,9 @@ def _retry(
         request, reason, action, strategy, gate(DEBUG), failure, hint, now, threads=True
     )
     try:
-        # An injected sleep (a VirtualClock's) waits under instant_retries() too: it is what
-        # moves the virtual clock to the request's timeout, as on the async doors.
-        if delay > 0.0 and (sleep is not time.sleep or not INSTANT_DELAYS.get()):
+        # A virtual clock's sleep waits under instant_retries() too: it is what moves that
+        # clock to the request's timeout, as on the async doors.
+        if delay > 0.0 and (not INSTANT_DELAYS.get() or _is_virtual(sleep)):
             _check_clocks(request, sleep)
             if sleep is time.sleep:
                 _wait(request, delay)  # Request.cancel() from another thread wakes it

@@ -346,28 +346,34 @@ class _Guarded:
 _STDLIB = _Stdlib()
 
 
+def _open_capture() -> Capturing | None:
+    """The innermost capture still open in this context: a task started in a block that
+    has ended logs to the block around it (a test's fixture), if any."""
+    capturing = CAPTURE.get()
+    while capturing is not None and not capturing.open:
+        capturing = capturing.outer
+    return capturing
+
+
 class _Capture:
-    """A logger that appends events to a capture's list, and its enclosing ones'."""
+    """A logger that appends events to the captures open in the context of the call (the
+    innermost and the ones around it, each its own copy of the event)."""
 
-    __slots__ = ("_capturing",)
-
-    def __init__(self, capturing: Capturing) -> None:
-        self._capturing = capturing
+    __slots__ = ()
 
     def _add(self, level: str, event: str, fields: dict[str, Any]) -> None:
-        capturing: Capturing | None = self._capturing
-        if capturing is None or not capturing.open:
-            # Its capture has ended (a request that found it keeps its gate, a task started
-            # in the block): the event goes to the logger in force now, never to a list
-            # the with handed back.
+        capturing = _open_capture()
+        if capturing is None:
+            # No capture is open here any more (a request that found one keeps its gate):
+            # the event goes to the logger in force now, never to a list a with handed back.
             log = gate()(_LEVELS[level])
             if log is not None:
                 getattr(log, level)(event, **fields)
             return
         record = {"event": event, "log_level": level, **fields}
-        while capturing is not None:  # an enclosing capture (a test's fixture) too
+        while capturing is not None:  # the blocks around it (a test's fixture) too
             if capturing.open:
-                capturing.events.append(record)
+                capturing.events.append(dict(record))
             capturing = capturing.outer
 
     def debug(self, event: str, **fields: Any) -> None:
@@ -443,9 +449,8 @@ def gate() -> Callable[[int], Any]:
     gate once per request; ``maybe_retry`` calls ``at`` once per retry, ``execute``
     once per call, at its first failure (rfc/0001, "How a failed attempt flows").
     """
-    capturing = CAPTURE.get()
-    if capturing is not None and capturing.open:
-        return _Floor(_Capture(capturing), 0).at
+    if _open_capture() is not None:
+        return _CAPTURING
     structlog = sys.modules.get("structlog")
     if structlog is None or not structlog.is_configured():
         return _stdlib_gate
@@ -495,3 +500,7 @@ class _Checked:
 
     def at(self, level: int) -> Any:
         return self.log if self.check(level) else None
+
+
+#: The gate inside a capture: every level, to the captures open where the event is logged.
+_CAPTURING: Callable[[int], Any] = _Floor(_Capture(), 0).at

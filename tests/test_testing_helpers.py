@@ -490,10 +490,12 @@ def test_grpc_status_trailing_is_checked_when_built() -> None:
         GrpcStatus(code, trailing=(("Bad Key", "v"),))
     with pytest.raises(TypeError, match="binary key 'x-blob-bin' needs a bytes value"):
         GrpcStatus(code, trailing=(("x-blob-bin", "text"),))
-    with pytest.raises(TypeError, match="needs a printable ASCII str value"):
-        GrpcStatus(code, trailing=(("x-reason", b"bytes"),))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="needs a printable ASCII value"):
+        GrpcStatus(code, trailing=(("x-reason", "caf\u00e9"),))
     kept = GrpcStatus(code, trailing=(("grpc-retry-pushback-ms", "abc"), ("x-blob-bin", b"\0")))
     assert kept.trailing[0] == ("grpc-retry-pushback-ms", "abc")  # a raw trailer, for parsers
+    as_lists = GrpcStatus(code, trailing=[["x-reason", "busy"], ("x-raw", b"ascii")])  # type: ignore[arg-type]
+    assert as_lists.trailing == (("x-reason", "busy"), ("x-raw", b"ascii"))  # as grpc takes them
     with pytest.raises(TypeError, match=r"each method's script is a list of steps, got b'xy'"):
         grpc_server({"/a.B/C": b"xy"})
     with pytest.raises(TypeError, match=r"takes a list of steps, got <GrpcCode\.UNAVAILABLE"):
@@ -550,21 +552,46 @@ def test_instant_retries_with_execute_sync_on_a_virtual_clock_reaches_the_timeou
         assert send.calls < 100
 
 
-async def test_a_virtual_clock_refuses_an_inherited_deadline_on_the_real_clock() -> None:
-    """A request built inside send without a timeout inherits the outer deadline on its
-    own (real) clock; the virtual sleep never reaches it: refused at the first wait, as
-    for a request with a timeout of its own."""
+async def test_an_inner_request_on_the_default_clock_still_answers_under_a_virtual_outer() -> None:
+    """Library code builds its inner requests without knowing the test's clock: one with
+    ``timeout=None`` inherits the outer deadline on ``time.monotonic`` and is not refused
+    (rfc/0005, "VirtualClock"); its retry answers."""
     clock = VirtualClock()
     orch = RetryOrchestrator(sleep=clock.sleep)
-    inner_send: ScriptedSend[str] = ScriptedSend([RetryReason.KV_LOCKED])
+    inner_send: ScriptedSend[bytes] = ScriptedSend([RetryReason.KV_LOCKED, b"config"])
 
-    async def outer_send(request: Request) -> str:
+    async def outer_send(request: Request) -> bytes:
         inner = Request(idempotent=True, timeout=None)  # time.monotonic, deadline inherited
         return await orch.execute(inner, inner_send)
 
-    with anyio.fail_after(10), pytest.raises(ValueError, match="waits on a virtual clock"):
-        await orch.execute(Request(idempotent=True, timeout=2.5, clock=clock.clock), outer_send)
-    assert inner_send.calls == 1
+    with anyio.fail_after(10):
+        outer = Request(idempotent=True, timeout=2.5, clock=clock.clock)
+        assert await orch.execute(outer, outer_send) == b"config"
+    assert inner_send.calls == 2
+
+
+async def test_instant_retries_skips_an_injected_sleep_of_real_time() -> None:
+    """Every delay is waited as zero: only a virtual clock's sleep still sleeps (it moves
+    that clock); an injected real sleep slept the whole backoff on every door."""
+    slept: list[float] = []
+
+    async def real_sleep(seconds: float) -> None:
+        slept.append(seconds)
+        await anyio.sleep(seconds)
+
+    def real_sleep_sync(seconds: float) -> None:
+        slept.append(seconds)
+
+    slow = BestEffortRetryStrategy(backoff=lambda n: 0.5)
+    send: ScriptedSend[str] = ScriptedSend([RetryReason.KV_LOCKED, RetryReason.KV_LOCKED, "ok"])
+    with anyio.fail_after(10), instant_retries():
+        orch = RetryOrchestrator(slow, sleep=real_sleep)
+        assert await orch.execute(Request(idempotent=True, timeout=5.0), send) == "ok"
+        sync_send: ScriptedSend[str] = ScriptedSend([RetryReason.KV_LOCKED, "ok"])
+        plain = RetryOrchestrator(slow)
+        request = Request(idempotent=True, timeout=5.0)
+        assert plain.execute_sync(request, sync_send.sync, sleep=real_sleep_sync) == "ok"
+    assert slept == []
 
 
 async def test_a_capture_ends_for_the_tasks_started_in_it_and_feeds_its_enclosing_one() -> None:
@@ -585,3 +612,31 @@ async def test_a_capture_ends_for_the_tasks_started_in_it_and_feeds_its_enclosin
         await orch.maybe_retry(Request(idempotent=True, timeout=5.0), RetryReason.KV_LOCKED)
     assert [e["event"] for e in inner] == ["retry.scheduled"]
     assert [e["event"] for e in outer] == ["retry.scheduled"]  # the fixture's sees it too
+
+
+async def test_nested_captures_see_what_is_logged_where_they_are_open() -> None:
+    """A request that found its gate under the outer capture and retries inside an inner
+    block is captured by both (the inner got nothing); a task started in an inner block
+    that logs after it ended goes to the block around it, never to real logging; each
+    list holds its own copy of an event."""
+    orch = RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda n: 0.0))
+    request = Request(idempotent=True, timeout=5.0)
+    go = anyio.Event()
+
+    async def retry_later() -> None:
+        await go.wait()
+        await orch.maybe_retry(Request(idempotent=True, timeout=5.0), RetryReason.KV_LOCKED)
+
+    with capture_retry_events() as outer:
+        await orch.maybe_retry(request, RetryReason.KV_LOCKED)  # finds its gate here
+        with capture_retry_events() as inner:
+            await orch.maybe_retry(request, RetryReason.KV_LOCKED)
+        async with anyio.create_task_group() as tg:
+            with capture_retry_events() as ended:
+                tg.start_soon(retry_later)
+            go.set()
+    assert [e["attempt"] for e in inner] == [2]
+    assert [e["event"] for e in outer] == ["retry.scheduled"] * 3
+    assert ended == []
+    inner[0].clear()
+    assert outer[1]["attempt"] == 2  # a copy of its own

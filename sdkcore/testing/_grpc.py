@@ -74,11 +74,23 @@ def _check_trailing(instance: object, attribute: attrs.Attribute[Any], value: ob
                 raise TypeError(
                     f"{where}: the binary key {key!r} needs a bytes value, got {_show(item)}"
                 )
-        elif not isinstance(item, str) or not item.isprintable() or not item.isascii():
+        elif not (isinstance(item, (str, bytes)) and item.isascii() and _printable(item)):
             raise TypeError(
-                f"{where}: the key {key!r} needs a printable ASCII str value (a '-bin' key "
-                f"takes bytes), got {_show(item)}"
+                f"{where}: the key {key!r} needs a printable ASCII value (a '-bin' key "
+                f"takes any bytes), got {_show(item)}"
             )
+
+
+def _printable(value: str | bytes) -> bool:
+    text = value.decode("ascii") if isinstance(value, bytes) else value
+    return text.isprintable()
+
+
+def _pairs(value: object) -> object:
+    """A list of pairs (or of two-item lists), as grpc takes them: a tuple of tuples."""
+    if isinstance(value, (list, tuple)):
+        return tuple(tuple(p) if isinstance(p, list) else p for p in value)
+    return value
 
 
 @attrs.frozen(slots=True)
@@ -94,7 +106,7 @@ class GrpcStatus:
     message: str = attrs.field(default="", validator=_check_message)
     pushback_ms: int | None = attrs.field(default=None, validator=_check_pushback)
     trailing: tuple[tuple[str, str | bytes], ...] = attrs.field(
-        default=(), validator=_check_trailing
+        default=(), converter=_pairs, validator=_check_trailing
     )
 
 
