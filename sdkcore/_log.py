@@ -36,6 +36,7 @@ import threading
 import warnings
 from collections.abc import Callable, MutableMapping
 from contextvars import ContextVar
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -250,21 +251,34 @@ def _dropped(event: str, error: Exception) -> None:
 
     Said as a ``RuntimeWarning`` (the logging that would say it is what failed), once per
     event name for the process. Where warnings are errors (``-W error``, a test suite's
-    ``filterwarnings = error``) the warning is raised from the event's call: a test whose
-    logging raises on purpose still fails, as it did when the error itself was raised."""
+    ``filterwarnings = error``), raising that warning here would leave the state half
+    changed again: it goes to ``sys.unraisablehook`` instead, every time, which prints it
+    (Python's "Exception ignored in") and fails the test under pytest, as the error
+    itself did."""
     if event in _DROPPED:
         return
     try:
         text = f"{type(error).__name__}: {error}"
     except Exception:  # an error whose str() raises
         text = type(error).__name__
-    warnings.warn(
+    message = (
         f"sdkcore dropped its log event {event!r}: logging it raised {text} (a filter, "
-        "handler or structlog processor of the application's); requests went on",
-        RuntimeWarning,
-        stacklevel=3,
+        "handler or structlog processor of the application's); requests went on"
     )
-    _DROPPED.add(event)  # (after: a warning raised as an error is raised again next time)
+    try:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    except Exception as raised:  # warnings are errors
+        sys.unraisablehook(
+            SimpleNamespace(
+                exc_type=type(raised),
+                exc_value=raised,
+                exc_traceback=raised.__traceback__,
+                err_msg="Exception ignored while sdkcore logged an event",
+                object=None,
+            )
+        )
+        return  # not marked said: reported again next time
+    _DROPPED.add(event)
 
 
 class _Stdlib:

@@ -280,27 +280,45 @@ async def test_a_stdlib_filter_that_raises_is_dropped_as_a_processor_is() -> Non
         _log._DROPPED.clear()
 
 
-async def test_where_warnings_are_errors_the_warning_is_raised_each_time() -> None:
-    """A test suite run with ``-W error`` whose logging raises on purpose still fails: the
-    warning is raised from the event's call, and raised again the next time (nothing is
-    marked said while nothing was said)."""
+async def test_where_warnings_are_errors_each_drop_goes_to_the_unraisable_hook(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under ``-W error`` the warning raised from the event's call left a hedge's deadline
+    armed (the caller's task cancelled later) as the error itself did: it goes to
+    ``sys.unraisablehook`` (which fails a pytest test, prints otherwise), every time, and
+    the request goes on."""
+    import sys
     import warnings
 
-    def assert_no_retry(_: Any, method: str, event_dict: MutableMapping[str, Any]) -> Any:
+    hooked: list[BaseException | None] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda args: hooked.append(args.exc_value))
+
+    def raising(_: Any, method: str, event_dict: MutableMapping[str, Any]) -> Any:
         raise AssertionError(f"unexpected event {event_dict['event']}")
 
     _log._DROPPED.clear()
-    structlog.configure(processors=[assert_no_retry], cache_logger_on_first_use=False)
+    structlog.configure(processors=[raising], cache_logger_on_first_use=False)
     try:
-        orch = RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda n: 0.0))
-        for _ in range(2):
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")
-                with pytest.raises(RuntimeWarning, match="AssertionError: unexpected event"):
-                    await orch.maybe_retry(Request(idempotent=True, timeout=5.0), TEMP)
+
+        async def copies(r: Request, index: int) -> int:
+            if index == 0:
+                await anyio.sleep(1.0)
+            return index
+
+        orch = RetryOrchestrator()
+        policy = HedgePolicy(2, delay=timedelta(milliseconds=5))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(2):
+                assert await orch.hedge(Request(idempotent=True, timeout=0.2), copies, policy) == 1
+        await anyio.sleep(0.3)  # past the hedges' deadlines: nothing armed cancels this task
     finally:
         structlog.reset_defaults()
         _log._DROPPED.clear()
+    assert hooked
+    assert all(isinstance(e, RuntimeWarning) for e in hooked)
+    assert any("AssertionError: unexpected event hedge.sent" in str(e) for e in hooked)
+    assert sum("hedge.sent" in str(e) for e in hooked) >= 2  # each time, not once
 
 
 async def test_drop_event_from_a_wrapper_class_is_a_drop_not_an_interrupt() -> None:
