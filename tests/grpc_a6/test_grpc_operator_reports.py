@@ -226,3 +226,39 @@ async def test_a_retried_call_cut_by_its_deadline_logs_the_timeout_and_names_the
     assert timed_out["in_flight"] is True
     assert timed_out["previous_reason"] == "SERVICE_NOT_AVAILABLE"
     assert timed_out["strategy"] == "A6RetryStrategy"
+
+
+async def test_every_event_raising_changes_no_grpc_outcome(server: Server) -> None:
+    """The throttler's episode with every sdkcore event raising in the application's
+    structlog pipeline: `throttle.released` raised before the call left the channel's live
+    set (close(grace) then waited its whole grace, the replay buffer stayed reserved). The
+    calls end as with working logging and the channel closes at once."""
+    import structlog
+
+    from sdkcore import _log
+
+    def raising(_: Any, method: str, event_dict: Any) -> Any:
+        raise RuntimeError("the pipeline broke")
+
+    method = server.unary_unary("M", fails_on_x())
+    cfg = retry_config(max_attempts=5, throttling={"maxTokens": 4, "tokenRatio": 1})
+    _log._DROPPED.clear()
+    structlog.configure(processors=[raising], cache_logger_on_first_use=False)
+    try:
+        with anyio.fail_after(TEST_TIMEOUT), pytest.warns(RuntimeWarning):
+            ch = insecure_channel(server.target, service_config=cfg)
+            call = ch.unary_unary(method)
+            for _ in range(2):
+                with pytest.raises(aio.AioRpcError):
+                    await call(b"x")
+            assert retry_controller(ch).throttler.engaged  # type: ignore[union-attr]
+            assert await call(b"y") == b"ok:y"
+            assert await call(b"z") == b"ok:z"  # throttle.released
+            core = retry_controller(ch)
+            assert not core._live
+            assert core.buffered_bytes == 0
+            with anyio.fail_after(2.0):  # not the 30 s grace
+                await ch.close(grace=30.0)
+    finally:
+        structlog.reset_defaults()
+        _log._DROPPED.clear()
