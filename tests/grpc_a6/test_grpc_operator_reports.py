@@ -245,7 +245,8 @@ async def test_every_event_raising_changes_no_grpc_outcome(server: Server) -> No
     _log._DROPPED.clear()
     structlog.configure(processors=[raising], cache_logger_on_first_use=False)
     try:
-        with anyio.fail_after(TEST_TIMEOUT), pytest.warns(RuntimeWarning):
+
+        async def episode() -> None:
             ch = insecure_channel(server.target, service_config=cfg)
             call = ch.unary_unary(method)
             for _ in range(2):
@@ -259,6 +260,9 @@ async def test_every_event_raising_changes_no_grpc_outcome(server: Server) -> No
             assert core.buffered_bytes == 0
             with anyio.fail_after(2.0):  # not the 30 s grace
                 await ch.close(grace=30.0)
+
+        with anyio.fail_after(TEST_TIMEOUT), pytest.warns(RuntimeWarning):
+            await episode()
     finally:
         structlog.reset_defaults()
         _log._DROPPED.clear()
