@@ -265,8 +265,8 @@ def _dropped(event: str, error: Exception) -> None:
         f"sdkcore dropped its log event {event!r}: logging it raised {text} (a filter, "
         "handler or structlog processor of the application's); requests went on"
     )
-    try:
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    try:  # (stacklevel: the sdkcore module that logged, past the logger's two frames)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
     except Exception as raised:  # warnings are errors
         sys.unraisablehook(
             SimpleNamespace(
@@ -292,26 +292,22 @@ class _Stdlib:
 
     __slots__ = ()
 
-    def debug(self, event: str, **fields: Any) -> None:
+    def _log(self, level: int, event: str, fields: dict[str, Any]) -> None:
         try:
             msg, extra = _stdlib_event(event, fields)
-            _stdlib_logger.debug(msg, extra=extra, stacklevel=2)
+            # stacklevel: the record names sdkcore's module that logged (not this one)
+            _stdlib_logger.log(level, msg, extra=extra, stacklevel=3)
         except Exception as exc:
             _dropped(event, exc)
+
+    def debug(self, event: str, **fields: Any) -> None:
+        self._log(DEBUG, event, fields)
 
     def info(self, event: str, **fields: Any) -> None:
-        try:
-            msg, extra = _stdlib_event(event, fields)
-            _stdlib_logger.info(msg, extra=extra, stacklevel=2)
-        except Exception as exc:
-            _dropped(event, exc)
+        self._log(INFO, event, fields)
 
     def warning(self, event: str, **fields: Any) -> None:
-        try:
-            msg, extra = _stdlib_event(event, fields)
-            _stdlib_logger.warning(msg, extra=extra, stacklevel=2)
-        except Exception as exc:
-            _dropped(event, exc)
+        self._log(WARNING, event, fields)
 
 
 class _Guarded:
@@ -329,32 +325,23 @@ class _Guarded:
         self.log = log
         self.drop = drop
 
-    def debug(self, event: str, **fields: Any) -> None:
+    def _call(self, method: str, event: str, fields: dict[str, Any]) -> None:
         try:
-            self.log.debug(event, **fields)
+            getattr(self.log, method)(event, **fields)
         except Exception as exc:
             _dropped(event, exc)
         except BaseException as exc:
             if not isinstance(exc, self.drop):
                 raise
+
+    def debug(self, event: str, **fields: Any) -> None:
+        self._call("debug", event, fields)
 
     def info(self, event: str, **fields: Any) -> None:
-        try:
-            self.log.info(event, **fields)
-        except Exception as exc:
-            _dropped(event, exc)
-        except BaseException as exc:
-            if not isinstance(exc, self.drop):
-                raise
+        self._call("info", event, fields)
 
     def warning(self, event: str, **fields: Any) -> None:
-        try:
-            self.log.warning(event, **fields)
-        except Exception as exc:
-            _dropped(event, exc)
-        except BaseException as exc:
-            if not isinstance(exc, self.drop):
-                raise
+        self._call("warning", event, fields)
 
 
 _STDLIB = _Stdlib()
