@@ -62,6 +62,25 @@ class CouchbaseException(Exception):
         self.context = context
         super().__init__(self.message)
 
+    @property
+    def effect(self) -> AttemptEffect | None:
+        """What this error, the final answer of an attempt, proves of that attempt on the
+        server: ``AttemptEffect.NOT_APPLIED`` for an answer that proves nothing changed
+        (an ADD answered "exists", set by the KV mapper), None when nothing is known (the
+        doors book it maybe applied, the safe side). The error context's ``attempts`` and
+        ``Request.maybe_applied`` report it, as ``RetryOrchestrator.fail(effect=...)``."""
+        effect: AttemptEffect | None = self.__dict__.get("_effect")
+        return effect
+
+    @effect.setter
+    def effect(self, value: AttemptEffect | None) -> None:
+        if value is not None and type(value) is not AttemptEffect:
+            raise TypeError(
+                f"{type(self).__name__}.effect must be an AttemptEffect or None, got {value!r}"
+                + suggest_member(value, AttemptEffect)
+            )
+        self.__dict__["_effect"] = value
+
     def __str__(self) -> str:
         if self.context is None:
             return self.message
@@ -214,6 +233,17 @@ class RetryableError(Exception):
             _rebuild_retryable,
             (type(self), self.reason, self._message, self.effect, self.retry_after),
         )
+
+
+def final_effect(error: BaseException) -> AttemptEffect:
+    """How a door books an attempt that ``error`` answered (not a RetryableError): what a
+    ``CouchbaseException`` proves of it (:attr:`CouchbaseException.effect`), else maybe
+    applied (nothing proves otherwise)."""
+    if isinstance(error, CouchbaseException):
+        effect = error.effect
+        if effect is not None:
+            return effect
+    return AttemptEffect.MAYBE_APPLIED
 
 
 def sent_nothing(error: BaseException) -> TypeGuard[RetryableError]:

@@ -19,7 +19,13 @@ from ._context import DEFAULT_EFFECT, AttemptEffect, CancellationReason
 from ._core import OrchestratorCore
 from ._decision import Verdict
 from ._duration import to_seconds
-from ._errors import CouchbaseException, RetryableError, TimeoutException, sent_nothing
+from ._errors import (
+    CouchbaseException,
+    RetryableError,
+    TimeoutException,
+    final_effect,
+    sent_nothing,
+)
 from ._hooks import INSTANT_DELAYS
 from ._log import DEBUG as _DEBUG
 from ._reason import RetryReason, suggest_member
@@ -373,7 +379,7 @@ def _failed(
                 # to its end) and its answer is an error: the cancellation is the answer.
                 raise _failing.already_completed(request, request.last_reason) from exc
             # a non-retryable answer: the last attempt's failure
-            request._attempt_failed(None, _MAYBE, exc, request.clock())
+            request._attempt_failed(None, final_effect(exc), exc, request.clock())
             if isinstance(exc, CouchbaseException):
                 _failing.give_context(request, exc)
         raise exc

@@ -19,7 +19,7 @@ from ._action import RetryAction
 from ._context import DEFAULT_EFFECT, AttemptEffect, CancellationReason
 from ._core import OrchestratorCore
 from ._decision import Verdict
-from ._errors import CouchbaseException, RequestCanceledException, RetryableError
+from ._errors import CouchbaseException, RequestCanceledException, RetryableError, final_effect
 from ._hooks import INSTANT_DELAYS
 from ._log import DEBUG
 from ._reason import RetryReason
@@ -244,7 +244,7 @@ def _loop(
                 raise _failing.already_completed(
                     request, request.last_reason, answered=True
                 ) from exc
-            request._attempt_failed(None, _MAYBE, exc, now)
+            request._attempt_failed(None, final_effect(exc), exc, now)
             if isinstance(exc, CouchbaseException):
                 _failing.give_context(request, exc)
             request._finish_by(exc)

@@ -27,6 +27,7 @@ from ._errors import (
     InvalidArgumentException,
     RequestCanceledException,
     RetryableError,
+    final_effect,
     sent_nothing,
 )
 from ._hooks import INSTANT_DELAYS
@@ -597,7 +598,7 @@ class _Chain:
         has it already, :meth:`_failed` booked it before the strategy refused)."""
         attempt.outcome = _FATAL
         attempt.error = _text(error)
-        effect = AttemptEffect.MAYBE_APPLIED
+        effect = final_effect(error)
         cause: BaseException = error
         if isinstance(error, RetryableError):
             attempt.reason = error.reason

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, TypeVar
 from . import _execute, _execute_sync, _failing
 from ._context import AttemptEffect
 from ._core import DEFAULT_MAX_REQUESTS_IN_RETRY, OrchestratorCore
-from ._errors import CouchbaseException
+from ._errors import CouchbaseException, final_effect
 from ._hedge import check_hedge, run_hedged
 from ._reason import suggest_member
 from ._request import Request, RequestState
@@ -88,15 +88,16 @@ class RetryOrchestrator(OrchestratorCore):
         request: Request,
         error: BaseException,
         *,
-        effect: AttemptEffect = AttemptEffect.MAYBE_APPLIED,
+        effect: AttemptEffect | None = None,
     ) -> BaseException:
         """Fail ``request`` with ``error`` (a non-retryable answer); returns ``error`` to raise.
 
         For hand-wired loops, to match :meth:`succeed`: the attempt is recorded
         (``last_error``), the request completes as failed, and a CouchbaseException
         without a context gets the request's. ``raise orchestrator.fail(request, exc)``.
-        ``effect``: what is known of the attempt on the server; by default it may have
-        been applied (nothing proves otherwise), ``AttemptEffect.NOT_APPLIED`` for an
+        ``effect``: what is known of the attempt on the server; by default the error's own
+        (:attr:`CouchbaseException.effect`, as the KV mapper sets it), else it may have
+        been applied (nothing proves otherwise); ``AttemptEffect.NOT_APPLIED`` for an
         answer that proves it was not (a replace answered "not found"), ``NOT_SENT``
         for a failure before anything was written. It is what the error's context
         (``attempts``) and ``Request.maybe_applied`` report.
@@ -111,9 +112,11 @@ class RetryOrchestrator(OrchestratorCore):
             )
         if not isinstance(error, BaseException):
             raise TypeError(f"fail(request, error): error must be an exception, got {error!r}")
-        if type(effect) is not AttemptEffect:
+        if effect is None:
+            effect = final_effect(error)
+        elif type(effect) is not AttemptEffect:
             raise TypeError(
-                f"fail(effect=...) must be an AttemptEffect, got {effect!r}"
+                f"fail(effect=...) must be an AttemptEffect or None, got {effect!r}"
                 + suggest_member(effect, AttemptEffect)
             )
         pending = request.state is RequestState.PENDING

@@ -466,3 +466,44 @@ async def test_a_couchbase_exception_send_raised_gets_the_requests_context(door:
     assert context.extra["bucket"] == "b1"
     assert [a.reason for a in context.attempts][:1] == [TEMP]
     assert len(context.attempts) == 2  # the final answer's attempt included
+
+
+@pytest.mark.parametrize("door", ["execute", "execute_sync", "hedge", "fail"])
+async def test_a_final_answer_that_proves_nothing_changed_is_booked_so(door: str) -> None:
+    """A CouchbaseException's ``effect`` (the KV mapper's NOT_APPLIED for an ADD answered
+    "exists") is how every door books the final attempt: the context said maybe applied
+    for a refused write. (A hedged request is idempotent: hedging refuses the others.)"""
+    orchestrator = RetryOrchestrator()
+    request = Request(name="kv.insert", idempotent=door == "hedge", timeout=5)
+
+    def answer(_: Request) -> str:
+        error = _NotFound("already exists")
+        error.effect = AttemptEffect.NOT_APPLIED
+        raise error
+
+    async def send(r: Request) -> str:
+        return answer(r)
+
+    async def copy(r: Request, index: int) -> str:
+        return answer(r)
+
+    async def by_hand() -> str:
+        try:
+            with orchestrator.attempt(request):
+                return answer(request)
+        except _NotFound as exc:
+            raise orchestrator.fail(request, exc) from None  # no effect= given: the error's
+
+    async def run() -> str:
+        if door == "execute":
+            return await orchestrator.execute(request, send)
+        if door == "execute_sync":
+            return orchestrator.execute_sync(request, answer)
+        if door == "hedge":
+            return await orchestrator.hedge(request, copy, HedgePolicy(2, delay=0.05))
+        return await by_hand()
+
+    with pytest.raises(_NotFound):
+        await run()
+    assert [a.effect for a in request.attempts] == [AttemptEffect.NOT_APPLIED]
+    assert not request.maybe_applied

@@ -17,9 +17,11 @@ from sdkcore.mapping import (
     FailureStage,
     GrpcCode,
     KvOpcode,
+    KvStatus,
     analytics_retry_reason,
     dispatch_failure_reason,
     grpc_failure,
+    kv_exception,
     kv_failure,
     query_retry_reason,
     raise_failure,
@@ -122,3 +124,30 @@ def test_raise_failure_chains_the_cause_of_a_mapped_retryable_error() -> None:
         raise_failure(grpc_failure("UNAVAILABLE"), cause=cause)
     assert info.value.__cause__ is cause
     assert info.value.effect is AttemptEffect.MAYBE_APPLIED
+
+
+def test_a_kv_error_answer_proves_nothing_changed_unless_ambiguous() -> None:
+    """The server answered with an error status: the command changed nothing (all or
+    nothing), so the final answer's effect is NOT_APPLIED; a durable write whose outcome
+    is unknown, and a status sdkcore does not know, say nothing (maybe applied)."""
+    exists = kv_exception(KvStatus.KEY_EXISTS, KvOpcode.ADD)
+    assert exists.effect is AttemptEffect.NOT_APPLIED
+    assert (
+        kv_exception(KvStatus.KEY_NOT_FOUND, KvOpcode.REPLACE).effect is AttemptEffect.NOT_APPLIED
+    )
+    assert kv_exception(KvStatus.SYNC_WRITE_AMBIGUOUS, KvOpcode.SET).effect is None
+    assert kv_exception(0x7F01, KvOpcode.SET).effect is None  # unknown
+
+
+def test_a_couchbase_exceptions_effect_is_checked_and_survives_pickling() -> None:
+    import pickle
+
+    from sdkcore import CouchbaseException
+
+    error = CouchbaseException("refused")
+    assert error.effect is None
+    with pytest.raises(TypeError, match=r"effect must be an AttemptEffect or None.*NOT_APPLIED"):
+        error.effect = "NOT_APPLIED"  # type: ignore[assignment]
+    assert error.effect is None  # left as it was
+    error.effect = AttemptEffect.NOT_APPLIED
+    assert pickle.loads(pickle.dumps(error)).effect is AttemptEffect.NOT_APPLIED

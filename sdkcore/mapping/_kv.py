@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from types import MappingProxyType
 
-from .._context import ErrorContext
+from .._context import AttemptEffect, ErrorContext
 from .._errors import (
     AuthenticationFailureException,
     CasMismatchException,
@@ -336,6 +336,11 @@ def kv_exception(
     * A status sdkcore does not know -> CouchbaseException naming the status and,
       when ``error_map`` has it, its name and description.
 
+    The exception's ``effect`` is ``AttemptEffect.NOT_APPLIED`` (the server answered with
+    an error: the command changed nothing), so a write answered "exists" is not reported
+    maybe applied; None for SYNC_WRITE_AMBIGUOUS (the durable write may have committed)
+    and for a status sdkcore does not know.
+
     ``status`` 0 (SUCCESS) raises ValueError: it is not a failure. ``error_map``
     must be an :class:`ErrorMap` or None, ``with_cas`` a bool and ``context`` an
     :class:`~sdkcore.ErrorContext` or None (TypeError otherwise).
@@ -364,7 +369,12 @@ def kv_exception(
     else:
         cls = _STATUS_EXCEPTIONS.get(status)
     if cls is not None:
-        return cls(f"{cls.default_message} ({what})", context=context)
+        error = cls(f"{cls.default_message} ({what})", context=context)
+        if status != KvStatus.SYNC_WRITE_AMBIGUOUS:
+            # The server answered with an error status: the command changed nothing (a KV
+            # command is all or nothing), except a durable write whose outcome is unknown.
+            error.effect = AttemptEffect.NOT_APPLIED
+        return error
     entry = error_map.get(status) if error_map is not None else None
     detail = f": {entry.desc}" if entry is not None and entry.desc else ""
     return CouchbaseException(f"KV request failed ({what}){detail}", context=context)

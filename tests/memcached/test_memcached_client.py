@@ -10,6 +10,7 @@ from fault_proxy import FaultProxy
 from memcached_server import Memcached
 
 from sdkcore import (
+    AttemptEffect,
     BestEffortRetryStrategy,
     DocumentExistsException,
     DocumentNotFoundException,
@@ -40,10 +41,15 @@ async def test_statuses_go_through_the_kv_mapper(memcached: Memcached) -> None:
             with pytest.raises(DocumentNotFoundException, match="KEY_NOT_FOUND on GET"):
                 await client.get("missing")
             await client.set("taken", b"x")
-            with pytest.raises(DocumentExistsException, match="on ADD"):
+            with pytest.raises(DocumentExistsException, match="on ADD") as exists:
                 await client.add("taken", b"y")
             with pytest.raises(DocumentNotFoundException, match="on DELETE"):
                 await client.delete("missing")
+    # The server's "exists" proves the ADD changed nothing: its context says so, where it
+    # said "maybe_applied" on a refused write.
+    context = exists.value.context
+    assert context is not None
+    assert [a.effect for a in context.attempts] == [AttemptEffect.NOT_APPLIED]
 
 
 async def test_pipelined_on_one_connection_matched_by_opaque(
