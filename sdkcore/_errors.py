@@ -235,14 +235,20 @@ class RetryableError(Exception):
         )
 
 
-def final_effect(error: BaseException) -> AttemptEffect:
-    """How a door books an attempt that ``error`` answered (not a RetryableError): what a
-    ``CouchbaseException`` proves of it (:attr:`CouchbaseException.effect`), else maybe
-    applied (nothing proves otherwise)."""
+def final_effect(error: BaseException, request_id: int) -> AttemptEffect:
+    """How a door books an attempt of request ``request_id`` that ``error`` answered (not a
+    RetryableError): what a ``CouchbaseException`` proves of it
+    (:attr:`CouchbaseException.effect`), else maybe applied (nothing proves otherwise).
+
+    Only an answer to this request: an error whose context is another request's (an inner
+    request's final answer that ``send`` let through) proves something of that request's
+    command, not of this attempt, which may have written other things: maybe applied."""
     if isinstance(error, CouchbaseException):
         effect = error.effect
         if effect is not None:
-            return effect
+            context = error.context
+            if context is None or context.request_id == request_id:
+                return effect
     return AttemptEffect.MAYBE_APPLIED
 
 

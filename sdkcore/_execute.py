@@ -379,7 +379,7 @@ def _failed(
                 # to its end) and its answer is an error: the cancellation is the answer.
                 raise _failing.already_completed(request, request.last_reason) from exc
             # a non-retryable answer: the last attempt's failure
-            request._attempt_failed(None, final_effect(exc), exc, request.clock())
+            request._attempt_failed(None, final_effect(exc, request.id), exc, request.clock())
             if isinstance(exc, CouchbaseException):
                 _failing.give_context(request, exc)
         raise exc

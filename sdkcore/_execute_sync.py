@@ -244,7 +244,7 @@ def _loop(
                 raise _failing.already_completed(
                     request, request.last_reason, answered=True
                 ) from exc
-            request._attempt_failed(None, final_effect(exc), exc, now)
+            request._attempt_failed(None, final_effect(exc, request.id), exc, now)
             if isinstance(exc, CouchbaseException):
                 _failing.give_context(request, exc)
             request._finish_by(exc)

@@ -598,7 +598,7 @@ class _Chain:
         has it already, :meth:`_failed` booked it before the strategy refused)."""
         attempt.outcome = _FATAL
         attempt.error = _text(error)
-        effect = final_effect(error)
+        effect = final_effect(error, self.request.id)
         cause: BaseException = error
         if isinstance(error, RetryableError):
             attempt.reason = error.reason

@@ -113,7 +113,7 @@ class RetryOrchestrator(OrchestratorCore):
         if not isinstance(error, BaseException):
             raise TypeError(f"fail(request, error): error must be an exception, got {error!r}")
         if effect is None:
-            effect = final_effect(error)
+            effect = final_effect(error, request.id)
         elif type(effect) is not AttemptEffect:
             raise TypeError(
                 f"fail(effect=...) must be an AttemptEffect or None, got {effect!r}"

@@ -507,3 +507,26 @@ async def test_a_final_answer_that_proves_nothing_changed_is_booked_so(door: str
         await run()
     assert [a.effect for a in request.attempts] == [AttemptEffect.NOT_APPLIED]
     assert not request.maybe_applied
+
+
+async def test_an_inner_requests_answer_proves_nothing_of_the_outer_attempt() -> None:
+    """An inner request's final answer that the outer send lets through carries the inner's
+    context: its NOT_APPLIED is about the inner's command, and the outer attempt, which may
+    have written other things, stays maybe applied."""
+    orchestrator = RetryOrchestrator()
+    inner = Request(name="kv.insert", idempotent=False, timeout=5)
+
+    async def inner_send(r: Request) -> str:
+        error = _NotFound("already exists")
+        error.effect = AttemptEffect.NOT_APPLIED
+        raise error
+
+    async def outer_send(r: Request) -> str:
+        return await orchestrator.execute(inner, inner_send)  # (after writes of its own)
+
+    outer = Request(name="checkout", idempotent=False, timeout=5)
+    with pytest.raises(_NotFound):
+        await orchestrator.execute(outer, outer_send)
+    assert [a.effect for a in inner.attempts] == [AttemptEffect.NOT_APPLIED]
+    assert [a.effect for a in outer.attempts] == [AttemptEffect.MAYBE_APPLIED]
+    assert outer.maybe_applied
