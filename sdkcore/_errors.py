@@ -48,6 +48,14 @@ class CouchbaseException(Exception):
 
     default_message = "operation failed"
 
+    #: What this error, the final answer of an attempt, proves of that attempt's command on
+    #: the server: ``AttemptEffect.NOT_APPLIED`` for an answer that proves it changed
+    #: nothing (an ADD answered "exists": the KV mapper sets it), None when nothing is known
+    #: (the doors book it maybe applied, the safe side). It describes one command: a
+    #: ``send`` that issues several lets it through only for the first. Anything but an
+    #: AttemptEffect (a subclass's own ``effect``) counts as None (:func:`final_effect`).
+    effect: AttemptEffect | None = None
+
     def __init__(self, message: str | None = None, *, context: ErrorContext | None = None) -> None:
         if message is not None and not isinstance(message, str):
             raise TypeError(
@@ -61,25 +69,6 @@ class CouchbaseException(Exception):
         self.message = message if message is not None else self.default_message
         self.context = context
         super().__init__(self.message)
-
-    @property
-    def effect(self) -> AttemptEffect | None:
-        """What this error, the final answer of an attempt, proves of that attempt on the
-        server: ``AttemptEffect.NOT_APPLIED`` for an answer that proves nothing changed
-        (an ADD answered "exists", set by the KV mapper), None when nothing is known (the
-        doors book it maybe applied, the safe side). The error context's ``attempts`` and
-        ``Request.maybe_applied`` report it, as ``RetryOrchestrator.fail(effect=...)``."""
-        effect: AttemptEffect | None = self.__dict__.get("_effect")
-        return effect
-
-    @effect.setter
-    def effect(self, value: AttemptEffect | None) -> None:
-        if value is not None and type(value) is not AttemptEffect:
-            raise TypeError(
-                f"{type(self).__name__}.effect must be an AttemptEffect or None, got {value!r}"
-                + suggest_member(value, AttemptEffect)
-            )
-        self.__dict__["_effect"] = value
 
     def __str__(self) -> str:
         if self.context is None:
@@ -244,8 +233,8 @@ def final_effect(error: BaseException, request_id: int) -> AttemptEffect:
     request's final answer that ``send`` let through) proves something of that request's
     command, not of this attempt, which may have written other things: maybe applied."""
     if isinstance(error, CouchbaseException):
-        effect = error.effect
-        if effect is not None:
+        effect = getattr(error, "effect", None)
+        if type(effect) is AttemptEffect:
             context = error.context
             if context is None or context.request_id == request_id:
                 return effect

@@ -139,15 +139,28 @@ def test_a_kv_error_answer_proves_nothing_changed_unless_ambiguous() -> None:
     assert kv_exception(0x7F01, KvOpcode.SET).effect is None  # unknown
 
 
-def test_a_couchbase_exceptions_effect_is_checked_and_survives_pickling() -> None:
+def test_a_couchbase_exceptions_effect_survives_pickling_and_only_an_effect_counts() -> None:
+    """``effect`` is a plain attribute (a subclass may have its own ``effect``: anything
+    but an AttemptEffect is booked maybe applied, never breaks the request)."""
     import pickle
 
     from sdkcore import CouchbaseException
+    from sdkcore._errors import final_effect
 
     error = CouchbaseException("refused")
     assert error.effect is None
-    with pytest.raises(TypeError, match=r"effect must be an AttemptEffect or None.*NOT_APPLIED"):
-        error.effect = "NOT_APPLIED"  # type: ignore[assignment]
-    assert error.effect is None  # left as it was
+    assert final_effect(error, 1) is AttemptEffect.MAYBE_APPLIED
     error.effect = AttemptEffect.NOT_APPLIED
     assert pickle.loads(pickle.dumps(error)).effect is AttemptEffect.NOT_APPLIED
+    assert final_effect(error, 1) is AttemptEffect.NOT_APPLIED
+
+    class PolicyDenied(CouchbaseException):
+        effect = "deny"  # type: ignore[assignment]  # the application's own meaning
+
+    assert final_effect(PolicyDenied("no"), 1) is AttemptEffect.MAYBE_APPLIED
+
+
+def test_a_kv_status_that_does_not_prove_nothing_changed_says_nothing() -> None:
+    assert kv_exception(KvStatus.INTERNAL_ERROR, KvOpcode.SET).effect is None
+    assert kv_exception(KvStatus.NOT_STORED, KvOpcode.APPEND).effect is None  # plain
+    assert kv_exception(KvStatus.NOT_STORED, KvOpcode.ADD).effect is AttemptEffect.NOT_APPLIED

@@ -304,6 +304,11 @@ _STATUS_EXCEPTIONS: dict[int, type[CouchbaseException]] = {
 }
 
 
+#: Statuses that do not prove the command changed nothing: the durable write may have
+#: committed; an internal error says nothing of how far the command went.
+_OUTCOME_UNKNOWN = frozenset({KvStatus.SYNC_WRITE_AMBIGUOUS, KvStatus.INTERNAL_ERROR})
+
+
 def _describe(status: int, opcode: int, error_map: ErrorMap | None) -> str:
     try:
         status_name = KvStatus(status).name
@@ -336,10 +341,11 @@ def kv_exception(
     * A status sdkcore does not know -> CouchbaseException naming the status and,
       when ``error_map`` has it, its name and description.
 
-    The exception's ``effect`` is ``AttemptEffect.NOT_APPLIED`` (the server answered with
-    an error: the command changed nothing), so a write answered "exists" is not reported
-    maybe applied; None for SYNC_WRITE_AMBIGUOUS (the durable write may have committed)
-    and for a status sdkcore does not know.
+    The exception's ``effect`` is ``AttemptEffect.NOT_APPLIED`` when it maps to a specific
+    exception (the server refused the command: it changed nothing), so a write answered
+    "exists" is not reported maybe applied; None for SYNC_WRITE_AMBIGUOUS (the durable
+    write may have committed), INTERNAL_ERROR (how far it went is unknown) and a status
+    left as a plain CouchbaseException (one sdkcore does not know, NOT_STORED off ADD).
 
     ``status`` 0 (SUCCESS) raises ValueError: it is not a failure. ``error_map``
     must be an :class:`ErrorMap` or None, ``with_cas`` a bool and ``context`` an
@@ -370,9 +376,9 @@ def kv_exception(
         cls = _STATUS_EXCEPTIONS.get(status)
     if cls is not None:
         error = cls(f"{cls.default_message} ({what})", context=context)
-        if status != KvStatus.SYNC_WRITE_AMBIGUOUS:
-            # The server answered with an error status: the command changed nothing (a KV
-            # command is all or nothing), except a durable write whose outcome is unknown.
+        if status not in _OUTCOME_UNKNOWN:
+            # The server refused the command: it changed nothing (a KV command is all or
+            # nothing), unlike a durable write whose outcome is unknown or an internal error.
             error.effect = AttemptEffect.NOT_APPLIED
         return error
     entry = error_map.get(status) if error_map is not None else None
