@@ -632,7 +632,8 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
     trace = request._trace
     if trace is None and self._telemetry is not None:
         trace = self._telemetry.begin(request)
-    handle = None if trace is None else trace.attempt(request.retry_attempts + 1)
+    # numbered by the attempts booked: a loop that tries again without maybe_retry counts too
+    handle = None if trace is None else trace.attempt(request.failed_attempts + 1)
     token = request._dispatching()  # requests made in the block keep within this deadline
     error: BaseException | None = None
     request._in_block = True  # cleared in the finally below

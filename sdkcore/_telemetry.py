@@ -28,7 +28,7 @@ from . import _log
 from ._breaker import CircuitBreaker
 from ._budget import RetryBudget
 from ._context import CancellationReason
-from ._errors import CouchbaseException, RetryableError
+from ._errors import CouchbaseException, RequestCanceledException, RetryableError
 from ._latency import LatencyQuantile
 from ._log import EVENT_TELEMETRY_FAILED
 from ._permits import Permits
@@ -780,7 +780,17 @@ class RequestTrace:
             try:
                 result = await send(request, index)
             except BaseException as exc:
-                self.attempt_end(handle, exc)
+                ended: BaseException = exc
+                if (
+                    not isinstance(exc, Exception)
+                    and request.cancellation_reason is CancellationReason.CANCELLED_VIA_CONTEXT
+                ):
+                    # Cut by Request.cancel(): as execute's attempt, not the bare cancellation
+                    # (rfc/0008); the request's own exception is made only after every copy ended
+                    ended = RequestCanceledException(
+                        f"request was cancelled (Request.cancel()) with hedge {index} in flight"
+                    )
+                self.attempt_end(handle, ended)
                 raise
             self.attempt_end(handle, None)
             return result

@@ -490,3 +490,46 @@ async def test_log_events_carry_the_requests_trace_and_span_ids(otel: Otel, door
         )
     [scheduled] = [e for e in events if e["event"] == "retry.scheduled"]
     assert "trace_id" not in scheduled
+
+
+@pytest.mark.anyio
+async def test_hedged_copies_cut_by_request_cancel_end_as_a_cancelled_request(otel: Otel) -> None:
+    """As execute's attempt cut by Request.cancel(): the copies' spans say the request was
+    cancelled (RequestCanceledException), not a bare cancellation that reads like the
+    caller's own."""
+    request = Request(name="kv.get_replica", idempotent=True, timeout=5)
+
+    async def send(r: Request, index: int) -> str:
+        if index == 1:
+            r.cancel()  # both copies in flight
+        await anyio.sleep(5)
+        return "never"
+
+    with anyio.fail_after(SAFETY), pytest.raises(RequestCanceledException):
+        await otel.orchestrator().hedge(request, send, HedgePolicy(2, delay=0.01))
+    copies = [s for s in otel.spans() if s.name == "sdkcore.attempt"]
+    assert len(copies) == 2
+    for copy in copies:
+        assert copy.status.status_code is StatusCode.ERROR
+        assert attr(copy, "error.type") == "RequestCanceledException"
+        assert "Request.cancel()" in (copy.status.description or "")
+
+
+@pytest.mark.anyio
+async def test_a_hand_wired_loop_that_tries_again_by_itself_numbers_its_attempts(
+    otel: Otel,
+) -> None:
+    """attempt() opened again without maybe_retry books the earlier block (maybe applied):
+    the spans are attempts 1, 2, 3 (each said 1)."""
+    orch = otel.orchestrator()
+    request = Request(name="loop", idempotent=True, timeout=5)
+    for n in range(3):
+        try:
+            with orch.attempt(request):
+                if n < 2:
+                    raise ConnectionResetError("reset")
+        except ConnectionResetError:
+            continue
+    orch.succeed(request)
+    attempts = [s for s in otel.spans() if s.name == "sdkcore.attempt"]
+    assert sorted(attr(s, "sdkcore.attempt.number") for s in attempts) == [1, 2, 3]

@@ -424,7 +424,10 @@ async def hedged_unary_unary(
         except BaseException as exc:
             call.cancel()
             if trace is not None:
-                trace.attempt_end(attempt, exc)
+                if not isinstance(exc, Exception) and request.clock() >= request.deadline:
+                    trace.attempt_past_deadline(attempt)  # the call's deadline cut it
+                else:
+                    trace.attempt_end(attempt, exc)
             raise
 
     # The runner's Request (the call's own, with telemetry: made when the call started).

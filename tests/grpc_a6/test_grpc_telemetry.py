@@ -521,6 +521,27 @@ async def test_a_hedged_call(server: Server, otel: Otel) -> None:
     assert [(s.attributes or {}).get("grpc.status") for s in copies] == ["CANCELLED", "OK"]
 
 
+async def test_hedged_copies_cut_by_the_deadline_end_deadline_exceeded(
+    server: Server, otel: Otel
+) -> None:
+    """As a retried call's attempt at its deadline: a deadline storm on a hedged method
+    read as client cancellations (CANCELLED) in the attempts' metrics and spans."""
+    script = HedgeScript(server, "M", {0: block(), 1: block(), 2: block()})
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target,
+            service_config=hedging_config(max_attempts=3, delay="0.05s"),
+            telemetry=otel.telemetry,
+        ) as ch:
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(script.method)(b"x", timeout=0.3)
+    assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    points = otel.grpc()
+    assert value(points["grpc.client.attempt.duration"], grpc_status="DEADLINE_EXCEEDED").count == 3
+    copies = by_name(otel.finished(), "Attempt.test.Svc.M")
+    assert [(s.attributes or {}).get("grpc.status") for s in copies] == ["DEADLINE_EXCEEDED"] * 3
+
+
 async def test_a_hedged_call_answered_before_the_delay(server: Server, otel: Otel) -> None:
     script = HedgeScript(server, "M", {0: ok()})
     with anyio.fail_after(TEST_TIMEOUT):
