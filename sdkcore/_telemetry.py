@@ -780,17 +780,8 @@ class RequestTrace:
             try:
                 result = await send(request, index)
             except BaseException as exc:
-                ended: BaseException = exc
-                if (
-                    not isinstance(exc, Exception)
-                    and request.cancellation_reason is CancellationReason.CANCELLED_VIA_CONTEXT
-                ):
-                    # Cut by Request.cancel(): as execute's attempt, not the bare cancellation
-                    # (rfc/0008); the request's own exception is made only after every copy ended
-                    ended = RequestCanceledException(
-                        f"request was cancelled (Request.cancel()) with hedge {index} in flight"
-                    )
-                self.attempt_end(handle, ended)
+                # (no local holds the ending: the cut's traceback holds this frame, a cycle)
+                self.attempt_end(handle, _copy_ending(request, index, exc))
                 raise
             self.attempt_end(handle, None)
             return result
@@ -963,6 +954,20 @@ class RequestTrace:
 
 
 Telemetry._request_trace = RequestTrace
+
+
+def _copy_ending(request: Any, index: int, error: BaseException) -> BaseException:
+    """What a hedged copy's span ends with: a copy cut by ``Request.cancel()`` as execute's
+    attempt, a ``RequestCanceledException`` (the request's own is made only after every
+    copy ended), not the bare cancellation (rfc/0008); else ``error`` itself."""
+    if (
+        not isinstance(error, Exception)
+        and request.cancellation_reason is CancellationReason.CANCELLED_VIA_CONTEXT
+    ):
+        return RequestCanceledException(
+            f"request was cancelled (Request.cancel()) with hedge {index} in flight"
+        )
+    return error
 
 
 def _status_name(error: BaseException) -> str | None:
