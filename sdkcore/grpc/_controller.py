@@ -40,6 +40,11 @@ _OPT_SERVICE_CONFIG = "grpc.service_config"
 _OPT_ENABLE_RETRIES = "grpc.enable_retries"
 _OPT_NO_RESOLVED_CONFIG = "grpc.service_config_disable_resolution"
 
+#: Methods whose plans a channel keeps (each ~0.9 KiB with its strategy and stats): a
+#: channel that calls more distinct methods (a gateway forwarding any path) builds the
+#: plan of each further one per call instead of keeping it for the channel's life.
+MAX_METHODS = 10_000
+
 
 def channel_closed_error() -> Exception:
     """What grpc.aio raises for a call made on a closing channel: a new call made while
@@ -388,7 +393,8 @@ class _Controller:
             or (mc is not None and (mc.timeout is not None or mc.wait_for_ready is not None))
         ):
             plan = _Plan(A6RetryStrategy(policy, **self._strategy_args), mc, name)
-        self._plans[method] = plan
+        if len(self._plans) < MAX_METHODS:  # (a gateway's thousands of generic methods)
+            self._plans[method] = plan
         return plan
 
     def hedge_plan(self, method: Any) -> HedgePlan | None:
@@ -419,7 +425,8 @@ class _Controller:
                 name=name,
                 delay=learned,
             )
-        self._hedge_plans[method] = plan
+        if len(self._hedge_plans) < MAX_METHODS:
+            self._hedge_plans[method] = plan
         return plan
 
     # -- channel-wide replay buffer ------------------------------------------------

@@ -76,6 +76,12 @@ class MethodRetryStats:
         )
 
 
+#: Methods counted apart; the ones past it are counted as :data:`OTHER` (a channel of a
+#: gateway that calls thousands of generic methods grew by one entry per method).
+MAX_METHODS = 10_000
+OTHER = "other"
+
+
 class _Counters:
     __slots__ = ("failed", "hist", "retries", "transparent")
 
@@ -89,7 +95,9 @@ class _Counters:
 class RetryStats:
     """Per-method retry statistics for one or more channels.
 
-    Read with :meth:`for_method` / :meth:`snapshot`. For OpenTelemetry, give the
+    Read with :meth:`for_method` / :meth:`snapshot`. At most ``MAX_METHODS`` (10,000)
+    methods are counted apart; the ones after are counted together as ``"other"``. For
+    OpenTelemetry, give the
     channel a telemetry instead (``insecure_channel(..., telemetry=sdkcore.Telemetry())``):
     it records gRPC's standard A66/A96 metrics (rfc/0008).
     """
@@ -107,6 +115,8 @@ class RetryStats:
         if c is None:
             if not isinstance(method, str):
                 raise _bad_method(method, what)
+            if len(self._methods) >= MAX_METHODS:  # bounded: the methods past it as one
+                method = OTHER
             c = self._methods.setdefault(method, _Counters())
         return c
 

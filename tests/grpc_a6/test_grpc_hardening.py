@@ -619,3 +619,44 @@ async def test_committed_stream_that_fails_completes_its_request_as_failed(
     assert events == []
     assert [r.state for r in _Recording.made] == [RequestState.FAILED]
     assert _Recording.made[0].last_error is not None
+
+
+def test_retry_stats_count_at_most_max_methods_apart() -> None:
+    """A gateway's channel calling thousands of generic methods grew one entry per method
+    for its life: the ones past the bound are counted together as "other"."""
+    from sdkcore.grpc import _stats
+
+    stats = RetryStats()
+    for n in range(_stats.MAX_METHODS + 5):
+        stats.record_retry(f"/gw.Any/M{n}", 1)
+    snapshot = stats.snapshot()
+    assert len(snapshot) == _stats.MAX_METHODS + 1
+    assert snapshot["other"].retry_attempts == 5
+    assert stats.for_method("/gw.Any/M0").retry_attempts == 1  # the ones before, as before
+
+
+@pytest.mark.asyncio
+async def test_a_channel_keeps_the_plans_of_at_most_max_methods(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the bound a method's plan is built per call, not kept: calls still retry."""
+    from sdkcore.grpc import _controller
+
+    monkeypatch.setattr(_controller, "MAX_METHODS", 3)
+    calls = []
+
+    async def flaky(request: bytes, context: Any, attempt: int) -> bytes:
+        calls.append(attempt)
+        if attempt == 1:
+            await abort(context, grpc.StatusCode.UNAVAILABLE)
+        return b"ok"
+
+    methods = [server.unary_unary(f"M{n}", flaky) for n in range(6)]
+    cfg = retry_config(max_attempts=3, initial="0.001s", maximum="0.002s")
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=cfg) as ch:
+            for method in methods:
+                assert await ch.unary_unary(method)(b"x") == b"ok"
+            core = retry_controller(ch)
+            assert len(core._plans) == 3
+    assert len(calls) == 12  # every call retried once, kept plan or not
