@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from . import _failing
 from ._action import RetryAction
-from ._context import DEFAULT_EFFECT, AttemptEffect, CancellationReason
+from ._context import DEFAULT_EFFECT, CancellationReason
 from ._core import OrchestratorCore
 from ._decision import Verdict
 from ._errors import CouchbaseException, RequestCanceledException, RetryableError, final_effect
@@ -31,7 +31,6 @@ T = TypeVar("T")
 
 _PENDING = RequestState.PENDING
 _WAIT_MAX = 86400.0  # seconds: the longest single wait of a backoff (see _wait)
-_MAYBE = AttemptEffect.MAYBE_APPLIED
 _VIA_CONTEXT = CancellationReason.CANCELLED_VIA_CONTEXT
 
 

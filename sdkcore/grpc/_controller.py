@@ -31,7 +31,7 @@ from ._metadata import (
 from ._plans import HedgePlan, _method_name, _Plan
 from ._policy import A6RetryStrategy, BackoffJitter
 from ._service_config import DEFAULT_MAX_ATTEMPTS_CAP, ServiceConfig
-from ._stats import RetryStats
+from ._stats import MAX_METHODS, RetryStats
 from ._telemetry import ChannelTelemetry
 from ._throttle import RetryThrottler, _nothing
 from ._throttle import _acquire as _acquire_throttler
@@ -39,11 +39,6 @@ from ._throttle import _acquire as _acquire_throttler
 _OPT_SERVICE_CONFIG = "grpc.service_config"
 _OPT_ENABLE_RETRIES = "grpc.enable_retries"
 _OPT_NO_RESOLVED_CONFIG = "grpc.service_config_disable_resolution"
-
-#: Methods whose plans a channel keeps (each ~0.9 KiB with its strategy and stats): a
-#: channel that calls more distinct methods (a gateway forwarding any path) builds the
-#: plan of each further one per call instead of keeping it for the channel's life.
-MAX_METHODS = 10_000
 
 
 def channel_closed_error() -> Exception:
@@ -393,7 +388,9 @@ class _Controller:
             or (mc is not None and (mc.timeout is not None or mc.wait_for_ready is not None))
         ):
             plan = _Plan(A6RetryStrategy(policy, **self._strategy_args), mc, name)
-        if len(self._plans) < MAX_METHODS:  # (a gateway's thousands of generic methods)
+        # Bounded as RetryStats is (each plan ~0.9 KiB with its strategy): a channel calling
+        # more methods (a gateway forwarding any path) builds a further one's plan per call.
+        if len(self._plans) < MAX_METHODS:
             self._plans[method] = plan
         return plan
 
