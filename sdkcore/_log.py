@@ -246,7 +246,7 @@ def _dropped(event: str, error: Exception) -> None:
     """Logging ``event`` raised ``error`` (an application's filter, handler or structlog
     processor that raises): the event is dropped and sdkcore goes on. sdkcore's state is
     changed around its events (a probe granted, a retry counted and paid for, a copy
-    booked): an event that raised halfway left requests pending, hedges waiting for ever
+    booked): an event that raised halfway left requests pending, a hedge's deadline armed
     and permits held (rfc/0001, "Logging that raises").
 
     Said as a ``RuntimeWarning`` (the logging that would say it is what failed), once per

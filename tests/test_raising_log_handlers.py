@@ -1,11 +1,11 @@
 """A log handler, filter or structlog processor of the application's that raises as
 sdkcore logs an event. sdkcore changes its state around its events (a retry counted and
 paid for, a breaker's probe granted, a hedge copy booked, a call taken off the channel's
-live set): an event that raised halfway left requests pending for ever, hedged calls
-waiting for ever, probes, permits and budget tokens held. An ``Exception`` from logging
+live set): an event that raised halfway left requests pending for ever, a hedge's
+deadline armed, probes, permits and budget tokens held. An ``Exception`` from logging
 is not sdkcore's to raise: the event is dropped, said once per event name as a
-``RuntimeWarning``, and every request goes on as with working logging (rfc/0001, "Log
-events"). An interrupt (``KeyboardInterrupt``) raised in a handler still reaches the
+``RuntimeWarning``, and every request goes on as with working logging (rfc/0001, "Logging
+that raises"). An interrupt (``KeyboardInterrupt``) raised in a handler still reaches the
 caller, and what the interrupted step had taken is given back."""
 
 from __future__ import annotations
