@@ -206,7 +206,7 @@ def _loop(
             # with telemetry, the attempt in its span (rfc/0008)
             result = send(request) if trace is None else trace.call_sync(send, request)
         except RetryableError as failure:
-            cut = failure.__context__
+            cut = _failing.raised_for_cut(failure)
             if isinstance(cut, _INTERRUPTS) and cut is not handled:
                 # send turned the caller's interrupt (Ctrl-C) into a retryable failure:
                 # never retried (rfc/0001); the attempt it cut is booked as execute books it.
