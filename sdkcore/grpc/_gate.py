@@ -35,9 +35,12 @@ from .._adaptive_limiter import AdaptiveConcurrencyLimiter
 from .._limiter import ConcurrencyLimiter
 from .._throttle import AdaptiveThrottle
 from .._untrusted import show as _show
+from ._peer_status import PeerStatus
 
 __all__: list[str] = []
 
+_OK = grpc.StatusCode.OK
+_CANCELLED = grpc.StatusCode.CANCELLED
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 _DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED
 _READY = cygrpc.ConnectivityState.ready
@@ -70,8 +73,9 @@ class _Outcome(Exception):
         return self._code
 
 
-def _ended(call: Any) -> BaseException | None:
-    """None (OK), CancelledError, or an :class:`_Outcome` with the status of a done call.
+def _ended(call: Any, status: Any = None) -> BaseException | None:
+    """None (OK), CancelledError, or an :class:`_Outcome` with the status of a done call
+    (``status``: the one :class:`PeerStatus` kept for it, else the call's own).
 
     Two statuses are not answers (rfc/0009, "On gRPC channels"): DEADLINE_EXCEEDED is
     a timeout (the attempt's deadline cutting it, or the server's own), a drop for the
@@ -87,15 +91,16 @@ def _ended(call: Any) -> BaseException | None:
     cython = getattr(call, "_cython_call", None)
     if cython is None:
         return None  # not grpc.aio's own call (an application interceptor's): an accept
-    if cython.is_ok():
-        return None
-    if cython.cancelled():
-        return asyncio.CancelledError()
     try:
-        status = cython._status
+        if status is None:
+            status = cython._status
         code = CYGRPC_STATUS_CODE_TO_STATUS_CODE[status.code()]
     except Exception:  # no status readable: counted as an accept by the throttle
         return _Outcome(grpc.StatusCode.UNKNOWN)
+    if code is _OK:
+        return None
+    if code is _CANCELLED:
+        return asyncio.CancelledError()
     if code is _UNAVAILABLE and _no_connection(cython, status):
         return _Outcome(code, ConnectionError("gRPC UNAVAILABLE: no connection to the target"))
     return _Outcome(code)
@@ -298,13 +303,17 @@ class GatedMultiCallable:
 
 
 def _hold(held: tuple[Any, Any], call: Any) -> None:
-    """Give ``held`` back when ``call`` is done: at once if it is, or cannot tell us when.
+    """Give ``held`` back when ``call`` is done, with the status the server sent it
+    (:class:`PeerStatus`: not grpc.aio's stand-in for a write that failed).
 
     ``call`` is what the rest of grpc.aio's interceptor chain made: grpc.aio's call,
     or an application interceptor's object (a finished ``UnaryUnaryCallResponse``
     takes no callback; an object that fails to take one is given back now rather
     than never).
     """
+    if getattr(call, "_cython_call", None) is not None:
+        PeerStatus(call).when_known(lambda status: Gate.exit(held, _ended(call, status)))
+        return
     try:
         if not call.done():
             call.add_done_callback(lambda finished: Gate.exit(held, _ended(finished)))

@@ -19,6 +19,7 @@ from .._request import RequestState, dispatching
 from ._call import _Call, _TracedCall, outer_details
 from ._controller import _Controller, channel_closed_error
 from ._metadata import _client_trailing
+from ._peer_status import PeerStatus
 from ._policy import PUSHBACK_KEY, costs_token, parse_pushback, time_out_at_deadline
 from ._replay import _ReplayBuffer
 
@@ -64,6 +65,9 @@ class _RetryingCall:
         elif c.strategy.policy is not None:
             c.buffer_unary(request)
         self._current: Any = None
+        #: The current attempt's status as the server sent it (request-streaming shapes:
+        #: grpc.aio may put a stand-in INTERNAL in its place, _peer_status).
+        self._peer: PeerStatus | None = None
         self._started = asyncio.Event()
         self._reader: AsyncIterator[Any] | None = None
         self._accounting: asyncio.Task[None] | None = None
@@ -109,6 +113,8 @@ class _RetryingCall:
                         trace.leave(token)
                 c.sent()
                 self._current = call
+                if replay is not None:
+                    self._peer = PeerStatus(call)
                 self._started.set()
                 try:
                     if self._response_streaming:
@@ -128,7 +134,8 @@ class _RetryingCall:
                         if md:
                             return self._commit(call)
                         await call
-                except aio.AioRpcError as err:
+                except aio.AioRpcError as read:
+                    err = await self._server_error(read)
                     if replay is not None:
                         replay.detach()
                         if replay.error is not None:
@@ -189,13 +196,33 @@ class _RetryingCall:
     async def _account_committed(self, call: Any) -> None:
         if self._accounted:
             return
+        error = await self._committed_error(call)
+        if error is None:
+            self._account_end(_OK, None, None)
+            return
+        self._account_end(error.code(), error.trailing_metadata(), error)
+
+    async def _server_error(self, err: aio.AioRpcError) -> aio.AioRpcError:
+        """``err``, read from the current attempt; the server's status in its place when
+        it is grpc.aio's stand-in for a failed write (_peer_status)."""
+        peer = self._peer
+        return err if peer is None else await peer.error(err)
+
+    async def _committed_error(self, call: Any) -> aio.AioRpcError | None:
+        """How the committed attempt ``call`` ended: None (OK) or its error, with the
+        server's status (``_server_error``). Waits for the end."""
         code = await call.code()
         if code is _OK:
-            self._account_end(code, None, None)
-            return
-        trailing = await call.trailing_metadata()
-        error = aio.AioRpcError(code, await call.initial_metadata(), trailing, await call.details())
-        self._account_end(code, trailing, error)
+            return None
+        return await self._server_error(
+            aio.AioRpcError(
+                code,
+                await call.initial_metadata(),
+                await call.trailing_metadata(),
+                await call.details(),
+                await call.debug_error_string(),
+            )
+        )
 
     def _account_end(self, code: Any, trailing: Any, error: BaseException | None) -> None:
         """How a committed call ended, for the request, throttler and stats (once per call)."""
@@ -303,6 +330,9 @@ class _RetryingCall:
             return None
         if out.error is not None:
             return out.error.trailing_metadata()
+        error = await self._committed_error(out.call)
+        if error is not None:
+            return _client_trailing(error.trailing_metadata(), self._c.state.attempts - 1)
         return _client_trailing(await out.call.trailing_metadata(), self._c.state.attempts - 1)
 
     async def code(self) -> Any:
@@ -311,7 +341,8 @@ class _RetryingCall:
             return grpc.StatusCode.CANCELLED
         if out.error is not None:
             return out.error.code()
-        return await out.call.code()
+        error = await self._committed_error(out.call)
+        return _OK if error is None else error.code()
 
     async def details(self) -> str:
         out = await self._settled()
@@ -319,7 +350,8 @@ class _RetryingCall:
             return "Locally cancelled by application!"
         if out.error is not None:
             return str(out.error.details())
-        return str(await out.call.details())
+        error = await self._committed_error(out.call)
+        return str(await out.call.details() if error is None else error.details())
 
     async def debug_error_string(self) -> str | None:
         out = await self._settled()
@@ -327,7 +359,10 @@ class _RetryingCall:
             return ""
         if out.error is not None:
             return out.error.debug_error_string()  # type: ignore[no-any-return]
-        return await out.call.debug_error_string()  # type: ignore[no-any-return]
+        error = await self._committed_error(out.call)
+        if error is None:
+            return await out.call.debug_error_string()  # type: ignore[no-any-return]
+        return error.debug_error_string()  # type: ignore[no-any-return]
 
     async def wait_for_connection(self) -> None:
         if self._current is None and not self._driver.done():
@@ -355,7 +390,8 @@ class _RetryingCall:
         while True:
             try:
                 message = await call.read()
-            except aio.AioRpcError as err:
+            except aio.AioRpcError as read:
+                err = await self._server_error(read)
                 self._account_end(err.code(), err.trailing_metadata(), err)
                 if self._cancelled and err.code() is grpc.StatusCode.CANCELLED:
                     # cancel() returned True while this read, past the stream's end, waited
@@ -403,7 +439,8 @@ class _RetryingCall:
             raise out.error
         try:
             response = yield from out.call.__await__()
-        except aio.AioRpcError as err:
+        except aio.AioRpcError as read:
+            err = yield from self._server_error(read).__await__()
             self._account_end(err.code(), err.trailing_metadata(), err)
             raise self._c._final(err) from None
         return response

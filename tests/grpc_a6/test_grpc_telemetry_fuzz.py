@@ -79,6 +79,8 @@ Ambiguities (rfc/0008 does not decide them; the test accepts either reading):
 * an attempt whose status grpc had set, but which sdkcore dropped because the call was
   cancelled (or the hedge lost) before it looked, may be recorded CANCELLED ("A hedge
   cancelled because another won ends CANCELLED") although A66 would say its own status;
+  a hedged copy dropped so by the call's deadline, DEADLINE_EXCEEDED (the call's status:
+  ``CallTrace.attempt_past_deadline``);
 * an attempt sdkcore cut as the call ended (grpc then ends it CANCELLED, or with
   DEADLINE_EXCEEDED) may carry the call's status when that is not OK (``CallTrace.end``:
   "Attempts still open end with the call's status"); never a winner's OK;
@@ -972,7 +974,9 @@ class World:
             if a is not None and st != a.status:
                 # See "Ambiguities": a status sdkcore dropped may be recorded CANCELLED; an
                 # attempt sdkcore cut as the call ended, with the call's status.
-                dropped = st == "CANCELLED" and (status == "CANCELLED" or plan.hedged)
+                dropped = (st == "CANCELLED" and (status == "CANCELLED" or plan.hedged)) or (
+                    st == status == "DEADLINE_EXCEEDED" and plan.hedged
+                )
                 # Not for a hedge another copy beat: rfc/0008 says it ends CANCELLED.
                 cut = st == status != "OK" and a.status in ("CANCELLED", "DEADLINE_EXCEEDED")
                 # An attempt the closing channel refused inside the interceptors (it made no
