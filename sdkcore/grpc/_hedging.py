@@ -424,8 +424,14 @@ async def hedged_unary_unary(
         except BaseException as exc:
             call.cancel()
             if trace is not None:
-                if not isinstance(exc, Exception) and request.clock() >= request.deadline:
-                    trace.attempt_past_deadline(attempt)  # the call's deadline cut it
+                # The call's deadline cut it; not a copy another beat (it may be cut past
+                # the deadline too, before the deadline's timer ran): that one is CANCELLED.
+                if (
+                    not isinstance(exc, Exception)
+                    and not won
+                    and request.clock() >= request.deadline
+                ):
+                    trace.attempt_past_deadline(attempt)
                 else:
                     trace.attempt_end(attempt, exc)
             raise
