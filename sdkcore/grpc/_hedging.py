@@ -423,17 +423,15 @@ async def hedged_unary_unary(
             raise failure  # noqa: B904 - its cause is the status (set by failed)
         except BaseException as exc:
             call.cancel()
-            if trace is not None:
-                # The call's deadline cut it; not a copy another beat (it may be cut past
-                # the deadline too, before the deadline's timer ran): that one is CANCELLED.
-                if (
-                    not isinstance(exc, Exception)
-                    and not won
-                    and request.clock() >= request.deadline
-                ):
-                    trace.attempt_past_deadline(attempt)
-                else:
-                    trace.attempt_end(attempt, exc)
+            # Cut past the call's deadline, and not because another copy won (a win may
+            # come just past it, before the deadline's timer ran: the loser is CANCELLED):
+            # the attempt stays open and ends with the call's status (CallTrace.end), the
+            # deadline's DEADLINE_EXCEEDED, or CANCELLED when the application's cancel()
+            # got there first.
+            if trace is not None and (
+                isinstance(exc, Exception) or won or request.clock() < request.deadline
+            ):
+                trace.attempt_end(attempt, exc)
             raise
 
     # The runner's Request (the call's own, with telemetry: made when the call started).

@@ -403,13 +403,6 @@ class CallTrace:
         status, details = status_of(error)
         self._attempt_end(attempt, status, details)
 
-    def attempt_past_deadline(self, attempt: _Attempt | None) -> None:
-        """``attempt`` (a hedged copy) was cut by the call's deadline: DEADLINE_EXCEEDED, as
-        a retried call's attempt at its deadline, not CANCELLED (what a copy that lost is)."""
-        if attempt is None or attempt.ended:
-            return
-        self._attempt_end(attempt, "DEADLINE_EXCEEDED", "Deadline Exceeded")
-
     def _attempt_end(self, attempt: _Attempt, status: str, details: str) -> None:
         attempt.ended = True
         now = time.monotonic()
