@@ -35,7 +35,7 @@ from .._adaptive_limiter import AdaptiveConcurrencyLimiter
 from .._limiter import ConcurrencyLimiter
 from .._throttle import AdaptiveThrottle
 from .._untrusted import show as _show
-from ._peer_status import PeerStatus
+from ._peer_status import PeerStatus, stand_in
 
 __all__: list[str] = []
 
@@ -85,8 +85,10 @@ def _ended(call: Any, status: Any = None) -> BaseException | None:
     ``_call.py`` books an attempt "never left" on (there the channel must also have been
     not READY when the attempt started, and be failing to connect now): a server's
     UNAVAILABLE followed at once by the channel going idle (a GOAWAY) is no sample
-    either, which costs the limiter one sample. Every other status is the endpoint's
-    answer: its round trip is a sample.
+    either, which costs the limiter one sample. grpc.aio's stand-in for a failed write,
+    kept when the server's status never came (``_peer_status``), is no sample either
+    (an accept for the throttle). Every other status is the endpoint's answer: its round
+    trip is a sample.
     """
     cython = getattr(call, "_cython_call", None)
     if cython is None:
@@ -101,6 +103,8 @@ def _ended(call: Any, status: Any = None) -> BaseException | None:
         return None
     if code is _CANCELLED:
         return asyncio.CancelledError()
+    if stand_in(status):  # the server's status never came (_peer_status): no latency sample
+        return _Outcome(code, ConnectionError("gRPC: the server's status is unknown"))
     if code is _UNAVAILABLE and _no_connection(cython, status):
         return _Outcome(code, ConnectionError("gRPC UNAVAILABLE: no connection to the target"))
     return _Outcome(code)

@@ -3,21 +3,25 @@
 When the server ends a client-streaming or bidirectional call while grpc.aio is
 writing one of its messages, the write fails in core and grpc.aio's writer marks the
 call INTERNAL "Internal error from Core" (debug string ``Failed "execute_batch"``).
-The server's status and that stand-in race (grpcio 1.85, a call ended by the server
-at once, about 5% of calls on loopback):
+The server's status and that stand-in race (grpcio 1.85; 8-20% of calls the server
+ends at once, on loopback):
 
 * the stand-in first: grpc.aio runs the call's done callbacks on it, then the
-  server's status replaces it within a few loop iterations without running them again;
-* the server's status first: done callbacks see it, then the stand-in overwrites it,
-  and the application reading the call afterwards gets INTERNAL.
+  server's status replaces it within a few loop iterations without running them
+  again, or never, when core holds it behind a message the failed read left unread;
+* the server's status first: done callbacks see it, then the stand-in overwrites it
+  (about 5% of such calls), and the application reading the call afterwards gets
+  INTERNAL.
 
 A retry decision, a throttle's or limiter's record, a metric, or the error handed to
 the application would then say INTERNAL where the server said, e.g., UNAVAILABLE
 (retryable) or RESOURCE_EXHAUSTED (an overload answer). :class:`PeerStatus` watches
 one attempt's call from the moment sdkcore holds it: it keeps the first status that
 is not the stand-in, waiting a little for the server's when the stand-in came first
-(``_WAITS``), and :meth:`PeerStatus.error` puts that status in place of the stand-in,
-unless it is an OK (rfc/0009, "On gRPC channels").
+(``_WAITS``). :meth:`PeerStatus.error` puts an error status of the server's in place
+of the stand-in a read raised (an OK cannot be: that read lost the answer);
+:meth:`PeerStatus.server_status` gives the server's status, OK included, for the
+accounting (rfc/0009, "On gRPC channels").
 """
 
 from __future__ import annotations
@@ -38,9 +42,18 @@ _OK = cygrpc.StatusCode.ok
 #: The start of the debug string grpc.aio gives its stand-in (``str(ExecuteBatchError)``).
 _FAILED_WRITE = 'Failed "execute_batch"'
 #: How long (seconds, one after the other) a stand-in that came first waits for the
-#: server's status to replace it: measured within 0.1 ms and 2-4 loop iterations; past
-#: ~0.11 s the stand-in is taken as the call's status (a permit is not held longer).
-_WAITS = (0.0, 0.0, 0.0, 0.0, 0.001, 0.01, 0.1)
+#: server's status to replace it: measured within 0.1 ms and 2-4 loop iterations (at
+#: most 5 checks in 2,000 calls). Past ~11 ms the stand-in is taken as the call's
+#: status: a server's status behind a message grpc.aio's failed read left unread never
+#: comes (core gives a client the status after its messages), and a permit is not held
+#: longer for it. The last checks are loop iterations: a loop that stalled past the
+#: long wait runs grpc.aio's status step before the answer.
+_WAITS = (0.0, 0.0, 0.0, 0.0, 0.001, 0.01, 0.0, 0.0, 0.0, 0.0)
+
+
+def is_ok(status: Any) -> bool:
+    """Whether ``status`` (grpc.aio's ``AioRpcStatus``) is an OK."""
+    return bool(status.code() == _OK)
 
 
 def stand_in(status: Any) -> bool:
@@ -102,12 +115,26 @@ class PeerStatus:
             self._listeners.append(listener)
 
     async def error(self, err: aio.AioRpcError) -> aio.AioRpcError:
-        """``err``, read from the call; the server's status in its place if ``err`` is
-        grpc.aio's stand-in and the server's status is known."""
+        """``err``, raised by a read or an await of the call; the server's status in its
+        place when ``err`` is grpc.aio's stand-in and the server's status is an error.
+
+        An OK from the server cannot be put in its place: the read or await that failed
+        has lost the answer. The application gets the stand-in, as from grpc.aio (and so
+        do the retry loop and the accounting of the call).
+        """
+        status = await self.server_status(err)
+        if status is None or is_ok(status):
+            return err
+        return error_of(status, err)
+
+    async def server_status(self, err: aio.AioRpcError) -> Any:
+        """The server's status (grpc.aio's ``AioRpcStatus``, OK included) if ``err``, what
+        the call reads, is grpc.aio's stand-in and the server's is known (waits for it);
+        else None: ``err`` stands."""
         if err.code() is not grpc.StatusCode.INTERNAL or not str(
             err.debug_error_string()
         ).startswith(_FAILED_WRITE):
-            return err
+            return None
         if not self.known:
             settled = asyncio.get_running_loop().create_future()
 
@@ -118,15 +145,15 @@ class PeerStatus:
             self.when_known(wake)
             await settled
         status = self.status
-        if status is None or stand_in(status) or status.code() == _OK:
-            # An OK from the server cannot be given in its place: the failed read or
-            # await has lost the answer's messages. The application gets the stand-in,
-            # as from grpc.aio (and so do the retry loop and its accounting).
-            return err
-        return aio.AioRpcError(
-            CYGRPC_STATUS_CODE_TO_STATUS_CODE[status.code()],
-            err.initial_metadata(),
-            aio.Metadata.from_tuple(status.trailing_metadata()),
-            status.details(),
-            status.debug_error_string(),
-        )
+        return None if status is None or stand_in(status) else status
+
+
+def error_of(status: Any, err: aio.AioRpcError) -> aio.AioRpcError:
+    """The server's ``status`` as an error, with ``err``'s initial metadata."""
+    return aio.AioRpcError(
+        CYGRPC_STATUS_CODE_TO_STATUS_CODE[status.code()],
+        err.initial_metadata(),
+        aio.Metadata.from_tuple(status.trailing_metadata()),
+        status.details(),
+        status.debug_error_string(),
+    )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Generator
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from grpc import aio
@@ -19,7 +19,7 @@ from .._request import RequestState, dispatching
 from ._call import _Call, _TracedCall, outer_details
 from ._controller import _Controller, channel_closed_error
 from ._metadata import _client_trailing
-from ._peer_status import PeerStatus
+from ._peer_status import PeerStatus, error_of, is_ok
 from ._policy import PUSHBACK_KEY, costs_token, parse_pushback, time_out_at_deadline
 from ._replay import _ReplayBuffer
 
@@ -39,6 +39,26 @@ class _Outcome:
         self.error = error
         self.first: Any = None
         self.has_first = False
+
+
+class _End(NamedTuple):
+    """How a committed call ended, as its accessors and its accounting read it."""
+
+    code: Any  # grpc.StatusCode
+    details: str
+    trailing: Any  # aio.Metadata
+    debug: str | None
+    error: aio.AioRpcError | None  # None: OK
+
+    @classmethod
+    def of(cls, error: aio.AioRpcError) -> _End:
+        return cls(
+            error.code(),
+            error.details(),
+            error.trailing_metadata(),
+            error.debug_error_string(),
+            error,
+        )
 
 
 class _RetryingCall:
@@ -68,6 +88,9 @@ class _RetryingCall:
         #: The current attempt's status as the server sent it (request-streaming shapes:
         #: grpc.aio may put a stand-in INTERNAL in its place, _peer_status).
         self._peer: PeerStatus | None = None
+        #: The error a read or await of the committed call raised (the server's status,
+        #: or grpc.aio's stand-in where the server's OK answer was lost).
+        self._ended_with: aio.AioRpcError | None = None
         self._started = asyncio.Event()
         self._reader: AsyncIterator[Any] | None = None
         self._accounting: asyncio.Task[None] | None = None
@@ -194,35 +217,45 @@ class _RetryingCall:
         self._accounting = asyncio.get_running_loop().create_task(self._account_committed(call))
 
     async def _account_committed(self, call: Any) -> None:
+        """Account the committed attempt ``call`` by the server's status (waits for it)."""
         if self._accounted:
             return
-        error = await self._committed_error(call)
-        if error is None:
-            self._account_end(_OK, None, None)
-            return
-        self._account_end(error.code(), error.trailing_metadata(), error)
+        end = await self._server_end(call)
+        self._account_end(end.code, end.trailing, end.error)
 
     async def _server_error(self, err: aio.AioRpcError) -> aio.AioRpcError:
-        """``err``, read from the current attempt; the server's status in its place when
-        it is grpc.aio's stand-in for a failed write (_peer_status)."""
+        """``err``, raised by a read or await of the current attempt; the server's status
+        in its place when it is grpc.aio's stand-in for a failed write (_peer_status)."""
         peer = self._peer
         return err if peer is None else await peer.error(err)
 
-    async def _committed_error(self, call: Any) -> aio.AioRpcError | None:
-        """How the committed attempt ``call`` ended: None (OK) or its error, with the
-        server's status (``_server_error``). Waits for the end."""
+    async def _committed_end(self, call: Any) -> _End:
+        """How the committed attempt ``call`` ended for the application's accessors: what
+        a failed read or await raised, else the server's status (waits for it)."""
+        if self._ended_with is not None:
+            return _End.of(self._ended_with)
+        return await self._server_end(call)
+
+    async def _server_end(self, call: Any) -> _End:
+        """How the committed attempt ``call`` ended by the server's status, in place of
+        grpc.aio's stand-in, an OK included (waits for it). sdkcore accounts the call by
+        it, as grpc's own telemetry counts the status core got: a read of the call that
+        failed on the stand-in has lost the server's answer (rfc/0009)."""
         code = await call.code()
+        details = await call.details()
+        trailing = await call.trailing_metadata()
+        debug = await call.debug_error_string()
         if code is _OK:
-            return None
-        return await self._server_error(
-            aio.AioRpcError(
-                code,
-                await call.initial_metadata(),
-                await call.trailing_metadata(),
-                await call.details(),
-                await call.debug_error_string(),
-            )
-        )
+            return _End(_OK, details, trailing, debug, None)
+        error = aio.AioRpcError(code, await call.initial_metadata(), trailing, details, debug)
+        peer = self._peer
+        status = None if peer is None else await peer.server_status(error)
+        if status is None:
+            return _End.of(error)
+        if is_ok(status):
+            md = aio.Metadata.from_tuple(status.trailing_metadata())
+            return _End(_OK, status.details(), md, status.debug_error_string(), None)
+        return _End.of(error_of(status, error))
 
     def _account_end(self, code: Any, trailing: Any, error: BaseException | None) -> None:
         """How a committed call ended, for the request, throttler and stats (once per call)."""
@@ -330,10 +363,8 @@ class _RetryingCall:
             return None
         if out.error is not None:
             return out.error.trailing_metadata()
-        error = await self._committed_error(out.call)
-        if error is not None:
-            return _client_trailing(error.trailing_metadata(), self._c.state.attempts - 1)
-        return _client_trailing(await out.call.trailing_metadata(), self._c.state.attempts - 1)
+        end = await self._committed_end(out.call)
+        return _client_trailing(end.trailing, self._c.state.attempts - 1)
 
     async def code(self) -> Any:
         out = await self._settled()
@@ -341,8 +372,7 @@ class _RetryingCall:
             return grpc.StatusCode.CANCELLED
         if out.error is not None:
             return out.error.code()
-        error = await self._committed_error(out.call)
-        return _OK if error is None else error.code()
+        return (await self._committed_end(out.call)).code
 
     async def details(self) -> str:
         out = await self._settled()
@@ -350,8 +380,7 @@ class _RetryingCall:
             return "Locally cancelled by application!"
         if out.error is not None:
             return str(out.error.details())
-        error = await self._committed_error(out.call)
-        return str(await out.call.details() if error is None else error.details())
+        return str((await self._committed_end(out.call)).details)
 
     async def debug_error_string(self) -> str | None:
         out = await self._settled()
@@ -359,10 +388,7 @@ class _RetryingCall:
             return ""
         if out.error is not None:
             return out.error.debug_error_string()  # type: ignore[no-any-return]
-        error = await self._committed_error(out.call)
-        if error is None:
-            return await out.call.debug_error_string()  # type: ignore[no-any-return]
-        return error.debug_error_string()  # type: ignore[no-any-return]
+        return (await self._committed_end(out.call)).debug
 
     async def wait_for_connection(self) -> None:
         if self._current is None and not self._driver.done():
@@ -391,8 +417,8 @@ class _RetryingCall:
             try:
                 message = await call.read()
             except aio.AioRpcError as read:
-                err = await self._server_error(read)
-                self._account_end(err.code(), err.trailing_metadata(), err)
+                err = self._ended_with = await self._server_error(read)
+                await self._account_committed(call)
                 if self._cancelled and err.code() is grpc.StatusCode.CANCELLED:
                     # cancel() returned True while this read, past the stream's end, waited
                     # for the status: grpc.aio then raises its local CANCELLED as an error
@@ -440,8 +466,8 @@ class _RetryingCall:
         try:
             response = yield from out.call.__await__()
         except aio.AioRpcError as read:
-            err = yield from self._server_error(read).__await__()
-            self._account_end(err.code(), err.trailing_metadata(), err)
+            err = self._ended_with = yield from self._server_error(read).__await__()
+            yield from self._account_committed(out.call).__await__()
             raise self._c._final(err) from None
         return response
 
