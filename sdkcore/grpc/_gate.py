@@ -35,7 +35,7 @@ from .._adaptive_limiter import AdaptiveConcurrencyLimiter
 from .._limiter import ConcurrencyLimiter
 from .._throttle import AdaptiveThrottle
 from .._untrusted import show as _show
-from ._peer_status import PeerStatus, stand_in
+from ._peer_status import stand_in, watch
 
 __all__: list[str] = []
 
@@ -308,7 +308,7 @@ class GatedMultiCallable:
 
 def _hold(held: tuple[Any, Any], call: Any) -> None:
     """Give ``held`` back when ``call`` is done, with the status the server sent it
-    (:class:`PeerStatus`: not grpc.aio's stand-in for a write that failed).
+    (``_peer_status.watch``: not grpc.aio's stand-in for a write that failed).
 
     ``call`` is what the rest of grpc.aio's interceptor chain made: grpc.aio's call,
     or an application interceptor's object (a finished ``UnaryUnaryCallResponse``
@@ -316,7 +316,7 @@ def _hold(held: tuple[Any, Any], call: Any) -> None:
     than never).
     """
     if getattr(call, "_cython_call", None) is not None:
-        PeerStatus(call).when_known(lambda status: Gate.exit(held, _ended(call, status)))
+        watch(call).when_known(lambda status: Gate.exit(held, _ended(call, status)))
         return
     try:
         if not call.done():

@@ -8,7 +8,8 @@ ends at once, on loopback):
 
 * the stand-in first: grpc.aio runs the call's done callbacks on it, then the
   server's status replaces it within a few loop iterations without running them
-  again, or never, when core holds it behind a message the failed read left unread;
+  again (or never, when core holds it behind messages nobody reads: sdkcore's
+  streams read on past the stand-in, ``_streaming._RetryingCall._read``);
 * the server's status first: done callbacks see it, then the stand-in overwrites it
   (about 5% of such calls), and the application reading the call afterwards gets
   INTERNAL.
@@ -18,15 +19,17 @@ the application would then say INTERNAL where the server said, e.g., UNAVAILABLE
 (retryable) or RESOURCE_EXHAUSTED (an overload answer). :class:`PeerStatus` watches
 one attempt's call from the moment sdkcore holds it: it keeps the first status that
 is not the stand-in, waiting a little for the server's when the stand-in came first
-(``_WAITS``). :meth:`PeerStatus.error` puts an error status of the server's in place
-of the stand-in a read raised (an OK cannot be: that read lost the answer);
+(``_WAITS``); :func:`watch` gives the one watcher of a call. :meth:`PeerStatus.error`
+puts an error status of the server's in place of the stand-in a read or await raised
+(not an OK: a client-streaming call's await that failed so has lost the answer);
 :meth:`PeerStatus.server_status` gives the server's status, OK included, for the
-accounting (rfc/0009, "On gRPC channels").
+accounting and the end of a stream (rfc/0009, "On gRPC channels").
 """
 
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -42,18 +45,40 @@ _OK = cygrpc.StatusCode.ok
 #: The start of the debug string grpc.aio gives its stand-in (``str(ExecuteBatchError)``).
 _FAILED_WRITE = 'Failed "execute_batch"'
 #: How long (seconds, one after the other) a stand-in that came first waits for the
-#: server's status to replace it: measured within 0.1 ms and 2-4 loop iterations (at
-#: most 5 checks in 2,000 calls). Past ~11 ms the stand-in is taken as the call's
-#: status: a server's status behind a message grpc.aio's failed read left unread never
+#: server's status to replace it: measured within 0.1 ms and 2-4 loop iterations on an
+#: idle machine, up to 13 ms beside two CPU-bound processes. Past ~0.11 s the stand-in
+#: is taken as the call's status: a server's status behind messages nobody reads never
 #: comes (core gives a client the status after its messages), and a permit is not held
 #: longer for it. The last checks are loop iterations: a loop that stalled past the
 #: long wait runs grpc.aio's status step before the answer.
-_WAITS = (0.0, 0.0, 0.0, 0.0, 0.001, 0.01, 0.0, 0.0, 0.0, 0.0)
+_WAITS = (0.0, 0.0, 0.0, 0.0, 0.001, 0.01, 0.1, 0.0, 0.0, 0.0, 0.0)
+#: The watcher of each call being watched (one per call: the channel's gate and the
+#: streaming call read the same status).
+_WATCHED: weakref.WeakKeyDictionary[Any, PeerStatus] = weakref.WeakKeyDictionary()
 
 
 def is_ok(status: Any) -> bool:
     """Whether ``status`` (grpc.aio's ``AioRpcStatus``) is an OK."""
     return bool(status.code() == _OK)
+
+
+def watch(call: Any) -> PeerStatus:
+    """The :class:`PeerStatus` of ``call``: one per call, made on first use (from the
+    moment sdkcore holds the call)."""
+    try:
+        peer = _WATCHED.get(call)
+    except TypeError:  # not weakly referable: a watcher of its own
+        return PeerStatus(call)
+    if peer is None:
+        peer = _WATCHED[call] = PeerStatus(call)
+    return peer
+
+
+def stand_in_error(err: aio.AioRpcError) -> bool:
+    """Whether ``err``, raised by a read or await of a call, is grpc.aio's stand-in."""
+    return err.code() is grpc.StatusCode.INTERNAL and str(err.debug_error_string()).startswith(
+        _FAILED_WRITE
+    )
 
 
 def stand_in(status: Any) -> bool:
@@ -118,9 +143,9 @@ class PeerStatus:
         """``err``, raised by a read or an await of the call; the server's status in its
         place when ``err`` is grpc.aio's stand-in and the server's status is an error.
 
-        An OK from the server cannot be put in its place: the read or await that failed
-        has lost the answer. The application gets the stand-in, as from grpc.aio (and so
-        do the retry loop and the accounting of the call).
+        An OK from the server cannot be put in its place: the await of a client-streaming
+        call that failed so has lost the answer (a read goes on past it, ``_streaming``).
+        The application gets the stand-in, as from grpc.aio, and the retry loop sees it.
         """
         status = await self.server_status(err)
         if status is None or is_ok(status):
@@ -131,9 +156,7 @@ class PeerStatus:
         """The server's status (grpc.aio's ``AioRpcStatus``, OK included) if ``err``, what
         the call reads, is grpc.aio's stand-in and the server's is known (waits for it);
         else None: ``err`` stands."""
-        if err.code() is not grpc.StatusCode.INTERNAL or not str(
-            err.debug_error_string()
-        ).startswith(_FAILED_WRITE):
+        if not stand_in_error(err):
             return None
         if not self.known:
             settled = asyncio.get_running_loop().create_future()

@@ -19,7 +19,7 @@ from .._request import RequestState, dispatching
 from ._call import _Call, _TracedCall, outer_details
 from ._controller import _Controller, channel_closed_error
 from ._metadata import _client_trailing
-from ._peer_status import PeerStatus, error_of, is_ok
+from ._peer_status import PeerStatus, error_of, is_ok, stand_in_error, watch
 from ._policy import PUSHBACK_KEY, costs_token, parse_pushback, time_out_at_deadline
 from ._replay import _ReplayBuffer
 
@@ -91,6 +91,8 @@ class _RetryingCall:
         #: The error a read or await of the committed call raised (the server's status,
         #: or grpc.aio's stand-in where the server's OK answer was lost).
         self._ended_with: aio.AioRpcError | None = None
+        #: The stand-in a read of the current attempt raised; the reads go on past it.
+        self._past_stand_in: aio.AioRpcError | None = None
         self._started = asyncio.Event()
         self._reader: AsyncIterator[Any] | None = None
         self._accounting: asyncio.Task[None] | None = None
@@ -137,14 +139,15 @@ class _RetryingCall:
                 c.sent()
                 self._current = call
                 if replay is not None:
-                    self._peer = PeerStatus(call)
+                    self._peer = watch(call)
+                    self._past_stand_in = None
                 self._started.set()
                 try:
                     if self._response_streaming:
                         md = await call.initial_metadata()
                         if md:
                             return self._commit(call)
-                        message = await call.read()
+                        message = await self._read(call)
                         if message is not _EOF:
                             out = self._commit(call)
                             out.first = message
@@ -288,6 +291,32 @@ class _RetryingCall:
     async def _outcome(self) -> _Outcome:
         return await asyncio.shield(self._driver)
 
+    async def _read(self, call: Any) -> Any:
+        """``call.read()``, going on past grpc.aio's stand-in for a failed write.
+
+        grpc.aio's ``read()`` raises the stand-in as soon as the call has a status, while
+        core may still hold messages the server sent (its own ``async for`` reads them
+        first): sdkcore reads them, then takes the end of the stream from the server's
+        status (an OK: the end; an error: raised, ``_server_error`` putting it in the
+        stand-in's place; unknown: the stand-in). rfc/0009, "On gRPC channels".
+        """
+        if self._past_stand_in is None:
+            try:
+                return await call.read()
+            except aio.AioRpcError as err:
+                if self._peer is None or not stand_in_error(err) or not hasattr(call, "_read"):
+                    raise
+                self._past_stand_in = err
+        message = await call._read()
+        if message is not _EOF:
+            return message
+        first = self._past_stand_in
+        assert self._peer is not None
+        status = await self._peer.server_status(first)
+        if status is not None and is_ok(status):
+            return _EOF
+        raise first
+
     # -- grpc.aio Call interface -------------------------------------------------------
     def cancel(self) -> bool:
         return self._cancel(by_application=True)
@@ -415,7 +444,7 @@ class _RetryingCall:
         call = out.call
         while True:
             try:
-                message = await call.read()
+                message = await self._read(call)
             except aio.AioRpcError as read:
                 err = self._ended_with = await self._server_error(read)
                 await self._account_committed(call)
