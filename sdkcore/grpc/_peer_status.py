@@ -139,7 +139,7 @@ class PeerStatus:
         else:
             self._listeners.append(listener)
 
-    async def error(self, err: aio.AioRpcError) -> aio.AioRpcError:
+    async def error(self, err: aio.AioRpcError, call: Any = None) -> aio.AioRpcError:
         """``err``, raised by a read or an await of the call; the server's status in its
         place when ``err`` is grpc.aio's stand-in and the server's status is an error.
 
@@ -147,15 +147,19 @@ class PeerStatus:
         call that failed so has lost the answer (a read goes on past it, ``_streaming``).
         The application gets the stand-in, as from grpc.aio, and the retry loop sees it.
         """
-        status = await self.server_status(err)
+        status = await self.server_status(err, call)
         if status is None or is_ok(status):
             return err
         return error_of(status, err)
 
-    async def server_status(self, err: aio.AioRpcError) -> Any:
+    async def server_status(self, err: aio.AioRpcError, call: Any = None) -> Any:
         """The server's status (grpc.aio's ``AioRpcStatus``, OK included) if ``err``, what
         the call reads, is grpc.aio's stand-in and the server's is known (waits for it);
-        else None: ``err`` stands."""
+        else None: ``err`` stands.
+
+        ``call``: the watched call, looked at again when the wait ended on the stand-in:
+        core gives the server's status once the messages before it are read, which a slow
+        reader may do long after (the status then replaces the stand-in, no callback)."""
         if not stand_in_error(err):
             return None
         if not self.known:
@@ -168,6 +172,10 @@ class PeerStatus:
             self.when_known(wake)
             await settled
         status = self.status
+        if stand_in(status) and call is not None:
+            now = getattr(getattr(call, "_cython_call", None), "_status", None)
+            if now is not None and not stand_in(now):
+                status = self.status = now
         return None if status is None or stand_in(status) else status
 
 

@@ -219,18 +219,29 @@ class _RetryingCall:
             self._replay.close()
         self._accounting = asyncio.get_running_loop().create_task(self._account_committed(call))
 
-    async def _account_committed(self, call: Any) -> None:
-        """Account the committed attempt ``call`` by the server's status (waits for it)."""
+    async def _account_committed(self, call: Any, *, reader: bool = False) -> None:
+        """Account the committed attempt ``call`` by the server's status (waits for it).
+
+        Not from the call's done callback (``reader`` False) while the application reads
+        on past grpc.aio's stand-in with the server's status still unknown: core gives it
+        after those messages, and the reader's end accounts the call."""
         if self._accounted:
             return
         end = await self._server_end(call)
+        if (
+            not reader
+            and self._past_stand_in is not None
+            and end.error is not None
+            and stand_in_error(end.error)
+        ):
+            return
         self._account_end(end.code, end.trailing, end.error)
 
     async def _server_error(self, err: aio.AioRpcError) -> aio.AioRpcError:
         """``err``, raised by a read or await of the current attempt; the server's status
         in its place when it is grpc.aio's stand-in for a failed write (_peer_status)."""
         peer = self._peer
-        return err if peer is None else await peer.error(err)
+        return err if peer is None else await peer.error(err, self._current)
 
     async def _committed_end(self, call: Any) -> _End:
         """How the committed attempt ``call`` ended for the application's accessors: what
@@ -252,7 +263,7 @@ class _RetryingCall:
             return _End(_OK, details, trailing, debug, None)
         error = aio.AioRpcError(code, await call.initial_metadata(), trailing, details, debug)
         peer = self._peer
-        status = None if peer is None else await peer.server_status(error)
+        status = None if peer is None else await peer.server_status(error, call)
         if status is None:
             return _End.of(error)
         if is_ok(status):
@@ -312,7 +323,7 @@ class _RetryingCall:
             return message
         first = self._past_stand_in
         assert self._peer is not None
-        status = await self._peer.server_status(first)
+        status = await self._peer.server_status(first, call)
         if status is not None and is_ok(status):
             return _EOF
         raise first
@@ -447,7 +458,7 @@ class _RetryingCall:
                 message = await self._read(call)
             except aio.AioRpcError as read:
                 err = self._ended_with = await self._server_error(read)
-                await self._account_committed(call)
+                await self._account_committed(call, reader=True)
                 if self._cancelled and err.code() is grpc.StatusCode.CANCELLED:
                     # cancel() returned True while this read, past the stream's end, waited
                     # for the status: grpc.aio then raises its local CANCELLED as an error
@@ -462,7 +473,7 @@ class _RetryingCall:
                 call.cancel()
                 raise
             if message is _EOF:
-                await self._account_committed(call)
+                await self._account_committed(call, reader=True)
                 return
             yield message
 
@@ -496,7 +507,7 @@ class _RetryingCall:
             response = yield from out.call.__await__()
         except aio.AioRpcError as read:
             err = self._ended_with = yield from self._server_error(read).__await__()
-            yield from self._account_committed(out.call).__await__()
+            yield from self._account_committed(out.call, reader=True).__await__()
             raise self._c._final(err) from None
         return response
 

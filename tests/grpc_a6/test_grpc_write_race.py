@@ -30,13 +30,15 @@ from grpc_server import TEST_TIMEOUT, Server, abort, retry_config, wait_until  #
 from telemetry_kit import Otel  # noqa: E402
 
 from sdkcore import AdaptiveThrottle, ConcurrencyLimiter  # noqa: E402
-from sdkcore.grpc import insecure_channel  # noqa: E402
+from sdkcore.grpc import _peer_status, insecure_channel  # noqa: E402
 
 pytestmark = pytest.mark.asyncio
 
 SHAPES = ["stream_unary", "stream_stream"]
 RACES = 12
 MAX_CALLS = 3000
+#: A slow reader's calls take ~10 ms: fewer races are asked of them.
+SLOW_RACES = 4
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 STAND_IN = (grpc.StatusCode.INTERNAL, "Internal error from Core")
@@ -102,9 +104,10 @@ async def call(channel: Any, shape: str, name: str, rng: random.Random) -> tuple
 class Races:
     """Counts grpc.aio's failed writes (its debug log) and runs calls until enough."""
 
-    def __init__(self, caplog: pytest.LogCaptureFixture) -> None:
+    def __init__(self, caplog: pytest.LogCaptureFixture, *, wanted: int = RACES) -> None:
         caplog.set_level(logging.DEBUG, logger="grpc.aio._call")
         self.caplog = caplog
+        self.wanted = wanted
         self.calls = 0
 
     @property
@@ -113,7 +116,7 @@ class Races:
 
     async def run(self, one: Callable[[], Awaitable[None]]) -> None:
         with anyio.fail_after(TEST_TIMEOUT * 4):
-            while self.seen < RACES and self.calls < MAX_CALLS:
+            while self.seen < self.wanted and self.calls < MAX_CALLS:
                 self.calls += 1
                 await one()
         assert self.seen >= 1, f"the race never happened in {self.calls} calls"
@@ -216,3 +219,51 @@ async def test_an_ok_the_server_sent_is_what_an_answered_call_reads_and_accounts
         assert answered >= races.calls // 2
     finally:
         otel.shutdown()
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.OK, RESOURCE_EXHAUSTED])
+async def test_a_slow_reader_gets_every_message_then_the_servers_status(
+    server: Server, code: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The server sends three messages, then its status, without reading. Core gives the
+    # client that status only once the messages are read: a reader slower than sdkcore's
+    # wait for it (shortened here to ~2 ms) still ends with the server's status, not the
+    # stand-in, and the call's code() says it.
+    monkeypatch.setattr(_peer_status, "_WAITS", (0.0, 0.0, 0.002))
+
+    async def ss(requests: AsyncIterator[bytes], context: Any, n: int) -> AsyncIterator[bytes]:
+        for i in range(3):
+            yield b"m%d" % i
+        if code is not grpc.StatusCode.OK:
+            await abort(context, code)
+
+    name = server.stream_stream("slow", ss)
+    rng = random.Random(17)
+    races = Races(caplog, wanted=SLOW_RACES)
+    async with insecure_channel(server.target) as ch:
+
+        async def one() -> None:
+            spins, nap = rng.randrange(4), rng.random() * 0.0006 if rng.random() < 0.5 else 0.0
+
+            async def requests() -> AsyncIterator[bytes]:
+                for _ in range(spins):
+                    await anyio.lowlevel.checkpoint()
+                if nap:
+                    await anyio.sleep(nap)
+                yield b"q"
+
+            made = ch.stream_stream(name)(requests())
+            got: list[bytes] = []
+            ended: Any = None
+            try:
+                while (message := await made.read()) is not aio.EOF:
+                    got.append(message)
+                    if len(got) == 1:  # past the shortened wait, before reading on
+                        await anyio.sleep(0.01)
+                ended = grpc.StatusCode.OK
+            except aio.AioRpcError as err:
+                ended = err.code()
+            assert (got, ended) == ([b"m0", b"m1", b"m2"], code)
+            assert await made.code() is code
+
+        await races.run(one)
