@@ -394,6 +394,12 @@ async def hedged_unary_unary(
                     call = await continuation(attempt_details(index), message)
             except aio.UsageError:
                 raise _ChannelClosed() from None
+            except BaseException as exc:
+                # Cut while grpc.aio's continuation ran (an application interceptor after
+                # sdkcore's may await the answer there): left open, CallTrace.end would
+                # give it the call's status, a winner's OK.
+                cut_attempt(attempt, exc)
+                raise
             finally:
                 if trace is not None:
                     trace.leave(token)
@@ -423,16 +429,21 @@ async def hedged_unary_unary(
             raise failure  # noqa: B904 - its cause is the status (set by failed)
         except BaseException as exc:
             call.cancel()
-            # Cut past the call's deadline, and not because another copy won (a win may
-            # come just past it, before the deadline's timer ran: the loser is CANCELLED):
-            # the attempt stays open and ends with the call's status (CallTrace.end), the
-            # deadline's DEADLINE_EXCEEDED, or CANCELLED when the application's cancel()
-            # got there first.
-            if trace is not None and (
-                isinstance(exc, Exception) or won or request.clock() < request.deadline
-            ):
-                trace.attempt_end(attempt, exc)
+            cut_attempt(attempt, exc)
             raise
+
+    def cut_attempt(attempt: Any, exc: BaseException) -> None:
+        """End the telemetry ``attempt`` of a copy that ``exc`` ended in flight.
+
+        Cut past the call's deadline, and not because another copy won (a win may come
+        just past it, before the deadline's timer ran: the loser is CANCELLED), the
+        attempt stays open and ends with the call's status (CallTrace.end): the deadline's
+        DEADLINE_EXCEEDED, or CANCELLED when the application's cancel() got there first.
+        """
+        if trace is not None and (
+            isinstance(exc, Exception) or won or request.clock() < request.deadline
+        ):
+            trace.attempt_end(attempt, exc)
 
     # The runner's Request (the call's own, with telemetry: made when the call started).
     request = (

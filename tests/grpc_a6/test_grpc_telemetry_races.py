@@ -43,7 +43,7 @@ from hedge_server import (  # noqa: E402
 from opentelemetry.sdk.trace import SpanProcessor  # noqa: E402
 from telemetry_kit import Otel  # noqa: E402
 
-from sdkcore.grpc import insecure_channel  # noqa: E402
+from sdkcore.grpc import RetryController, insecure_channel  # noqa: E402
 
 pytestmark = pytest.mark.asyncio
 
@@ -492,3 +492,47 @@ async def test_a_first_attempt_refused_inside_the_interceptors_ends_its_spans(
     finally:
         loop.set_exception_handler(None)
     assert (sorted(spans.open.values()), reported) == ([], [])
+
+
+# -- a review: a copy cut inside the continuation, under an interceptor awaiting the answer --
+
+
+class AwaitingInterceptor(aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """An application interceptor after sdkcore's that awaits each answer (a logger)."""
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        call = await continuation(details, request)
+        with contextlib.suppress(aio.AioRpcError):
+            await call
+        return call
+
+
+async def test_a_hedge_cut_inside_the_continuation_is_cancelled_not_the_winners_ok(
+    server: Server, otel: Otel
+) -> None:
+    """Hedge 0 fails UNAVAILABLE (non-fatal), hedge 1 hangs, hedge 2 answers OK. Hedge 1 is
+    cut while grpc.aio's continuation runs (the application's interceptor, after sdkcore's
+    on a channel built with ``RetryController.interceptors()``, awaits its answer there):
+    it was left open and ended with the call's OK. rfc/0008: "A hedge cancelled because
+    another won ends CANCELLED"."""
+    script = HedgeScript(
+        server, "M", {0: fail(grpc.StatusCode.UNAVAILABLE), 1: block(), 2: ok(delay=0.05)}
+    )
+    controller = RetryController(
+        server.target, hedging_config(max_attempts=3, delay="0.05s"), telemetry=otel.telemetry
+    )
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with aio.insecure_channel(
+            server.target,
+            options=controller.channel_options(),
+            interceptors=[*controller.interceptors(), AwaitingInterceptor()],
+        ) as ch:
+            await ch.unary_unary(script.method)(b"x")
+            await wait_until(lambda: all(a.end is not None for a in script.attempts))
+    recorded = {
+        (s.attributes or {})["previous-rpc-attempts"]: (s.attributes or {})["grpc.status"]
+        for s in otel.spans()
+        if s.name == "Attempt.test.Svc.M"
+    }
+    assert recorded == {0: "UNAVAILABLE", 1: "CANCELLED", 2: "OK"}
+    assert {a.index for a in script.attempts if a.cancelled} == {1}
