@@ -469,6 +469,12 @@ async def hedged_unary_unary(
                 raise asyncio.CancelledError() from None
             raise
     except aio.AioRpcError as err:  # a fatal status: its own hedge's index, not that of
+        if trace is not None:
+            # The copies it cut end CANCELLED, also those whose cut ran past the deadline
+            # (left open by cut_attempt for the call's status: here not a timeout).
+            for copy, attempt in attempts.items():
+                if copy != last[1]:
+                    trace.attempt_end(attempt, asyncio.CancelledError())
         final = _error(err, last[1] if last[1] >= 0 else last[0], flight[0])  # a failure after
         if request.retry_attempts == 0:
             raise final from None  # the first hedge's answer: grpc's error, as without hedging

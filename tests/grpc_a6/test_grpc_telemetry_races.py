@@ -536,3 +536,52 @@ async def test_a_hedge_cut_inside_the_continuation_is_cancelled_not_the_winners_
     }
     assert recorded == {0: "UNAVAILABLE", 1: "CANCELLED", 2: "OK"}
     assert {a.index for a in script.attempts if a.cancelled} == {1}
+
+
+class FatalJustBeforeTheDeadline(aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Hedge 1's call (an application interceptor after sdkcore's) fails INVALID_ARGUMENT,
+    a fatal status, 20 ms before the call's deadline, and the loop is then kept busy for
+    50 ms: hedge 0, which that failure cuts, is cleaned up past the deadline."""
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        call = await continuation(details, request)
+        if dict(details.metadata or ()).get(PREV) != "1":
+            return call
+        timeout = details.timeout
+
+        def fail_late(made: Any) -> Any:
+            yield from asyncio.sleep(max(timeout - 0.02, 0.0)).__await__()
+            asyncio.get_running_loop().call_soon(time.sleep, 0.05)
+            made.cancel()
+            raise aio.AioRpcError(
+                grpc.StatusCode.INVALID_ARGUMENT, aio.Metadata(), aio.Metadata(), "bad"
+            )
+
+        # The call, awaited as one that fails so (its class given that __await__).
+        call.__class__ = type("FailsLate", (type(call),), {"__await__": fail_late})
+        return call
+
+
+async def test_a_hedge_a_fatal_status_cut_is_cancelled_though_cleaned_up_past_the_deadline(
+    server: Server, otel: Otel
+) -> None:
+    """rfc/0008: a copy cut past the deadline ends with the call's status, a copy cut by
+    another's end CANCELLED. Hedge 0, cut by hedge 1's fatal status just before the
+    deadline, was cleaned up past it and recorded with the call's INVALID_ARGUMENT."""
+    script = HedgeScript(server, "M", {0: block(), 1: block()})
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target,
+            service_config=hedging_config(max_attempts=2, delay="0.01s"),
+            telemetry=otel.telemetry,
+            interceptors=[FatalJustBeforeTheDeadline()],
+        ) as ch:
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(script.method)(b"x", timeout=0.3)
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    recorded = {
+        (s.attributes or {})["previous-rpc-attempts"]: (s.attributes or {})["grpc.status"]
+        for s in otel.spans()
+        if s.name == "Attempt.test.Svc.M"
+    }
+    assert recorded == {0: "CANCELLED", 1: "INVALID_ARGUMENT"}
