@@ -39,6 +39,7 @@ from ._peer_status import stand_in, watch
 
 __all__: list[str] = []
 
+_REQUEST_STREAMING = (_base_call.StreamUnaryCall, _base_call.StreamStreamCall)
 _OK = grpc.StatusCode.OK
 _CANCELLED = grpc.StatusCode.CANCELLED
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
@@ -308,14 +309,16 @@ class GatedMultiCallable:
 
 def _hold(held: tuple[Any, Any], call: Any) -> None:
     """Give ``held`` back when ``call`` is done, with the status the server sent it
-    (``_peer_status.watch``: not grpc.aio's stand-in for a write that failed).
+    (a request-streaming call: ``_peer_status.watch``, not grpc.aio's stand-in for a
+    write that failed).
 
     ``call`` is what the rest of grpc.aio's interceptor chain made: grpc.aio's call,
     or an application interceptor's object (a finished ``UnaryUnaryCallResponse``
     takes no callback; an object that fails to take one is given back now rather
     than never).
     """
-    if getattr(call, "_cython_call", None) is not None:
+    if isinstance(call, _REQUEST_STREAMING) and getattr(call, "_cython_call", None) is not None:
+        # Only a call that writes messages can get grpc.aio's stand-in status.
         watch(call).when_known(lambda status: Gate.exit(held, _ended(call, status)))
         return
     try:

@@ -85,6 +85,15 @@ def outcomes(otel: Otel) -> list[tuple[Any, Any]]:
     return [(a.get("sdkcore.request.outcome"), a.get("error.type")) for a, _ in metric.points]
 
 
+def attempt_statuses(otel: Otel) -> dict[Any, Any]:
+    """grpc.status of each Attempt span of method M, by previous-rpc-attempts."""
+    return {
+        (s.attributes or {})["previous-rpc-attempts"]: (s.attributes or {})["grpc.status"]
+        for s in otel.spans()
+        if s.name == "Attempt.test.Svc.M"
+    }
+
+
 def hedge_wins(otel: Otel) -> int:
     metric = otel.metrics().get("sdkcore.hedge.wins")
     return 0 if metric is None else int(metric.total())
@@ -427,11 +436,7 @@ async def test_a_hedge_that_lost_to_a_copy_committed_in_the_same_turn_is_not_the
                 await pending
             await wait_until(lambda: all(a.end is not None for a in script.attempts))
     cut = {a.index for a in script.attempts if a.cancelled}
-    recorded = {
-        (s.attributes or {})["previous-rpc-attempts"]: (s.attributes or {})["grpc.status"]
-        for s in otel.spans()
-        if s.name == "Attempt.test.Svc.M"
-    }
+    recorded = attempt_statuses(otel)
     wrong = {
         index: status
         for index, status in recorded.items()
@@ -529,11 +534,7 @@ async def test_a_hedge_cut_inside_the_continuation_is_cancelled_not_the_winners_
         ) as ch:
             await ch.unary_unary(script.method)(b"x")
             await wait_until(lambda: all(a.end is not None for a in script.attempts))
-    recorded = {
-        (s.attributes or {})["previous-rpc-attempts"]: (s.attributes or {})["grpc.status"]
-        for s in otel.spans()
-        if s.name == "Attempt.test.Svc.M"
-    }
+    recorded = attempt_statuses(otel)
     assert recorded == {0: "UNAVAILABLE", 1: "CANCELLED", 2: "OK"}
     assert {a.index for a in script.attempts if a.cancelled} == {1}
 
@@ -579,9 +580,5 @@ async def test_a_hedge_a_fatal_status_cut_is_cancelled_though_cleaned_up_past_th
             with pytest.raises(aio.AioRpcError) as info:
                 await ch.unary_unary(script.method)(b"x", timeout=0.3)
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-    recorded = {
-        (s.attributes or {})["previous-rpc-attempts"]: (s.attributes or {})["grpc.status"]
-        for s in otel.spans()
-        if s.name == "Attempt.test.Svc.M"
-    }
+    recorded = attempt_statuses(otel)
     assert recorded == {0: "CANCELLED", 1: "INVALID_ARGUMENT"}

@@ -80,9 +80,8 @@ def expected(shape: str) -> Any:
     return b"ok" if shape == "stream_unary" else [b"ok"]
 
 
-async def call(channel: Any, shape: str, name: str, rng: random.Random) -> tuple[Any, Any]:
-    """(the call object, its answer or the AioRpcError it raised) of one call whose only
-    message is written at a varied moment."""
+def one_message_at_a_varied_moment(rng: random.Random) -> AsyncIterator[bytes]:
+    """A request iterator whose only message comes after 0-3 loop steps and maybe a nap."""
     spins, nap = rng.randrange(4), rng.random() * 0.0006 if rng.random() < 0.5 else 0.0
 
     async def requests() -> AsyncIterator[bytes]:
@@ -92,7 +91,13 @@ async def call(channel: Any, shape: str, name: str, rng: random.Random) -> tuple
             await anyio.sleep(nap)
         yield b"q"
 
-    made = getattr(channel, shape)(name)(requests())
+    return requests()
+
+
+async def call(channel: Any, shape: str, name: str, rng: random.Random) -> tuple[Any, Any]:
+    """(the call object, its answer or the AioRpcError it raised) of one call whose only
+    message is written at a varied moment."""
+    made = getattr(channel, shape)(name)(one_message_at_a_varied_moment(rng))
     try:
         if shape == "stream_unary":
             return made, await made
@@ -243,16 +248,7 @@ async def test_a_slow_reader_gets_every_message_then_the_servers_status(
     async with insecure_channel(server.target) as ch:
 
         async def one() -> None:
-            spins, nap = rng.randrange(4), rng.random() * 0.0006 if rng.random() < 0.5 else 0.0
-
-            async def requests() -> AsyncIterator[bytes]:
-                for _ in range(spins):
-                    await anyio.lowlevel.checkpoint()
-                if nap:
-                    await anyio.sleep(nap)
-                yield b"q"
-
-            made = ch.stream_stream(name)(requests())
+            made = ch.stream_stream(name)(one_message_at_a_varied_moment(rng))
             got: list[bytes] = []
             ended: Any = None
             try:
