@@ -10,14 +10,16 @@ same seeded timings, three readers of the same server on 127.0.0.1:
 * grpc.aio's ``read()`` loop on a plain channel;
 * ``async for`` on an sdkcore channel (``insecure_channel(..., throttle=...)``).
 
-Prints, per reader, the calls answered and the calls lost (an INTERNAL raised before the
-answer). Run: ``uv run --extra grpc python bench/bench_write_race.py --calls 1500``.
+Prints, per reader, the calls answered, the calls lost (an INTERNAL raised before the
+answer), and the calls that met the race (grpc.aio logged a failed write).
+Run: ``uv run --extra grpc python bench/bench_write_race.py --calls 1500``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import random
 import sys
 from collections import Counter
@@ -35,6 +37,18 @@ from sdkcore.grpc import insecure_channel
 READERS = ("grpc.aio async for", "grpc.aio read()", "sdkcore async for")
 
 
+class FailedWrites(logging.Handler):
+    """Counts grpc.aio's debug lines for a write that failed (each call that met the race)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if 'Failed "execute_batch"' in record.getMessage():
+            self.count += 1
+
+
 async def run(calls: int) -> Counter[tuple[str, str]]:
     server = Server()
 
@@ -44,8 +58,13 @@ async def run(calls: int) -> Counter[tuple[str, str]]:
     name = server.stream_stream("M", answer)
     await server.start()
     outcomes: Counter[tuple[str, str]] = Counter()
+    writes = FailedWrites()
+    grpc_log = logging.getLogger("grpc.aio._call")
+    grpc_log.setLevel(logging.DEBUG)
+    grpc_log.addHandler(writes)
     try:
         for reader in READERS:
+            writes.count = 0
             rng = random.Random(5)  # the same timings for every reader
             channel = (
                 insecure_channel(server.target, throttle=AdaptiveThrottle(name="bench"))
@@ -76,7 +95,9 @@ async def run(calls: int) -> Counter[tuple[str, str]]:
                         outcomes[(reader, "answered" if got == [b"ok"] else "other")] += 1
                     except aio.AioRpcError as err:
                         outcomes[(reader, f"lost ({err.code().name})")] += 1
+            outcomes[(reader, "calls that met the race")] = writes.count
     finally:
+        grpc_log.removeHandler(writes)
         await server.stop()
     return outcomes
 

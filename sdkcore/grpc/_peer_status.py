@@ -3,8 +3,8 @@
 When the server ends a client-streaming or bidirectional call while grpc.aio is
 writing one of its messages, the write fails in core and grpc.aio's writer marks the
 call INTERNAL "Internal error from Core" (debug string ``Failed "execute_batch"``).
-The server's status and that stand-in race (grpcio 1.85; 8-20% of calls the server
-ends at once, on loopback):
+The server's status and that stand-in race (grpcio 1.85; 6-8% of calls the server
+ends at once, on loopback: bench/bench_write_race.py):
 
 * the stand-in first: grpc.aio runs the call's done callbacks on it, then the
   server's status replaces it within a few loop iterations without running them

@@ -7,7 +7,7 @@ application as INTERNAL, the channel's throttle counted a RESOURCE_EXHAUSTED as 
 accept, a call the application had its OK answer from could be accounted, and read by
 ``code()``, as INTERNAL, and a stream's answer still in core was lost. The race is
 provoked with short calls whose request iterators yield at varied moments, until it has
-happened ``RACES`` times (grpc.aio logs each failed write at debug level; 8-20% of
+happened ``RACES`` times (grpc.aio logs each failed write at debug level; 6-20% of
 calls, beside CPU-bound processes too), at most ``MAX_CALLS`` calls; each call is checked.
 """
 
