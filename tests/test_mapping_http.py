@@ -193,6 +193,9 @@ def test_views_temporary_codes(status: int) -> None:
         (500, '{"error":"{not_found, missing_named_view}"}', None),
         (500, '{"error":"query_parse_error","reason":"badarg"}', None),
         (500, '{"reason":"badarg"}', R.VIEWS_TEMPORARY_FAILURE),  # "error" is required too
+        # the token is "badarg" with its quotes (RFC 0049: ""badarg""), not the bare word
+        (500, '{"error":"view_server_error","reason":"badargument"}', R.VIEWS_TEMPORARY_FAILURE),
+        (500, '{"error":"x","reason":"no badarg here"}', R.VIEWS_TEMPORARY_FAILURE),
         (200, "", None),
         (400, "", None),
         (505, "", None),

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sdkcore import (
+    AttemptEffect,
     AuthenticationFailureException,
     CasMismatchException,
     CollectionNotFoundException,
@@ -21,6 +22,8 @@ from sdkcore import (
     InvalidArgumentException,
     QuotaLimitedException,
     RateLimitedException,
+    Request,
+    RetryOrchestrator,
     RetryReason,
     ScopeNotFoundException,
     TemporaryFailureException,
@@ -37,8 +40,11 @@ from sdkcore.mapping import (
     ValueTooLargeException,
     kv_exception,
     kv_failure,
+    kv_request,
     kv_retry_reason,
+    raise_failure,
 )
+from sdkcore.testing import VirtualClock
 
 R = RetryReason
 NON_DCP_OPCODES = [op for op in KvOpcode if op not in DCP_OPCODES]
@@ -164,6 +170,44 @@ def test_error_map_is_consulted_for_any_status_outside_the_rows_but_not_dcp() ->
     assert kv_retry_reason(KvStatus.KEY_NOT_FOUND, KvOpcode.DCP_MUTATION, emap) is None
 
 
+#: Answers that do not prove the command changed nothing (rfc/0002).
+OUTCOME_UNKNOWN = (KvStatus.SYNC_WRITE_AMBIGUOUS, KvStatus.INTERNAL_ERROR)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("status", OUTCOME_UNKNOWN)
+async def test_an_error_map_never_retries_an_answer_that_may_have_been_applied(
+    status: KvStatus,
+) -> None:
+    """An error map marking SYNC_WRITE_AMBIGUOUS or INTERNAL_ERROR retry-later must not
+    resend a non-idempotent write booked "not applied" (KV_ERROR_MAP_RETRY_INDICATED
+    retries any request): the durable write may have committed. The request ends with
+    the status's own exception, its attempt maybe applied."""
+    emap = error_map({status: ["retry-later", "internal"]})
+    assert kv_retry_reason(status, KvOpcode.SET, emap) is None
+    clock = VirtualClock()
+    request = kv_request(KvOpcode.SET, timeout=0.5, clock=clock.clock)  # not idempotent
+    sent = 0
+
+    async def send(r: Request) -> None:
+        nonlocal sent
+        sent += 1
+        raise_failure(kv_failure(status, KvOpcode.SET, emap))
+
+    expected = (
+        DurabilityAmbiguousException
+        if status is KvStatus.SYNC_WRITE_AMBIGUOUS
+        else InternalServerFailureException
+    )
+    with pytest.raises(expected) as caught:
+        await RetryOrchestrator(sleep=clock.sleep).execute(request, send)
+    assert sent == 1
+    assert clock.sleeps == []
+    context = caught.value.context
+    assert context is not None
+    assert [a.effect for a in context.attempts] == [AttemptEffect.MAYBE_APPLIED]
+
+
 def test_unknown_status_exception_names_the_error_map_entry() -> None:
     emap = error_map({0x7FF0: ["internal"]})
     exc = kv_failure(0x7FF0, KvOpcode.SET, emap)
@@ -275,9 +319,16 @@ def test_error_map_only_adds_error_map_retry_outside_the_fixed_rows(
         assert status not in KV_RETRY_STATUSES
         assert status != 0
         assert opcode not in DCP_OPCODES
+        assert status not in OUTCOME_UNKNOWN
         assert {"retry-now", "retry-later"} & set(entries[status])
     indicated = status in entries and bool({"retry-now", "retry-later"} & set(entries[status]))
-    if indicated and status not in KV_RETRY_STATUSES and status != 0 and opcode not in DCP_OPCODES:
+    if (
+        indicated
+        and status not in KV_RETRY_STATUSES
+        and status not in OUTCOME_UNKNOWN
+        and status != 0
+        and opcode not in DCP_OPCODES
+    ):
         assert with_map is R.KV_ERROR_MAP_RETRY_INDICATED
 
 

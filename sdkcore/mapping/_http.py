@@ -206,7 +206,9 @@ def views_retry_reason(http_status: int, body: str | bytes = "") -> RetryReason 
       unprovisioned node; no whitespace allowed around the ``:``)
       -> VIEWS_TEMPORARY_FAILURE;
     * 500 unless the body contains ``error`` together with
-      ``{not_found, missing_named_view}`` or ``badarg`` -> VIEWS_TEMPORARY_FAILURE;
+      ``{not_found, missing_named_view}`` or ``"badarg"`` (with its quotes, as the RFC
+      writes it and the ``"reason":"missing"`` row above reads it: a malformed query)
+      -> VIEWS_TEMPORARY_FAILURE;
     * anything else (200 included) -> None.
     """
     status = _status(http_status, "views_retry_reason")
@@ -220,7 +222,7 @@ def views_retry_reason(http_status: int, body: str | bytes = "") -> RetryReason 
         return None
     if status == 500:
         text = _text(body, "views_retry_reason")
-        if "error" in text and ("{not_found, missing_named_view}" in text or "badarg" in text):
+        if "error" in text and ("{not_found, missing_named_view}" in text or '"badarg"' in text):
             return None
         return RetryReason.VIEWS_TEMPORARY_FAILURE
     return None

@@ -233,6 +233,11 @@ def _check_context(value: object, what: str) -> None:
         raise TypeError(f"{what} must be an sdkcore.ErrorContext or None, got {_show(value)}")
 
 
+#: Statuses that do not prove the command changed nothing: the durable write may have
+#: committed; an internal error says nothing of how far the command went.
+_OUTCOME_UNKNOWN = frozenset({KvStatus.SYNC_WRITE_AMBIGUOUS, KvStatus.INTERNAL_ERROR})
+
+
 def kv_retry_reason(
     status: int, opcode: int, error_map: ErrorMap | None = None
 ) -> RetryReason | None:
@@ -248,6 +253,10 @@ def kv_retry_reason(
     * any other status (not success) whose ``error_map`` entry has ``retry-now`` or
       ``retry-later`` -> KV_ERROR_MAP_RETRY_INDICATED (an excluded pair of the rows
       above is final: the error map is not consulted for it);
+    * 0xa3 SYNC_WRITE_AMBIGUOUS and 0x84 INTERNAL_ERROR -> None whatever the error map
+      says: they do not prove the command changed nothing (the durable write may have
+      committed), and KV_ERROR_MAP_RETRY_INDICATED retries even a non-idempotent write,
+      booked not applied (rfc/0002);
     * everything else, success, and every DCP opcode -> None.
 
     ``error_map`` must be an :class:`ErrorMap` or None (TypeError otherwise).
@@ -264,7 +273,7 @@ def kv_retry_reason(
     row = _TABLE.get(status)
     if row is not None:
         return None if opcode in row[1] else row[0]
-    if error_map is None or status == 0 or opcode in DCP_OPCODES:
+    if error_map is None or status == 0 or opcode in DCP_OPCODES or status in _OUTCOME_UNKNOWN:
         return None
     return _ERROR_MAP_RETRY if status in error_map.retry_statuses else None
 
@@ -302,11 +311,6 @@ _STATUS_EXCEPTIONS: dict[int, type[CouchbaseException]] = {
     KvStatus.SYNC_WRITE_AMBIGUOUS: DurabilityAmbiguousException,
     KvStatus.SYNC_WRITE_RE_COMMIT_IN_PROGRESS: DurableWriteReCommitInProgressException,
 }
-
-
-#: Statuses that do not prove the command changed nothing: the durable write may have
-#: committed; an internal error says nothing of how far the command went.
-_OUTCOME_UNKNOWN = frozenset({KvStatus.SYNC_WRITE_AMBIGUOUS, KvStatus.INTERNAL_ERROR})
 
 
 def _describe(status: int, opcode: int, error_map: ErrorMap | None) -> str:
