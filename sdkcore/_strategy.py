@@ -17,6 +17,7 @@ from typing import Any
 from ._action import RetryAction
 from ._backoff import Backoff, best_effort_backoff
 from ._callables import sync_callable
+from ._context import ErrorContext
 from ._duration import to_seconds
 from ._errors import (
     AuthenticationFailureException,
@@ -182,7 +183,28 @@ class FailFastRetryStrategy:
 
 
 _AUTH = RetryAction.no_retry(AuthenticationFailureException)
-_GENERIC = RetryAction.no_retry(CouchbaseException)
+
+
+def _tls_error(context: ErrorContext) -> CouchbaseException:
+    return CouchbaseException(
+        "TLS error (RetryReason.TLS_ERROR), not retried: check the client's certificates "
+        "and the cluster's TLS settings",
+        context=context,
+    )
+
+
+def _bucket_access_error(context: ErrorContext) -> CouchbaseException:
+    return CouchbaseException(
+        "bucket access error (RetryReason.BUCKET_ACCESS_ERROR), not retried: check that "
+        "the bucket exists and that the user may use it",
+        context=context,
+    )
+
+
+# CouchbaseException as the RFC says, with a message naming the problem (its default,
+# "operation failed", named nothing: a review).
+_TLS = RetryAction.no_retry(_tls_error)
+_BUCKET_ACCESS = RetryAction.no_retry(_bucket_access_error)
 _SCOPE = RetryAction.no_retry(ScopeNotFoundException)
 _COLLECTION = RetryAction.no_retry(CollectionNotFoundException)
 
@@ -206,9 +228,9 @@ class FastFailOnTerminalErrorRetryStrategy(BestEffortRetryStrategy):
         if reason is RetryReason.AUTHENTICATION_ERROR:
             return _AUTH
         if reason is RetryReason.TLS_ERROR:
-            return _GENERIC
+            return _TLS
         if reason is RetryReason.BUCKET_ACCESS_ERROR:
-            return _GENERIC
+            return _BUCKET_ACCESS
         if reason is RetryReason.SCOPE_NOT_FOUND:
             return _SCOPE
         if reason is RetryReason.COLLECTION_NOT_FOUND:

@@ -210,6 +210,27 @@ async def test_fast_fail_raises_the_mapped_exception_through_the_orchestrator(
     assert vc.sleeps == []
 
 
+@pytest.mark.parametrize(
+    ("reason", "words"),
+    [
+        (RetryReason.TLS_ERROR, ("TLS error", "RetryReason.TLS_ERROR", "certificates")),
+        (RetryReason.BUCKET_ACCESS_ERROR, ("bucket access error", "BUCKET_ACCESS_ERROR")),
+    ],
+)
+async def test_fast_fail_names_the_problem_it_did_not_retry(
+    reason: RetryReason, words: tuple[str, ...]
+) -> None:
+    """RFC 0049 wants "immediate clear feedback on basic problems": the CouchbaseException
+    a TLS or bucket-access failure ends with says which problem it was (its default
+    message, "operation failed", named nothing)."""
+    orch, vc = virtual()
+    with pytest.raises(CouchbaseException) as info:
+        await orch.maybe_retry(Request(idempotent=True, clock=vc.clock), reason)
+    assert type(info.value) is CouchbaseException
+    for word in words:
+        assert word in info.value.message
+
+
 def test_fast_fail_mapping_covers_exactly_the_terminal_reasons() -> None:
     # Order is the RFC's; every terminal reason maps to exactly one exception.
     assert [r.name for r, _ in FAST_FAIL] == [
