@@ -190,10 +190,22 @@ class ChannelTelemetry:
     grpcio-tools' stubs pass) or named by the service config (a ``methodConfig`` name
     with that service, with or without the method; the catch-all ``{}`` does not name
     it). Any other method, a generic call, is recorded as ``other``, as A66 asks of
-    generic methods. At most :data:`MAX_NAMES` methods per channel are recorded by name.
+    generic methods. A registered method is always recorded by its name (A66: "pre-registered
+    methods will always be recorded"); at most :data:`MAX_NAMES` methods the service config
+    names are, and generic calls never use up that bound (they are counted apart).
     """
 
-    __slots__ = ("_lock", "_methods", "config", "instruments", "registered", "target", "telemetry")
+    __slots__ = (
+        "_generic",
+        "_lock",
+        "_methods",
+        "_named",
+        "config",
+        "instruments",
+        "registered",
+        "target",
+        "telemetry",
+    )
 
     def __init__(
         self, telemetry: Telemetry, target: str, service_config: ServiceConfig | None
@@ -205,6 +217,11 @@ class ChannelTelemetry:
         #: Full names (``/pkg.Service/Method``) registered by generated stubs.
         self.registered: set[str] = set()
         self._methods: dict[Any, _Method] = {}
+        #: Methods cached as named by the service config, and as ``other``: each bounded
+        #: by MAX_NAMES on its own (a proxy's thousand generic paths must not turn a
+        #: stub's or the config's methods into ``other``).
+        self._named = 0
+        self._generic = 0
         self._lock = threading.Lock()
 
     def register(self, method: Any) -> None:
@@ -212,7 +229,14 @@ class ChannelTelemetry:
         name = _method_name(method)
         with self._lock:
             self.registered.add(name)
-            self._methods.pop(method, None)  # a generic call before may have cached "other"
+            # A call before may have cached it as "other" or as named by the config: it is
+            # a registered method's now, outside both bounds.
+            cached = self._methods.pop(method, None)
+            if cached is not None:
+                if cached.attributes[METHOD] == OTHER:
+                    self._generic -= 1
+                else:
+                    self._named -= 1
 
     def method(self, method: Any) -> _Method:
         found = self._methods.get(method)
@@ -220,15 +244,19 @@ class ChannelTelemetry:
             return found
         name = _method_name(method)
         with self._lock:
-            known = len(self._methods) < MAX_NAMES and self._known(name)
-            found = _Method(_cut(name.lstrip("/")) if known else OTHER, self.target, name)
-            if len(self._methods) < MAX_NAMES:
-                self._methods[method] = found
+            if name in self.registered:  # always by name, and always cached
+                found = self._methods[method] = _Method(_cut(name.lstrip("/")), self.target, name)
+            elif self._named < MAX_NAMES and self._named_by_config(name):
+                found = self._methods[method] = _Method(_cut(name.lstrip("/")), self.target, name)
+                self._named += 1
+            else:
+                found = _Method(OTHER, self.target, name)
+                if self._generic < MAX_NAMES:
+                    self._methods[method] = found
+                    self._generic += 1
         return found
 
-    def _known(self, name: str) -> bool:
-        if name in self.registered:
-            return True
+    def _named_by_config(self, name: str) -> bool:
         config = self.config
         if config is None:
             return False

@@ -404,6 +404,33 @@ async def test_generic_methods_leave_the_applications_names_alone(
     assert recorded == {"/other": many, "kv.get": 1}
 
 
+async def test_generic_methods_never_turn_a_stubs_or_the_configs_methods_into_other(
+    server: Server, otel: Otel
+) -> None:
+    """A66: "pre-registered methods will always be recorded". A proxy's many generic paths
+    on the channel once used up the bound of named methods, and a stub's method called
+    after them was recorded as "other" (a review): generic calls are bounded apart."""
+    server.unary_unary("M", fail_then_ok(0))
+    many = sdkcore_telemetry.MAX_NAMES + 5
+    configured = config_json(
+        {"name": [{"service": "cfg.Svc"}], "retryPolicy": retry_policy()},
+        timeout=None,
+        throttling=None,
+    )
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=configured, telemetry=otel.telemetry
+        ) as ch:
+            stub = ch.unary_unary("/test.Svc/M", _registered_method=True)  # made at startup
+            for i in range(many):
+                assert await ch.unary_unary(f"/tenant{i}.Svc/M")(b"x") == b"ok"
+            assert await stub(b"x") == b"ok"
+            assert await ch.unary_unary("/cfg.Svc/M")(b"x") == b"ok"
+    started = otel.grpc()["grpc.client.attempt.started"]
+    counts = {a["grpc.method"]: point.value for a, point in started}
+    assert counts == {"other": many, "test.Svc/M": 1, "cfg.Svc/M": 1}
+
+
 async def test_a_method_of_a_configured_service_is_recorded_by_name(
     server: Server, otel: Otel
 ) -> None:
