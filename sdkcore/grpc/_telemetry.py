@@ -476,18 +476,32 @@ class CallTrace:
         telemetry = channel.telemetry
         inst = channel.instruments
         attributes = self.method.attributes
+        # One guard per instrument: one that raises loses only its own records, and the
+        # warning names it (a review: one guard lost all five to a raising call.duration).
         try:
             inst.call_duration.record(now - self.started, self.method.with_status(status))
-            retries = self.attempts - 1
-            if retries > 0:
+        except Exception as exc:
+            telemetry._failure("grpc.client.call.duration", exc)
+        retries = self.attempts - 1
+        if retries > 0:
+            try:
                 inst.retries.record(retries, attributes)
-            if self.transparent > 0:
+            except Exception as exc:
+                telemetry._failure("grpc.client.call.retries", exc)
+        if self.transparent > 0:
+            try:
                 inst.transparent_retries.record(self.transparent, attributes)
-            if self.hedges > 0:
+            except Exception as exc:
+                telemetry._failure("grpc.client.call.transparent_retries", exc)
+        if self.hedges > 0:
+            try:
                 inst.hedges.record(self.hedges, attributes)
+            except Exception as exc:
+                telemetry._failure("grpc.client.call.hedges", exc)
+        try:
             inst.retry_delay.record(self.delay, attributes)
         except Exception as exc:
-            telemetry._failure("grpc.client.call", exc)
+            telemetry._failure("grpc.client.call.retry_delay", exc)
         trace = self.trace
         if not trace.ended:
             if not request.completed:
@@ -501,14 +515,18 @@ class CallTrace:
 
 
 def _end_span(telemetry: Telemetry, span: Any, status: str, details: str) -> None:
-    """End ``span`` with the gRPC status: ``grpc.status``, and ERROR when not OK (A72)."""
+    """End ``span`` with the gRPC status (A72): ``grpc.status``; the span's status OK for
+    OK, else ERROR described as ``<STATUS>, <details>`` (A72's "UNAVAILABLE, unable to
+    resolve host")."""
     if span is None:
         return
     try:
         span.set_attribute(STATUS, status)
-        if status != "OK":
-            trace = telemetry._trace
-            text = f"{status}: {details}" if details else status
+        trace = telemetry._trace
+        if status == "OK":
+            span.set_status(trace.Status(trace.StatusCode.OK))
+        else:
+            text = f"{status}, {details}" if details else status
             span.set_status(trace.Status(trace.StatusCode.ERROR, _cut(text)))
         span.end()
     except Exception as exc:

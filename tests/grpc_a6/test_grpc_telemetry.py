@@ -246,6 +246,11 @@ async def test_an_ok_call_records_one_attempt_and_no_retry_counts(
     # Every call of the channel is an sdkcore request: the OK one too, 0 retries.
     retries = otel.metrics()["sdkcore.request.retries"].data.data_points
     assert [(p.count, p.sum) for p in retries] == [(1, 0)]
+    # A72: "gRPC status OK is recorded with status OK" (it was left unset)
+    spans = by_name(otel.finished(), "Sent.test.Svc.M") + by_name(
+        otel.finished(), "Attempt.test.Svc.M"
+    )
+    assert [s.status.status_code for s in spans] == [trace.StatusCode.OK] * 2
 
 
 @pytest.mark.parametrize("code", ["UNAVAILABLE", "INVALID_ARGUMENT"])
@@ -277,7 +282,7 @@ async def test_a_call_that_fails(server: Server, otel: Otel, code: str) -> None:
     (sent,) = by_name(otel.finished(), "Sent.test.Svc.M")
     assert (sent.attributes or {})["error.type"] == code
     assert sent.status.status_code is trace.StatusCode.ERROR
-    assert (sent.status.description or "").startswith(code)
+    assert (sent.status.description or "").startswith(f"{code}, ")  # A72's form
     assert (sent.attributes or {})["grpc.status"] == code
     attempt_spans = by_name(otel.finished(), "Attempt.test.Svc.M")
     assert len(attempt_spans) == attempts
@@ -625,7 +630,7 @@ async def test_spans_names_kinds_parents_and_attributes(server: Server, otel: Ot
     assert attributes["sdkcore.request.name"] == method
     assert attributes["sdkcore.request.outcome"] == "success"
     assert attributes["sdkcore.request.retries"] == 2
-    assert sent.status.status_code is trace.StatusCode.UNSET
+    assert sent.status.status_code is trace.StatusCode.OK  # A72
     assert [e.name for e in sent.events] == ["sdkcore.retry", "sdkcore.retry"]
     attempts = sorted(by_name(spans, "Attempt.test.Svc.M"), key=lambda s: s.start_time or 0)
     assert [s.kind for s in attempts] == [trace.SpanKind.INTERNAL] * 3
@@ -637,7 +642,7 @@ async def test_spans_names_kinds_parents_and_attributes(server: Server, otel: Ot
     assert [s.status.status_code for s in attempts] == [
         trace.StatusCode.ERROR,
         trace.StatusCode.ERROR,
-        trace.StatusCode.UNSET,
+        trace.StatusCode.OK,
     ]
     # Each attempt within the call, one after the other.
     times = [(s.start_time or 0, s.end_time or 0) for s in attempts]
@@ -819,6 +824,44 @@ async def test_a_failing_instrument_never_fails_a_call(server: Server) -> None:
         ) as ch:
             assert await ch.unary_unary(method)(b"x") == b"ok"
     assert "grpc.client.attempt.started" in telemetry._failed
+
+
+async def test_a_failing_instrument_loses_only_its_own_records(server: Server, otel: Otel) -> None:
+    """One guard per call-level instrument: a raising grpc.client.call.duration once took
+    the call's retries and retry delay with it, and the warning named none of them."""
+
+    class Broken:
+        def record(self, *args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("exporter down")
+
+    class Meter:
+        def __init__(self, inner: Any) -> None:
+            self._inner = inner
+
+        def create_histogram(self, name: str, *args: Any, **kwargs: Any) -> Any:
+            if name == "grpc.client.call.duration":
+                return Broken()
+            return self._inner.create_histogram(name, *args, **kwargs)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._inner, name)
+
+    class Provider:
+        def get_meter(self, *args: Any, **kwargs: Any) -> Any:
+            return Meter(otel.meters.get_meter(*args, **kwargs))
+
+    method = server.unary_unary("M", fail_then_ok(1))
+    telemetry = sdkcore.Telemetry(meter_provider=Provider(), tracer_provider=otel.tracers)
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=retry_config(), telemetry=telemetry
+        ) as ch:
+            assert await ch.unary_unary(method)(b"x") == b"ok"
+    points = otel.grpc()
+    assert "grpc.client.call.duration" not in points
+    assert value(points["grpc.client.call.retries"]).sum == 1
+    assert value(points["grpc.client.call.retry_delay"]).count == 1
+    assert "grpc.client.call.duration" in telemetry._failed
 
 
 # -- what replaced the old counters ------------------------------------------------------

@@ -934,8 +934,8 @@ class World:
             problem("the Sent span is not a child of the application's span")
         if attributes.get("grpc.status") != status:
             problem(f"Sent span grpc.status {attributes.get('grpc.status')}, the call's {status}")
-        error_status = span.status.status_code is trace.StatusCode.ERROR
-        if error_status != (status != "OK"):
+        expected_status = trace.StatusCode.OK if status == "OK" else trace.StatusCode.ERROR
+        if span.status.status_code is not expected_status:  # A72
             problem(f"Sent span status {span.status.status_code} for {status}")
         if status != "OK" and not (span.status.description or "").startswith(str(status)):
             problem(f"Sent span status description {span.status.description!r}")
@@ -968,7 +968,9 @@ class World:
                 problem(f"Attempt span kind {s.kind}")
             if a_attr.get("transparent-retry") is not False:
                 problem(f"Attempt span transparent-retry {a_attr.get('transparent-retry')}")
-            if (s.status.status_code is trace.StatusCode.ERROR) != (st != "OK"):
+            if s.status.status_code is not (
+                trace.StatusCode.OK if st == "OK" else trace.StatusCode.ERROR
+            ):
                 problem(f"Attempt span status {s.status.status_code} for {st}")
             if (s.start_time or 0) < (span.start_time or 0) or (s.end_time or 0) > (
                 span.end_time or 0
