@@ -570,7 +570,8 @@ class _Parser:
         for k, code in enumerate(raw):
             if _is_int(code) and 0 <= code < len(STATUS_NAMES):
                 out.add(int(code))
-            elif isinstance(code, str) and code.upper() in STATUS_BY_NAME:
+            elif isinstance(code, str) and code.isascii() and code.upper() in STATUS_BY_NAME:
+                # ASCII only: str.upper() maps look-alikes ("ınternal", dotless i) to a name
                 out.add(STATUS_BY_NAME[code.upper()])
             else:
                 self.err(

@@ -280,7 +280,9 @@ def test_codes_must_be_array() -> None:
     assert msg.startswith(f"{RP}.retryableStatusCodes: must be an array of status codes")
 
 
-@pytest.mark.parametrize("bad", ["NOPE", 17, -1, 14.0, None, "14"])
+@pytest.mark.parametrize(
+    "bad", ["NOPE", 17, -1, 14.0, None, "14", "ınternal", "data_loſſ", "ınvalid_argument"]
+)
 def test_codes_must_be_valid(bad: Any) -> None:
     (msg,) = violations(with_retry(retryableStatusCodes=["ABORTED", bad]))
     assert msg.startswith(f"{RP}.retryableStatusCodes[1]: must be a valid status code")
