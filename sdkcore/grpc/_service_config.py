@@ -571,7 +571,7 @@ class _Parser:
             if _is_int(code) and 0 <= code < len(STATUS_NAMES):
                 out.add(int(code))
             elif isinstance(code, str) and code.isascii() and code.upper() in STATUS_BY_NAME:
-                # ASCII only: str.upper() maps look-alikes ("ınternal", dotless i) to a name
+                # ASCII only: str.upper() maps look-alikes (a dotless i, U+0131) to real names
                 out.add(STATUS_BY_NAME[code.upper()])
             else:
                 self.err(

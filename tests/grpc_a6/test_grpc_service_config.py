@@ -281,7 +281,18 @@ def test_codes_must_be_array() -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", ["NOPE", 17, -1, 14.0, None, "14", "ınternal", "data_loſſ", "ınvalid_argument"]
+    "bad",
+    [
+        "NOPE",
+        17,
+        -1,
+        14.0,
+        None,
+        "14",
+        "\u0131nternal",
+        "data_lo\u017f\u017f",
+        "\u0131nvalid_argument",
+    ],
 )
 def test_codes_must_be_valid(bad: Any) -> None:
     (msg,) = violations(with_retry(retryableStatusCodes=["ABORTED", bad]))
