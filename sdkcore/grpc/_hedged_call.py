@@ -60,6 +60,14 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             wait_for_ready = plan.wait_for_ready
         metadata = _strip_attempts(metadata)
         self._core = core
+        # A6's retry buffer: every copy resends the request, held until the call ends. One
+        # that does not fit (the per-call limit, or the channel's) is sent once, unhedged.
+        size = core.message_size(message)
+        if size <= core.per_call_buffer_limit and core._reserve(size):
+            self._buffered = size
+        else:
+            self._buffered = 0
+            plan = plan.single()
         budget = core.orchestrator.retry_budget
         if budget is not None:  # the call's first attempt pays into the shared retry budget
             budget.deposit()
@@ -194,8 +202,13 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             timer.cancel()
 
     def _wake(self) -> None:
-        """The call ended (every ending calls this): its readers wake."""
-        self._core._stopped_sending(self)
+        """The call ended (every ending calls this): its readers wake, its request's
+        share of the retry buffer goes back to the channel."""
+        core = self._core
+        if self._buffered:
+            core._release(self._buffered)
+            self._buffered = 0
+        core._stopped_sending(self)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)

@@ -154,6 +154,14 @@ async def intercepted_hedged_unary_unary(
     trace = None
     if core._tel is not None:
         trace = hedge_trace(core, details.method, timeout, started, deadline_from)
+    # A6's retry buffer, as on the direct path (_HedgedCall): a request that does not fit
+    # is sent once, unhedged; one that fits is held until the call is over.
+    size = core.message_size(message)
+    if size <= core.per_call_buffer_limit and core._reserve(size):
+        buffered = size
+    else:
+        buffered = 0
+        plan = plan.single()
     try:
         call = await hedged_unary_unary(
             core,
@@ -169,6 +177,8 @@ async def intercepted_hedged_unary_unary(
         if trace is not None:
             trace.end(exc)
         raise
+    finally:
+        core._release(buffered)
     if trace is not None:
         trace.end(None)
     return call

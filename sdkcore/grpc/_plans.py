@@ -5,7 +5,10 @@ Both are built once per method and cached by the controller; a call only reads t
 
 from __future__ import annotations
 
+import copy
 from typing import Any
+
+import attrs
 
 from .._errors import RetryableError
 from .._hedge_policy import HedgePolicy
@@ -36,7 +39,15 @@ class _Plan:
 class HedgePlan:
     """What a method with a ``hedgingPolicy`` gets: the core policy and the call settings."""
 
-    __slots__ = ("name", "non_fatal", "policy", "throttler", "timeout", "wait_for_ready")
+    __slots__ = (
+        "_single",
+        "name",
+        "non_fatal",
+        "policy",
+        "throttler",
+        "timeout",
+        "wait_for_ready",
+    )
 
     def __init__(
         self,
@@ -60,6 +71,19 @@ class HedgePlan:
         timeout = method_config.timeout
         self.timeout = None if timeout is None else timeout.total_seconds()
         self.wait_for_ready = method_config.wait_for_ready
+        self._single: HedgePlan | None = None
+
+    def single(self) -> HedgePlan:
+        """This plan for a call whose request does not fit the retry buffers: hedge 0
+        alone (A6: "New RPCs which do not fit in the available buffer space ... will not
+        be retryable"). Made once per plan."""
+        single = self._single
+        if single is None:
+            single = copy.copy(self)
+            single.policy = attrs.evolve(self.policy, max_attempts=1)
+            single._single = single
+            self._single = single
+        return single
 
 
 class _Gate:

@@ -386,3 +386,74 @@ async def test_generic_runner_deadline_cuts_grpc_aio_calls(server: Server, delay
     assert info.value.context is not None
     assert info.value.context.in_flight
     assert [a.effect.name for a in request.attempts] == ["MAYBE_APPLIED"] * sent
+
+
+# -- the retry buffer (A6: "retryable or hedged RPCs") --------------------------------------
+
+
+@pytest.mark.parametrize("limit", ["per_call_buffer_limit", "channel_buffer_limit"])
+@pytest.mark.parametrize("path", ["direct", "interceptor"])
+async def test_a_request_that_does_not_fit_the_buffer_is_not_hedged(
+    server: Server, limit: str, path: str
+) -> None:
+    """A6: "New RPCs which do not fit in the available buffer space (either due to the
+    total available buffer space, or due to the per-RPC limit) will not be retryable":
+    hedge 0 alone is sent; its non-fatal status is the call's. (Hedged calls ignored both
+    limits: every copy resent a request the application had bounded; a review.)"""
+    script = HedgeScript(server, "M", {0: fail(UNAVAILABLE), 1: ok()})
+    interceptors = [Passthrough()] if path == "interceptor" else []
+    limits: dict[str, Any] = {limit: 4}
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target,
+            service_config=hedging_config(delay="0.05s"),
+            interceptors=interceptors,
+            **limits,
+        ) as ch:
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(script.method)(b"12345")
+            assert retry_controller(ch).buffered_bytes == 0
+            # a request that fits is hedged as before
+            assert await ch.unary_unary(script.method)(b"1234") == b"ok"
+            assert retry_controller(ch).buffered_bytes == 0
+    assert info.value.code() is UNAVAILABLE
+    assert script.count == 3  # one copy of the first call, two of the second
+
+
+@pytest.mark.parametrize("path", ["direct", "interceptor"])
+async def test_a_hedged_call_holds_its_request_in_the_channels_buffer_until_it_ends(
+    server: Server, path: str
+) -> None:
+    """A hedged call's request counts against the channel-wide buffer while copies may still
+    be sent, and is given back when the call ends."""
+    release = asyncio.Event()
+
+    def held() -> Any:
+        async def step(context: Any) -> bytes:
+            await release.wait()
+            return b"held"
+
+        return step
+
+    script = HedgeScript(server, "M", {0: held(), 1: held(), 2: held()})
+    interceptors = [Passthrough()] if path == "interceptor" else []
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target,
+            service_config=hedging_config(delay="0.05s"),
+            interceptors=interceptors,
+            channel_buffer_limit=10,
+        ) as ch:
+            controller = retry_controller(ch)
+            first = asyncio.ensure_future(ch.unary_unary(script.method)(b"123456"))
+            await wait_until(lambda: controller.buffered_bytes == 6)
+            # 6 of 10 bytes held: a second hedged call of 6 bytes does not fit, goes unhedged
+            second = asyncio.ensure_future(ch.unary_unary(script.method)(b"abcdef"))
+            await wait_until(lambda: script.count >= 4)
+            await asyncio.sleep(0.3)  # well past every hedge either call could send
+            assert script.count == 4  # the first call's three copies, the second's one
+            assert controller.buffered_bytes == 6
+            release.set()
+            assert await first == b"held"
+            assert await second == b"held"
+            assert controller.buffered_bytes == 0
