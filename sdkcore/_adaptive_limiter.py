@@ -610,13 +610,15 @@ class AdaptivePermit:
         except Exception:  # a clock that raises: no sample
             end = _NAN
         rtt = end - start
-        if 0.0 < rtt < _INF:  # also refuses NaN (a broken clock)
-            pending = limiter._pending
-            pending.append((end, rtt, held))
-            if end >= limiter._window_end or len(pending) >= PENDING:
-                limiter._count_now()
-        if limiter._waiters or limiter._debt:
-            limiter._settle()
+        try:
+            if 0.0 < rtt < _INF:  # also refuses NaN (a broken clock)
+                pending = limiter._pending
+                pending.append((end, rtt, held))
+                if end >= limiter._window_end or len(pending) >= PENDING:
+                    limiter._count_now()
+        finally:  # a log handler's interrupt in the count's report: the queue still moves
+            if limiter._waiters or limiter._debt:
+                limiter._settle()
 
     def _undo(self) -> None:
         """Give a held permit back as a dispatch that counts for nothing (its enter failed)."""
@@ -642,30 +644,32 @@ class AdaptivePermit:
             end = rtt = 0.0  # once a probe's dispatch is closed (else the probe never ends)
             outcome = _IGNORE
             interrupted = exc
-        if held < 0:  # one of a probe's
-            with limiter._lock:
-                woken = limiter._probed(rtt, outcome)
-                changes = limiter._changes
+        try:
+            if held < 0:  # one of a probe's
+                with limiter._lock:
+                    woken = limiter._probed(rtt, outcome)
+                    changes = limiter._changes
+                    if changes:
+                        limiter._changes = []
+                if woken is not None:
+                    limiter._wake(woken)
                 if changes:
-                    limiter._changes = []
-            if woken is not None:
-                limiter._wake(woken)
-            if changes:
-                limiter._report(changes)
-        elif outcome == _DROP and rtt >= TOLERANCE * limiter._baseline:
-            # a cut after less than a tolerable round trip is the request's deadline (a
-            # retry sent with little time left), not the endpoint's latency: nothing
-            pending = limiter._pending
-            pending.append((end, -1.0, held))
-            if end >= limiter._window_end or len(pending) >= PENDING:
-                limiter._count_now()
-        elif outcome == _SAMPLE and 0.0 < rtt < _INF:
-            pending = limiter._pending
-            pending.append((end, rtt, held))
-            if end >= limiter._window_end or len(pending) >= PENDING:
-                limiter._count_now()
-        if limiter._waiters or limiter._debt:
-            limiter._settle()
+                    limiter._report(changes)
+            elif outcome == _DROP and rtt >= TOLERANCE * limiter._baseline:
+                # a cut after less than a tolerable round trip is the request's deadline (a
+                # retry sent with little time left), not the endpoint's latency: nothing
+                pending = limiter._pending
+                pending.append((end, -1.0, held))
+                if end >= limiter._window_end or len(pending) >= PENDING:
+                    limiter._count_now()
+            elif outcome == _SAMPLE and 0.0 < rtt < _INF:
+                pending = limiter._pending
+                pending.append((end, rtt, held))
+                if end >= limiter._window_end or len(pending) >= PENDING:
+                    limiter._count_now()
+        finally:  # a log handler's interrupt in a report: the queue still moves
+            if limiter._waiters or limiter._debt:
+                limiter._settle()
         if interrupted is not None:
             raise interrupted
 

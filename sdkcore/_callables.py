@@ -62,7 +62,10 @@ def clock_reading(clock: Any, field: str) -> float:
             f"{field} must return seconds (a real number, monotonic), got {show(reading)} "
             f"({type(reading).__name__})"
         )
-    seconds = float(reading)
+    try:
+        seconds = float(reading)
+    except OverflowError:  # an int past a float's range: refused as an infinity is
+        seconds = math.inf
     if not math.isfinite(seconds):  # NaN or infinite: no time to count windows from
-        raise ValueError(f"{field} must return finite seconds (monotonic), got {seconds!r}")
+        raise ValueError(f"{field} must return finite seconds (monotonic), got {show(reading)}")
     return seconds

@@ -38,7 +38,8 @@ class ConcurrencyLimiter(Permits):
       losers) cuts it there, nothing sent, and the permit goes to the next in line.
 
     The permit is given back when the block ends, however it ends (an exception,
-    a cancellation, ``KeyboardInterrupt``). ``limit``, ``in_flight`` and ``queued``
+    a cancellation, ``KeyboardInterrupt``; not an interrupt landing inside the
+    limiter's own enter or exit, which keeps it: rfc/0009). ``limit``, ``in_flight`` and ``queued``
     are read without a lock (gauges). Thread-safe and loop-agnostic: one limiter per
     endpoint, shared by every door, thread and event loop. ``name`` (e.g.
     ``"10.0.0.1:11210"``) is in the refusal's message and is the ``limiter`` field of

@@ -47,7 +47,6 @@ __all__ = [
 #: retried, not after dispatch).
 REFUSAL_REASON = RetryReason.CLIENT_THROTTLED
 
-_INF = math.inf
 _SLICES = 10  # the window moves by a tenth of itself
 _CAUSES = 4  # how far down ``raise ... from`` chains the default rule looks
 _MIN_WINDOW = 1.0
@@ -290,10 +289,20 @@ class AdaptiveThrottle:
         return max(0.0, (requests - self._k * accepts) / (requests + 1))
 
     def _counts(self) -> tuple[int, int]:
-        index = int(self._clock() * self._per_slice)
+        index = self._slice_of(self._clock())
         with self._lock:
-            self._catch_up(index)
+            if index is not None:  # a reading with no window (NaN, inf): the counts as they are
+                self._catch_up(index)
             return self._requests, self._accepts
+
+    def _slice_of(self, now: float) -> int | None:
+        """The slice ``now`` falls in; None for a reading no window can be judged by (NaN,
+        an infinity, a number past a float's range), as :meth:`admit` and the records
+        take such readings (a review: the properties raised on them)."""
+        try:
+            return int(now * self._per_slice)
+        except (OverflowError, ValueError):
+            return None
 
     # -- admission ---------------------------------------------------------------------
     def guard(self) -> ThrottleGuard:
@@ -313,9 +322,9 @@ class AdaptiveThrottle:
         return self._admit(now)
 
     def _admit(self, now: float) -> bool:
-        if not -_INF < now < _INF:
+        index = self._slice_of(now)
+        if index is None:
             return True  # a clock reading NaN or an infinity: no window to judge by
-        index = int(now * self._per_slice)
         with self._lock:
             self._catch_up(index)
             requests = self._requests
@@ -387,9 +396,9 @@ class AdaptiveThrottle:
         if now < self._slice_end:
             next(self._ticks)  # the hot path: one atomic count, no lock
             return
-        if not now < _INF:  # NaN or an infinity
+        index = self._slice_of(now)
+        if index is None:  # NaN or an infinity
             return
-        index = int(now * self._per_slice)
         with self._lock:
             self._catch_up(index)
             self._add(accepted=True)
@@ -414,9 +423,9 @@ class AdaptiveThrottle:
             now = self._clock()
         except Exception:  # a broken clock records nothing (see record_success)
             return
-        if not -_INF < now < _INF:
+        index = self._slice_of(now)
+        if index is None:
             return
-        index = int(now * self._per_slice)
         with self._lock:
             self._catch_up(index)
             self._add(accepted=False)

@@ -896,3 +896,41 @@ def test_a_probe_dispatch_interrupted_as_it_ends_still_ends_the_probe() -> None:
     for _, _, guard in in_flight:
         guard.__exit__(None, None, None)
     assert limiter.in_flight == 0
+
+
+@pytest.mark.anyio
+async def test_an_interrupt_in_a_windows_count_still_serves_the_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A KeyboardInterrupt raised while an ending dispatch counted the window (a log
+    handler's, in the limit change's report) skipped the hand-over: the permit was back
+    but the caller queued for it waited on until another ended or its deadline came (a
+    review). The queue is served whatever the count raises."""
+    now = [1000.0]
+    limiter = AdaptiveConcurrencyLimiter(1, 1, 10, max_queued=1, clock=lambda: now[0])
+    raised = []
+
+    def count_now(self: AdaptiveConcurrencyLimiter) -> None:
+        raised.append(True)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(AdaptiveConcurrencyLimiter, "_count_now", count_now)
+    served = anyio.Event()
+
+    async def queued() -> None:
+        async with limiter.acquire():
+            served.set()
+
+    guard = limiter.guard()
+    guard.__enter__()
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(queued)
+            await wait_until(lambda: limiter.queued == 1)
+            now[0] += 20.0  # past the window: this ending counts it
+            with pytest.raises(KeyboardInterrupt):
+                guard.__exit__(None, None, None)
+            assert raised
+            await served.wait()
+    assert limiter.in_flight == 0
+    assert limiter.queued == 0

@@ -6,6 +6,7 @@ The formula is checked exactly; randomness comes from an injected source.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -672,3 +673,24 @@ def test_a_broken_clock_never_replaces_a_successful_answer(reading: str) -> None
     throttle.record_failure(ValueError("rejected"))  # records nothing, raises nothing
     if reading != "raises":
         assert throttle.admit()  # no window to judge by: admitted, not an OverflowError
+
+
+@pytest.mark.parametrize("reading", [math.nan, math.inf, 10**400])
+def test_the_properties_read_the_counts_as_they_are_when_the_clock_breaks(
+    reading: float,
+) -> None:
+    """``admit()`` and the records take a NaN, an infinity or a number past a float's range
+    as "no window to judge by"; the properties raised on them (``cannot convert float NaN
+    to integer``, an OverflowError) and so did ``repr`` (a review)."""
+    now: list[float] = [0.0]
+    throttle = AdaptiveThrottle(window=10.0, clock=lambda: now[0], is_rejection=lambda e: True)
+    throttle.record_failure(ValueError("rejected"))
+    assert (throttle.requests, throttle.accepts) == (1, 0)
+    now[0] = reading
+    assert (throttle.requests, throttle.accepts) == (1, 0)
+    assert throttle.rejection_probability == 0.5
+    assert "AdaptiveThrottle" in repr(throttle)
+    assert throttle.admit()
+    throttle.record_success()  # records nothing, raises nothing
+    throttle.record_failure(ValueError("rejected"))
+    assert (throttle.requests, throttle.accepts) == (1, 0)

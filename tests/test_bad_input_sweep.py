@@ -774,7 +774,7 @@ def test_a_clock_that_returns_no_seconds_is_refused_where_it_is_given(
         make(lambda: reading)
 
 
-@pytest.mark.parametrize("reading", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("reading", [math.nan, math.inf, -math.inf, 10**400, -(10**400)])
 @pytest.mark.parametrize(
     ("what", "make"),
     _CLOCK_OWNERS,
