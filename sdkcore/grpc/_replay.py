@@ -12,7 +12,14 @@ __all__: list[str] = []
 
 
 class _ReplayBuffer:
-    """Request messages of a client-streaming call, kept for replay until commit."""
+    """Request messages of a client-streaming call, kept for replay until commit.
+
+    The application's request iterator is read one message at a time, when the live
+    attempt's request stream asks for a message past the buffer (``wanted``), as
+    grpc.aio reads it (the next message once the last was written). Read ahead, an
+    iterator that never awaits (a generator of empty messages, which never fill the
+    byte limit) froze the event loop, and every iterator ran far ahead of the wire.
+    """
 
     def __init__(self, c: _Call, source: Any) -> None:
         self.c = c
@@ -25,7 +32,8 @@ class _ReplayBuffer:
         self.error: Exception | None = None
         self.committed = False
         self.event = asyncio.Event()
-        self.drained = asyncio.Event()
+        #: The live attempt has sent every buffered message and asks for the next one.
+        self.wanted = asyncio.Event()
         self.source = source
         self.task: asyncio.Task[None] | None = None
 
@@ -46,8 +54,6 @@ class _ReplayBuffer:
         if drop > 0:
             del self.items[:drop]
             self.base = self.consumed
-        if not self.items:
-            self.drained.set()
 
     def _append(self, message: Any) -> None:
         if not self.committed:
@@ -59,28 +65,40 @@ class _ReplayBuffer:
             else:
                 self.c.buffered += size
         self.items.append(message)
-        self.drained.clear()
         self.event.set()
 
     def detach(self) -> None:
         """The live attempt failed: it takes no more messages, and none count as sent."""
         self.generation += 1
         self.consumed = self.base
+        self.wanted.clear()  # the next attempt replays the buffer first
         self.event.set()
 
     async def _pump(self) -> None:
+        """Read the request iterator, one message each time the live attempt asks."""
         source = self.source
+        wanted = self.wanted
         try:
             if hasattr(source, "__aiter__"):
-                async for message in source:
+                iterator = source.__aiter__()
+                while True:
+                    await wanted.wait()
+                    wanted.clear()
+                    try:
+                        message = await iterator.__anext__()
+                    except StopAsyncIteration:
+                        break
                     self._append(message)
-                    if self.committed and self.items:
-                        await self.drained.wait()
             else:
-                for message in source:
+                iterator = iter(source)
+                while True:
+                    await wanted.wait()
+                    wanted.clear()
+                    try:
+                        message = next(iterator)
+                    except StopIteration:
+                        break
                     self._append(message)
-                    if self.committed and self.items:
-                        await self.drained.wait()
         except Exception as exc:
             # Like grpc.aio: the RPC is cancelled (not half-closed). The live attempt's
             # request stream re-raises it; grpc cancels that attempt and logs it.
@@ -106,8 +124,6 @@ class _ReplayBuffer:
                 if self.committed:
                     del self.items[: i - self.base]
                     self.base = i
-                    if not self.items:
-                        self.drained.set()
                 yield message
             elif self.done:
                 if self.error is not None:
@@ -115,6 +131,7 @@ class _ReplayBuffer:
                 return
             else:
                 self.event.clear()
+                self.wanted.set()  # the next message, read now (not ahead of the wire)
                 await self.event.wait()
 
     @property
