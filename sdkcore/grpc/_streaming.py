@@ -359,6 +359,10 @@ class _RetryingCall:
         return bool(out.call is not None and out.call.cancelled())
 
     def done(self) -> bool:
+        if self._cancelled:
+            # cancel() returned True (or the call ended cancelled): done at once, as
+            # grpc.aio's call is, though the attempts' task ends a loop turn later
+            return True
         task = self._driver
         if not task.done():
             return False

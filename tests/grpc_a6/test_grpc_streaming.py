@@ -663,3 +663,48 @@ async def test_committed_stream_failure_throttle_cost(
                 await collect(call)
             # Accounted by the time the application sees the error.
             assert before - throttler.milli_tokens == cost
+
+
+@pytest.mark.parametrize("shape", ["unary_stream", "stream_unary", "stream_stream"])
+async def test_a_call_cancelled_before_it_commits_is_done_at_once(
+    server: Server, shape: str
+) -> None:
+    """As grpc.aio's: after cancel() returned True, done() and cancelled() are True and a
+    second cancel() returns False. Before a streaming call committed, done() stayed False
+    (and a second cancel() returned True) until the attempts' task ended a turn later."""
+    release = asyncio.Event()
+
+    async def held_stream(request: bytes, context: Any, attempt: int) -> AsyncIterator[bytes]:
+        await release.wait()
+        yield b"late"
+
+    async def held_unary(requests: AsyncIterator[bytes], context: Any, attempt: int) -> bytes:
+        await release.wait()
+        return b"late"
+
+    async def held_bidi(
+        requests: AsyncIterator[bytes], context: Any, attempt: int
+    ) -> AsyncIterator[bytes]:
+        await release.wait()
+        yield b"late"
+
+    async def requests() -> AsyncIterator[bytes]:
+        yield b"x"
+        await release.wait()
+
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=retry_config()) as ch:
+            if shape == "unary_stream":
+                call: Any = ch.unary_stream(server.unary_stream("S", held_stream))(b"x")
+            elif shape == "stream_unary":
+                call = ch.stream_unary(server.stream_unary("S", held_unary))(requests())
+            else:
+                call = ch.stream_stream(server.stream_stream("S", held_bidi))(requests())
+            await wait_until(lambda: server.count("S") == 1)
+            assert not call.done()
+            assert call.cancel() is True
+            assert call.done()
+            assert call.cancelled()
+            assert call.cancel() is False
+            assert await call.code() is grpc.StatusCode.CANCELLED
+            release.set()
