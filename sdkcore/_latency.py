@@ -161,6 +161,16 @@ def _bucket(seconds: float) -> int:
     return (exponent - _E0) * _SUB + int((mantissa - 0.5) * _TWO_SUB)
 
 
+def _slice_of(now: float, per_slice: float) -> int | None:
+    """The window slice a clock reading falls in; None for one no window can be counted
+    in (NaN, an infinity, a number past a float's range: a broken clock's, which records
+    nothing and moves nothing, never an OverflowError inside a call)."""
+    try:
+        return int(now * per_slice)
+    except (OverflowError, ValueError):
+        return None
+
+
 def _upper(bucket: int) -> float:
     """The highest latency bucket ``bucket`` holds (HdrHistogram's highest equivalent value)."""
     exponent, sub = divmod(bucket, _SUB)
@@ -331,7 +341,9 @@ class LatencyQuantile:
         with self._lock:
             self._fold()
             if now >= self._slice_end:
-                self._roll(int(now * self._per_slice))
+                index = _slice_of(now, self._per_slice)
+                if index is not None:
+                    self._roll(index)
             return self._count
 
     @property
@@ -391,12 +403,13 @@ class LatencyQuantile:
                 with self._lock:
                     self._fold()
             return
-        if not now < _INF:  # NaN or an infinity: no slice to count it in
+        index = _slice_of(now, self._per_slice)
+        if index is None:  # NaN, an infinity, past a float's range: no slice to count it in
             return
         with self._lock:
             self._fold()
             if now >= self._slice_end:
-                self._roll(int(now * self._per_slice))
+                self._roll(index)
             slot = self._index % _SLICES
             self._slices[slot][bucket] += 1
             self._sizes[slot] += 1
@@ -406,10 +419,13 @@ class LatencyQuantile:
 
     # -- the window --------------------------------------------------------------------
     def _turn(self, now: float) -> None:
+        index = _slice_of(now, self._per_slice)
+        if index is None:  # a reading no window can move to: the delay as it is
+            return
         with self._lock:
             if now >= self._slice_end:
                 self._fold()
-                self._roll(int(now * self._per_slice))
+                self._roll(index)
 
     def _fold(self) -> None:
         """Count the lock-free latencies in the current slice (under the lock).

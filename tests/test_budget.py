@@ -400,3 +400,23 @@ def test_a_refund_gives_back_what_a_tiny_ratio_budget_granted() -> None:
     empty = RetryBudget(min_retries_per_sec=0, retry_ratio=0.0, clock=lambda: 0.0)
     empty.refund()  # Finagle's Empty: nothing was ever granted, nothing comes back
     assert not empty.try_withdraw()
+
+
+@pytest.mark.parametrize("reading", [float("nan"), float("inf"), 10**400])
+def test_a_clock_that_breaks_later_leaves_the_window_where_it_is(reading: float) -> None:
+    """A clock sane when the budget was made but reading NaN, an infinity or a number past
+    a float's range later: ``deposit`` and ``try_withdraw`` raised ValueError or
+    OverflowError inside a request (a review). The window stays, as for a clock that
+    went back: deposits still count, withdrawals still take."""
+    now: list[float] = [0.0]
+    budget = RetryBudget(
+        ttl=timedelta(seconds=10), min_retries_per_sec=0, retry_ratio=0.5, clock=lambda: now[0]
+    )
+    budget.deposit()
+    now[0] = reading
+    budget.deposit()
+    assert budget.balance == 1
+    assert budget.try_withdraw()
+    assert budget.balance == 0
+    budget.refund()
+    assert budget.balance == 1

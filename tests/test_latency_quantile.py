@@ -722,3 +722,22 @@ def test_a_broken_clock_records_nothing_and_raises_nothing(reading: str) -> None
     quantile.record(0.005)  # a copy's answer stands
     broken[0] = False
     assert quantile.count == count
+
+
+@pytest.mark.parametrize("reading", [math.nan, math.inf, 10**400])
+def test_a_clock_that_breaks_later_records_nothing_and_moves_nothing(reading: float) -> None:
+    """A clock sane when the quantile was made but reading NaN, an infinity or a number
+    past a float's range later: ``record`` and the delay raised OverflowError or
+    ValueError inside a hedged call (a review). The window stays where it was."""
+    now: list[float] = [0.0]
+    q = LatencyQuantile(min_samples=5, min_delay=0, clock=lambda: now[0])
+    for _ in range(5):
+        q.record(0.01)
+    delay = q.delay_seconds
+    assert delay < math.inf
+    now[0] = reading
+    q.record(0.5)  # nothing recorded, nothing raised
+    assert q.delay_seconds == delay
+    assert q.total_seconds() == delay
+    assert q.current_delay is not None
+    assert q.count == 5

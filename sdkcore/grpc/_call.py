@@ -328,10 +328,11 @@ class _Call:
             self.method, self.time_left(), md, self.credentials, self.wait_for_ready
         )
 
-    def buffer_unary(self, message: Any) -> None:
-        """Account a unary request in the replay buffer; commit if it does not fit."""
+    def buffer_unary(self, size: int) -> None:
+        """Account a unary request of ``size`` bytes (``core.message_size``, read by the
+        caller before the call's state was made: a size that raises leaves no call, no
+        request and no telemetry behind) in the replay buffer; commit if it does not fit."""
         core = self.core
-        size = core.message_size(message)
         if size > core.per_call_buffer_limit or not core._reserve(size):
             self.state.committed = True
             self.state.commit_why = BUFFER_FULL

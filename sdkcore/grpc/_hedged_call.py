@@ -60,18 +60,10 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             wait_for_ready = plan.wait_for_ready
         metadata = _strip_attempts(metadata)
         self._core = core
-        # A6's retry buffer: every copy resends the request, held until the call ends. One
-        # that does not fit (the per-call limit, or the channel's) is sent once, unhedged.
-        size = core.message_size(message)
-        if size <= core.per_call_buffer_limit and core._reserve(size):
-            self._buffered = size
-        else:
-            self._buffered = 0
-            plan = plan.single()
+        size = core.message_size(message)  # (a size that raises: nothing sent, nothing held)
         budget = core.orchestrator.retry_budget
         if budget is not None:  # the call's first attempt pays into the shared retry budget
             budget.deposit()
-        self._plan = plan
         self._inner = inner
         self._message = message
         self._compression = compression
@@ -116,7 +108,20 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         self._timer: asyncio.TimerHandle | None = None
         delay = plan.policy.delay.total_seconds()  # a LatencyQuantile's: inf before min_samples
         self._delay = delay
-        if plan.policy.effective_max_attempts > 1 and delay != math.inf:
+        # A6's retry buffer: every copy resends the request, held until the call ends (_wake).
+        # One that does not fit (the per-call limit, or the channel's) is sent once, unhedged.
+        # Taken last: nothing below raises, so what is taken is always given back.
+        if size <= core.per_call_buffer_limit and core._reserve(size):
+            self._buffered = size
+        else:
+            self._buffered = 0
+            plan = plan.single()
+        self._plan = plan
+        if plan.policy.effective_max_attempts == 1:
+            # Sent once: no hedge timer to race, so its answer's latency is recorded
+            # whole (answered_before_hedge caps only what the timer could have raced).
+            self._delay = math.inf
+        elif delay != math.inf:
             self._timer = loop.call_later(0.0 if INSTANT_DELAYS.get() else delay, self._hedge)
         core._live.add(self)  # until it ends (_wake): close(grace) waits for it
         first.add_done_callback(self._first_done)

@@ -151,12 +151,13 @@ async def intercepted_hedged_unary_unary(
     details = aio.ClientCallDetails(
         details.method, timeout, details.metadata, details.credentials, details.wait_for_ready
     )
+    # A6's retry buffer, as on the direct path (_HedgedCall): a request that does not fit
+    # is sent once, unhedged; one that fits is held until the call is over. Its size is
+    # read first: a size that raises leaves no trace open.
+    size = core.message_size(message)
     trace = None
     if core._tel is not None:
         trace = hedge_trace(core, details.method, timeout, started, deadline_from)
-    # A6's retry buffer, as on the direct path (_HedgedCall): a request that does not fit
-    # is sent once, unhedged; one that fits is held until the call is over.
-    size = core.message_size(message)
     if size <= core.per_call_buffer_limit and core._reserve(size):
         buffered = size
     else:
@@ -312,6 +313,10 @@ async def hedged_unary_unary(
     #: Each hedge's attempt in the call's telemetry, by index (hedge 0's started first).
     attempts: dict[int, Any] = {} if trace is None else {0: trace.current}
     delay = plan.policy.delay.total_seconds()  # inf: a LatencyQuantile before min_samples
+    if plan.policy.effective_max_attempts == 1:
+        # Sent once (its request did not fit the retry buffer): no hedge timer to race,
+        # its answer's latency is recorded whole (answered_before_hedge would cap it).
+        delay = math.inf
     try:
         if not first.done() and not direct:
             woken = loop.create_future()

@@ -72,7 +72,10 @@ class _RetryingCall:
         *,
         request_streaming: bool,
         response_streaming: bool,
+        size: int = 0,
     ) -> None:
+        """``size``: a unary request's bytes (``core.message_size``), read before ``c``
+        was made."""
         self._c = c
         #: grpc.aio's continuation, until the attempts are over (see _driver_done).
         self._continuation: Callable[..., Any] | None = continuation
@@ -83,7 +86,7 @@ class _RetryingCall:
             self._replay = _ReplayBuffer(c, request)
             self._replay.start()
         elif c.strategy.policy is not None:
-            c.buffer_unary(request)
+            c.buffer_unary(size)
         self._current: Any = None
         #: The current attempt's status as the server sent it (request-streaming shapes:
         #: grpc.aio may put a stand-in INTERNAL in its place, _peer_status).
@@ -589,10 +592,14 @@ async def streaming_call(
         if outer is not None:  # made inside a request's send: never outlive it
             details = outer_details(outer, details)
         return await continuation(details, request)
+    size = 0
+    if not request_streaming and plan.strategy.policy is not None:
+        size = core.message_size(request)  # may raise: before the call's state is made
     return call_class(
         (_Call if core._tel is None else _TracedCall).from_details(core, plan, details),
         continuation,
         request,
         request_streaming=request_streaming,
         response_streaming=response_streaming,
+        size=size,
     )

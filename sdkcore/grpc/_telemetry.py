@@ -43,6 +43,9 @@ PREVIOUS_ATTEMPTS = "previous-rpc-attempts"
 TRANSPARENT_RETRY = "transparent-retry"
 #: ``grpc.method`` of a method neither registered nor named by the service config (A66).
 OTHER = "other"
+#: The bounds a channel's cached methods count in (``_Method.bound``).
+_NAMED = "named"
+_GENERIC = "generic"
 
 #: A66 latency buckets (seconds): attempt and call durations, and A96's retry delay.
 LATENCY_BUCKETS = (
@@ -159,9 +162,11 @@ def _instruments(telemetry: Telemetry) -> _Instruments:
 class _Method:
     """What a method's calls record: its attributes, with each status, and its span names."""
 
-    __slots__ = ("_statuses", "attempt_span", "attributes", "call_span", "name")
+    __slots__ = ("_statuses", "attempt_span", "attributes", "bound", "call_span", "name")
 
-    def __init__(self, recorded: str, target: str, full_name: str) -> None:
+    def __init__(self, recorded: str, target: str, full_name: str, bound: str = "") -> None:
+        #: The channel's bound its cache entry counts in (``_NAMED``, ``_GENERIC``), or "".
+        self.bound = bound
         #: ``grpc.method`` and ``grpc.target`` (shared by every call: never mutated).
         self.attributes = {METHOD: recorded, TARGET: target}
         #: Its calls' ``sdkcore.request.name``: ``/`` and ``grpc.method`` (``/other`` for
@@ -229,14 +234,16 @@ class ChannelTelemetry:
         name = _method_name(method)
         with self._lock:
             self.registered.add(name)
-            # A call before may have cached it as "other" or as named by the config: it is
-            # a registered method's now, outside both bounds.
-            cached = self._methods.pop(method, None)
-            if cached is not None:
-                if cached.attributes[METHOD] == OTHER:
-                    self._generic -= 1
-                else:
-                    self._named -= 1
+            # A call before may have cached it as "other" or as named by the config, under
+            # either form grpc.aio hands a method in (str from a stub, bytes through the
+            # interceptors): it is a registered method's now, outside both bounds.
+            for key in (name, name.encode()):
+                cached = self._methods.pop(key, None)
+                if cached is not None:
+                    if cached.bound == _GENERIC:
+                        self._generic -= 1
+                    elif cached.bound == _NAMED:
+                        self._named -= 1
 
     def method(self, method: Any) -> _Method:
         found = self._methods.get(method)
@@ -244,16 +251,20 @@ class ChannelTelemetry:
             return found
         name = _method_name(method)
         with self._lock:
+            found = self._methods.get(method)  # another thread's, made meanwhile
+            if found is not None:
+                return found
             if name in self.registered:  # always by name, and always cached
                 found = self._methods[method] = _Method(_cut(name.lstrip("/")), self.target, name)
             elif self._named < MAX_NAMES and self._named_by_config(name):
-                found = self._methods[method] = _Method(_cut(name.lstrip("/")), self.target, name)
+                found = _Method(_cut(name.lstrip("/")), self.target, name, _NAMED)
+                self._methods[method] = found
                 self._named += 1
+            elif self._generic < MAX_NAMES:
+                found = self._methods[method] = _Method(OTHER, self.target, name, _GENERIC)
+                self._generic += 1
             else:
-                found = _Method(OTHER, self.target, name)
-                if self._generic < MAX_NAMES:
-                    self._methods[method] = found
-                    self._generic += 1
+                found = _Method(OTHER, self.target, name)  # not cached: made per call
         return found
 
     def _named_by_config(self, name: str) -> bool:

@@ -51,9 +51,11 @@ async def unary_unary_call(
         if outer is not None:  # made inside a request's send: never outlive it
             details = outer_details(outer, details)
         return await continuation(details, request)
+    policy = plan.strategy.policy
+    size = 0 if policy is None else core.message_size(request)  # may raise: nothing made yet
     c = (_Call if core._tel is None else _TracedCall).from_details(core, plan, details)
-    if plan.strategy.policy is not None:
-        c.buffer_unary(request)
+    if policy is not None:
+        c.buffer_unary(size)
     try:
         while True:
             first = c.state.attempts == 0
@@ -121,9 +123,11 @@ class _UnaryCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         state: type[_Call] = _Call,
     ) -> None:
         # ``state``: the call's state, a _TracedCall on a channel with telemetry.
+        policy = plan.strategy.policy
+        size = 0 if policy is None else core.message_size(message)  # may raise: nothing made yet
         c = self._c = state(core, plan, method, timeout, metadata, credentials, wait_for_ready)
-        if plan.strategy.policy is not None:
-            c.buffer_unary(message)
+        if policy is not None:
+            c.buffer_unary(size)
         self._inner = inner
         self._message = message
         self._compression = compression

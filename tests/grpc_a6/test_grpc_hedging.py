@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import timedelta
 from typing import Any
 
 import anyio
@@ -29,7 +30,9 @@ from hedge_server import (  # noqa: E402
     ok,
 )
 
+from sdkcore import LatencyQuantile  # noqa: E402
 from sdkcore.grpc import (  # noqa: E402
+    RetryController,
     ServiceConfig,
     ServiceConfigError,
     call_context,
@@ -391,6 +394,24 @@ async def test_generic_runner_deadline_cuts_grpc_aio_calls(server: Server, delay
 # -- the retry buffer (A6: "retryable or hedged RPCs") --------------------------------------
 
 
+def hedging_channel(
+    server: Server, path: str, config: str, **options: Any
+) -> tuple[Any, RetryController]:
+    """The channel helpers' channel (``direct``: ``_HedgedCall``), or a plain grpc.aio
+    channel with ``RetryController.interceptors()`` (``interceptor``: the interceptor's
+    hedged path), both with ``options`` (buffer limits, hedge_delay); and its controller."""
+    if path == "direct":
+        channel = insecure_channel(server.target, service_config=config, **options)
+        return channel, retry_controller(channel)
+    controller = RetryController(server.target, config, **options)
+    channel = aio.insecure_channel(
+        server.target,
+        options=controller.channel_options(),
+        interceptors=controller.interceptors(),
+    )
+    return channel, controller
+
+
 @pytest.mark.parametrize("limit", ["per_call_buffer_limit", "channel_buffer_limit"])
 @pytest.mark.parametrize("path", ["direct", "interceptor"])
 async def test_a_request_that_does_not_fit_the_buffer_is_not_hedged(
@@ -401,21 +422,15 @@ async def test_a_request_that_does_not_fit_the_buffer_is_not_hedged(
     hedge 0 alone is sent; its non-fatal status is the call's. (Hedged calls ignored both
     limits: every copy resent a request the application had bounded; a review.)"""
     script = HedgeScript(server, "M", {0: fail(UNAVAILABLE), 1: ok()})
-    interceptors = [Passthrough()] if path == "interceptor" else []
     limits: dict[str, Any] = {limit: 4}
     with anyio.fail_after(TEST_TIMEOUT):
-        async with insecure_channel(
-            server.target,
-            service_config=hedging_config(delay="0.05s"),
-            interceptors=interceptors,
-            **limits,
-        ) as ch:
+        channel, controller = hedging_channel(server, path, hedging_config(delay="0.05s"), **limits)
+        async with channel as ch:
             with pytest.raises(aio.AioRpcError) as info:
                 await ch.unary_unary(script.method)(b"12345")
-            assert retry_controller(ch).buffered_bytes == 0
             # a request that fits is hedged as before
             assert await ch.unary_unary(script.method)(b"1234") == b"ok"
-            assert retry_controller(ch).buffered_bytes == 0
+            assert controller.buffered_bytes == 0
     assert info.value.code() is UNAVAILABLE
     assert script.count == 3  # one copy of the first call, two of the second
 
@@ -436,15 +451,11 @@ async def test_a_hedged_call_holds_its_request_in_the_channels_buffer_until_it_e
         return step
 
     script = HedgeScript(server, "M", {0: held(), 1: held(), 2: held()})
-    interceptors = [Passthrough()] if path == "interceptor" else []
+    channel, controller = hedging_channel(
+        server, path, hedging_config(delay="0.05s"), channel_buffer_limit=10
+    )
     with anyio.fail_after(TEST_TIMEOUT):
-        async with insecure_channel(
-            server.target,
-            service_config=hedging_config(delay="0.05s"),
-            interceptors=interceptors,
-            channel_buffer_limit=10,
-        ) as ch:
-            controller = retry_controller(ch)
+        async with channel as ch:
             first = asyncio.ensure_future(ch.unary_unary(script.method)(b"123456"))
             await wait_until(lambda: controller.buffered_bytes == 6)
             # 6 of 10 bytes held: a second hedged call of 6 bytes does not fit, goes unhedged
@@ -457,3 +468,34 @@ async def test_a_hedged_call_holds_its_request_in_the_channels_buffer_until_it_e
             assert await first == b"held"
             assert await second == b"held"
             assert controller.buffered_bytes == 0
+
+
+@pytest.mark.parametrize("path", ["direct", "interceptor"])
+async def test_a_call_sent_unhedged_records_its_whole_latency(server: Server, path: str) -> None:
+    """A call whose request did not fit the buffer has no hedge timer: its answer's latency
+    is recorded whole. Recorded as "just under the delay" (as an answer the hedge's timer
+    raced), 100 ms answers kept a learned 50 ms delay where it was (a review)."""
+
+    class Recording(LatencyQuantile):
+        def record(self, latency: float | timedelta, *, cut: bool = False) -> None:
+            recorded.append(float(latency) if isinstance(latency, float) else -1.0)
+            super().record(latency, cut=cut)
+
+    recorded: list[float] = []
+    learned = Recording(min_samples=20, min_delay=0)
+    for _ in range(20):
+        learned.record(0.05)
+    script = HedgeScript(server, "M", {0: ok(0.2, b"slow")})
+    with anyio.fail_after(TEST_TIMEOUT):
+        channel, _ = hedging_channel(
+            server,
+            path,
+            hedging_config(max_attempts=2, delay="5s"),
+            per_call_buffer_limit=1,
+            hedge_delay=lambda method: learned,
+        )
+        async with channel as ch:
+            assert await ch.unary_unary(script.method)(b"xx") == b"slow"
+    assert script.count == 1
+    assert len(recorded) == 21
+    assert recorded[-1] >= 0.2  # not just under the 50 ms delay

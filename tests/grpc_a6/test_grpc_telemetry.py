@@ -864,6 +864,83 @@ async def test_a_failing_instrument_loses_only_its_own_records(server: Server, o
     assert "grpc.client.call.duration" in telemetry._failed
 
 
+@pytest.mark.parametrize(
+    ("policy", "path", "shape"),
+    [
+        ("retry", "direct", "unary"),
+        ("retry", "interceptor", "unary"),
+        ("retry", "interceptor", "unary_stream"),
+        ("hedge", "direct", "unary"),
+        ("hedge", "interceptor", "unary"),
+    ],
+)
+async def test_a_message_size_that_raises_leaves_nothing_behind(
+    server: Server, otel: Otel, policy: str, path: str, shape: str
+) -> None:
+    """The application's message_size is read before the call's state and telemetry are
+    made: one that raises fails the call at once with its error, as a serializer that
+    raises does in grpc.aio, and leaves no span started and never ended, no buffered
+    bytes and nothing for close(grace) to wait for (the call's Sent. span was left open:
+    a review)."""
+    started: list[str] = []
+
+    class Starts:
+        def on_start(self, span: Any, parent_context: Any = None) -> None:
+            started.append(span.name)
+
+        def on_end(self, span: Any) -> None:
+            pass
+
+        def shutdown(self) -> None:
+            pass
+
+        def force_flush(self, timeout_millis: int = 30000) -> bool:
+            return True
+
+    otel.tracers.add_span_processor(Starts())
+
+    def size(message: Any) -> int:
+        raise RuntimeError("message_size failed")
+
+    async def stream(request: bytes, context: Any, attempt: int) -> Any:
+        yield b"never"
+
+    method = (
+        server.unary_unary("M", fail_then_ok(0))
+        if shape == "unary"
+        else server.unary_stream("M", stream)
+    )
+    config = retry_config() if policy == "retry" else hedging_config(delay="0.05s")
+    if path == "direct":
+        channel: Any = insecure_channel(
+            server.target, service_config=config, message_size=size, telemetry=otel.telemetry
+        )
+        controller = retry_controller(channel)
+    else:
+        controller = RetryController(
+            server.target, config, message_size=size, telemetry=otel.telemetry
+        )
+        channel = aio.insecure_channel(
+            server.target,
+            options=controller.channel_options(),
+            interceptors=controller.interceptors(),
+        )
+
+    async def call() -> Any:
+        if shape == "unary":
+            return await channel.unary_unary(method)(b"x")
+        return await channel.unary_stream(method)(b"x").read()
+
+    with anyio.fail_after(TEST_TIMEOUT):
+        with pytest.raises(RuntimeError, match="message_size failed"):
+            await call()
+        assert controller.buffered_bytes == 0
+        assert not controller._live  # nothing for close(grace) to wait for
+        await channel.close()
+    assert started == []
+    assert server.count("M") == 0
+
+
 # -- what replaced the old counters ------------------------------------------------------
 
 
