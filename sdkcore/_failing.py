@@ -475,7 +475,10 @@ def refused(
         why = CancellationReason.RETRY_BUDGET_EXHAUSTED
     else:
         why = CancellationReason.NO_MORE_RETRIES
-    request._finish(RequestState.CANCELLED, why)
+    if not request._finish(RequestState.CANCELLED, why):
+        # Request.cancel() from another thread since the door's last look: the
+        # cancellation is the answer, reported (and logged) as every other door's is.
+        return already_completed(request, reason)
     budget_name = getattr(budget, "name", None) if verdict is Verdict.BUDGET_EXHAUSTED else None
     log_not_retried(
         request,

@@ -217,7 +217,9 @@ class RetryState:
         (False: nothing may be sent). The attempt is marked in flight first, then the state
         read: ``Request.cancel()`` from another thread sets the state (under ``_ENDING``)
         either before that read, and nothing is sent, or after the mark, and the attempt
-        was in flight: a cancel that returned is never followed by a send. No lock: under
+        is in flight: no attempt begins after a cancel returned, though one marked a few
+        steps before its ``send`` runs may still go out (reported as maybe applied;
+        rfc/0001). No lock: under
         the GIL the two threads' steps interleave whole, and taking ``_ENDING`` here cost
         0.15 us more of a 2.6 us successful call (bench/README, "The sync door's cancel check")."""
         self._in_flight = True

@@ -33,11 +33,13 @@ from sdkcore import (
     RequestCanceledException,
     RequestState,
     RetryableError,
+    RetryBudget,
     RetryOrchestrator,
     RetryReason,
 )
 from sdkcore._request import dispatching
 from sdkcore._retry_state import _ENDING
+from sdkcore.testing import capture_retry_events
 
 
 def _cancel_at(reading: int, script: list[Any]) -> tuple[list[bool], BaseException | Any, Request]:
@@ -306,3 +308,41 @@ def test_a_base_exception_timeout_send_turned_into_a_retryable_failure_is_retrie
     request = Request(idempotent=True, timeout=5.0)
     assert orchestrator.execute_sync(request, send) == "answer"
     assert sent == [2]
+
+
+def test_a_cancel_that_lands_as_a_refusal_is_built_is_reported_as_the_cancel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another thread's cancel() landing after the door's last look at the request and
+    before the refusal ended it: the refusal's ending found it cancelled, yet the caller
+    got "not retried: the retry budget is exhausted" with a context saying
+    CANCELLED_VIA_CONTEXT, and retry.not_retried was logged instead of retry.cancelled (a
+    review). The cancellation is the answer, as when it comes a moment earlier."""
+    from sdkcore import _failing
+
+    request = Request(name="get", idempotent=True, timeout=5.0)
+    refused = _failing.refused
+
+    def cancel_then_refuse(*args: Any) -> Any:  # as another thread's cancel() landing here
+        request.cancel()
+        return refused(*args)
+
+    monkeypatch.setattr(_failing, "refused", cancel_then_refuse)
+    orchestrator = RetryOrchestrator(retry_budget=RetryBudget(min_retries_per_sec=0, retry_ratio=0))
+
+    def send(r: Request) -> None:  # answered: a retry would be paid for, and is refused
+        raise RetryableError(
+            RetryReason.SERVICE_NOT_AVAILABLE,
+            "answered 503",
+            effect=AttemptEffect.MAYBE_APPLIED,
+        )
+
+    with capture_retry_events() as events, pytest.raises(RequestCanceledException) as caught:
+        orchestrator.execute_sync(request, send)
+    assert str(caught.value).startswith("request was cancelled")
+    context = caught.value.context
+    assert context is not None
+    assert context.cancellation_reason is CancellationReason.CANCELLED_VIA_CONTEXT
+    names = [e["event"] for e in events]
+    assert "retry.cancelled" in names
+    assert "retry.not_retried" not in names
