@@ -82,7 +82,7 @@ def _cancel_at(reading: int, script: list[Any]) -> tuple[list[bool], BaseExcepti
     [["ok"], [RetryableError(RetryReason.KV_TEMPORARY_FAILURE), "ok"]],
     ids=["first attempt", "after a retry"],
 )
-def test_a_cancel_that_returned_is_never_followed_by_a_send(script: list[Any]) -> None:
+def test_no_attempt_begins_after_a_cancel_returned(script: list[Any]) -> None:
     unsent = 0
     for reading in range(1, 12):
         sends, outcome, request = _cancel_at(reading, script)
