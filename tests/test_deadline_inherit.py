@@ -33,7 +33,7 @@ from sdkcore import (
     TimeoutException,
     UnambiguousTimeoutException,
 )
-from sdkcore.testing import VirtualClock
+from sdkcore.testing import VirtualClock, capture_retry_events
 
 pytestmark = pytest.mark.anyio
 
@@ -429,3 +429,35 @@ async def test_the_inner_requests_events_name_the_outer_request() -> None:
     assert outer_events
     assert all(e["deadline_from"] == outer.id for e in inner_events)
     assert all("deadline_from" not in e for e in outer_events)
+
+
+@pytest.mark.parametrize("idempotent", [True, False])
+async def test_an_inner_request_whose_backoff_reaches_the_inherited_deadline_times_out_itself(
+    idempotent: bool,
+) -> None:
+    """Its wait, capped at the outer request's deadline, ended at the instant the outer
+    request's own deadline cut it: the outer's cut won that race every time, the inner
+    request ended as a bare cancellation at debug level, and no log line or exception
+    named KV_LOCKED (an operator's review). Nothing more can be sent: the inner request
+    times out at once, naming the outer one, and the outer request gets that timeout."""
+    orchestrator = RetryOrchestrator()
+
+    async def inner_send(request: Request) -> None:
+        raise RetryableError(LOCKED)
+
+    async def outer_send(request: Request) -> None:
+        inner = Request(name="inner", idempotent=idempotent, timeout=5)
+        await orchestrator.execute(inner, inner_send)
+
+    outer = Request(name="outer", idempotent=True, timeout=0.05)
+    with capture_retry_events() as events, pytest.raises(UnambiguousTimeoutException) as caught:
+        await orchestrator.execute(outer, outer_send)
+    context = caught.value.context
+    assert context is not None
+    assert context.request_name == "inner"
+    assert context.reason is LOCKED
+    assert context.extra["deadline_from"]["request_id"] == outer.id
+    timed_out = [e for e in events if e["event"] == "retry.timed_out"]
+    assert [e["request_name"] for e in timed_out] == ["inner"]
+    assert timed_out[0]["reason"] == "KV_LOCKED"
+    assert not [e for e in events if e["event"] == "retry.cancelled"]
