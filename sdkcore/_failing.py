@@ -194,8 +194,13 @@ def already_completed(
         )
     via_context = request.cancellation_reason is CancellationReason.CANCELLED_VIA_CONTEXT
     text = "request was cancelled"
+    previous: _Previous | None = None
     if via_context:
         if (cut or answered) and request.in_flight:
+            # The attempt the cancellation cut (or whose answer it dropped) is what the
+            # event and the context report, not the failure before it (previous_*).
+            previous = (request.last_reason, request.last_error, answered)
+            reason = None
             request._attempt_failed(None, _MAYBE, None, request.clock())
             number = request.failed_attempts
             text += (
@@ -204,7 +209,7 @@ def already_completed(
                 else f" as attempt {number} answered; its answer was dropped"
             )
         text += f"; {_applied(request)}"
-        _log_cancelled(request, reason, cut, CancellationReason.CANCELLED_VIA_CONTEXT)
+        _log_cancelled(request, reason, cut, CancellationReason.CANCELLED_VIA_CONTEXT, previous)
     return RequestCanceledException(text, context=request.error_context(reason, in_flight=cut))
 
 
@@ -257,13 +262,17 @@ def finish_by(request: Request, exc: BaseException, cut: bool | None = None) -> 
     if isinstance(exc, Exception):
         request._finish_by(exc)
         return
+    previous: _Previous | None = None
+    reason = request.last_reason
     if cut is None:
         cut = request.in_flight
         if cut:
+            previous = (reason, request.last_error, False)
+            reason = None  # the cut attempt's: it raised nothing of its own
             request._attempt_failed(None, _MAYBE, None, request.clock())
     request._finish_by(exc)
     if request.cancellation_reason is CancellationReason.TASK_CANCELLED:
-        _log_cancelled(request, request.last_reason, cut, CancellationReason.TASK_CANCELLED)
+        _log_cancelled(request, reason, cut, CancellationReason.TASK_CANCELLED, previous)
 
 
 def _applied(request: Request) -> str:
@@ -278,19 +287,42 @@ def _applied(request: Request) -> str:
     return "it was not applied on the server (unambiguous)"
 
 
+#: The failure before an attempt a cancellation cut: (its reason, its error, whether the
+#: cut attempt had answered, its answer dropped).
+_Previous = tuple[RetryReason | None, BaseException | None, bool]
+
+
 def _log_cancelled(
-    request: Request, reason: RetryReason | None, cut: bool, why: CancellationReason
+    request: Request,
+    reason: RetryReason | None,
+    cut: bool,
+    why: CancellationReason,
+    previous: _Previous | None = None,
 ) -> None:
     """``retry.cancelled``: info when a request that is not idempotent may have been
     applied (the operator must know), else debug (the application asked for it). ``why``:
-    ``Request.cancel()`` (CANCELLED_VIA_CONTEXT) or the caller's own (TASK_CANCELLED)."""
+    ``Request.cancel()`` (CANCELLED_VIA_CONTEXT) or the caller's own (TASK_CANCELLED).
+    ``previous``: the attempt in flight was cut (or answered after it): ``caused_by``
+    says so, and the failure before it is ``previous_reason``/``previous_error``, as
+    ``retry.timed_out`` reports an attempt its deadline cut."""
     ambiguous = not request.idempotent and request.maybe_applied
     log = _log.enabled(_log.INFO if ambiguous else _log.DEBUG)
     if log is None:
         return
+    fields = event_fields(request, reason, strategy_of(request))
+    if previous is not None:
+        before, error, answered = previous
+        number = request.failed_attempts
+        fields["caused_by"] = (
+            f"attempt {number} answered after the request was cancelled; its answer was dropped"
+            if answered
+            else f"attempt {number} was cut in flight by the cancellation"
+        )
+        fields["previous_reason"] = None if before is None else before.name
+        fields["previous_error"] = None if error is None else describe_error(error)
     (log.info if ambiguous else log.debug)(
         _log.EVENT_CANCELLED,
-        **event_fields(request, reason, strategy_of(request)),
+        **fields,
         cancellation_reason=why.name,
         in_flight=cut,
         **_outcome_fields(request),

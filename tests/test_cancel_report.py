@@ -295,3 +295,37 @@ def test_execute_sync_cancelled_while_send_blocks_books_its_answer_dropped() -> 
         thread.join(5)
     assert request.maybe_applied
     assert [a.effect for a in request.error_context().attempts] == [AttemptEffect.MAYBE_APPLIED]
+
+
+@pytest.mark.parametrize("who", ["Request.cancel()", "the caller"])
+async def test_an_attempt_cut_in_flight_is_reported_as_cut_not_as_the_failure_before_it(
+    who: str,
+) -> None:
+    """retry.cancelled gave the cut attempt 2 the reason and caused_by of attempt 1's
+    KV_LOCKED (an operator's review): it was not locked, it was cut. As retry.timed_out
+    reports an attempt its deadline cut: reason null, caused_by naming the cut, the
+    failure before it as previous_reason and previous_error."""
+    request = Request(name="kv.replace", idempotent=False, timeout=5.0)
+    sends = 0
+
+    async def send(_: Request) -> None:
+        nonlocal sends
+        sends += 1
+        if sends == 1:
+            raise RetryableError(RetryReason.KV_LOCKED)  # the server applied nothing
+        await anyio.sleep_forever()
+
+    if who == "the caller":
+        events = await caller_cancels(request, send, 0.05)
+    else:
+        error, events = await execute_then_cancel(request, send, 0.05)
+        assert error.context is not None
+        assert error.context.reason is None  # the cut attempt's: it raised nothing
+    assert sends == 2
+    (event,) = [e for e in events if e["event"] == "retry.cancelled"]
+    assert event["attempt"] == 2
+    assert event["reason"] is None
+    assert event["caused_by"] == "attempt 2 was cut in flight by the cancellation"
+    assert event["previous_reason"] == "KV_LOCKED"
+    assert event["previous_error"] == "RetryableError: KV_LOCKED"
+    assert event["in_flight"] is True
