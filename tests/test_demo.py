@@ -394,3 +394,63 @@ def test_ctrl_c_ends_the_run_with_one_line_and_130() -> None:
     assert run.returncode == 130
     assert not tracebacks(err), err
     assert err.strip().splitlines()[-1] == "sdkcore demo: interrupted"
+
+
+@pytest.mark.parametrize(
+    ("applied", "succeeded", "duplicates", "says", "never_says"),
+    [
+        (6, 5, [], "1 was applied but its reply was lost", "1 were"),
+        (8, 5, [], "3 were applied but their replies were lost", "applied already"),
+        (
+            6,
+            5,
+            [("airline_10", "op-3", 2)],
+            "6 writes (1 of them a write it had applied already); 5 returned success",
+            "did not send",
+        ),
+    ],
+)
+def test_the_writes_line_tells_lost_replies_from_writes_applied_twice(
+    applied: int, succeeded: int, duplicates: list[Any], says: str, never_says: str
+) -> None:
+    """The line blamed every write applied beyond the successes on a lost reply "the client
+    did not send again", also when one was a write applied twice, right above the line
+    saying FAILED for it (an operator's review); and said "1 were"."""
+    from sdkcore._demo._report import Report, Summary, render_tail
+
+    summary = Summary(
+        ops=10,
+        successes=10,
+        fast_fails={},
+        ambiguous_timeouts=0,
+        unambiguous_timeouts=0,
+        retries_per_op=0.0,
+        p50_ms=1.0,
+        p99_ms=2.0,
+        retry_reasons=(),
+        channel_retries=0,
+        errors={},
+        hedges=0,
+    )
+    report = Report(
+        target="127.0.0.1:1",
+        tables={"BestEffort": {"locked": summary, "all": summary}},
+        writes_applied=applied,
+        writes_succeeded=succeeded,
+        duplicate_writes=duplicates,
+    )
+    text = " ".join(" ".join(render_tail(report)).split())  # unwrapped
+    assert says in text
+    assert never_says not in text
+
+
+@pytest.mark.usefixtures("no_gc_pauses")
+def test_the_slowdown_scenarios_limiter_warnings_wait_for_verbose() -> None:
+    """The limiter refusing is the slowdown scenario's story, told in its report: a default
+    run printed its limiter.refusing warning among the progress bar (an operator's
+    review), as the breaker's warnings were kept for -v already."""
+    pytest.importorskip("grpc")
+    quiet = _run_json("--scenario", "slowdown")
+    assert "limiter." not in quiet["_stderr"]
+    loud = _run_json("-v", "--scenario", "slowdown")
+    assert "limiter.refusing" in loud["_stderr"]  # the event the default run holds back

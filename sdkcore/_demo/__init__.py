@@ -299,6 +299,10 @@ def _write(text: str) -> bool:
     return True
 
 
+#: Events of the protection a scenario shows on purpose, logged to stderr with -v only.
+_SHOWN_IN_THE_REPORT = ("breaker.", "budget.", "limiter.", "throttle.")
+
+
 class _logging:
     """structlog for this run: sdkcore's events to stderr (all with -v, else warnings).
 
@@ -319,9 +323,11 @@ class _logging:
         verbose = self.verbose
 
         def quiet_protection(_logger: Any, _method: str, event: Any) -> Any:
-            # The memcached scenario's breaker and budget events are its report's
-            # timeline: on stderr with -v only, even the breaker's warnings.
-            if not verbose and str(event.get("event", "")).startswith(("breaker.", "budget.")):
+            # The protection the scenarios show on purpose (the memcached scenario's
+            # breaker and budget, the slowdown scenario's limiter and throttle) is their
+            # report's story: on stderr with -v only, their warnings included (a default
+            # run printed limiter.refusing among the progress bar; an operator's review).
+            if not verbose and str(event.get("event", "")).startswith(_SHOWN_IN_THE_REPORT):
                 raise structlog.DropEvent
             return event
 

@@ -352,6 +352,11 @@ def render_text(report: Report, style: Callable[[str], str] = _plain) -> list[st
     return out + render_memcached(report, style) + render_tail(report, style)
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 write``, ``6 writes``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def render_tail(report: Report, style: Callable[[str], str] = _plain) -> list[str]:
     """What follows the tables: an example of each failure, the writes check, the legend."""
     out: list[str] = []
@@ -374,16 +379,21 @@ def render_tail(report: Report, style: Callable[[str], str] = _plain) -> list[st
         return ["", f"Finished in {report.elapsed_s:.1f} s."]
     out.append("")
     out.append(style("Writes (non-idempotent)"))
-    lost = report.writes_applied - report.writes_succeeded
-    text = (
-        f"the server applied {report.writes_applied} writes; {report.writes_succeeded} "
-        f"returned success to the client"
-    )
+    # Applications beyond the first of a write applied more than once: not lost replies.
+    again = sum(n - 1 for _, _, n in report.duplicate_writes)
+    lost = report.writes_applied - again - report.writes_succeeded
+    text = f"the server applied {_count(report.writes_applied, 'write')}"
+    if again:
+        text += f" ({again} of them a write it had applied already)"
+    text += f"; {report.writes_succeeded} returned success to the client"
     if lost > 0:
         text += (
-            f"; {lost} were applied but their reply was lost: the client got an error for "
-            "each and did not send it again"
+            f"; {lost} {'was' if lost == 1 else 'were'} applied but "
+            f"{'its reply was' if lost == 1 else 'their replies were'} lost: the client got an "
+            f"error for {'it' if lost == 1 else 'each'}"
         )
+        if not again:  # said only when true: no write went out twice
+            text += f" and did not send {'it' if lost == 1 else 'them'} again"
     out += _wrap("", text + ".", indent=2)
     if report.duplicate_writes:
         out.append(style("  FAILED: writes applied more than once:"))
