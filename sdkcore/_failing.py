@@ -363,14 +363,12 @@ def log_not_retried(
     log = _log.enabled(_log.INFO)
     if log is not None:
         cancellation = request.cancellation_reason
-        log.info(
-            _log.EVENT_NOT_RETRIED,
-            **event_fields(request, reason, strategy),
-            why=why,
-            cancellation_reason=None if cancellation is None else cancellation.name,
-            **_outcome_fields(request),
-            **fields,
-        )
+        payload = event_fields(request, reason, strategy)
+        payload["why"] = why
+        payload["cancellation_reason"] = None if cancellation is None else cancellation.name
+        payload.update(_outcome_fields(request))
+        payload.update(fields)  # a hedge names the copy that decided (attempt, effect)
+        log.info(_log.EVENT_NOT_RETRIED, **payload)
 
 
 def timed_out(
@@ -496,11 +494,13 @@ def refused(
     max_requests_in_retry: int,
     budget: Any = None,
     method: str = "retry_after",
+    decided: dict[str, Any] | None = None,
 ) -> BaseException:
     """Complete ``request`` as not retried (REFUSED, NOT_IDEMPOTENT, TOO_MANY, BUDGET_EXHAUSTED).
 
     ``method``: the strategy's method that answered (:func:`asked`), named when the
-    exception factory of its refusal fails."""
+    exception factory of its refusal fails. ``decided``: ``attempt`` and ``effect`` of
+    the attempt that decided, when it is not the one booked last (a hedge's copy)."""
     if verdict is Verdict.TOO_MANY:
         why = CancellationReason.TOO_MANY_REQUESTS_IN_RETRY
     elif verdict is Verdict.BUDGET_EXHAUSTED:
@@ -519,6 +519,8 @@ def refused(
         verdict.value,
         detail=None if action is None else action.why,
         **({} if budget_name is None else {"budget": budget_name}),
+        **({} if decided is None else decided),
+        **({"max_requests_in_retry": max_requests_in_retry} if verdict is Verdict.TOO_MANY else {}),
     )
     extra: dict[str, Any] | None = None
     if action is not None and action.why is not None:
@@ -528,8 +530,9 @@ def refused(
     context = request.error_context(reason, strategy=strategy, extra=extra)
     if verdict is Verdict.TOO_MANY:
         return RequestCanceledException(
-            f"not retried: {max_requests_in_retry} requests are already waiting in retry "
-            f"(after {reason.name})",
+            f"not retried: the orchestrator's limit of {max_requests_in_retry} requests "
+            f"waiting in retry at once is reached (max_requests_in_retry; after "
+            f"{reason.name})",
             context=context,
         )
     if verdict is Verdict.BUDGET_EXHAUSTED:

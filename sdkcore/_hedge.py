@@ -53,6 +53,17 @@ __all__ = [
 T = TypeVar("T")
 
 
+def _copy_of(request: Request, failure: RetryableError) -> dict[str, Any]:
+    """``attempt`` and ``effect`` of the copy booked with ``failure``: the event about the
+    copy that decided names it, not the copy booked last (a sibling cut after it; an
+    operator's review). Empty when it is not found (the request's own then stand)."""
+    error = failure.__cause__ or failure
+    for number, (_, effect, booked, _, _) in enumerate(request._history, 1):
+        if booked is error:
+            return {"attempt": number, "effect": effect.name}
+    return {}
+
+
 def answered_before_hedge(elapsed: float, delay: float) -> float:
     """The latency a learned delay records for an answer read before the next copy went
     out (rfc/0009, "Answered before the hedge went out"): ``elapsed`` when shorter than
@@ -867,13 +878,17 @@ async def run_hedged(
                 _failing.strategy_name(strategy),
                 max_requests_in_retry=0,  # named only in a TOO_MANY refusal
                 method=chain.asked,
+                decided=_copy_of(request, fatal),
             )
             _with_extra(error, chain, in_flight=cut > 0)
             raise error from fatal.__cause__ or fatal
         if isinstance(fatal, RetryableError):
             request._finish(RequestState.CANCELLED, CancellationReason.NO_MORE_RETRIES)
             why = f"{fatal.reason.name} is not a non-fatal reason of the hedging policy"
-            _failing.log_not_retried(request, fatal.reason, "hedge", "fatal_reason", detail=why)
+            decided = _copy_of(request, fatal)
+            _failing.log_not_retried(
+                request, fatal.reason, "hedge", "fatal_reason", detail=why, **decided
+            )
             error = RequestCanceledException(
                 f"not hedged further: {why}",
                 context=request.error_context(fatal.reason, extra=chain.extra()),

@@ -14,6 +14,8 @@ import pytest
 from fuzz_kit import live_tasks
 
 from sdkcore import (
+    AttemptEffect,
+    CouchbaseException,
     HedgePolicy,
     InvalidArgumentException,
     Request,
@@ -937,3 +939,35 @@ async def test_a_reason_outside_non_fatal_ends_as_a_logged_refusal() -> None:
     assert refusal["log_level"] == "info"
     [failed] = [e for e in events if e["event"] == "hedge.failed"]
     assert (failed["fatal"], failed["log_level"]) == (True, "debug")
+
+
+@pytest.mark.parametrize(
+    "fatal",
+    [
+        RetryableError(LOCKED, "locked", effect=AttemptEffect.NOT_APPLIED),  # outside non_fatal
+        RetryableError(  # the strategy declines it
+            RetryReason.AUTHENTICATION_ERROR, "bad password", effect=AttemptEffect.NOT_APPLIED
+        ),
+    ],
+    ids=["outside non_fatal", "declined by the strategy"],
+)
+async def test_the_refusal_names_the_copy_that_decided_not_the_one_cut_after_it(
+    fatal: RetryableError,
+) -> None:
+    """Copy 1 was in flight when copy 0's fatal failure came: retry.not_retried said
+    attempt 2 (the cut copy, booked last) and its effect MAYBE_APPLIED beside copy 0's
+    reason and caused_by (an operator's review). It names copy 0: attempt 1, its effect."""
+    send = Script({0: (0.08, fatal), 1: (None, None)})
+    policy = HedgePolicy(2, delay=0.02, non_fatal={TEMP})
+    with (
+        anyio.fail_after(SAFETY),
+        capture_retry_events() as events,
+        pytest.raises(CouchbaseException),
+    ):
+        await RetryOrchestrator().hedge(idem(), send, policy)
+    assert send.cancelled == {1}
+    [refusal] = [e for e in events if e["event"] == "retry.not_retried"]
+    assert refusal["reason"] == fatal.reason.name
+    assert refusal["attempt"] == 1
+    assert refusal["effect"] == "NOT_APPLIED"  # copy 0's, not the cut copy's MAYBE_APPLIED
+    assert refusal["maybe_applied"] is True  # the request's: the cut copy may have been

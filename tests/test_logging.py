@@ -135,12 +135,17 @@ async def test_backpressure_is_logged_as_not_retried() -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(orch.maybe_retry, waiting, RetryReason.KV_LOCKED)
             await anyio.wait_all_tasks_blocked()
-            with pytest.raises(RequestCanceledException):
+            with pytest.raises(RequestCanceledException) as info:
                 await orch.maybe_retry(Request(timeout=60), RetryReason.KV_LOCKED)
             tg.cancel_scope.cancel()
     refused = [e for e in events if e["event"] == "retry.not_retried"]
     assert len(refused) == 1
     assert refused[0]["cancellation_reason"] == "TOO_MANY_REQUESTS_IN_RETRY"
+    # The limit, named as the setting an operator changes, in the event and the message
+    # ("1 requests are already waiting in retry" read as a count: an operator's review).
+    assert refused[0]["max_requests_in_retry"] == 1
+    assert "limit of 1 requests waiting in retry at once" in str(info.value)
+    assert "(max_requests_in_retry;" in str(info.value)
 
 
 async def test_strategy_failed_event_when_strategy_raises() -> None:

@@ -96,6 +96,11 @@ def test_code_rows(code: GrpcCode, expected: object) -> None:
 def test_deadline_exceeded_depends_on_read_only() -> None:
     assert type(grpc_failure("DEADLINE_EXCEEDED")) is AmbiguousTimeoutException
     assert type(grpc_failure("DEADLINE_EXCEEDED", read_only=True)) is UnambiguousTimeoutException
+    # Nobody knows whether a read that timed out ran: it is unambiguous because running it
+    # again changes nothing, never "it was not applied" (an operator's review)
+    read = str(grpc_failure("DEADLINE_EXCEEDED", read_only=True))
+    assert "it may have reached the server, but it is read-only" in read
+    assert "not applied" not in read
 
 
 def test_ok_is_not_a_failure() -> None:

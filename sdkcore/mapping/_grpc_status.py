@@ -456,8 +456,17 @@ def grpc_failure(
         # one): gRPC makes no promise that nothing was applied.
         return RetryableError(STATUS_REASONS[status], describe, effect=AttemptEffect.MAYBE_APPLIED)
     if status is GrpcCode.DEADLINE_EXCEEDED:
-        timeout = UnambiguousTimeoutException if read_only else AmbiguousTimeoutException
-        return timeout(f"{timeout.default_message} ({describe})", context=context)
+        if read_only:
+            # Nobody knows whether it ran: unambiguous because running it again changes
+            # nothing, not because it was not applied (the core's own wording for it).
+            return UnambiguousTimeoutException(
+                "request timed out; it may have reached the server, but it is read-only, so "
+                f"it is safe to retry (unambiguous) ({describe})",
+                context=context,
+            )
+        return AmbiguousTimeoutException(
+            f"{AmbiguousTimeoutException.default_message} ({describe})", context=context
+        )
     cls = _BY_CODE.get(status, CouchbaseException)
     return cls(f"{cls.default_message} ({describe})", context=context)
 
