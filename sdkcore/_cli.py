@@ -83,14 +83,34 @@ def _main(argv: Sequence[str] | None) -> int:
         shown = commands[args_list[0]] if args_list else parser
         sys.stderr.write(shown.format_help())
         return 2
-    args = parser.parse_args(args_list)
+    args, extras = parser.parse_known_args(args_list)
     try:
+        if extras:
+            raise UsageError(_unrecognized(extras, getattr(args, "kind", None)))
         return int(args.run(args, Output()))
     except UsageError as exc:
         text = f"sdkcore {args.command}: error: {exc}"
         lines = [textwrap.fill(line, WIDTH, subsequent_indent="  ") for line in text.split("\n")]
         sys.stderr.write("\n".join(lines) + "\n")
         return 2
+
+
+def _unrecognized(extras: list[str], kind: str | None) -> str:
+    """What a command's parser left over, and which ``explain`` kinds take such an option
+    (``--opcode`` on ``explain reason`` was the top level's bare "unrecognized
+    arguments", naming neither the command nor that it is kv's option)."""
+    from . import _explain
+
+    text = f"unrecognized arguments: {' '.join(extras)}"
+    if kind is not None:  # as the command's other errors name their kind ("kv: ...")
+        text = f"{kind}: {text}"
+    for extra in extras:
+        if extra.startswith("--"):
+            kinds = _explain.kinds_taking(extra)
+            if kinds:
+                owners = ", ".join(f"'explain {kind}'" for kind in kinds)
+                text += f"\n{extra.split('=', 1)[0]} is an option of {owners} only"
+    return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:

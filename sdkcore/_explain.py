@@ -146,6 +146,16 @@ KINDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+#: Each kind's parser (filled by :func:`add_parser`): which kinds take an option.
+OPTIONS: dict[str, Any] = {}
+
+
+def kinds_taking(option: str) -> list[str]:
+    """The kinds whose parser takes ``option`` (``--opcode``: ``["kv"]``)."""
+    name = option.split("=", 1)[0]
+    return [kind for kind, p in OPTIONS.items() if name in p._option_string_actions]
+
+
 def add_parser(sub: Any) -> None:
     parser = sub.add_parser(
         "explain",
@@ -158,6 +168,7 @@ def add_parser(sub: Any) -> None:
     kinds = parser.add_subparsers(dest="kind", required=True, metavar="KIND")
     for kind, (metavar, what, accepted) in KINDS.items():
         p = kinds.add_parser(kind, help=f"explain {what}", description=f"{what}: {accepted}")
+        OPTIONS[kind] = p
         p.add_argument("value", metavar=metavar, help=accepted)
         p.add_argument(
             "--json",

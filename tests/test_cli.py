@@ -46,6 +46,40 @@ def test_unknown_command_exits_2_naming_the_commands(capsys: pytest.CaptureFixtu
         assert command in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (
+            ["explain", "reason", "KV_LOCKED", "--opcode", "get"],
+            [
+                "sdkcore explain: error: reason: unrecognized arguments: --opcode get",
+                "--opcode is an option of 'explain kv' only",
+            ],
+        ),
+        (
+            ["explain", "grpc", "UNAVAILABLE", "--body=x"],
+            [
+                "sdkcore explain: error: grpc: unrecognized",
+                "'explain search', 'explain views' only",
+            ],
+        ),
+        (["check-config", "x.json", "--foo"], ["sdkcore check-config: error: unrecognized"]),
+    ],
+)
+def test_an_option_of_another_kind_names_the_command_and_the_kinds_that_take_it(
+    capsys: pytest.CaptureFixture[str], argv: list[str], says: list[str]
+) -> None:
+    """rfc/0005: errors are "sdkcore COMMAND: error: ..." naming what is accepted. A kv
+    option on another kind was the top level's bare "unrecognized arguments" after the
+    top level's usage line (an operator's review)."""
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert not captured.err.startswith("usage:")
+    for text in says:
+        assert text in captured.err
+
+
 def test_no_command_shows_the_help(capsys: pytest.CaptureFixture[str]) -> None:
     """`sdkcore` alone: the whole help (every command), exit 2 as for a missing argument."""
     assert main([]) == 2
