@@ -153,7 +153,8 @@ EVENT_HEDGE_SENT = "hedge.sent"
 EVENT_HEDGE_WON = "hedge.won"
 #: debug: hedge ``hedge`` was cancelled (another won, a fatal failure, the deadline, the app).
 EVENT_HEDGE_CANCELLED = "hedge.cancelled"
-#: debug for a non-fatal failure, info for the failure that ends the chain.
+#: debug: hedge ``hedge`` failed (``fatal``: whether its failure ends the chain, which
+#: ``retry.not_retried`` then reports at info).
 EVENT_HEDGE_FAILED = "hedge.failed"
 
 # Couchbase RFC 67 reports and telemetry (rfc/0008).

@@ -160,6 +160,11 @@ def test_search_rows(
         assert type(search_exception(status, body)) is exc
 
 
+def test_search_exception_says_when_the_body_is_empty() -> None:
+    # "(HTTP 500: )" read as a cut message (an operator's review)
+    assert "(HTTP 500, empty body)" in str(search_exception(500, ""))
+
+
 def test_search_exception_mentions_status_and_body() -> None:
     exc = search_exception(429, "num_concurrent_requests")
     assert "429" in str(exc)

@@ -175,18 +175,16 @@ def search_exception(
     """
     status = _status(http_status, "search_exception")
     text = _text(body, "search_exception")
-    snippet = text[:200]
+    snippet = f"HTTP {status}: {text[:200]}" if text else f"HTTP {status}, empty body"
     if status in (400, 429):
         limit = _search_limit(text)
         if limit is not None:
-            return limit(
-                f"{limit.default_message} (search HTTP {status}: {snippet})", context=context
-            )
+            return limit(f"{limit.default_message} (search {snippet})", context=context)
     if status in (401, 403):
         return AuthenticationFailureException(
-            f"search authentication failed (HTTP {status}: {snippet})", context=context
+            f"search authentication failed ({snippet})", context=context
         )
-    return CouchbaseException(f"search request failed (HTTP {status}: {snippet})", context=context)
+    return CouchbaseException(f"search request failed ({snippet})", context=context)
 
 
 # -- views -------------------------------------------------------------------------
