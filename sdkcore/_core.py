@@ -267,12 +267,6 @@ class OrchestratorCore:
                 # cancellation is the answer, not the strategy's refusal.
                 raise _failing.already_completed(request, reason) from _failing.cause(request)
             raise self._refusal(request, reason, verdict, action, strategy, failure, hint, left)
-        if verdict is _TIME_OUT and request._deadline_from is not None:
-            # The deadline is an outer request's, which cuts its attempt at that instant:
-            # waiting would let that cut win the race, and this request end as a bare
-            # cancellation naming none of its failures (a review: always, in 20 of 20
-            # runs). Nothing more can be sent: it times out now, naming the outer request.
-            delay = 0.0
         request._retry_booked(reason, delay)
         trace = request._trace
         try:

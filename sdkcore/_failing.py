@@ -287,6 +287,10 @@ def _applied(request: Request) -> str:
     return "it was not applied on the server (unambiguous)"
 
 
+#: How close to its inherited deadline a request's cancellation counts as that deadline's
+#: cut (seconds: the outer request's timer and this request's clock are read apart).
+_AT_DEADLINE = 0.001
+
 #: The failure before an attempt a cancellation cut: (its reason, its error, whether the
 #: cut attempt had answered, its answer dropped).
 _Previous = tuple[RetryReason | None, BaseException | None, bool]
@@ -306,10 +310,21 @@ def _log_cancelled(
     says so, and the failure before it is ``previous_reason``/``previous_error``, as
     ``retry.timed_out`` reports an attempt its deadline cut."""
     ambiguous = not request.idempotent and request.maybe_applied
-    log = _log.enabled(_log.INFO if ambiguous else _log.DEBUG)
+    # The caller's cancellation at the deadline this request inherited is the outer
+    # request's deadline cutting it: its timeout in all but name, and the outer's own
+    # event names only "attempt N was cut in flight". Info, so the failures that used the
+    # time (reason, caused_by) reach an operator's log (an operator's review).
+    reached = (
+        why is CancellationReason.TASK_CANCELLED
+        and request._deadline_from is not None
+        and request.deadline - request.clock() <= _AT_DEADLINE
+    )
+    log = _log.enabled(_log.INFO if ambiguous or reached else _log.DEBUG)
     if log is None:
         return
     fields = event_fields(request, reason, strategy_of(request))
+    if reached:
+        fields["deadline_reached"] = True
     if previous is not None:
         before, error, answered = previous
         number = request.failed_attempts
@@ -320,7 +335,7 @@ def _log_cancelled(
         )
         fields["previous_reason"] = None if before is None else before.name
         fields["previous_error"] = None if error is None else describe_error(error)
-    (log.info if ambiguous else log.debug)(
+    (log.info if ambiguous or reached else log.debug)(
         _log.EVENT_CANCELLED,
         **fields,
         cancellation_reason=why.name,

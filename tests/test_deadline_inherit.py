@@ -432,14 +432,15 @@ async def test_the_inner_requests_events_name_the_outer_request() -> None:
 
 
 @pytest.mark.parametrize("idempotent", [True, False])
-async def test_an_inner_request_whose_backoff_reaches_the_inherited_deadline_times_out_itself(
+async def test_an_inner_request_cut_at_its_inherited_deadline_is_reported_at_info(
     idempotent: bool,
 ) -> None:
-    """Its wait, capped at the outer request's deadline, ended at the instant the outer
-    request's own deadline cut it: the outer's cut won that race every time, the inner
-    request ended as a bare cancellation at debug level, and no log line or exception
-    named KV_LOCKED (an operator's review). Nothing more can be sent: the inner request
-    times out at once, naming the outer one, and the outer request gets that timeout."""
+    """Its wait, capped at the outer request's deadline, ends at the instant the outer
+    request's own deadline cuts it, and the outer's cut wins: the inner request ends
+    cancelled (TASK_CANCELLED), as README says. Its retry.cancelled was debug, so at info
+    an operator read only the outer's "attempt 1 was cut in flight" and nothing named
+    KV_LOCKED (an operator's review). Cut at the deadline it inherited, it is logged at
+    info, with deadline_reached and the outer request's id."""
     orchestrator = RetryOrchestrator()
 
     async def inner_send(request: Request) -> None:
@@ -454,10 +455,34 @@ async def test_an_inner_request_whose_backoff_reaches_the_inherited_deadline_tim
         await orchestrator.execute(outer, outer_send)
     context = caught.value.context
     assert context is not None
-    assert context.request_name == "inner"
-    assert context.reason is LOCKED
-    assert context.extra["deadline_from"]["request_id"] == outer.id
-    timed_out = [e for e in events if e["event"] == "retry.timed_out"]
-    assert [e["request_name"] for e in timed_out] == ["inner"]
-    assert timed_out[0]["reason"] == "KV_LOCKED"
-    assert not [e for e in events if e["event"] == "retry.cancelled"]
+    assert context.request_name == "outer"
+    (cancelled,) = [e for e in events if e["event"] == "retry.cancelled"]
+    assert cancelled["request_name"] == "inner"
+    assert cancelled["log_level"] == "info"
+    assert cancelled["deadline_reached"] is True
+    assert cancelled["deadline_from"] == outer.id
+    assert cancelled["reason"] == "KV_LOCKED"
+    assert cancelled["cancellation_reason"] == "TASK_CANCELLED"
+
+
+async def test_an_inner_request_the_caller_cancels_early_stays_at_debug() -> None:
+    """Only the cut at the inherited deadline is raised to info: a caller's cancellation
+    with time left is the application's own doing (debug, as before)."""
+    orchestrator = RetryOrchestrator()
+
+    async def inner_send(request: Request) -> None:
+        raise RetryableError(LOCKED)
+
+    async def outer_send(request: Request) -> None:
+        await orchestrator.execute(Request(name="inner", idempotent=True, timeout=5), inner_send)
+
+    with capture_retry_events() as events:
+        with anyio.move_on_after(0.05):
+            await orchestrator.execute(
+                Request(name="outer", idempotent=True, timeout=10), outer_send
+            )
+    (cancelled,) = [
+        e for e in events if e["event"] == "retry.cancelled" and e["request_name"] == "inner"
+    ]
+    assert cancelled["log_level"] == "debug"
+    assert "deadline_reached" not in cancelled
