@@ -11,14 +11,19 @@ from ._call import BUFFER_FULL, _Call
 __all__: list[str] = []
 
 
+#: Messages read from the request iterator that no attempt has sent yet, at most: the
+#: read runs that far ahead of the wire, then waits for the live attempt. Read without
+#: a bound, an iterator that never awaits (empty messages never fill the byte limit)
+#: froze the event loop; read only on demand, grpc.aio's ``write()`` API saw its
+#: ``done_writing()`` late, and a ``write()`` after it was dropped instead of refused.
+READ_AHEAD = 16
+
+
 class _ReplayBuffer:
     """Request messages of a client-streaming call, kept for replay until commit.
 
-    The application's request iterator is read one message at a time, when the live
-    attempt's request stream asks for a message past the buffer (``wanted``), as
-    grpc.aio reads it (the next message once the last was written). Read ahead, an
-    iterator that never awaits (a generator of empty messages, which never fill the
-    byte limit) froze the event loop, and every iterator ran far ahead of the wire.
+    The application's request iterator is read at most :data:`READ_AHEAD` messages
+    ahead of what the live attempt has sent (``room``: set as the attempt takes them).
     """
 
     def __init__(self, c: _Call, source: Any) -> None:
@@ -32,8 +37,9 @@ class _ReplayBuffer:
         self.error: Exception | None = None
         self.committed = False
         self.event = asyncio.Event()
-        #: The live attempt has sent every buffered message and asks for the next one.
-        self.wanted = asyncio.Event()
+        #: Fewer than READ_AHEAD read messages wait for the live attempt: read on.
+        self.room = asyncio.Event()
+        self.room.set()
         self.source = source
         self.task: asyncio.Task[None] | None = None
 
@@ -70,20 +76,22 @@ class _ReplayBuffer:
     def detach(self) -> None:
         """The live attempt failed: it takes no more messages, and none count as sent."""
         self.generation += 1
-        self.consumed = self.base
-        self.wanted.clear()  # the next attempt replays the buffer first
+        self.consumed = self.base  # the next attempt replays the buffer first
         self.event.set()
 
+    async def _wait_for_room(self) -> None:
+        while len(self.items) - (self.consumed - self.base) >= READ_AHEAD:
+            self.room.clear()
+            await self.room.wait()
+
     async def _pump(self) -> None:
-        """Read the request iterator, one message each time the live attempt asks."""
+        """Read the request iterator, at most READ_AHEAD messages ahead of the wire."""
         source = self.source
-        wanted = self.wanted
         try:
             if hasattr(source, "__aiter__"):
                 iterator = source.__aiter__()
                 while True:
-                    await wanted.wait()
-                    wanted.clear()
+                    await self._wait_for_room()
                     try:
                         message = await iterator.__anext__()
                     except StopAsyncIteration:
@@ -92,8 +100,7 @@ class _ReplayBuffer:
             else:
                 iterator = iter(source)
                 while True:
-                    await wanted.wait()
-                    wanted.clear()
+                    await self._wait_for_room()
                     try:
                         message = next(iterator)
                     except StopIteration:
@@ -124,6 +131,7 @@ class _ReplayBuffer:
                 if self.committed:
                     del self.items[: i - self.base]
                     self.base = i
+                self.room.set()  # one fewer read ahead of the wire
                 yield message
             elif self.done:
                 if self.error is not None:
@@ -131,7 +139,6 @@ class _ReplayBuffer:
                 return
             else:
                 self.event.clear()
-                self.wanted.set()  # the next message, read now (not ahead of the wire)
                 await self.event.wait()
 
     @property

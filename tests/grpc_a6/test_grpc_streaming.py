@@ -149,9 +149,9 @@ async def test_the_request_iterator_is_read_as_the_attempt_sends(
     """grpc.aio reads the next request message once the last was written. sdkcore read
     the whole iterator into its replay buffer at once: 200,000 messages for a server
     that read 3, and an endless iterator of empty messages (which never fill the byte
-    limit) that never awaits froze the event loop for good (a review). Now it reads a
-    message when the attempt asks for one: a few past what the server read, and retried
-    attempts replay the buffer before anything new is read."""
+    limit) that never awaits froze the event loop for good (a review). Now it reads at
+    most READ_AHEAD (16) messages past what the attempt sent, and retried attempts replay
+    the buffer before anything new is read."""
     pulled = 0
     total = 200_000
 
@@ -708,3 +708,26 @@ async def test_a_call_cancelled_before_it_commits_is_done_at_once(
             assert call.cancel() is False
             assert await call.code() is grpc.StatusCode.CANCELLED
             release.set()
+
+
+async def test_a_write_after_done_writing_is_refused_as_by_grpc_aio(server: Server) -> None:
+    """grpc.aio refuses a write() after done_writing() (InvalidStateError, "half
+    closed"). Reading the request stream only on demand saw done_writing() late: the
+    write returned normally and its message was dropped (a review). The stream is read a
+    few messages ahead of the wire, so done_writing() is seen at once."""
+    seen: list[list[bytes]] = []
+
+    async def fn(requests: AsyncIterator[bytes], context: Any, attempt: int) -> bytes:
+        seen.append(await read_all(requests))
+        return b"%d" % len(seen[-1])
+
+    method = server.stream_unary("C", fn)
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=retry_config()) as ch:
+            call = ch.stream_unary(method)()
+            await call.write(b"a")
+            await call.done_writing()
+            with pytest.raises(asyncio.InvalidStateError, match="half closed"):
+                await call.write(b"b")
+            assert await call == b"1"
+    assert seen == [[b"a"]]
