@@ -196,10 +196,14 @@ def already_completed(
     text = "request was cancelled"
     previous: _Previous | None = None
     if via_context:
+        if cut and not request.in_flight:
+            # A hedge's copies, booked by its chain: the event is about them, as below.
+            previous = (request.last_reason, request.last_error, _COPIES)
+            reason = None
         if (cut or answered) and request.in_flight:
             # The attempt the cancellation cut (or whose answer it dropped) is what the
             # event and the context report, not the failure before it (previous_*).
-            previous = (request.last_reason, request.last_error, answered)
+            previous = (request.last_reason, request.last_error, _ANSWERED if answered else _CUT)
             reason = None
             request._attempt_failed(None, _MAYBE, None, request.clock())
             number = request.failed_attempts
@@ -267,9 +271,12 @@ def finish_by(request: Request, exc: BaseException, cut: bool | None = None) -> 
     if cut is None:
         cut = request.in_flight
         if cut:
-            previous = (reason, request.last_error, False)
+            previous = (reason, request.last_error, _CUT)
             reason = None  # the cut attempt's: it raised nothing of its own
             request._attempt_failed(None, _MAYBE, None, request.clock())
+    elif cut:  # a hedge's copies, booked by its chain: the event is about them
+        previous = (reason, request.last_error, _COPIES)
+        reason = None
     request._finish_by(exc)
     if request.cancellation_reason is CancellationReason.TASK_CANCELLED:
         _log_cancelled(request, reason, cut, CancellationReason.TASK_CANCELLED, previous)
@@ -291,9 +298,13 @@ def _applied(request: Request) -> str:
 #: cut (seconds: the outer request's timer and this request's clock are read apart).
 _AT_DEADLINE = 0.001
 
-#: The failure before an attempt a cancellation cut: (its reason, its error, whether the
-#: cut attempt had answered, its answer dropped).
-_Previous = tuple[RetryReason | None, BaseException | None, bool]
+#: The failure before what a cancellation cut: (its reason, its error, what was cut:
+#: ``_CUT`` an attempt in flight, ``_ANSWERED`` one whose answer came after and was
+#: dropped, ``_COPIES`` a hedge's copies in flight).
+_Previous = tuple[RetryReason | None, BaseException | None, str]
+_CUT = "cut"
+_ANSWERED = "answered"
+_COPIES = "copies"
 
 
 def _log_cancelled(
@@ -326,13 +337,17 @@ def _log_cancelled(
     if reached:
         fields["deadline_reached"] = True
     if previous is not None:
-        before, error, answered = previous
+        before, error, what = previous
         number = request.failed_attempts
-        fields["caused_by"] = (
-            f"attempt {number} answered after the request was cancelled; its answer was dropped"
-            if answered
-            else f"attempt {number} was cut in flight by the cancellation"
-        )
+        if what is _ANSWERED:
+            cause = (
+                f"attempt {number} answered after the request was cancelled; its answer was dropped"
+            )
+        elif what is _COPIES:
+            cause = "the hedge's copies in flight were cut by the cancellation"
+        else:
+            cause = f"attempt {number} was cut in flight by the cancellation"
+        fields["caused_by"] = cause
         fields["previous_reason"] = None if before is None else before.name
         fields["previous_error"] = None if error is None else describe_error(error)
     (log.info if ambiguous or reached else log.debug)(

@@ -329,3 +329,39 @@ async def test_an_attempt_cut_in_flight_is_reported_as_cut_not_as_the_failure_be
     assert event["previous_reason"] == "KV_LOCKED"
     assert event["previous_error"] == "RetryableError: KV_LOCKED"
     assert event["in_flight"] is True
+
+
+@pytest.mark.parametrize("who", ["Request.cancel()", "the caller"])
+async def test_a_hedges_copies_cut_are_reported_as_cut_not_as_the_failure_before(
+    who: str,
+) -> None:
+    """As for execute's attempt in flight: a hedged request whose copies the cancellation
+    cut said reason KV_LOCKED and caused_by KV_LOCKED, the failure of an earlier copy (a
+    review)."""
+    request = Request(name="kv.get", idempotent=True, timeout=5.0)
+
+    async def send(_: Request, index: int) -> None:
+        if index == 0:
+            raise RetryableError(RetryReason.KV_TEMPORARY_FAILURE)  # non-fatal: next copy
+        await anyio.sleep_forever()
+
+    policy = HedgePolicy(3, delay=0.01)
+    with anyio.fail_after(SAFETY), capture_retry_events() as events:
+        if who == "the caller":
+            with anyio.move_on_after(0.05):
+                await RetryOrchestrator().hedge(request, send, policy)
+        else:
+
+            async def run() -> None:
+                with pytest.raises(RequestCanceledException):
+                    await RetryOrchestrator().hedge(request, send, policy)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run)
+                await anyio.sleep(0.05)
+                request.cancel()
+    (event,) = [e for e in events if e["event"] == "retry.cancelled"]
+    assert event["reason"] is None
+    assert event["caused_by"] == "the hedge's copies in flight were cut by the cancellation"
+    assert event["previous_reason"] == "KV_TEMPORARY_FAILURE"
+    assert event["in_flight"] is True
