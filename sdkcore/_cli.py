@@ -96,21 +96,26 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def _unrecognized(extras: list[str], kind: str | None) -> str:
-    """What a command's parser left over, and which ``explain`` kinds take such an option
-    (``--opcode`` on ``explain reason`` was the top level's bare "unrecognized
-    arguments", naming neither the command nor that it is kv's option)."""
+    """What a command's parser left over, and, for an option some ``explain`` kind takes,
+    where it goes (``--opcode`` on ``explain reason`` was the top level's bare
+    "unrecognized arguments", naming neither the command nor that it is kv's option)."""
     from . import _explain
 
-    text = f"unrecognized arguments: {' '.join(extras)}"
-    if kind is not None:  # as the command's other errors name their kind ("kv: ...")
-        text = f"{kind}: {text}"
+    lines = [f"unrecognized arguments: {' '.join(extras)}"]
     for extra in extras:
-        if extra.startswith("--"):
-            kinds = _explain.kinds_taking(extra)
-            if kinds:
-                owners = ", ".join(f"'explain {kind}'" for kind in kinds)
-                text += f"\n{extra.split('=', 1)[0]} is an option of {owners} only"
-    return text
+        if not extra.startswith("--"):
+            continue
+        option = extra.split("=", 1)[0]
+        kinds = _explain.kinds_taking(option)
+        if kind is not None and kind in kinds:
+            lines.append(
+                f"{option} goes after the kind and its value: sdkcore explain {kind} VALUE {option}"
+            )
+        elif kinds:
+            owners = ", ".join(f"'explain {k}'" for k in kinds)
+            takes = f"'explain {kind}' takes no {option}: it is" if kind else f"{option} is"
+            lines.append(f"{takes} an option of {owners} only")
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -52,16 +52,24 @@ def test_unknown_command_exits_2_naming_the_commands(capsys: pytest.CaptureFixtu
         (
             ["explain", "reason", "KV_LOCKED", "--opcode", "get"],
             [
-                "sdkcore explain: error: reason: unrecognized arguments: --opcode get",
-                "--opcode is an option of 'explain kv' only",
+                "sdkcore explain: error: unrecognized arguments: --opcode get",
+                "'explain reason' takes no --opcode: it is an option of 'explain kv' only",
             ],
         ),
         (
             ["explain", "grpc", "UNAVAILABLE", "--body=x"],
             [
-                "sdkcore explain: error: grpc: unrecognized",
+                "sdkcore explain: error: unrecognized arguments: --body=x",
                 "'explain search', 'explain views' only",
             ],
+        ),
+        (  # the kind's own option, written before the kind
+            ["explain", "--json", "kv", "0x01"],
+            ["--json goes after the kind and its value: sdkcore explain kv VALUE --json"],
+        ),
+        (  # an option nobody takes: no kind blamed
+            ["--bogus", "explain", "reason", "KV_LOCKED"],
+            ["sdkcore explain: error: unrecognized arguments: --bogus\n"],
         ),
         (["check-config", "x.json", "--foo"], ["sdkcore check-config: error: unrecognized"]),
     ],
