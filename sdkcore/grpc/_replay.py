@@ -12,10 +12,12 @@ __all__: list[str] = []
 
 
 #: Messages read from the request iterator that no attempt has sent yet, at most: the
-#: read runs that far ahead of the wire, then waits for the live attempt. Read without
+#: read runs that far ahead of the wire (ahead of the furthest any attempt has sent: a
+#: retry's replay of messages sent before is not read-ahead), then waits. Read without
 #: a bound, an iterator that never awaits (empty messages never fill the byte limit)
-#: froze the event loop; read only on demand, grpc.aio's ``write()`` API saw its
-#: ``done_writing()`` late, and a ``write()`` after it was dropped instead of refused.
+#: froze the event loop; read only on demand, or held back while a retry waits, grpc.aio's
+#: ``write()`` API saw its ``done_writing()`` late, and a ``write()`` after it was
+#: dropped instead of refused.
 READ_AHEAD = 16
 
 
@@ -23,7 +25,7 @@ class _ReplayBuffer:
     """Request messages of a client-streaming call, kept for replay until commit.
 
     The application's request iterator is read at most :data:`READ_AHEAD` messages
-    ahead of what the live attempt has sent (``room``: set as the attempt takes them).
+    ahead of the furthest any attempt has sent (``sent``).
     """
 
     def __init__(self, c: _Call, source: Any) -> None:
@@ -31,15 +33,16 @@ class _ReplayBuffer:
         self.items: list[Any] = []
         self.base = 0  # absolute index of items[0]
         self.consumed = 0  # absolute index of the next item for the live attempt
+        self.sent = 0  # absolute index past the furthest item any attempt has taken
         self.generation = 0
         self.done = False
         #: What the application's request iterator (or message_size) raised, if anything.
         self.error: Exception | None = None
         self.committed = False
         self.event = asyncio.Event()
-        #: Fewer than READ_AHEAD read messages wait for the live attempt: read on.
+        #: Wakes the read when an attempt takes a message past ``sent`` (it checks the
+        #: count itself: see _wait_for_room).
         self.room = asyncio.Event()
-        self.room.set()
         self.source = source
         self.task: asyncio.Task[None] | None = None
 
@@ -80,7 +83,7 @@ class _ReplayBuffer:
         self.event.set()
 
     async def _wait_for_room(self) -> None:
-        while len(self.items) - (self.consumed - self.base) >= READ_AHEAD:
+        while self.base + len(self.items) - max(self.sent, self.base) >= READ_AHEAD:
             self.room.clear()
             await self.room.wait()
 
@@ -131,7 +134,9 @@ class _ReplayBuffer:
                 if self.committed:
                     del self.items[: i - self.base]
                     self.base = i
-                self.room.set()  # one fewer read ahead of the wire
+                if i > self.sent:  # a message no attempt had taken: one fewer read ahead
+                    self.sent = i
+                    self.room.set()
                 yield message
             elif self.done:
                 if self.error is not None:

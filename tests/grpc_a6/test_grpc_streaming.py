@@ -731,3 +731,42 @@ async def test_a_write_after_done_writing_is_refused_as_by_grpc_aio(server: Serv
                 await call.write(b"b")
             assert await call == b"1"
     assert seen == [[b"a"]]
+
+
+async def test_a_write_after_done_writing_is_refused_while_the_call_waits_to_retry(
+    server: Server,
+) -> None:
+    """During the backoff every buffered message counts as unsent for the next attempt's
+    replay; counted as read-ahead, 16 of them stopped the read of grpc.aio's write queue,
+    done_writing() stayed unseen, and a write() after it returned with its message
+    dropped (a review). A replay of what was sent before is not read-ahead."""
+    seen: list[list[bytes]] = []
+
+    async def fn(requests: AsyncIterator[bytes], context: Any, attempt: int) -> bytes:
+        got: list[bytes] = []
+        async for message in requests:
+            got.append(message)
+            if attempt == 1 and len(got) == 20:
+                seen.append(got)
+                await abort(context, ABORTED)
+        seen.append(got)
+        return b"%d" % len(got)
+
+    method = server.stream_unary("C", fn)
+    config = retry_config(initial="0.5s", maximum="0.5s")
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=config, backoff_jitter=BackoffJitter.PROPORTIONAL
+        ) as ch:
+            waiting = retry_controller(ch).orchestrator
+            call = ch.stream_unary(method)()
+            for i in range(20):
+                await call.write(b"m%d" % i)
+            await wait_until(lambda: waiting.requests_in_retry == 1)  # in the backoff
+            await call.write(b"m20")
+            await call.done_writing()
+            with pytest.raises(asyncio.InvalidStateError, match="half closed"):
+                await call.write(b"after")
+            assert await call == b"21"
+    assert len(seen[0]) == 20
+    assert seen[-1] == [b"m%d" % i for i in range(21)]
