@@ -20,7 +20,7 @@ from fractions import Fraction
 from typing import Any
 
 from . import _log
-from ._callables import clock_reading, sync_callable
+from ._callables import clock_reading, slice_of, sync_callable
 from ._duration import to_seconds
 from ._log import EPISODE_QUIET
 from ._untrusted import show
@@ -170,7 +170,7 @@ class RetryBudget:
     @property
     def balance(self) -> int:
         """The whole retries that can be made now (never negative): a gauge."""
-        index = self._slice_of(self._clock())
+        index = slice_of(self._clock(), self._per_slice)
         with self._lock:
             self._catch_up(index)
             tokens = self._sum + self._reserve
@@ -191,7 +191,7 @@ class RetryBudget:
         if now < self._slice_end:  # the hot path: one atomic count, no lock
             next(self._ticks)
             return
-        index = self._slice_of(now)
+        index = slice_of(now, self._per_slice)
         with self._lock:
             self._catch_up(index)
             self._slices[self._index % _SLICES] += self._deposit
@@ -200,7 +200,7 @@ class RetryBudget:
     def try_withdraw(self) -> bool:
         """A retry about to be sent: True and one retry taken, or False and nothing changed."""
         now = self._clock()
-        index = self._slice_of(now)
+        index = slice_of(now, self._per_slice)
         cost = self._withdraw
         with self._lock:
             self._catch_up(index)
@@ -267,23 +267,15 @@ class RetryBudget:
         cost = self._withdraw
         if cost >= _NEVER and self._reserve == 0:
             return  # no withdrawal is ever granted (Finagle's Empty): nothing to give back
-        index = self._slice_of(self._clock())
+        index = slice_of(self._clock(), self._per_slice)
         with self._lock:
             self._catch_up(index)
             self._slices[self._index % _SLICES] += cost
             self._sum += cost
 
-    def _slice_of(self, now: float) -> int:
-        """The window slice of a clock reading; -1 for one no window can move to (NaN, an
-        infinity, past a float's range: a broken clock's), which leaves the window where
-        it is, as a clock that went back does (never an error inside a call)."""
-        try:
-            return int(now * self._per_slice)
-        except (OverflowError, ValueError):
-            return -1
-
-    def _catch_up(self, index: int) -> None:
-        """Count the lock-free deposits, then move the window to slice ``index`` (under the lock).
+    def _catch_up(self, index: int | None) -> None:
+        """Count the lock-free deposits, then move the window to slice ``index`` (under the lock;
+        None, a broken clock reading's (``slice_of``): the window stays where it is).
 
         A deposit that raced with a slice change may land in the newer slice: it then
         expires up to one slice (``ttl / 10``) later, the sloppiness Finagle accepts too.
@@ -296,7 +288,7 @@ class RetryBudget:
             self._slices[self._index % _SLICES] += amount
             self._sum += amount
         old = self._index
-        if index <= old:  # same slice, or a clock that went back: stay in the newer one
+        if index is None or index <= old:  # same slice, a clock that went back or broke: stay
             return
         slices = self._slices
         if index - old >= _SLICES:

@@ -18,7 +18,7 @@ from typing import Any
 
 from ._untrusted import show
 
-__all__ = ["clock_reading", "is_async", "sync_callable"]
+__all__ = ["clock_reading", "is_async", "slice_of", "sync_callable"]
 
 
 def is_async(value: Any) -> bool:
@@ -69,3 +69,15 @@ def clock_reading(clock: Any, field: str) -> float:
     if not math.isfinite(seconds):  # NaN or infinite: no time to count windows from
         raise ValueError(f"{field} must return finite seconds (monotonic), got {show(reading)}")
     return seconds
+
+
+def slice_of(now: float, per_slice: float) -> int | None:
+    """The window slice a clock reading falls in (``int(now * per_slice)``), or None for
+    a reading no window can be counted in: NaN, an infinity, a number past a float's
+    range (a clock that broke after its owner's constructor read it). The windowed
+    counters (retry budget, adaptive throttle, latency quantile) then record nothing and
+    leave their window where it is: never an error inside a request."""
+    try:
+        return int(now * per_slice)
+    except (OverflowError, ValueError):
+        return None

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from itertools import accumulate, islice
 
-from ._callables import clock_reading, sync_callable
+from ._callables import clock_reading, slice_of, sync_callable
 from ._duration import to_seconds
 from ._untrusted import show
 
@@ -159,16 +159,6 @@ def _bucket(seconds: float) -> int:
         return _TOP
     mantissa, exponent = math.frexp(seconds)  # mantissa in [0.5, 1)
     return (exponent - _E0) * _SUB + int((mantissa - 0.5) * _TWO_SUB)
-
-
-def _slice_of(now: float, per_slice: float) -> int | None:
-    """The window slice a clock reading falls in; None for one no window can be counted
-    in (NaN, an infinity, a number past a float's range: a broken clock's, which records
-    nothing and moves nothing, never an OverflowError inside a call)."""
-    try:
-        return int(now * per_slice)
-    except (OverflowError, ValueError):
-        return None
 
 
 def _upper(bucket: int) -> float:
@@ -341,7 +331,7 @@ class LatencyQuantile:
         with self._lock:
             self._fold()
             if now >= self._slice_end:
-                index = _slice_of(now, self._per_slice)
+                index = slice_of(now, self._per_slice)
                 if index is not None:
                     self._roll(index)
             return self._count
@@ -403,7 +393,7 @@ class LatencyQuantile:
                 with self._lock:
                     self._fold()
             return
-        index = _slice_of(now, self._per_slice)
+        index = slice_of(now, self._per_slice)
         if index is None:  # NaN, an infinity, past a float's range: no slice to count it in
             return
         with self._lock:
@@ -419,7 +409,7 @@ class LatencyQuantile:
 
     # -- the window --------------------------------------------------------------------
     def _turn(self, now: float) -> None:
-        index = _slice_of(now, self._per_slice)
+        index = slice_of(now, self._per_slice)
         if index is None:  # a reading no window can move to: the delay as it is
             return
         with self._lock:

@@ -18,7 +18,7 @@ from datetime import timedelta
 from types import TracebackType
 
 from . import _log
-from ._callables import clock_reading, sync_callable
+from ._callables import clock_reading, slice_of, sync_callable
 from ._context import AttemptEffect
 from ._duration import to_seconds
 from ._errors import (
@@ -289,22 +289,12 @@ class AdaptiveThrottle:
         return max(0.0, (requests - self._k * accepts) / (requests + 1))
 
     def _counts(self) -> tuple[int, int]:
-        index = self._slice_of(self._clock())
+        index = slice_of(self._clock(), self._per_slice)
         with self._lock:
             if index is not None:  # a reading with no window (NaN, inf): the counts as they are
                 self._catch_up(index)
             return self._requests, self._accepts
 
-    def _slice_of(self, now: float) -> int | None:
-        """The slice ``now`` falls in; None for a reading no window can be judged by (NaN,
-        an infinity, a number past a float's range), as :meth:`admit` and the records
-        take such readings (a review: the properties raised on them)."""
-        try:
-            return int(now * self._per_slice)
-        except (OverflowError, ValueError):
-            return None
-
-    # -- admission ---------------------------------------------------------------------
     def guard(self) -> ThrottleGuard:
         """``with throttle.guard(): reply = await send()``: admit or refuse, then record.
 
@@ -322,7 +312,7 @@ class AdaptiveThrottle:
         return self._admit(now)
 
     def _admit(self, now: float) -> bool:
-        index = self._slice_of(now)
+        index = slice_of(now, self._per_slice)
         if index is None:
             return True  # a clock reading NaN or an infinity: no window to judge by
         with self._lock:
@@ -396,7 +386,7 @@ class AdaptiveThrottle:
         if now < self._slice_end:
             next(self._ticks)  # the hot path: one atomic count, no lock
             return
-        index = self._slice_of(now)
+        index = slice_of(now, self._per_slice)
         if index is None:  # NaN or an infinity
             return
         with self._lock:
@@ -423,7 +413,7 @@ class AdaptiveThrottle:
             now = self._clock()
         except Exception:  # a broken clock records nothing (see record_success)
             return
-        index = self._slice_of(now)
+        index = slice_of(now, self._per_slice)
         if index is None:
             return
         with self._lock:

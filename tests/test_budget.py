@@ -402,13 +402,16 @@ def test_a_refund_gives_back_what_a_tiny_ratio_budget_granted() -> None:
     assert not empty.try_withdraw()
 
 
+@pytest.mark.parametrize("start", [0.0, -100.0])  # a monotonic clock may read below 0
 @pytest.mark.parametrize("reading", [float("nan"), float("inf"), 10**400])
-def test_a_clock_that_breaks_later_leaves_the_window_where_it_is(reading: float) -> None:
+def test_a_clock_that_breaks_later_leaves_the_window_where_it_is(
+    reading: float, start: float
+) -> None:
     """A clock sane when the budget was made but reading NaN, an infinity or a number past
     a float's range later: ``deposit`` and ``try_withdraw`` raised ValueError or
     OverflowError inside a request (a review). The window stays, as for a clock that
     went back: deposits still count, withdrawals still take."""
-    now: list[float] = [0.0]
+    now: list[float] = [start]
     budget = RetryBudget(
         ttl=timedelta(seconds=10), min_retries_per_sec=0, retry_ratio=0.5, clock=lambda: now[0]
     )
@@ -420,3 +423,5 @@ def test_a_clock_that_breaks_later_leaves_the_window_where_it_is(reading: float)
     assert budget.balance == 0
     budget.refund()
     assert budget.balance == 1
+    now[0] = start + 20.0  # past the ttl: what was deposited has aged out (a negative
+    assert budget.balance == 0  # clock's broken reading once moved the window to -1)
