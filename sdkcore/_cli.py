@@ -108,9 +108,7 @@ def _unrecognized(extras: list[str], kind: str | None) -> str:
         option = extra.split("=", 1)[0]
         kinds = _explain.kinds_taking(option)
         if kind is not None and kind in kinds:
-            lines.append(
-                f"{option} goes after the kind and its value: sdkcore explain {kind} VALUE {option}"
-            )
+            lines.append(f"{option} goes after the kind: sdkcore explain {kind} [{option}] VALUE")
         elif kinds:
             owners = ", ".join(f"'explain {k}'" for k in kinds)
             takes = f"'explain {kind}' takes no {option}: it is" if kind else f"{option} is"

@@ -169,14 +169,21 @@ def after_backoff(
 
 
 def already_completed(
-    request: Request, reason: RetryReason | None, *, cut: bool = False, answered: bool = False
+    request: Request,
+    reason: RetryReason | None,
+    *,
+    cut: bool = False,
+    answered: bool = False,
+    copies: bool = False,
 ) -> BaseException:
     """The error for a door asked to go on with a completed (e.g. cancelled) request.
 
     For a request ended by ``Request.cancel()``: ``cut``, the cancellation cut the
     attempt in flight; ``answered``, the attempt in flight answered after it and its
     answer is dropped. Either way that attempt is booked as maybe applied, and the
-    message says whether the request may have been applied. Logs ``retry.cancelled``.
+    message says whether the request may have been applied. ``copies``: what was cut is
+    a hedge's copies, booked by its chain (``cut`` says whether any was in flight). Logs
+    ``retry.cancelled``.
     """
     if request.state is not RequestState.CANCELLED:
         return RuntimeError(
@@ -196,7 +203,7 @@ def already_completed(
     text = "request was cancelled"
     previous: _Previous | None = None
     if via_context:
-        if cut and not request.in_flight:
+        if copies and cut:
             # A hedge's copies, booked by its chain: the event is about them, as below.
             previous = (request.last_reason, request.last_error, _COPIES)
             reason = None
@@ -248,7 +255,8 @@ def finish_by(request: Request, exc: BaseException, cut: bool | None = None) -> 
     caller's own cancellation (its task's, a cancel scope's; a KeyboardInterrupt) ends it
     CANCELLED (TASK_CANCELLED): an attempt it cut in flight is booked maybe applied, as
     ``Request.cancel()`` books one, and ``retry.cancelled`` is logged (info when a request
-    that is not idempotent may have been applied). Nothing happens to a request that has
+    that is not idempotent may have been applied, or when the cancellation came at the
+    deadline it inherited: :func:`_log_cancelled`). Nothing happens to a request that has
     already ended (a timeout, ``Request.cancel()``). ``cut``: a door that booked what it
     cut itself (a hedge's copies) says whether it cut any in flight."""
     if request.state is not RequestState.PENDING:
@@ -261,7 +269,12 @@ def finish_by(request: Request, exc: BaseException, cut: bool | None = None) -> 
             and request.cancellation_reason is CancellationReason.CANCELLED_VIA_CONTEXT
             and (cut is not None or request.in_flight)
         ):
-            already_completed(request, request.last_reason, cut=True if cut is None else cut)
+            already_completed(
+                request,
+                request.last_reason,
+                cut=True if cut is None else cut,
+                copies=cut is not None,
+            )
         return
     if isinstance(exc, Exception):
         request._finish_by(exc)
@@ -430,7 +443,12 @@ def timed_out(
     log = _log.enabled(_log.INFO)
     previous: tuple[RetryReason | None, str | None] | None = None
     if copies_cut:
+        # The copies cut are what the event and the context report (booked already by
+        # the hedge runner), the failure before them as previous_* (as for retry.cancelled).
         in_flight = True
+        if log is not None:
+            previous = (request.last_reason, describe_error(request.last_error))
+        reason = None
     elif in_flight:
         if log is not None:  # the failure before the cut, read before the cut is booked
             previous = (request.last_reason, describe_error(request.last_error))

@@ -726,7 +726,7 @@ def _cancelled_after_answer(request: Request, chain: _Chain) -> BaseException:
     """The error of a request ``Request.cancel()`` ended after a copy answered, before the
     caller resumed: the cancellation, with the hedges' bookkeeping (the losers it cut)."""
     cut = chain.copies_cut()
-    error = _failing.already_completed(request, request.last_reason, cut=cut > 0)
+    error = _failing.already_completed(request, request.last_reason, cut=cut > 0, copies=True)
     _with_extra(error, chain, in_flight=cut > 0)
     return error
 
@@ -863,7 +863,9 @@ async def run_hedged(
     if request.cancelled:
         # Request.cancel(), also after a copy's final error arrived but before the caller
         # resumed: the caller gets the cancellation (rfc/0001, "Application cancel").
-        error: BaseException = _failing.already_completed(request, request.last_reason, cut=cut > 0)
+        error: BaseException = _failing.already_completed(
+            request, request.last_reason, cut=cut > 0, copies=True
+        )
         _with_extra(error, chain, in_flight=cut > 0)
         raise error from _failing.cause(request)
     if chain.fatal is not None:

@@ -338,8 +338,15 @@ class LatencyQuantile:
 
     @property
     def delay_seconds(self) -> float:
-        """:attr:`current_delay` in seconds, ``math.inf`` before ``min_samples``."""
-        now = self._clock()
+        """:attr:`current_delay` in seconds, ``math.inf`` before ``min_samples``.
+
+        A clock that raises gives the delay as it is: the doors read it while a hedged
+        request is under way (a gRPC call's first copy already sent), where a broken
+        clock must not end the request, as :meth:`record` records nothing then."""
+        try:
+            now = self._clock()
+        except Exception:
+            return self._delay
         if now >= self._slice_end:
             self._turn(now)
         return self._delay
@@ -347,7 +354,10 @@ class LatencyQuantile:
     def total_seconds(self) -> float:
         """:attr:`delay_seconds`, read as ``timedelta.total_seconds()`` reads a fixed delay:
         code that reads ``HedgePolicy.delay.total_seconds()`` works with either."""
-        now = self._clock()
+        try:
+            now = self._clock()
+        except Exception:  # as delay_seconds
+            return self._delay
         if now >= self._slice_end:
             self._turn(now)
         return self._delay

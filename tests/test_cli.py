@@ -65,7 +65,7 @@ def test_unknown_command_exits_2_naming_the_commands(capsys: pytest.CaptureFixtu
         ),
         (  # the kind's own option, written before the kind
             ["explain", "--json", "kv", "0x01"],
-            ["--json goes after the kind and its value: sdkcore explain kv VALUE --json"],
+            ["--json goes after the kind: sdkcore explain kv [--json] VALUE"],
         ),
         (  # an option nobody takes: no kind blamed
             ["--bogus", "explain", "reason", "KV_LOCKED"],

@@ -152,7 +152,7 @@ def test_no_write_is_applied_twice(results: dict[str, Any]) -> None:
     assert results["ok"] is True
     assert results["_exit_code"] == 0
     # Each node-restart run loses the reply of writes the server applied: the client
-    # got an error for each and did not send it again.
+    # got an error for each, and none was applied again.
     assert writes["applied"] - writes["succeeded"] >= 2 * 3
     for strategy in (BEST_EFFORT, FAST_FAIL, USER):
         restart = results["strategies"][strategy]["node_restart"]
@@ -406,7 +406,7 @@ def test_ctrl_c_ends_the_run_with_one_line_and_130() -> None:
             5,
             [("airline_10", "op-3", 2)],
             "6 writes (1 of them a write it had applied already); 5 returned success",
-            "did not send",
+            "none was applied again",
         ),
     ],
 )
@@ -415,7 +415,8 @@ def test_the_writes_line_tells_lost_replies_from_writes_applied_twice(
 ) -> None:
     """The line blamed every write applied beyond the successes on a lost reply "the client
     did not send again", also when one was a write applied twice, right above the line
-    saying FAILED for it (an operator's review); and said "1 were"."""
+    saying FAILED for it (an operator's review); and said "1 were". It claims only what
+    the server's count shows: none was applied again (a resend it refused is not seen)."""
     from sdkcore._demo._report import Report, Summary, render_tail
 
     summary = Summary(

@@ -971,3 +971,24 @@ async def test_the_refusal_names_the_copy_that_decided_not_the_one_cut_after_it(
     assert refusal["attempt"] == 1
     assert refusal["effect"] == "NOT_APPLIED"  # copy 0's, not the cut copy's MAYBE_APPLIED
     assert refusal["maybe_applied"] is True  # the request's: the cut copy may have been
+
+
+async def test_copies_cut_at_the_deadline_are_reported_as_cut_not_as_the_failure_before() -> None:
+    """retry.timed_out for a hedged request whose copies the deadline cut paired an
+    earlier copy's reason with "N hedge(s) were cut" (a review); as for an attempt cut
+    in flight: reason null, the failure before as previous_reason/previous_error."""
+    send = Script({0: (0.0, RetryableError(TEMP, "busy")), 1: (None, None)})
+    request = Request(name="kv.get", idempotent=True, timeout=0.1)
+    with (
+        anyio.fail_after(SAFETY),
+        capture_retry_events() as events,
+        pytest.raises(UnambiguousTimeoutException) as caught,
+    ):
+        await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=5.0))
+    [event] = [e for e in events if e["event"] == "retry.timed_out"]
+    assert event["reason"] is None
+    assert event["caused_by"] == "1 hedge(s) were cut in flight at the deadline"
+    assert event["previous_reason"] == "KV_TEMPORARY_FAILURE"
+    assert event["previous_error"] == "RetryableError: KV_TEMPORARY_FAILURE: busy"
+    assert caught.value.context is not None
+    assert caught.value.context.reason is None

@@ -392,8 +392,8 @@ def render_tail(report: Report, style: Callable[[str], str] = _plain) -> list[st
             f"{'its reply was' if lost == 1 else 'their replies were'} lost: the client got an "
             f"error for {'it' if lost == 1 else 'each'}"
         )
-        if not again:  # said only when true: no write went out twice
-            text += f" and did not send {'it' if lost == 1 else 'them'} again"
+        if not again:  # none was applied twice (the FAILED line below says when one was)
+            text += ", and none was applied again"
     out += _wrap("", text + ".", indent=2)
     if report.duplicate_writes:
         out.append(style("  FAILED: writes applied more than once:"))

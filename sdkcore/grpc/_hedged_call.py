@@ -118,8 +118,8 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             plan = plan.single()
         self._plan = plan
         if plan.policy.effective_max_attempts == 1:
-            # Sent once: no hedge timer to race, so its answer's latency is recorded
-            # whole (answered_before_hedge caps only what the timer could have raced).
+            # Sent once (the buffer, or a cap of 1): no hedge timer to race, so its latency
+            # is recorded whole (answered_before_hedge caps what the timer could have raced).
             self._delay = math.inf
         elif delay != math.inf:
             self._timer = loop.call_later(0.0 if INSTANT_DELAYS.get() else delay, self._hedge)

@@ -155,6 +155,9 @@ async def intercepted_hedged_unary_unary(
     # is sent once, unhedged; one that fits is held until the call is over. Its size is
     # read first: a size that raises leaves no trace open.
     size = core.message_size(message)
+    budget = core.orchestrator.retry_budget
+    if budget is not None:  # the call's first attempt pays into the retry budget
+        budget.deposit()
     trace = None
     if core._tel is not None:
         trace = hedge_trace(core, details.method, timeout, started, deadline_from)
@@ -314,7 +317,7 @@ async def hedged_unary_unary(
     attempts: dict[int, Any] = {} if trace is None else {0: trace.current}
     delay = plan.policy.delay.total_seconds()  # inf: a LatencyQuantile before min_samples
     if plan.policy.effective_max_attempts == 1:
-        # Sent once (its request did not fit the retry buffer): no hedge timer to race,
+        # Sent once (its request did not fit the retry buffer, or a cap of 1): no timer to race,
         # its answer's latency is recorded whole (answered_before_hedge would cap it).
         delay = math.inf
     try:

@@ -6,8 +6,10 @@ the standard instruments itself: one :class:`CallTrace` per application call, wh
 counts and times every attempt (retries, transparent retries, hedges) and the call.
 
 Nothing here runs without telemetry: the call modules hold None and check it. Every call
-into OpenTelemetry is guarded as in :class:`sdkcore.Telemetry` (a failing instrument,
-exporter or span never fails a call; the first failure of a kind is logged).
+into OpenTelemetry while a call runs is guarded as in :class:`sdkcore.Telemetry` (a
+failing instrument, exporter or span never fails a call; the first failure of a kind is
+logged). The instruments are made once per Telemetry, when its first channel is built: a
+meter that raises then fails that channel's construction, as it fails ``Telemetry``'s.
 """
 
 from __future__ import annotations

@@ -39,9 +39,6 @@ async def unary_unary_call(
     if core.service_config is not None:  # A6 hedgingPolicy (rfc/0004)
         hedging = core.hedge_plan(details.method)
         if hedging is not None:
-            budget = core.orchestrator.retry_budget
-            if budget is not None:  # the call's first attempt pays into the retry budget
-                budget.deposit()
             return await intercepted_hedged_unary_unary(
                 core, hedging, continuation, details, request
             )

@@ -911,14 +911,22 @@ async def test_a_message_size_that_raises_leaves_nothing_behind(
         else server.unary_stream("M", stream)
     )
     config = retry_config() if policy == "retry" else hedging_config(delay="0.05s")
+    budget = sdkcore.RetryBudget(min_retries_per_sec=0, retry_ratio=1.0)  # a deposit: 1 retry
     if path == "direct":
         channel: Any = insecure_channel(
-            server.target, service_config=config, message_size=size, telemetry=otel.telemetry
+            server.target,
+            service_config=config,
+            message_size=size,
+            telemetry=otel.telemetry,
+            retry_budget=budget,
         )
         controller = retry_controller(channel)
     else:
         controller = RetryController(
-            server.target, config, message_size=size, telemetry=otel.telemetry
+            server.target,
+            config,
+            orchestrator=sdkcore.RetryOrchestrator(retry_budget=budget, telemetry=otel.telemetry),
+            message_size=size,
         )
         channel = aio.insecure_channel(
             server.target,
@@ -939,6 +947,7 @@ async def test_a_message_size_that_raises_leaves_nothing_behind(
         await channel.close()
     assert started == []
     assert server.count("M") == 0
+    assert budget.balance == 0  # no first attempt went out: none paid into the budget
 
 
 # -- what replaced the old counters ------------------------------------------------------
