@@ -131,11 +131,11 @@ class RetryBudget:
         self._reserve = 0 if empty else int(exact * self._withdraw)
         if empty:  # Finagle's RetryBudget.Empty: no token is ever enough
             self._withdraw = _NEVER
-        self._per_slice = _SLICES / seconds  # slice number = int(now * per_slice)
+        self._per_slice = _SLICES / seconds  # slice number = floor(now * per_slice)
         self._lock = threading.Lock()
         self._slices = [0] * _SLICES
         self._sum = 0
-        self._index = int(clock_reading(clock, "RetryBudget(clock)") * self._per_slice)
+        self._index = math.floor(clock_reading(clock, "RetryBudget(clock)") * self._per_slice)
         self._slice_end = (self._index + 1) / self._per_slice
         # Deposits in the current slice are counted by an itertools.count (atomic in
         # CPython: no lock on the hot path); the lock holder moves them into the slice.

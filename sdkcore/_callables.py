@@ -72,12 +72,13 @@ def clock_reading(clock: Any, field: str) -> float:
 
 
 def slice_of(now: float, per_slice: float) -> int | None:
-    """The window slice a clock reading falls in (``int(now * per_slice)``), or None for
+    """The window slice a clock reading falls in (``floor(now * per_slice)``: slice k is
+    ``[k, k + 1) / per_slice``, below 0 too, where ``int()`` made one slice of two), or None for
     a reading no window can be counted in: NaN, an infinity, a number past a float's
     range (a clock that broke after its owner's constructor read it). The windowed
     counters (retry budget, adaptive throttle, latency quantile) then record nothing and
     leave their window where it is: never an error inside a request."""
     try:
-        return int(now * per_slice)
+        return math.floor(now * per_slice)
     except (OverflowError, ValueError):
         return None

@@ -205,7 +205,7 @@ def already_completed(
     if via_context:
         if copies and cut:
             # A hedge's copies, booked by its chain: the event is about them, as below.
-            previous = (request.last_reason, request.last_error, _COPIES)
+            previous = (*_before_copies(request), _COPIES)
             reason = None
         if (cut or answered) and request.in_flight:
             # The attempt the cancellation cut (or whose answer it dropped) is what the
@@ -288,7 +288,7 @@ def finish_by(request: Request, exc: BaseException, cut: bool | None = None) -> 
             reason = None  # the cut attempt's: it raised nothing of its own
             request._attempt_failed(None, _MAYBE, None, request.clock())
     elif cut:  # a hedge's copies, booked by its chain: the event is about them
-        previous = (reason, request.last_error, _COPIES)
+        previous = (*_before_copies(request), _COPIES)
         reason = None
     request._finish_by(exc)
     if request.cancellation_reason is CancellationReason.TASK_CANCELLED:
@@ -318,6 +318,16 @@ _Previous = tuple[RetryReason | None, BaseException | None, str]
 _CUT = "cut"
 _ANSWERED = "answered"
 _COPIES = "copies"
+
+
+def _before_copies(request: Request) -> tuple[RetryReason | None, BaseException | None]:
+    """The failure before a hedge's copies cut in flight: the latest attempt booked with a
+    reason (the runner books cut copies without one, and with what a copy raised as it
+    was cut, which ``last_error`` then holds), else none."""
+    for reason, _, error, _, _ in reversed(request._history):
+        if reason is not None:
+            return reason, error
+    return None, None
 
 
 def _log_cancelled(
@@ -447,7 +457,8 @@ def timed_out(
         # the hedge runner), the failure before them as previous_* (as for retry.cancelled).
         in_flight = True
         if log is not None:
-            previous = (request.last_reason, describe_error(request.last_error))
+            before, error_before = _before_copies(request)
+            previous = (before, describe_error(error_before))
         reason = None
     elif in_flight:
         if log is not None:  # the failure before the cut, read before the cut is booked

@@ -58,7 +58,9 @@ def _copy_of(request: Request, failure: RetryableError) -> dict[str, Any]:
     copy that decided names it, not the copy booked last (a sibling cut after it; an
     operator's review). Empty when it is not found (the request's own then stand)."""
     error = failure.__cause__ or failure
-    for number, (_, effect, booked, _, _) in enumerate(request._history, 1):
+    history = request._history
+    for number in range(len(history), 0, -1):  # the latest booking of it: the one that decided
+        _, effect, booked, _, _ = history[number - 1]
         if booked is error:
             return {"attempt": number, "effect": effect.name}
     return {}

@@ -286,7 +286,7 @@ class LatencyQuantile:
         self._min_samples = min_samples
         self._clock = clock
         self._lock = threading.Lock()
-        self._per_slice = _SLICES / seconds  # slice number = int(now * per_slice)
+        self._per_slice = _SLICES / seconds  # slice number = floor(now * per_slice)
         # Per tenth of the window: bucket -> count (only the buckets used: at most 2048),
         # and bucket + _CUT -> count for the cut copies (2048 more).
         self._slices: list[Counter[int]] = [Counter() for _ in range(_SLICES)]
@@ -299,7 +299,7 @@ class LatencyQuantile:
         self._delay = math.inf  # seconds; inf: fewer than min_samples latencies
         self._cold = True  # self._delay is math.inf
         self._keep = False  # the delay hedges a tail past a gap whole (see _refresh)
-        self._index = int(clock_reading(clock, f"{what}(clock)") * self._per_slice)
+        self._index = math.floor(clock_reading(clock, f"{what}(clock)") * self._per_slice)
         self._slice_end = (self._index + 1) / self._per_slice
 
     # -- configuration -----------------------------------------------------------------

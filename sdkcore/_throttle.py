@@ -229,7 +229,7 @@ class AdaptiveThrottle:
         self._is_rejection = default_is_rejection if is_rejection is None else is_rejection
         self._lock = threading.Lock()
         self._guard = ThrottleGuard(self)
-        self._per_slice = _SLICES / seconds  # slice number = int(now * per_slice)
+        self._per_slice = _SLICES / seconds  # slice number = floor(now * per_slice)
         self._req_slices = [0] * _SLICES
         self._acc_slices = [0] * _SLICES
         self._requests = 0  # in the window, the lock-free successes of this slice aside
@@ -239,7 +239,7 @@ class AdaptiveThrottle:
         self._excess = 0.0
         # excess <= 0 and no episode of refusals to end: admit()'s fast path reads only this
         self._quiet = True
-        self._index = int(clock_reading(clock, f"{what}(clock)") * self._per_slice)
+        self._index = math.floor(clock_reading(clock, f"{what}(clock)") * self._per_slice)
         self._slice_end = (self._index + 1) / self._per_slice
         # Successes in the current slice are counted by an itertools.count (atomic in
         # CPython: no lock); the lock holder adds them in (see _catch_up).

@@ -425,3 +425,20 @@ def test_a_clock_that_breaks_later_leaves_the_window_where_it_is(
     assert budget.balance == 1
     now[0] = start + 20.0  # past the ttl: what was deposited has aged out (a negative
     assert budget.balance == 0  # clock's broken reading once moved the window to -1)
+
+
+@pytest.mark.parametrize("base", [100.0, -20.0])
+def test_the_window_does_not_depend_on_the_clocks_sign(base: float) -> None:
+    """int() rounds toward zero, so below 0 the slice numbers were off by one and deposits
+    outlived the ttl by a slice (a review: deposits at -20.5 still counted 9.5 s later,
+    those at +100.5 did not). Slices are floor(now * per_slice)."""
+    now: list[float] = [base + 0.5]
+    budget = RetryBudget(
+        ttl=timedelta(seconds=10), min_retries_per_sec=0, retry_ratio=1.0, clock=lambda: now[0]
+    )
+    now[0] = base + 0.5
+    for _ in range(5):
+        budget.deposit()
+    assert budget.balance == 5
+    now[0] = base + 10.0  # 9.5 s later: the deposits' slice has left the 10 s window
+    assert budget.balance == 0

@@ -22,6 +22,7 @@ from sdkcore import (
     RequestCanceledException,
     RequestState,
     RetryableError,
+    RetryAction,
     RetryBudget,
     RetryOrchestrator,
     RetryReason,
@@ -992,3 +993,67 @@ async def test_copies_cut_at_the_deadline_are_reported_as_cut_not_as_the_failure
     assert event["previous_error"] == "RetryableError: KV_TEMPORARY_FAILURE: busy"
     assert caught.value.context is not None
     assert caught.value.context.reason is None
+
+
+@pytest.mark.parametrize("ending", ["deadline", "caller"])
+async def test_previous_error_is_the_failure_before_the_cut_copies_not_what_they_raised(
+    ending: str,
+) -> None:
+    """A copy cut in flight may raise its own error as it is cut (booked as its failure,
+    rfc/0004); previous_error read the request's last error and named that, beside the
+    earlier copy's reason as previous_reason (a review)."""
+
+    async def send(request: Request, index: int) -> None:
+        if index == 0:
+            raise RetryableError(TEMP, "busy")
+        try:
+            await anyio.sleep_forever()
+        except anyio.get_cancelled_exc_class():
+            raise ConnectionResetError("reset by the cut") from None
+
+    request = Request(name="kv.get", idempotent=True, timeout=0.1 if ending == "deadline" else 5)
+    policy = HedgePolicy(3, delay=5.0)
+    with anyio.fail_after(SAFETY), capture_retry_events() as events:
+        if ending == "deadline":
+            with pytest.raises(UnambiguousTimeoutException):
+                await RetryOrchestrator().hedge(request, send, policy)
+        else:
+            with anyio.move_on_after(0.1):
+                await RetryOrchestrator().hedge(request, send, policy)
+    [event] = [e for e in events if e["event"] in ("retry.timed_out", "retry.cancelled")]
+    assert event["previous_reason"] == "KV_TEMPORARY_FAILURE"
+    assert event["previous_error"] == "RetryableError: KV_TEMPORARY_FAILURE: busy"
+
+
+async def test_the_refusal_names_the_latest_copy_booked_with_a_shared_error() -> None:
+    """One exception object raised by two copies (a cached error): the refusal named the
+    first booking of it (attempt 1), not the copy whose failure the strategy refused."""
+    shared = RetryableError(TEMP, "busy")
+
+    class SecondTimeNo:
+        def __init__(self) -> None:
+            self.asked = 0
+
+        def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:
+            self.asked += 1
+            if self.asked == 1:
+                return RetryAction.with_duration(timedelta(0))
+            return RetryAction.no_retry()
+
+    async def send(request: Request, index: int) -> None:
+        if index == 0:
+            raise shared
+        if index == 1:
+            await anyio.sleep(0.05)
+            raise shared
+        await anyio.sleep_forever()
+
+    request = Request(name="kv.get", idempotent=True, timeout=5.0, retry_strategy=SecondTimeNo())
+    with (
+        anyio.fail_after(SAFETY),
+        capture_retry_events() as events,
+        pytest.raises(RequestCanceledException),
+    ):
+        await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.01))
+    [refusal] = [e for e in events if e["event"] == "retry.not_retried"]
+    assert refusal["attempt"] == 2

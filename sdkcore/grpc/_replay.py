@@ -11,13 +11,22 @@ from ._call import BUFFER_FULL, _Call
 __all__: list[str] = []
 
 
+def _writes(source: Any) -> bool:
+    """Whether ``source`` is grpc.aio's own request stream for the ``write()`` API (its
+    generator over a one-place queue: each ``write()`` waits for the read, so reading it
+    at once cannot run ahead of the application, and must not: ``done_writing()`` is seen
+    only when its end marker is read). False if grpc.aio names it otherwise."""
+    code = getattr(source, "ag_code", None)
+    return getattr(code, "co_name", "") == "_proxy_writes_as_request_iterator"
+
+
 #: Messages read from the request iterator that no attempt has sent yet, at most: the
 #: read runs that far ahead of the wire (ahead of the furthest any attempt has sent: a
 #: retry's replay of messages sent before is not read-ahead), then waits. Read without
 #: a bound, an iterator that never awaits (empty messages never fill the byte limit)
 #: froze the event loop; read only on demand, or held back while a retry waits, grpc.aio's
 #: ``write()`` API saw its ``done_writing()`` late, and a ``write()`` after it was
-#: dropped instead of refused.
+#: dropped instead of refused: that stream is read without the bound (:func:`_writes`).
 READ_AHEAD = 16
 
 
@@ -44,6 +53,7 @@ class _ReplayBuffer:
         #: count itself: see _wait_for_room).
         self.room = asyncio.Event()
         self.source = source
+        self.bounded = not _writes(source)
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -83,7 +93,9 @@ class _ReplayBuffer:
         self.event.set()
 
     async def _wait_for_room(self) -> None:
-        while self.base + len(self.items) - max(self.sent, self.base) >= READ_AHEAD:
+        while (
+            self.bounded and self.base + len(self.items) - max(self.sent, self.base) >= READ_AHEAD
+        ):
             self.room.clear()
             await self.room.wait()
 

@@ -736,10 +736,10 @@ async def test_a_write_after_done_writing_is_refused_as_by_grpc_aio(server: Serv
 async def test_a_write_after_done_writing_is_refused_while_the_call_waits_to_retry(
     server: Server,
 ) -> None:
-    """During the backoff every buffered message counts as unsent for the next attempt's
-    replay; counted as read-ahead, 16 of them stopped the read of grpc.aio's write queue,
-    done_writing() stayed unseen, and a write() after it returned with its message
-    dropped (a review). A replay of what was sent before is not read-ahead."""
+    """During the backoff nothing is sent: counted as read-ahead, 16 buffered messages
+    stopped the read of grpc.aio's write queue, done_writing() stayed unseen, and a
+    write() after it returned with its message dropped (two reviews). grpc.aio's write
+    stream is read at once: each write() waits for that read, so it cannot run ahead."""
     seen: list[list[bytes]] = []
 
     async def fn(requests: AsyncIterator[bytes], context: Any, attempt: int) -> bytes:
@@ -763,10 +763,11 @@ async def test_a_write_after_done_writing_is_refused_while_the_call_waits_to_ret
             for i in range(20):
                 await call.write(b"m%d" % i)
             await wait_until(lambda: waiting.requests_in_retry == 1)  # in the backoff
-            await call.write(b"m20")
+            for i in range(20, 40):  # more than the read-ahead bound, while nothing is sent
+                await call.write(b"m%d" % i)
             await call.done_writing()
             with pytest.raises(asyncio.InvalidStateError, match="half closed"):
                 await call.write(b"after")
-            assert await call == b"21"
+            assert await call == b"40"
     assert len(seen[0]) == 20
-    assert seen[-1] == [b"m%d" % i for i in range(21)]
+    assert seen[-1] == [b"m%d" % i for i in range(40)]
