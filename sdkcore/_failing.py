@@ -175,6 +175,7 @@ def already_completed(
     cut: bool = False,
     answered: bool = False,
     copies: bool = False,
+    before: Before | None = None,
 ) -> BaseException:
     """The error for a door asked to go on with a completed (e.g. cancelled) request.
 
@@ -182,8 +183,9 @@ def already_completed(
     attempt in flight; ``answered``, the attempt in flight answered after it and its
     answer is dropped. Either way that attempt is booked as maybe applied, and the
     message says whether the request may have been applied. ``copies``: what was cut is
-    a hedge's copies, booked by its chain (``cut`` says whether any was in flight). Logs
-    ``retry.cancelled``.
+    a hedge's copies, booked by its chain (``cut`` says whether any was in flight), and
+    ``before`` the failure before them (the chain's: a cut copy may be booked with an
+    error or a reason of its own). Logs ``retry.cancelled``.
     """
     if request.state is not RequestState.CANCELLED:
         return RuntimeError(
@@ -205,7 +207,7 @@ def already_completed(
     if via_context:
         if copies and cut:
             # A hedge's copies, booked by its chain: the event is about them, as below.
-            previous = (*_before_copies(request), _COPIES)
+            previous = (*(before or _NOTHING_BEFORE), _COPIES)
             reason = None
         if (cut or answered) and request.in_flight:
             # The attempt the cancellation cut (or whose answer it dropped) is what the
@@ -250,7 +252,9 @@ def inside_send(request: Request) -> RuntimeError:
     )
 
 
-def finish_by(request: Request, exc: BaseException, cut: bool | None = None) -> None:
+def finish_by(
+    request: Request, exc: BaseException, cut: bool | None = None, before: Before | None = None
+) -> None:
     """``request`` ends with ``exc``, what its caller gets: FAILED for an error. The
     caller's own cancellation (its task's, a cancel scope's; a KeyboardInterrupt) ends it
     CANCELLED (TASK_CANCELLED): an attempt it cut in flight is booked maybe applied, as
@@ -258,7 +262,8 @@ def finish_by(request: Request, exc: BaseException, cut: bool | None = None) -> 
     that is not idempotent may have been applied, or when the cancellation came at the
     deadline it inherited: :func:`_log_cancelled`). Nothing happens to a request that has
     already ended (a timeout, ``Request.cancel()``). ``cut``: a door that booked what it
-    cut itself (a hedge's copies) says whether it cut any in flight."""
+    cut itself (a hedge's copies) says whether it cut any in flight, and ``before`` the
+    failure before them."""
     if request.state is not RequestState.PENDING:
         # Request.cancel() came first, then the caller's own cancellation: reported here
         # (booked and logged) when it cut an attempt in flight (a thread's interrupt), or
@@ -274,6 +279,7 @@ def finish_by(request: Request, exc: BaseException, cut: bool | None = None) -> 
                 request.last_reason,
                 cut=True if cut is None else cut,
                 copies=cut is not None,
+                before=before,
             )
         return
     if isinstance(exc, Exception):
@@ -288,7 +294,7 @@ def finish_by(request: Request, exc: BaseException, cut: bool | None = None) -> 
             reason = None  # the cut attempt's: it raised nothing of its own
             request._attempt_failed(None, _MAYBE, None, request.clock())
     elif cut:  # a hedge's copies, booked by its chain: the event is about them
-        previous = (*_before_copies(request), _COPIES)
+        previous = (*(before or _NOTHING_BEFORE), _COPIES)
         reason = None
     request._finish_by(exc)
     if request.cancellation_reason is CancellationReason.TASK_CANCELLED:
@@ -320,14 +326,11 @@ _ANSWERED = "answered"
 _COPIES = "copies"
 
 
-def _before_copies(request: Request) -> tuple[RetryReason | None, BaseException | None]:
-    """The failure before a hedge's copies cut in flight: the latest attempt booked with a
-    reason (the runner books cut copies without one, and with what a copy raised as it
-    was cut, which ``last_error`` then holds), else none."""
-    for reason, _, error, _, _ in reversed(request._history):
-        if reason is not None:
-            return reason, error
-    return None, None
+#: The failure before a hedge's copies cut in flight, as its chain knows it (reason, error):
+#: the chain's last copy failure, not the request's last booking (a cut copy may be
+#: booked with an error, or a reason, of its own).
+Before = tuple[RetryReason | None, BaseException | None]
+_NOTHING_BEFORE: Before = (None, None)
 
 
 def _log_cancelled(
@@ -434,6 +437,7 @@ def timed_out(
     error: BaseException | None = None,
     hint: tuple[float, float] | None = None,
     copies_cut: int = 0,
+    before: Before | None = None,
 ) -> TimeoutException:
     """Complete ``request`` as timed out; the exception to raise.
 
@@ -457,8 +461,8 @@ def timed_out(
         # the hedge runner), the failure before them as previous_* (as for retry.cancelled).
         in_flight = True
         if log is not None:
-            before, error_before = _before_copies(request)
-            previous = (before, describe_error(error_before))
+            reason_before, error_before = before or _NOTHING_BEFORE
+            previous = (reason_before, describe_error(error_before))
         reason = None
     elif in_flight:
         if log is not None:  # the failure before the cut, read before the cut is booked

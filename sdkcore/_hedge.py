@@ -60,8 +60,8 @@ def _copy_of(request: Request, failure: RetryableError) -> dict[str, Any]:
     error = failure.__cause__ or failure
     history = request._history
     for number in range(len(history), 0, -1):  # the latest booking of it: the one that decided
-        _, effect, booked, _, _ = history[number - 1]
-        if booked is error:
+        reason, effect, booked, _, _ = history[number - 1]
+        if booked is error and reason is not None:  # (a cut sibling's booking has none)
             return {"attempt": number, "effect": effect.name}
     return {}
 
@@ -487,6 +487,14 @@ class _Chain:
         if wake is not None:
             wake()
 
+    def before_cut(self) -> _failing.Before:
+        """The failure before the copies cut in flight: the last copy failure the chain
+        went past (reason, error as booked), else none."""
+        failure = self.last_failure
+        if failure is None:
+            return (None, None)
+        return (failure.reason, failure.__cause__ or failure)
+
     def copies_cut(self) -> int:
         """The copies cut in flight (booked maybe applied; not the ones cut unsent)."""
         return sum(1 for a in self.attempts if a.outcome == _CANCELLED)
@@ -717,10 +725,15 @@ def _pushback(
     return float(value)
 
 
-def _timed_out(request: Request, copies_cut: int = 0) -> BaseException:
+def _timed_out(request: Request, chain: _Chain | None = None, copies_cut: int = 0) -> BaseException:
     """The hedged request's timeout; ``copies_cut``: copies cut in flight (booked)."""
     return _failing.timed_out(
-        request, request.last_reason, "hedge", request.clock(), copies_cut=copies_cut
+        request,
+        request.last_reason,
+        "hedge",
+        request.clock(),
+        copies_cut=copies_cut,
+        before=None if chain is None else chain.before_cut(),
     )
 
 
@@ -728,7 +741,9 @@ def _cancelled_after_answer(request: Request, chain: _Chain) -> BaseException:
     """The error of a request ``Request.cancel()`` ended after a copy answered, before the
     caller resumed: the cancellation, with the hedges' bookkeeping (the losers it cut)."""
     cut = chain.copies_cut()
-    error = _failing.already_completed(request, request.last_reason, cut=cut > 0, copies=True)
+    error = _failing.already_completed(
+        request, request.last_reason, cut=cut > 0, copies=True, before=chain.before_cut()
+    )
     _with_extra(error, chain, in_flight=cut > 0)
     return error
 
@@ -843,7 +858,7 @@ async def run_hedged(
             request._sending = False
     except BaseException as exc:
         # the copies it cut are booked (the chain): say whether any was in flight
-        _failing.finish_by(request, exc, cut=chain.copies_cut() > 0)
+        _failing.finish_by(request, exc, cut=chain.copies_cut() > 0, before=chain.before_cut())
         raise
 
     if chain.winner is not None:
@@ -866,7 +881,7 @@ async def run_hedged(
         # Request.cancel(), also after a copy's final error arrived but before the caller
         # resumed: the caller gets the cancellation (rfc/0001, "Application cancel").
         error: BaseException = _failing.already_completed(
-            request, request.last_reason, cut=cut > 0, copies=True
+            request, request.last_reason, cut=cut > 0, copies=True, before=chain.before_cut()
         )
         _with_extra(error, chain, in_flight=cut > 0)
         raise error from _failing.cause(request)
@@ -904,7 +919,7 @@ async def run_hedged(
         request._finish(RequestState.FAILED)
         raise fatal
     if chain.cut:  # the deadline: every hedge still in flight was cut and recorded as such
-        error = _timed_out(request, cut)
+        error = _timed_out(request, chain, cut)
         _with_extra(error, chain, in_flight=cut > 0)
         raise error from _failing.cause(request)
     # Every copy failed (or no more could be sent and none is outstanding): the last

@@ -6,6 +6,7 @@ and rough spacing of sends, never a precise latency.
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 from typing import Any
 
@@ -1057,3 +1058,65 @@ async def test_the_refusal_names_the_latest_copy_booked_with_a_shared_error() ->
         await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.01))
     [refusal] = [e for e in events if e["event"] == "retry.not_retried"]
     assert refusal["attempt"] == 2
+
+
+@pytest.mark.parametrize("ending", ["deadline", "caller"])
+async def test_previous_is_the_chains_failure_even_when_a_cut_copy_is_booked_with_a_reason(
+    ending: str,
+) -> None:
+    """A copy that turns its cut into a RetryableError saying nothing was sent is booked
+    with that reason (NOT_SENT); the latest booking with a reason was then taken as the
+    failure before the cuts (a review). It is the chain's last copy failure."""
+
+    async def send(request: Request, index: int) -> None:
+        if index == 0:
+            raise RetryableError(TEMP, "busy")
+        try:
+            await anyio.sleep_forever()
+        except anyio.get_cancelled_exc_class():
+            if index == 2:
+                raise RetryableError(
+                    RetryReason.SOCKET_NOT_AVAILABLE,
+                    "cut while connecting",
+                    effect=AttemptEffect.NOT_SENT,
+                ) from None
+            raise
+
+    request = Request(name="kv.get", idempotent=True, timeout=0.2 if ending == "deadline" else 5)
+    with anyio.fail_after(SAFETY), capture_retry_events() as events:
+        with anyio.move_on_after(0.2 if ending == "caller" else 5):
+            with contextlib.suppress(UnambiguousTimeoutException):
+                await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.02))
+    [event] = [e for e in events if e["event"] in ("retry.timed_out", "retry.cancelled")]
+    assert event["previous_reason"] == "KV_TEMPORARY_FAILURE"
+    assert event["previous_error"] == "RetryableError: KV_TEMPORARY_FAILURE: busy"
+
+
+async def test_the_refusal_names_the_deciding_copy_not_a_sibling_cut_with_the_same_error() -> None:
+    """Scanning backwards for the decided copy's error found a sibling cut after it that
+    raised the same (cached) exception object as it was cut (a review); cut bookings
+    have no reason and are skipped."""
+    shared = RetryableError(TEMP, "connection busy (cached)")
+
+    class No:
+        def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:
+            return RetryAction.no_retry()
+
+    async def send(request: Request, index: int) -> None:
+        if index == 0:
+            try:
+                await anyio.sleep_forever()
+            except anyio.get_cancelled_exc_class():
+                raise shared from None  # the connection's cached error, raised for the cut
+        await anyio.sleep(0.01)
+        raise shared
+
+    request = Request(name="kv.get", idempotent=True, timeout=5.0, retry_strategy=No())
+    with (
+        anyio.fail_after(SAFETY),
+        capture_retry_events() as events,
+        pytest.raises(RequestCanceledException),
+    ):
+        await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.01))
+    [refusal] = [e for e in events if e["event"] == "retry.not_retried"]
+    assert (refusal["attempt"], refusal["effect"]) == (1, "NOT_APPLIED")

@@ -13,9 +13,10 @@ __all__: list[str] = []
 
 def _writes(source: Any) -> bool:
     """Whether ``source`` is grpc.aio's own request stream for the ``write()`` API (its
-    generator over a one-place queue: each ``write()`` waits for the read, so reading it
-    at once cannot run ahead of the application, and must not: ``done_writing()`` is seen
-    only when its end marker is read). False if grpc.aio names it otherwise."""
+    generator over a one-place queue: ``done_writing()`` is seen only when its end marker
+    is read, so until the call commits it is read at once, bounded by the byte limit).
+    False if grpc.aio names it otherwise, or an application interceptor ahead of sdkcore's
+    wraps it: then it is read as any stream (rfc/0003, "Replay buffering")."""
     code = getattr(source, "ag_code", None)
     return getattr(code, "co_name", "") == "_proxy_writes_as_request_iterator"
 
@@ -93,9 +94,13 @@ class _ReplayBuffer:
         self.event.set()
 
     async def _wait_for_room(self) -> None:
-        while (
-            self.bounded and self.base + len(self.items) - max(self.sent, self.base) >= READ_AHEAD
-        ):
+        if not self.bounded and not self.committed:
+            # grpc.aio's write() stream before the commit: the byte limit bounds it (past
+            # it the call commits), and done_writing() is seen at once. After the commit
+            # nothing else would bound it: read ahead as any stream (a review measured
+            # 600 MiB held for a server that stopped reading).
+            return
+        while self.base + len(self.items) - max(self.sent, self.base) >= READ_AHEAD:
             self.room.clear()
             await self.room.wait()
 
