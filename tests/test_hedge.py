@@ -1049,14 +1049,7 @@ async def test_the_refusal_names_the_latest_copy_booked_with_a_shared_error() ->
             raise shared
         await anyio.sleep_forever()
 
-    request = Request(name="kv.get", idempotent=True, timeout=5.0, retry_strategy=SecondTimeNo())
-    with (
-        anyio.fail_after(SAFETY),
-        capture_retry_events() as events,
-        pytest.raises(RequestCanceledException),
-    ):
-        await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.01))
-    [refusal] = [e for e in events if e["event"] == "retry.not_retried"]
+    refusal = await refused_hedge(send, SecondTimeNo())
     assert refusal["attempt"] == 2
 
 
@@ -1111,7 +1104,14 @@ async def test_the_refusal_names_the_deciding_copy_not_a_sibling_cut_with_the_sa
         await anyio.sleep(0.01)
         raise shared
 
-    request = Request(name="kv.get", idempotent=True, timeout=5.0, retry_strategy=No())
+    refusal = await refused_hedge(send, No())
+    assert (refusal["attempt"], refusal["effect"]) == (1, "NOT_APPLIED")
+
+
+async def refused_hedge(send: Any, strategy: Any) -> Any:
+    """The retry.not_retried event of a hedged request (3 copies, 10 ms apart) that
+    ``strategy`` ends with a refusal."""
+    request = Request(name="kv.get", idempotent=True, timeout=5.0, retry_strategy=strategy)
     with (
         anyio.fail_after(SAFETY),
         capture_retry_events() as events,
@@ -1119,4 +1119,4 @@ async def test_the_refusal_names_the_deciding_copy_not_a_sibling_cut_with_the_sa
     ):
         await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.01))
     [refusal] = [e for e in events if e["event"] == "retry.not_retried"]
-    assert (refusal["attempt"], refusal["effect"]) == (1, "NOT_APPLIED")
+    return refusal
