@@ -451,18 +451,22 @@ async def test_an_inner_request_cut_at_its_inherited_deadline_is_reported_at_inf
         await orchestrator.execute(inner, inner_send)
 
     outer = Request(name="outer", idempotent=True, timeout=0.05)
-    with capture_retry_events() as events, pytest.raises(UnambiguousTimeoutException) as caught:
+    with capture_retry_events() as events, pytest.raises(UnambiguousTimeoutException):
         await orchestrator.execute(outer, outer_send)
-    context = caught.value.context
-    assert context is not None
-    assert context.request_name == "outer"
-    (cancelled,) = [e for e in events if e["event"] == "retry.cancelled"]
-    assert cancelled["request_name"] == "inner"
-    assert cancelled["log_level"] == "info"
-    assert cancelled["deadline_reached"] is True
-    assert cancelled["deadline_from"] == outer.id
-    assert cancelled["reason"] == "KV_LOCKED"
-    assert cancelled["cancellation_reason"] == "TASK_CANCELLED"
+    # Which timer runs first at that instant is the loop's: the outer request's cut (the
+    # inner one then ends cancelled) or, as seen on Python 3.10, the inner one's own
+    # timeout. Either way its failures reach an info log, naming the outer request.
+    (ending,) = [
+        e
+        for e in events
+        if e["request_name"] == "inner" and e["event"] in ("retry.cancelled", "retry.timed_out")
+    ]
+    assert ending["log_level"] == "info"
+    assert ending["deadline_from"] == outer.id
+    assert ending["reason"] == "KV_LOCKED"
+    if ending["event"] == "retry.cancelled":
+        assert ending["deadline_reached"] is True
+        assert ending["cancellation_reason"] == "TASK_CANCELLED"
 
 
 async def test_an_inner_request_the_caller_cancels_early_stays_at_debug() -> None:
