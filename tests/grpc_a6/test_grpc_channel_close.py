@@ -275,7 +275,11 @@ async def test_new_calls_during_a_grace_are_refused_as_grpc_aio_refuses_them(
     streams = streaming_methods(server)
     cfg = retry_config(max_attempts=3, initial="1s", maximum="1s")
     with anyio.fail_after(TEST_TIMEOUT), capture_retry_events() as events:
-        ch = insecure_channel(server.target, service_config=cfg)
+        # 0.8-1.2 s: A6's full jitter drew a backoff below the 0.05 s looked at below one
+        # time in twenty, and the call was over before the close was seen waiting for it
+        ch = insecure_channel(
+            server.target, service_config=cfg, backoff_jitter=BackoffJitter.PROPORTIONAL
+        )
         call = ch.unary_unary(method)(b"x")
         await wait_until(scheduled(events))
         closing = asyncio.ensure_future(ch.close(grace=8))
