@@ -54,15 +54,20 @@ T = TypeVar("T")
 
 
 def _copy_of(request: Request, failure: RetryableError) -> dict[str, Any]:
-    """``attempt`` and ``effect`` of the copy booked with ``failure``: the event about the
-    copy that decided names it, not the copy booked last (a sibling cut after it; an
-    operator's review). Empty when it is not found (the request's own then stand)."""
+    """``attempt``, ``effect`` and ``caused_by`` of the copy booked with ``failure``: the
+    event about the copy that decided names it, not the copy booked last (a sibling cut
+    after it, which may raise an error of its own as it is cut; reviews). Empty when it
+    is not found (the request's own then stand)."""
     error = failure.__cause__ or failure
     history = request._history
     for number in range(len(history), 0, -1):  # the latest booking of it: the one that decided
         reason, effect, booked, _, _ = history[number - 1]
         if booked is error and reason is not None:  # (a cut sibling's booking has none)
-            return {"attempt": number, "effect": effect.name}
+            return {
+                "attempt": number,
+                "effect": effect.name,
+                "caused_by": describe_error(error),
+            }
     return {}
 
 
@@ -488,8 +493,15 @@ class _Chain:
             wake()
 
     def before_cut(self) -> _failing.Before:
-        """The failure before the copies cut in flight: the last copy failure the chain
-        went past (reason, error as booked), else none."""
+        """The failure before the copies cut in flight (reason, error as booked): the
+        fatal failure that ended the chain and cut them, if one did, else the last copy
+        failure the chain went past, else none. Not the request's last booking: a cut
+        copy may be booked with an error, or a reason, of its own."""
+        fatal = self.fatal
+        if isinstance(fatal, RetryableError):
+            return (fatal.reason, fatal.__cause__ or fatal)
+        if fatal is not None:
+            return (None, fatal)
         failure = self.last_failure
         if failure is None:
             return (None, None)

@@ -1135,3 +1135,65 @@ def skip_caller_cut_on_asyncio_310() -> None:
 
     if sys.version_info < (3, 11) and sniffio.current_async_library() == "asyncio":
         pytest.skip("Python 3.10 cannot count a task's cancellations")
+
+
+async def test_the_refusals_caused_by_is_the_deciding_copys_not_a_cut_siblings() -> None:
+    """retry.not_retried named the deciding copy's attempt and effect, but its caused_by
+    was read from the request's last booking: a sibling cut after it that raised an error
+    of its own as it was cut (a review)."""
+
+    async def send(request: Request, index: int) -> None:
+        if index == 1:
+            await anyio.sleep(0.02)
+            raise RetryableError(LOCKED, "locked by another")
+        try:
+            await anyio.sleep_forever()
+        except anyio.get_cancelled_exc_class():
+            raise RetryableError(
+                RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT, f"copy {index} closed as cut"
+            ) from None
+
+    request = Request(name="kv.get", idempotent=True, timeout=5)
+    with (
+        anyio.fail_after(SAFETY),
+        capture_retry_events() as events,
+        pytest.raises(RequestCanceledException),
+    ):
+        await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.01, non_fatal={TEMP}))
+    [refusal] = [e for e in events if e["event"] == "retry.not_retried"]
+    assert refusal["reason"] == "KV_LOCKED"
+    assert refusal["caused_by"] == "RetryableError: KV_LOCKED: locked by another"
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_cancel_after_a_fatal_copy_names_that_failure_as_the_one_before() -> None:
+    """Request.cancel() while a sibling the fatal failure cut was still winding down: the
+    failure before the cut copies is that fatal one, which cut them, not the last failure
+    the chain went past before it (a review)."""
+    import asyncio
+
+    request = Request(name="kv.get", idempotent=True, timeout=5)
+
+    async def send(r: Request, index: int) -> None:
+        if index == 0:
+            raise RetryableError(TEMP, "busy")
+        if index == 1:
+            await anyio.sleep(0.05)
+            asyncio.get_running_loop().call_later(0.01, request.cancel)
+            raise RetryableError(LOCKED, "locked by another")
+        try:
+            await anyio.sleep_forever()
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):
+                await anyio.sleep(0.05)  # the copy's clean-up, as a driver's would
+            raise
+
+    with (
+        anyio.fail_after(SAFETY),
+        capture_retry_events() as events,
+        pytest.raises(RequestCanceledException),
+    ):
+        await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.01, non_fatal={TEMP}))
+    [event] = [e for e in events if e["event"] == "retry.cancelled"]
+    assert event["previous_reason"] == "KV_LOCKED"
+    assert event["previous_error"] == "RetryableError: KV_LOCKED: locked by another"
