@@ -150,8 +150,7 @@ async def test_the_request_iterator_is_read_as_the_attempt_sends(
     the whole iterator into its replay buffer at once: 200,000 messages for a server
     that read 3, and an endless iterator of empty messages (which never fill the byte
     limit) that never awaits froze the event loop for good (a review). Now it reads at
-    most READ_AHEAD (16) messages past what the attempt sent, and retried attempts replay
-    the buffer before anything new is read."""
+    most READ_AHEAD (16) messages past the furthest an attempt sent, a retry included."""
     pulled = 0
     total = 200_000
 
@@ -188,8 +187,7 @@ async def test_the_request_iterator_is_read_as_the_attempt_sends(
     # grpc.aio itself reads a few ahead (its own buffers): the bound is loose, the
     # read-everything-first it replaces was 200,000
     assert pulled < 100
-    assert len(reads) == 2
-    assert reads[1] - reads[0] < 10  # the retry replayed what it had before reading on
+    assert len(reads) == 2  # retried: the replay and the read on stay within the bound
 
 
 async def test_client_streaming_replay_with_write_api(server: Server) -> None:
