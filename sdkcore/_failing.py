@@ -326,9 +326,9 @@ _ANSWERED = "answered"
 _COPIES = "copies"
 
 
-#: The failure before a hedge's copies cut in flight, as its chain knows it (reason, error):
-#: the chain's last copy failure, not the request's last booking (a cut copy may be
-#: booked with an error, or a reason, of its own).
+#: The failure before a hedge's copies cut in flight, as its chain knows it (reason, error;
+#: ``_Chain.before_cut``): not the request's last booking (a cut copy may be booked with
+#: an error, or a reason, of its own).
 Before = tuple[RetryReason | None, BaseException | None]
 _NOTHING_BEFORE: Before = (None, None)
 
@@ -423,7 +423,7 @@ def log_not_retried(
         payload["why"] = why
         payload["cancellation_reason"] = None if cancellation is None else cancellation.name
         payload.update(_outcome_fields(request))
-        payload.update(fields)  # a hedge names the copy that decided (attempt, effect)
+        payload.update(fields)  # a hedge names the copy that decided (attempt, effect, caused_by)
         log.info(_log.EVENT_NOT_RETRIED, **payload)
 
 
@@ -562,8 +562,9 @@ def refused(
     """Complete ``request`` as not retried (REFUSED, NOT_IDEMPOTENT, TOO_MANY, BUDGET_EXHAUSTED).
 
     ``method``: the strategy's method that answered (:func:`asked`), named when the
-    exception factory of its refusal fails. ``decided``: ``attempt`` and ``effect`` of
-    the attempt that decided, when it is not the one booked last (a hedge's copy)."""
+    exception factory of its refusal fails. ``decided``: ``attempt``, ``effect`` and
+    ``caused_by`` of the attempt that decided, when it is not the one booked last (a
+    hedge's copy)."""
     if verdict is Verdict.TOO_MANY:
         why = CancellationReason.TOO_MANY_REQUESTS_IN_RETRY
     elif verdict is Verdict.BUDGET_EXHAUSTED:

@@ -126,12 +126,13 @@ class _Chain:
     """
 
     __slots__ = (
+        "_cut",
+        "_cut_before",
         "asked",
         "attempts",
         "budget",
         "callers_cut",
         "clock",
-        "cut",
         "cutting",
         "deadline",
         "decide",
@@ -196,7 +197,8 @@ class _Chain:
         self.result: Any = None
         self.fatal: BaseException | None = None
         self.last_failure: RetryableError | None = None
-        self.cut = False  # the deadline or Request.cancel() cut the chain (set by the runner)
+        self._cut = False  # the deadline or Request.cancel() cut the chain (:attr:`cut`)
+        self._cut_before: _failing.Before | None = None
         self.deadline = math.inf  # the request's, on ``clock`` (set by run_hedged)
         #: Whether copy ``index`` is being cut now (set by the runner, asked in the copy's
         #: task): an error its send raises then is how it ended being cut (:meth:`run`).
@@ -492,11 +494,29 @@ class _Chain:
         if wake is not None:
             wake()
 
+    @property
+    def cut(self) -> bool:
+        """The deadline or ``Request.cancel()`` cut the chain (set by the runner). The
+        failure before it is taken then (:meth:`before_cut`): a copy may still answer
+        with a failure as it winds down, which came after the cut."""
+        return self._cut
+
+    @cut.setter
+    def cut(self, value: bool) -> None:
+        if value and not self._cut:
+            self._cut_before = self._before()
+        self._cut = value
+
     def before_cut(self) -> _failing.Before:
-        """The failure before the copies cut in flight (reason, error as booked): the
-        fatal failure that ended the chain and cut them, if one did, else the last copy
-        failure the chain went past, else none. Not the request's last booking: a cut
-        copy may be booked with an error, or a reason, of its own."""
+        """The failure before the copies cut in flight (reason, error as booked): as it
+        stood when the deadline or ``Request.cancel()`` cut the chain, else the fatal
+        failure that ended the chain and cut them, else the last copy failure the chain
+        went past, else none. Not the request's last booking: a cut copy may be booked
+        with an error, or a reason, of its own."""
+        before = self._cut_before
+        return self._before() if before is None else before
+
+    def _before(self) -> _failing.Before:
         fatal = self.fatal
         if isinstance(fatal, RetryableError):
             return (fatal.reason, fatal.__cause__ or fatal)

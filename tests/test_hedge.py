@@ -1197,3 +1197,36 @@ async def test_a_cancel_after_a_fatal_copy_names_that_failure_as_the_one_before(
     [event] = [e for e in events if e["event"] == "retry.cancelled"]
     assert event["previous_reason"] == "KV_LOCKED"
     assert event["previous_error"] == "RetryableError: KV_LOCKED: locked by another"
+
+
+async def test_the_failure_before_the_cut_is_taken_when_the_chain_is_cut() -> None:
+    """A copy that swallows its cut and answers with a failure of its own afterwards (its
+    error is an answer: no cancellation in its context) came after the cut, yet it was
+    reported as the failure before the cut copies (a review). The chain takes that
+    failure as it stands when the deadline or Request.cancel() cuts it."""
+    request = Request(name="kv.get", idempotent=True, timeout=5)
+
+    async def send(r: Request, index: int) -> None:
+        if index == 0:
+            raise RetryableError(TEMP, "busy")
+        if index == 1:
+            await anyio.sleep(0.03)
+            request.cancel()
+            await anyio.sleep_forever()
+        cut = False
+        try:
+            await anyio.sleep_forever()
+        except anyio.get_cancelled_exc_class():
+            cut = True  # swallowed: the copy goes on and answers
+        if cut:
+            raise RetryableError(LOCKED, f"copy {index}'s own error after its cut")
+
+    with (
+        anyio.fail_after(SAFETY),
+        capture_retry_events() as events,
+        pytest.raises(RequestCanceledException),
+    ):
+        await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.01, non_fatal={TEMP}))
+    [event] = [e for e in events if e["event"] == "retry.cancelled"]
+    assert event["previous_reason"] == "KV_TEMPORARY_FAILURE"
+    assert event["previous_error"] == "RetryableError: KV_TEMPORARY_FAILURE: busy"
