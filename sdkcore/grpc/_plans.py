@@ -77,11 +77,15 @@ class HedgePlan:
         """This plan for a call whose request does not fit the retry buffers: hedge 0
         alone (A6: "New RPCs which do not fit in the available buffer space ... will not
         be retryable"). Made once per plan."""
+        if self.policy.max_attempts == 1:
+            return self
         single = self._single
         if single is None:
             single = copy.copy(self)
             single.policy = attrs.evolve(self.policy, max_attempts=1)
-            single._single = single
+            # None, not itself: a plan that pointed at itself was a reference cycle, its
+            # objects left to the garbage collector when the channel went (a test saw them)
+            single._single = None
             self._single = single
         return single
 

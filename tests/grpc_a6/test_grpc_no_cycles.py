@@ -95,3 +95,29 @@ async def test_streaming_calls_leave_nothing_for_the_garbage_collector(server: S
                 "stream_stream": await sdkcore_garbage(stream_stream, CALLS),
             }
     assert left == {"unary_stream": [], "stream_unary": [], "stream_stream": []}
+
+
+async def test_a_hedged_methods_plans_are_freed_without_the_garbage_collector() -> None:
+    """A hedging plan's one-copy variant (a request that does not fit the retry buffer is
+    sent once, unhedged) pointed at itself: the plans of every hedged method were a
+    reference cycle, left to the collector when the channel went (this file's unary test
+    saw them collected during its calls, after a hedging test's channel)."""
+    import gc
+    import weakref
+
+    from hedge_server import hedging_config
+
+    from sdkcore.grpc import RetryController
+
+    controller = RetryController("127.0.0.1:1", hedging_config())
+    plan = controller.hedge_plan("/test.Svc/M")
+    assert plan is not None
+    single = plan.single()
+    assert single.single() is single  # one copy already
+    freed = [weakref.ref(plan.policy), weakref.ref(single.policy)]
+    gc.disable()
+    try:
+        del plan, single, controller
+        assert [ref() for ref in freed] == [None, None]
+    finally:
+        gc.enable()
