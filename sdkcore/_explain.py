@@ -152,8 +152,7 @@ OPTIONS: dict[str, Any] = {}
 
 def kinds_taking(option: str) -> list[str]:
     """The kinds whose parser takes ``option`` (``--opcode``: ``["kv"]``)."""
-    name = option.split("=", 1)[0]
-    return [kind for kind, p in OPTIONS.items() if name in p._option_string_actions]
+    return [kind for kind, p in OPTIONS.items() if option in p._option_string_actions]
 
 
 def add_parser(sub: Any) -> None:

@@ -354,13 +354,7 @@ class LatencyQuantile:
     def total_seconds(self) -> float:
         """:attr:`delay_seconds`, read as ``timedelta.total_seconds()`` reads a fixed delay:
         code that reads ``HedgePolicy.delay.total_seconds()`` works with either."""
-        try:
-            now = self._clock()
-        except Exception:  # as delay_seconds
-            return self._delay
-        if now >= self._slice_end:
-            self._turn(now)
-        return self._delay
+        return self.delay_seconds
 
     @property
     def current_delay(self) -> timedelta | None:

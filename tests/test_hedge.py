@@ -6,7 +6,6 @@ and rough spacing of sends, never a precise latency.
 
 from __future__ import annotations
 
-import contextlib
 from datetime import timedelta
 from typing import Any
 
@@ -1014,16 +1013,7 @@ async def test_previous_error_is_the_failure_before_the_cut_copies_not_what_they
         except anyio.get_cancelled_exc_class():
             raise ConnectionResetError("reset by the cut") from None
 
-    request = Request(name="kv.get", idempotent=True, timeout=0.1 if ending == "deadline" else 5)
-    policy = HedgePolicy(3, delay=5.0)
-    with anyio.fail_after(SAFETY), capture_retry_events() as events:
-        if ending == "deadline":
-            with pytest.raises(UnambiguousTimeoutException):
-                await RetryOrchestrator().hedge(request, send, policy)
-        else:
-            with anyio.move_on_after(0.1):
-                await RetryOrchestrator().hedge(request, send, policy)
-    [event] = [e for e in events if e["event"] in ("retry.timed_out", "retry.cancelled")]
+    event = await hedge_ended_by(ending, send, HedgePolicy(3, delay=5.0), after=0.1)
     assert event["previous_reason"] == "KV_TEMPORARY_FAILURE"
     assert event["previous_error"] == "RetryableError: KV_TEMPORARY_FAILURE: busy"
 
@@ -1079,12 +1069,7 @@ async def test_previous_is_the_chains_failure_even_when_a_cut_copy_is_booked_wit
                 ) from None
             raise
 
-    request = Request(name="kv.get", idempotent=True, timeout=0.2 if ending == "deadline" else 5)
-    with anyio.fail_after(SAFETY), capture_retry_events() as events:
-        with anyio.move_on_after(0.2 if ending == "caller" else 5):
-            with contextlib.suppress(UnambiguousTimeoutException):
-                await RetryOrchestrator().hedge(request, send, HedgePolicy(3, delay=0.02))
-    [event] = [e for e in events if e["event"] in ("retry.timed_out", "retry.cancelled")]
+    event = await hedge_ended_by(ending, send, HedgePolicy(3, delay=0.02), after=0.2)
     assert event["previous_reason"] == "KV_TEMPORARY_FAILURE"
     assert event["previous_error"] == "RetryableError: KV_TEMPORARY_FAILURE: busy"
 
@@ -1230,3 +1215,20 @@ async def test_the_failure_before_the_cut_is_taken_when_the_chain_is_cut() -> No
     [event] = [e for e in events if e["event"] == "retry.cancelled"]
     assert event["previous_reason"] == "KV_TEMPORARY_FAILURE"
     assert event["previous_error"] == "RetryableError: KV_TEMPORARY_FAILURE: busy"
+
+
+async def hedge_ended_by(ending: str, send: Any, policy: HedgePolicy, after: float) -> Any:
+    """The retry.timed_out or retry.cancelled event of a hedged request that ``ending``
+    ends ``after`` seconds in: its own deadline (it raises the timeout) or the caller's
+    cancel scope."""
+    deadline = ending == "deadline"
+    request = Request(name="kv.get", idempotent=True, timeout=after if deadline else 5)
+    with anyio.fail_after(SAFETY), capture_retry_events() as events:
+        if deadline:
+            with pytest.raises(UnambiguousTimeoutException):
+                await RetryOrchestrator().hedge(request, send, policy)
+        else:
+            with anyio.move_on_after(after):
+                await RetryOrchestrator().hedge(request, send, policy)
+    [event] = [e for e in events if e["event"] in ("retry.timed_out", "retry.cancelled")]
+    return event

@@ -332,12 +332,11 @@ class _Call:
         """Account a unary request of ``size`` bytes (``core.message_size``, read by the
         caller before the call's state was made: a size that raises leaves no call, no
         request and no telemetry behind) in the replay buffer; commit if it does not fit."""
-        core = self.core
-        if size > core.per_call_buffer_limit or not core._reserve(size):
+        if self.core._hold(size):
+            self.buffered = size
+        else:
             self.state.committed = True
             self.state.commit_why = BUFFER_FULL
-        else:
-            self.buffered = size
 
     def release(self) -> None:
         """The call sends no attempt more (it ended, or its stream committed): its replay

@@ -432,6 +432,12 @@ class _Controller:
         """Bytes currently held for replay by all calls of the channel."""
         return self._buffered
 
+    def _hold(self, size: int) -> bool:
+        """Take a whole request of ``size`` bytes into the retry buffer if it fits both the
+        per-call limit and the channel's room left (give it back with :meth:`_release`);
+        False: it does not, and such a call is not retried or hedged (A6)."""
+        return size <= self.per_call_buffer_limit and self._reserve(size)
+
     def _reserve(self, size: int) -> bool:
         with self._buffer_lock:
             if self._buffered + size > self.channel_buffer_limit:

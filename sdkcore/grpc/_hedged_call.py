@@ -111,7 +111,7 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         # A6's retry buffer: every copy resends the request, held until the call ends (_wake).
         # One that does not fit (the per-call limit, or the channel's) is sent once, unhedged.
         # Taken last: nothing below raises, so what is taken is always given back.
-        if size <= core.per_call_buffer_limit and core._reserve(size):
+        if core._hold(size):
             self._buffered = size
         else:
             self._buffered = 0

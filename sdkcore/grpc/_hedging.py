@@ -161,7 +161,7 @@ async def intercepted_hedged_unary_unary(
     trace = None
     if core._tel is not None:
         trace = hedge_trace(core, details.method, timeout, started, deadline_from)
-    if size <= core.per_call_buffer_limit and core._reserve(size):
+    if core._hold(size):
         buffered = size
     else:
         buffered = 0

@@ -97,10 +97,10 @@ class _ReplayBuffer:
         if not self.bounded and not self.committed:
             # grpc.aio's write() stream before the commit: the byte limit bounds it (past
             # it the call commits), and done_writing() is seen at once. After the commit
-            # nothing else would bound it: read ahead as any stream (a review measured
-            # 600 MiB held for a server that stopped reading).
+            # nothing else would bound it: read ahead as any stream (a review's one-off
+            # script measured 600 MiB held for a server that stopped reading).
             return
-        while self.base + len(self.items) - max(self.sent, self.base) >= READ_AHEAD:
+        while self.base + len(self.items) - self.sent >= READ_AHEAD:  # (base <= sent)
             self.room.clear()
             await self.room.wait()
 

@@ -314,17 +314,8 @@ async def test_a_hedge_ended_by_the_deadline_is_a_timeout(server: Server, otel: 
     (DEADLINE_EXCEEDED once its time is up) is a ``timeout``". For a hedged call whose copy
     gets that DEADLINE_EXCEEDED before sdkcore's own deadline timer fires, the hedging
     runner takes it as a fatal status and the request ends ``failure``."""
-    script = HedgeScript(server, "M", {0: block(), 1: block()})
-    with anyio.fail_after(TEST_TIMEOUT):
-        async with insecure_channel(
-            server.target,
-            service_config=hedging_config(max_attempts=2, delay="0.01s"),
-            telemetry=otel.telemetry,
-            interceptors=[_ExpiresAtTheDeadline()],
-        ) as ch:
-            with pytest.raises(aio.AioRpcError) as info:
-                await ch.unary_unary(script.method)(b"x", timeout=0.3)
-    assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    error = await two_blocked_copies(server, otel, _ExpiresAtTheDeadline())
+    assert error.code() is grpc.StatusCode.DEADLINE_EXCEEDED
     assert outcomes(otel) == [("timeout", "DEADLINE_EXCEEDED")]
 
 
@@ -569,16 +560,23 @@ async def test_a_hedge_a_fatal_status_cut_is_cancelled_though_cleaned_up_past_th
     """rfc/0008: a copy cut past the deadline ends with the call's status, a copy cut by
     another's end CANCELLED. Hedge 0, cut by hedge 1's fatal status just before the
     deadline, was cleaned up past it and recorded with the call's INVALID_ARGUMENT."""
+    error = await two_blocked_copies(server, otel, FatalJustBeforeTheDeadline())
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
+    recorded = attempt_statuses(otel)
+    assert recorded == {0: "CANCELLED", 1: "INVALID_ARGUMENT"}
+
+
+async def two_blocked_copies(server: Server, otel: Otel, interceptor: Any) -> Any:
+    """The AioRpcError of a hedged call (2 copies, 10 ms apart, both held by the server)
+    with a 0.3 s timeout, on a channel with ``interceptor`` after sdkcore's."""
     script = HedgeScript(server, "M", {0: block(), 1: block()})
     with anyio.fail_after(TEST_TIMEOUT):
         async with insecure_channel(
             server.target,
             service_config=hedging_config(max_attempts=2, delay="0.01s"),
             telemetry=otel.telemetry,
-            interceptors=[FatalJustBeforeTheDeadline()],
+            interceptors=[interceptor],
         ) as ch:
             with pytest.raises(aio.AioRpcError) as info:
                 await ch.unary_unary(script.method)(b"x", timeout=0.3)
-    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-    recorded = attempt_statuses(otel)
-    assert recorded == {0: "CANCELLED", 1: "INVALID_ARGUMENT"}
+    return info.value
