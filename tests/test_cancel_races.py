@@ -7,8 +7,11 @@ deadline. Every one failed before its fix (see CHANGELOG, "Fixed").
 
 from __future__ import annotations
 
+import asyncio
+import sys
 import threading
 import time
+from typing import Any
 
 import anyio
 import pytest
@@ -369,3 +372,147 @@ async def test_execute_request_cancel_in_the_backoff_keeps_the_failure_as_cause(
             with pytest.raises(RequestCanceledException) as info:
                 await orchestrator.execute(request, send)
     assert info.value.__cause__ is failure
+
+
+# -- the caller's anyio scope and the request's own cut in one turn (asyncio) ------------------
+
+
+def _cut_both_soon(outer: anyio.CancelScope, request: Request) -> None:
+    """In the loop's next callback, before the task's own next step: the caller's scope
+    cancels, then the application cancels the request (both as the task stands at a
+    bare checkpoint, where asyncio keeps one cancel message: the last)."""
+
+    def both() -> None:
+        outer.cancel()
+        request.cancel()
+
+    asyncio.get_running_loop().call_soon(both)
+
+
+@pytest.mark.skipif(
+    sys.version_info < (3, 11), reason="3.10 cannot count a task's cancellations (rfc/0009)"
+)
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("door", ["execute", "attempt", "hedge", "limiter"])
+async def test_the_callers_scope_cancelled_in_the_turn_of_request_cancel_catches_its_own(
+    door: str,
+) -> None:
+    """The request's own Task.cancel() replaced the message of the caller's, and anyio's
+    scope, which knows its cancellation by that message, let it through: the caller's
+    ``move_on_after`` raised CancelledError (a fuzz seed, about once in 300 runs, at a
+    limiter's hand-over). The caller's cancellation now cuts the code alone."""
+    orchestrator = RetryOrchestrator()
+    request = Request(idempotent=True, timeout=SAFETY)
+    limiter = ConcurrencyLimiter(1, max_queued=1)
+    entered: list[str] = []
+
+    async def send(r: Request) -> str:
+        if door == "limiter":
+            holder = limiter.guard()
+            holder.__enter__()  # the permit, held until the callback below
+
+            def hand_over() -> None:
+                holder.__exit__(None, None, None)  # wakes the queued send ...
+                _cut_both_soon(outer, r)  # ... and both cuts land at its hand-over checkpoint
+
+            asyncio.get_running_loop().call_soon(hand_over)
+            async with limiter.acquire():
+                entered.append("block")
+                await asyncio.sleep(SAFETY)
+        else:
+            _cut_both_soon(outer, r)
+            await asyncio.sleep(0)
+            await asyncio.sleep(SAFETY)
+        return "late"
+
+    async def hedged(r: Request, index: int) -> str:
+        return await send(r)
+
+    with anyio.fail_after(SAFETY):
+        with anyio.CancelScope() as outer:
+            if door == "attempt":
+                with orchestrator.attempt(request):
+                    await send(request)
+            elif door == "hedge":
+                await orchestrator.hedge(request, hedged, HedgePolicy(2, delay=SAFETY))
+            else:
+                await orchestrator.execute(request, send)
+    assert outer.cancelled_caught
+    assert entered == []  # the hand-over's checkpoint cut the block before it ran
+    assert limiter.in_flight == 0
+
+
+@pytest.mark.skipif(
+    sys.version_info < (3, 11), reason="3.10 cannot count a task's cancellations (rfc/0009)"
+)
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_request_cancel_held_off_by_a_cancellation_the_send_takes_back_still_cuts() -> None:
+    """Request.cancel() in the turn of another cancellation of the task leaves the cut to
+    that one; a send that takes it back (``Task.uncancel()``) and runs on is still cut,
+    a moment later."""
+    orchestrator = RetryOrchestrator()
+    request = Request(idempotent=True, timeout=SAFETY)
+    task: Any = asyncio.current_task()
+    resumed: list[bool] = []
+
+    async def send(r: Request) -> str:
+        def both() -> None:
+            task.cancel()  # someone cancels the task ...
+            r.cancel()  # ... and the application the request, in the same turn
+
+        asyncio.get_running_loop().call_soon(both)
+        try:
+            await asyncio.sleep(SAFETY)
+        except asyncio.CancelledError:
+            task.uncancel()  # the send takes the task's cancellation back and runs on
+        resumed.append(True)
+        await asyncio.sleep(SAFETY)
+        return "late"
+
+    with anyio.fail_after(SAFETY / 2), pytest.raises(RequestCanceledException):
+        await orchestrator.execute(request, send)
+    assert resumed == [True]
+    assert request.cancelled
+
+
+@pytest.mark.skipif(
+    sys.version_info < (3, 11), reason="3.10 cannot count a task's cancellations (rfc/0009)"
+)
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("door", ["execute", "attempt"])
+async def test_request_cancel_in_the_turn_an_inner_request_is_cut_still_cuts_the_outer(
+    door: str,
+) -> None:
+    """Only a cancellation from outside holds the scope's cut back: an inner request's
+    cut (or a limiter queue's) is taken back by its own scope, which then raises for it.
+    Held back by it, the outer attempt ended with the inner request's exception, the
+    outer request cancelled but its caller handed the inner's (a fuzz seed, rare)."""
+    orchestrator = RetryOrchestrator()
+    outer = Request(idempotent=True, timeout=SAFETY)
+    inner = Request(idempotent=True, timeout=SAFETY)
+
+    async def inner_send(r: Request) -> str:
+        def both() -> None:
+            inner.cancel()  # the inner request's scope cuts the task ...
+            outer.cancel()  # ... and the application cancels the outer one, in one turn
+
+        asyncio.get_running_loop().call_soon(both)
+        await asyncio.sleep(SAFETY)
+        return "late"
+
+    async def outer_send(r: Request) -> str:
+        return await orchestrator.execute(inner, inner_send)
+
+    async def through_door() -> None:
+        if door == "attempt":
+            with orchestrator.attempt(outer):
+                await outer_send(outer)
+        else:
+            await orchestrator.execute(outer, outer_send)
+
+    with anyio.fail_after(SAFETY / 2), pytest.raises(RequestCanceledException) as caught:
+        await through_door()
+    assert caught.value.context is not None
+    assert caught.value.context.request_id == outer.id
+    assert outer.cancelled
+    assert inner.cancelled
