@@ -20,6 +20,8 @@ import itertools
 import math
 import sys
 import threading
+import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -102,14 +104,46 @@ _COUNTS = sys.version_info >= (3, 11)
 _local = threading.local()  # the running loop's _Deadlines (one running loop per thread)
 
 #: Tasks cut by a Scope that has not exited yet (one count per cut): every such cut is
-#: taken back at the scope's exit, so a scope around it need not leave the cut to it
-#: (``Scope._later``). Written only when a scope cuts and when it exits after a cut.
-_CUTS: dict[Any, int] = {}
+#: taken back at the scope's exit, so a scope around it need not wait for it
+#: (``Scope._hold``). Written only when a scope cuts and when it exits after a cut.
+#: Weak keys: a task cut and never run again (its loop closed) is not kept.
+_CUTS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
-def _others(task: Any) -> int:
-    """The task's pending cancellations (3.11+) less the Scope cuts not taken back yet."""
-    return int(task.cancelling()) - _CUTS.get(task, 0)
+#: The message of a Scope's own ``Task.cancel()`` (see _alone).
+_CUT = "sdkcore: the request's deadline or Request.cancel() cut it"
+
+
+def _alone(error: BaseException | None) -> bool:
+    """Whether ``error`` is the scope's own cancellation, delivered apart from any other.
+
+    A cancellation of the task from elsewhere requested in the turn of the scope's, before
+    the task ran, comes as one ``CancelledError`` with the last message requested (rfc/0001):
+    not this. One requested later reached the code as a cancellation of its own, so an
+    error carrying only the scope's means the code took that one in and went on with the
+    scope's: anyio's task group does, waiting for its tasks (``anyio.connect_tcp``'s), and
+    the caller's anyio scope would not know the scope's cancellation for its own
+    (:meth:`Scope.exit` then reports its own cut, when that was an anyio scope's).
+    """
+    if type(error) is not asyncio.CancelledError or error.args != (_CUT,):
+        return False
+    context = error.__context__
+    for _ in range(64):  # (a context chain has no cycle; bounded all the same)
+        if context is None:
+            return True
+        if isinstance(context, asyncio.CancelledError):
+            return False  # another cancellation reached the code: it stands for that one
+        context = context.__context__
+    return False
+
+
+def _anyio_cut() -> bool:
+    """Whether an anyio cancel scope around the running task was cancelled: it cuts the
+    task again at its next checkpoint (anyio's cancellation is level-triggered), and
+    knows its own cancellation only by its message. A plain ``Task.cancel()`` is not
+    asked twice: a cancellation from it taken in by the code is not to be lost."""
+    anyio = sys.modules.get("anyio")
+    return anyio is not None and anyio.current_effective_deadline() == -math.inf
 
 
 def _taken_back(task: Any) -> None:
@@ -135,7 +169,7 @@ class Scope:
     cannot count cancellations: there one racing the scope's is taken for it).
     """
 
-    __slots__ = ("_base", "_queued", "_recheck", "_sent", "_task", "fired", "open")
+    __slots__ = ("_base", "_cuts", "_held", "_queued", "_sent", "_task", "fired", "open")
 
     def __init__(self, deadline: float) -> None:
         task: Any = asyncio.current_task()
@@ -149,28 +183,27 @@ class Scope:
         # arrived in the turn the scope fired and was delivered as one with it (as
         # asyncio.timeout counts from its enter). Counted at the send instead, a
         # caller's call.cancel() landing just before the scope's own cut was lost.
-        self._base = task.cancelling() if _COUNTS else 0
+        base = self._base = task.cancelling() if _COUNTS else 0
+        # Of those, the cuts of sdkcore scopes around this one (looked up only when there
+        # are any: a task being cancelled as the scope opens, a cleanup request).
+        self._cuts = _CUTS.get(task, 0) if base else 0
         # False until this scope calls Task.cancel() (from inside its code, it is sent
         # at the loop's next turn, see cancel()).
         self._sent = False
+        # Whether the cut waited a turn for a cancellation from elsewhere (_hold).
+        self._held = False
         # The loop's deadlines while this scope has an entry in their heap.
         self._queued: _Deadlines | None = None
-        # A look again while the task is being cancelled from elsewhere (_later).
-        self._recheck: asyncio.TimerHandle | None = None
         if deadline != math.inf:
             deadlines = self._queued = _deadlines(task.get_loop())
             deadlines.add(deadline, self)
 
     def cancel(self) -> None:
-        """Cut what runs in the scope now (the deadline, or ``Request.cancel()``).
-
-        Not while the task is being cancelled from elsewhere (3.11+): that cancellation
-        cuts the code already, and the scope looks again shortly (:meth:`_later`).
-        """
+        """Cut what runs in the scope now (the deadline, or ``Request.cancel()``), or a
+        turn later when the task is being cancelled from elsewhere (:meth:`_hold`)."""
         if self.open and not self.fired:
             task: Any = self._task  # open: the task is there
-            if _COUNTS and _others(task) > self._base:
-                self._later()
+            if self._hold(task, self.cancel):
                 return
             self.fired = True
             if asyncio.current_task() is not task:
@@ -183,42 +216,42 @@ class Scope:
                 # next checkpoint). Returned before: the door sees ``fired``.
                 asyncio.get_running_loop().call_soon(self._send_if_open)
 
+    def _hold(self, task: Any, then: Callable[[], None]) -> bool:
+        """Whether to cut a turn later (calling ``then``): once, when a cancellation of the
+        task from elsewhere (the caller's anyio scope, its ``Task.cancel()``; not the cut
+        of another sdkcore scope, which takes its own back at its exit, see ``_CUTS``)
+        was requested since the scope opened (3.11+).
+
+        Such a cancellation may not have reached the task yet, and sent in the same turn
+        the scope's would take its place: at a bare checkpoint or a done future asyncio
+        keeps one cancel message, the last requested, and anyio's cancel scope knows its
+        own cancellation by its message. The caller's scope then let its own cancellation
+        escape it (a fuzz seed, about once in 300 runs; rfc/0009). A turn later it has
+        reached the task (its step was queued before this callback): the code is leaving
+        the scope on it, or took it back and runs on, and the scope cuts then.
+        """
+        if self._held or not _COUNTS or not (cancelling := task.cancelling()):
+            return False
+        if cancelling - self._base <= _CUTS.get(task, 0) - self._cuts:
+            return False  # none but sdkcore's own scopes' cuts since the scope opened
+        self._held = True
+        asyncio.get_running_loop().call_soon(then)
+        return True
+
     def _send(self, task: Any) -> None:
         self._sent = True
         _CUTS[task] = _CUTS.get(task, 0) + 1
-        task.cancel()
+        task.cancel(_CUT)
 
     def _send_if_open(self) -> None:
         task = self._task
-        if self.open and task is not None and not self._sent:
-            if _COUNTS and _others(task) > self._base:
-                self._later()
-            else:
-                self._send(task)
-
-    def _later(self) -> None:
-        """The task is being cancelled from elsewhere (the caller's scope, its task's
-        ``cancel()``; not the cut of a scope inside this one, which takes it back and
-        raises for it, see ``_CUTS``): the scope does not add its own cancellation, and
-        looks again in ``_RECHECK`` seconds, in case the code takes that one back and
-        runs on.
-
-        Sent in the same turn as a caller's, the scope's would take its place:
-        ``Task.cancel()`` keeps one message, the last, and anyio's cancel scope on
-        asyncio knows its own cancellation by its message. The caller's scope then let
-        a cancellation through that was its own (a fuzz seed showed it about once in
-        300 runs; rfc/0009). Trio (and anyio's scopes among themselves) let the outer of
-        two cancelled scopes take the cut; this is the same order.
-        """
-        if self._recheck is None:
-            self._recheck = asyncio.get_running_loop().call_later(_RECHECK, self._look_again)
-
-    def _look_again(self) -> None:
-        self._recheck = None
-        if self.fired:
-            self._send_if_open()  # fired from inside its own code (cancel())
-        else:
-            self.cancel()
+        if (
+            self.open
+            and task is not None
+            and not self._sent
+            and not self._hold(task, self._send_if_open)
+        ):
+            self._send(task)
 
     def cancelled_elsewhere(self) -> bool:
         """Whether the task was asked to cancel since the scope opened, not by the scope
@@ -251,15 +284,14 @@ class Scope:
             return not isinstance(error, asyncio.CancelledError)
         _taken_back(task)
         # (3.10 cannot tell a concurrent outer cancellation: the scope is trusted.)
-        if _COUNTS and task.uncancel() > self._base:
+        if _COUNTS and task.uncancel() > self._base and not (_alone(error) and _anyio_cut()):
             # The task is being cancelled from outside as well (counted from the scope's
             # opening: a cancellation the task had swallowed before is not this one).
             return False
         return error is None or isinstance(error, (Exception, asyncio.CancelledError))
 
 
-#: How soon a hedge runner whose caller is being cancelled looks again (Hedges.step), and a
-#: Scope due to cut a task that is being cancelled from elsewhere (Scope._later).
+#: How soon a hedge runner whose caller is being cancelled looks again (Hedges.step).
 _RECHECK = 0.001
 
 

@@ -935,15 +935,17 @@ class World:
                 problem(f"failed unambiguously, yet the key holds {value!r}")
 
     def known_limit(self, op: Op) -> bool:
-        """rfc/0001, "The deadline and the caller's own cancellation in one turn (asyncio)",
-        known limit: asyncio delivers the two as one CancelledError, the scope's (no
-        message); when a task group inside ``send`` (``anyio.connect_tcp``'s) absorbed
-        anyio's own delivery, the caller's ``move_on_after`` lets it escape. Only that: on
-        asyncio, a bare ``CancelledError()``, from a caller's scope that did fire, once the
-        request's deadline had come (/tmp/mfuzz/repro_cancel_escapes_callers_scope.py)."""
+        """rfc/0001, "The deadline and the caller's own cancellation in one turn (asyncio)":
+        on Python 3.10 only (it cannot count a task's cancellations), the request's scope
+        still cancels the task in the turn the caller's anyio scope does, and its
+        message-less cancellation replaces anyio's, which the caller's ``move_on_after``
+        then lets escape. Only that: on asyncio, a bare ``CancelledError()``, from a
+        caller's scope that did fire, once the request's deadline had come. (3.11+ fixed
+        2026-11-28: 3 of 100 seeds showed it before, none of 400 after.)"""
         error = op.error
         return (
-            self.backend == "asyncio"
+            sys.version_info < (3, 11)
+            and self.backend == "asyncio"
             and type(error) is asyncio.CancelledError
             and not error.args
             and op.interference in ("move_on", "caller_cancel")
