@@ -581,14 +581,18 @@ async def test_a_cleanup_request_cut_in_the_turn_of_the_callers_scope_leaves_it_
     sys.version_info < (3, 11), reason="3.10 cannot count a task's cancellations (rfc/0009)"
 )
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_a_callers_cancellation_taken_in_after_the_deadline_lets_the_timeout_out() -> None:
+@pytest.mark.parametrize("raises", ["the cut", "a retryable failure", "a connection error"])
+async def test_a_callers_cancellation_taken_in_after_the_deadline_lets_the_timeout_out(
+    raises: str,
+) -> None:
     """The deadline cut ``send``; its cleanup, cut in turn by the caller's anyio scope,
     took that cancellation in and went on with the deadline's (anyio's task group does,
     waiting for its tasks: ``anyio.connect_tcp``'s). What reaches the request's scope is
     its own cancellation alone: the request times out. It used to propagate as the
     caller's, and the caller's scope, not knowing it for its own, let a CancelledError
-    escape (a memcached fuzz seed, every run)."""
+    escape (a memcached fuzz seed, every run). Whatever ``send`` raised for the cut."""
     orchestrator = RetryOrchestrator()
+    request = Request(idempotent=True, timeout=0.05)
 
     async def send(r: Request) -> str:
         try:
@@ -596,13 +600,51 @@ async def test_a_callers_cancellation_taken_in_after_the_deadline_lets_the_timeo
         except asyncio.CancelledError:
             with contextlib.suppress(asyncio.CancelledError):  # taken in
                 await asyncio.sleep(SAFETY)  # a cleanup, cut by the caller's scope
+            if raises == "a retryable failure":
+                raise RetryableError(TEMP, "cut") from None
+            if raises == "a connection error":
+                raise ConnectionResetError("cut") from None
             raise
         return "late"
 
     with anyio.fail_after(SAFETY), pytest.raises(TimeoutException):
         with anyio.move_on_after(0.1) as caller:
-            await orchestrator.execute(Request(idempotent=True, timeout=0.05), send)
+            await orchestrator.execute(request, send)
     assert caller.cancel_called
+    assert request.cancellation_reason is CancellationReason.TIMEOUT
+
+
+@pytest.mark.skipif(
+    sys.version_info < (3, 11), reason="3.10 cannot count a task's cancellations (rfc/0009)"
+)
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_callers_cancellation_taken_in_by_an_inner_request_times_the_outer_out() -> None:
+    """As above, with an inner request inheriting the outer's deadline: both scopes cut in
+    one turn, and the inner one, the outer's cut still pending, lets it through; the outer
+    request times out (a review: the inner took it for its own, and the outer request
+    ended FAILED with the inner's timeout as its answer)."""
+    orchestrator = RetryOrchestrator()
+    outer = Request(idempotent=True, timeout=0.05)
+
+    async def inner_send(r: Request) -> str:
+        try:
+            await asyncio.sleep(SAFETY)
+        except asyncio.CancelledError:
+            with contextlib.suppress(asyncio.CancelledError):  # taken in
+                await asyncio.sleep(SAFETY)  # a cleanup, cut by the caller's scope
+            raise
+        return "late"
+
+    async def send(r: Request) -> str:
+        inner = Request(idempotent=True)  # made in send: the outer's deadline is its own
+        return await orchestrator.execute(inner, inner_send)
+
+    with anyio.fail_after(SAFETY), pytest.raises(TimeoutException) as caught:
+        with anyio.move_on_after(0.1):
+            await orchestrator.execute(outer, send)
+    assert caught.value.context is not None
+    assert caught.value.context.request_id == outer.id
+    assert outer.cancellation_reason is CancellationReason.TIMEOUT
 
 
 @pytest.mark.skipif(

@@ -71,9 +71,9 @@ Where rfc/0008 does not say, the checks accept what is consistent rather than gu
 * the caller's cancellation outside sdkcore's calls (a bare loop's ``send``, a pool wait)
   reaches sdkcore only through ``fail(request, the cancellation)``, which completes the
   request CANCELLED (``TASK_CANCELLED``): ``cancelled``;
-* rfc/0001's known limit on asyncio under Python 3.10 (the deadline and the caller's anyio
-  scope in one turn: sdkcore's message-less ``CancelledError`` escapes the anyio scope) is
-  tolerated there (``known_escape``) and checked as the caller's cancellation.
+* nothing escapes the caller's scope (until 2026-11-28 sdkcore's own cancellation could
+  escape an anyio scope that fired about when the request's deadline did: rfc/0001, "The
+  deadline and the caller's own cancellation in one turn (asyncio)").
 """
 
 from __future__ import annotations
@@ -852,25 +852,6 @@ def span_of_now() -> tuple[int, int]:
 # -- the async doors ------------------------------------------------------------------------------
 
 
-def known_escape(record: Record, error: BaseException) -> bool:
-    """rfc/0001's known limit on asyncio, Python 3.10 only (it cannot count a task's
-    cancellations): the request's deadline and the caller's anyio scope fire in one turn;
-    sdkcore's message-less cancellation replaces anyio's; sdkcore lets it propagate as the
-    caller's, and anyio's scope, which swallows only a CancelledError carrying its own
-    message, lets it escape. Not a telemetry matter: the request still ends as the
-    caller's cancellation. (3.11+ fixed 2026-11-28: 41 of 4,000 seeds showed it before,
-    none after.)"""
-    import asyncio
-
-    return (
-        sys.version_info < (3, 11)
-        and isinstance(error, asyncio.CancelledError)
-        and not error.args
-        and record.plan.timeout is not None
-        and record.plan.interference in ("caller_cancel", "caller_after_fail", "move_on")
-    )
-
-
 class World:
     """One seed on asyncio or trio: the orchestrator, its guards, the requests."""
 
@@ -1091,13 +1072,10 @@ class World:
                 await self.run_door(record, strategy)
         except BaseException as exc:  # a cancellation the caller's scope did not catch
             record.error = exc
-            if known_escape(record, exc):
-                record.outcome = "cancelled"  # still the caller's cancellation: checked so
-            else:
-                record.outcome = "escaped"
-                self.problems.append(
-                    record.describe() + f"\n      - escaped the caller's scope: {show(exc)}"
-                )
+            record.outcome = "escaped"
+            self.problems.append(
+                record.describe() + f"\n      - escaped the caller's scope: {show(exc)}"
+            )
 
     async def cancel_request(self, record: Record, wait: float) -> None:
         await anyio.sleep(wait)

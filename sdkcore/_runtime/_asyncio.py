@@ -115,35 +115,44 @@ _CUT = "sdkcore: the request's deadline or Request.cancel() cut it"
 
 
 def _alone(error: BaseException | None) -> bool:
-    """Whether ``error`` is the scope's own cancellation, delivered apart from any other.
+    """Whether ``error`` stands for the scope's own cancellation, delivered apart from any
+    other: that cancellation itself, or an error raised while handling it (a ``send``
+    that turned it into a ``RetryableError``, a connection error), with no other
+    cancellation right behind it (its ``__context__``, as anyio follows it).
 
     A cancellation of the task from elsewhere requested in the turn of the scope's, before
     the task ran, comes as one ``CancelledError`` with the last message requested (rfc/0001):
     not this. One requested later reached the code as a cancellation of its own, so an
-    error carrying only the scope's means the code took that one in and went on with the
-    scope's: anyio's task group does, waiting for its tasks (``anyio.connect_tcp``'s), and
-    the caller's anyio scope would not know the scope's cancellation for its own
+    error standing for the scope's alone means the code took that one in and went on with
+    the scope's: anyio's task group does, waiting for its tasks (``anyio.connect_tcp``'s),
+    and the caller's anyio scope would not know the scope's cancellation for its own
     (:meth:`Scope.exit` then reports its own cut, when that was an anyio scope's).
     """
-    if type(error) is not asyncio.CancelledError or error.args != (_CUT,):
+    cut = error
+    for _ in range(64):  # the cancellation an error was raised for (a context chain is short)
+        if cut is None or not isinstance(cut, Exception):
+            break
+        cut = cut.__context__
+    if type(cut) is not asyncio.CancelledError or cut.args != (_CUT,):
         return False
-    context = error.__context__
-    for _ in range(64):  # (a context chain has no cycle; bounded all the same)
-        if context is None:
-            return True
-        if isinstance(context, asyncio.CancelledError):
-            return False  # another cancellation reached the code: it stands for that one
-        context = context.__context__
-    return False
+    return not isinstance(cut.__context__, asyncio.CancelledError)
 
 
 def _anyio_cut() -> bool:
     """Whether an anyio cancel scope around the running task was cancelled: it cuts the
     task again at its next checkpoint (anyio's cancellation is level-triggered), and
     knows its own cancellation only by its message. A plain ``Task.cancel()`` is not
-    asked twice: a cancellation from it taken in by the code is not to be lost."""
-    anyio = sys.modules.get("anyio")
-    return anyio is not None and anyio.current_effective_deadline() == -math.inf
+    asked twice: a cancellation from it taken in by the code is not to be lost. Read only
+    once anyio's asyncio backend is loaded (there is no anyio scope before; sdkcore never
+    loads it, as ``_request._scope_left``)."""
+    backend = sys.modules.get("anyio._backends._asyncio")
+    if backend is None:
+        return False
+    try:
+        deadline: float = backend.AsyncIOBackend.current_effective_deadline()
+    except Exception:  # an anyio without it: no scope seen
+        return False
+    return deadline == -math.inf
 
 
 def _taken_back(task: Any) -> None:
@@ -165,8 +174,9 @@ class Scope:
     When the deadline passes, or :meth:`cancel` is called, the task is cancelled
     (``Task.cancel()``); :meth:`exit` then takes that cancellation back
     (``Task.uncancel()`` on 3.11+) and says the scope cut the code. A cancellation
-    of the task from elsewhere is never taken for the scope's own on 3.11+ (3.10
-    cannot count cancellations: there one racing the scope's is taken for it).
+    of the task from elsewhere is not taken for the scope's own on 3.11+ (3.10
+    cannot count cancellations: there one racing the scope's is taken for it), except
+    an anyio scope's that the code took in, going on with the scope's alone (_alone).
     """
 
     __slots__ = ("_base", "_cuts", "_held", "_queued", "_sent", "_task", "fired", "open")
@@ -284,9 +294,15 @@ class Scope:
             return not isinstance(error, asyncio.CancelledError)
         _taken_back(task)
         # (3.10 cannot tell a concurrent outer cancellation: the scope is trusted.)
-        if _COUNTS and task.uncancel() > self._base and not (_alone(error) and _anyio_cut()):
+        if (
+            _COUNTS
+            and task.uncancel() > self._base
+            and not (_CUTS.get(task, 0) == self._cuts and _alone(error) and _anyio_cut())
+        ):
             # The task is being cancelled from outside as well (counted from the scope's
             # opening: a cancellation the task had swallowed before is not this one).
+            # Unless an anyio scope's cancellation was taken in by the code, which then
+            # went on with this scope's alone, another sdkcore scope's not pending.
             return False
         return error is None or isinstance(error, (Exception, asyncio.CancelledError))
 

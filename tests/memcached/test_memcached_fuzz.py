@@ -650,7 +650,6 @@ class World:
         self.tripped_by_last: dict[int, bool] = {}  # endpoint -> its last success tripped it
         self.stuck = False  # the black_hole_while_open event came
         self.backend = "threads" if sync else ""
-        self.known_limits = 0  # escapes of rfc/0001's known limit (see known_limit)
 
     # -- the plan --------------------------------------------------------------------------
     def plan(self, oid: int) -> Op:
@@ -874,9 +873,7 @@ class World:
                     f"timeout {self.timeout * 1000:.0f} ms"
                 )
         # Only documented exceptions escape.
-        if op.outcome == "escaped" and self.known_limit(op):
-            self.known_limits += 1
-        elif op.outcome == "escaped":
+        if op.outcome == "escaped":
             problem(f"an exception escaped the caller's scope: {error!r}")
         elif op.outcome == "cancelled":
             if op.interference not in ("caller_cancel", "move_on"):
@@ -933,27 +930,6 @@ class World:
                 problem(f"returned, yet the key holds {value!r}")
             if not returned and not ambiguous and value != b"doomed":
                 problem(f"failed unambiguously, yet the key holds {value!r}")
-
-    def known_limit(self, op: Op) -> bool:
-        """rfc/0001, "The deadline and the caller's own cancellation in one turn (asyncio)":
-        on Python 3.10 only (it cannot count a task's cancellations), the request's scope
-        still cancels the task in the turn the caller's anyio scope does, and its
-        message-less cancellation replaces anyio's, which the caller's ``move_on_after``
-        then lets escape. Only that: on asyncio, a bare ``CancelledError()``, from a
-        caller's scope that did fire, once the request's deadline had come. (3.11+ fixed
-        2026-11-28: 3 of 100 seeds showed it before, none of 400 after.)"""
-        error = op.error
-        return (
-            sys.version_info < (3, 11)
-            and self.backend == "asyncio"
-            and type(error) is asyncio.CancelledError
-            and not error.args
-            and op.interference in ("move_on", "caller_cancel")
-            and op.scope_fired
-            and op.start is not None
-            and op.end is not None
-            and op.end - op.start >= self.timeout - 0.002
-        )
 
     def check_counter(self, counter: str, raw: bytes | None) -> None:
         if raw is None or not raw.isdigit():
