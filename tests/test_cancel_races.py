@@ -674,3 +674,74 @@ async def test_a_task_cancel_taken_in_after_the_deadline_still_cancels_the_calle
     finally:
         handle.cancel()
     assert task.uncancel() == 0  # the caller's cancellation, taken back here
+
+
+@pytest.mark.skipif(
+    sys.version_info < (3, 11), reason="3.10 cannot count a task's cancellations (rfc/0009)"
+)
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("first", ["the anyio scope", "Task.cancel()"])
+async def test_a_task_cancel_taken_in_beside_an_anyio_scope_still_cancels_the_caller(
+    first: str,
+) -> None:
+    """A plain ``Task.cancel()`` and the caller's anyio scope in one turn, both taken in by
+    the cleanup the deadline started: the scope's cut alone reaches it, and an anyio scope
+    is cancelled, but not every pending cancellation is anyio's. The task must still end
+    cancelled (a review: reported as the timeout, the task ran on)."""
+    orchestrator = RetryOrchestrator()
+    task: Any = asyncio.current_task()
+
+    async def send(r: Request) -> str:
+        try:
+            await asyncio.sleep(SAFETY)  # cut by the request's deadline
+        except asyncio.CancelledError:
+            with contextlib.suppress(asyncio.CancelledError):  # taken in
+                await asyncio.sleep(SAFETY)  # a cleanup, cut by both below
+            raise
+        return "late"
+
+    with anyio.fail_after(SAFETY):
+        with anyio.CancelScope() as caller:
+            both = [caller.cancel, task.cancel]
+            if first == "Task.cancel()":
+                both.reverse()
+            handle = asyncio.get_running_loop().call_later(0.1, lambda: [f() for f in both])
+            try:
+                with pytest.raises(asyncio.CancelledError):
+                    await orchestrator.execute(Request(idempotent=True, timeout=0.05), send)
+            finally:
+                handle.cancel()
+    assert task.uncancel() == 0  # the plain cancellation, taken back here
+
+
+@pytest.mark.skipif(
+    sys.version_info < (3, 11), reason="3.10 cannot count a task's cancellations (rfc/0009)"
+)
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_deadline_cut_a_task_group_kept_after_the_callers_scope_is_a_timeout() -> None:
+    """The caller's anyio scope fired first; ``send``'s anyio task group, waiting for a
+    child's graceful close, took that in, and the request's deadline cut a turn later
+    reached it too: the group keeps a plain cancellation in place of anyio's, so only
+    sdkcore's comes back. The request times out (its deadline did pass), and nothing
+    escapes the caller's scope (a review: a CancelledError escaped it)."""
+    orchestrator = RetryOrchestrator()
+    request = Request(idempotent=True, timeout=0.05)
+
+    async def child() -> None:
+        try:
+            await asyncio.sleep(SAFETY)
+        except asyncio.CancelledError:
+            with anyio.CancelScope(shield=True):
+                await asyncio.sleep(0.1)  # a graceful close
+            raise
+
+    async def send(r: Request) -> str:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(child)
+            await asyncio.sleep(0)
+        return "ok"
+
+    with anyio.fail_after(SAFETY), pytest.raises(TimeoutException):
+        with anyio.move_on_after(0.03):  # before the request's deadline
+            await orchestrator.execute(request, send)
+    assert request.cancellation_reason is CancellationReason.TIMEOUT

@@ -126,7 +126,8 @@ def _alone(error: BaseException | None) -> bool:
     error standing for the scope's alone means the code took that one in and went on with
     the scope's: anyio's task group does, waiting for its tasks (``anyio.connect_tcp``'s),
     and the caller's anyio scope would not know the scope's cancellation for its own
-    (:meth:`Scope.exit` then reports its own cut, when that was an anyio scope's).
+    (:meth:`Scope.exit` then reports its own cut, when that was an anyio scope's:
+    ``Scope._took_in``).
     """
     cut = error
     for _ in range(64):  # the cancellation an error was raised for (a context chain is short)
@@ -138,21 +139,29 @@ def _alone(error: BaseException | None) -> bool:
     return not isinstance(cut.__context__, asyncio.CancelledError)
 
 
-def _anyio_cut() -> bool:
-    """Whether an anyio cancel scope around the running task was cancelled: it cuts the
-    task again at its next checkpoint (anyio's cancellation is level-triggered), and
-    knows its own cancellation only by its message. A plain ``Task.cancel()`` is not
-    asked twice: a cancellation from it taken in by the code is not to be lost. Read only
-    once anyio's asyncio backend is loaded (there is no anyio scope before; sdkcore never
-    loads it, as ``_request._scope_left``)."""
+def _anyio_pending(task: Any) -> int:
+    """The cancellations anyio's scopes sent ``task`` and will take back as they exit
+    (anyio 4's own count, per scope; 0 when anyio's asyncio backend is not loaded, or
+    keeps no such count: the cancellation then propagates as the caller's, as before).
+
+    anyio's bookkeeping is private (``_task_states``, ``_pending_uncancellations``): read
+    only on this rare path, each name with a fallback. sdkcore never loads the backend
+    (as ``_request._scope_left``): without it there is no anyio scope.
+    """
     backend = sys.modules.get("anyio._backends._asyncio")
-    if backend is None:
-        return False
-    try:
-        deadline: float = backend.AsyncIOBackend.current_effective_deadline()
-    except Exception:  # an anyio without it: no scope seen
-        return False
-    return deadline == -math.inf
+    states = getattr(backend, "_task_states", None)
+    state = None if states is None else states.get(task)
+    scope = getattr(state, "cancel_scope", None)
+    total = 0
+    for _ in range(1000):  # the task's scopes, innermost first (bounded all the same)
+        if scope is None:
+            break
+        if getattr(scope, "_host_task", None) is task:
+            count = getattr(scope, "_pending_uncancellations", None)
+            if type(count) is int:
+                total += count
+        scope = getattr(scope, "_parent_scope", None)
+    return total
 
 
 def _taken_back(task: Any) -> None:
@@ -176,7 +185,7 @@ class Scope:
     (``Task.uncancel()`` on 3.11+) and says the scope cut the code. A cancellation
     of the task from elsewhere is not taken for the scope's own on 3.11+ (3.10
     cannot count cancellations: there one racing the scope's is taken for it), except
-    an anyio scope's that the code took in, going on with the scope's alone (_alone).
+    anyio scopes' that the code took in, going on with the scope's alone (``_took_in``).
     """
 
     __slots__ = ("_base", "_cuts", "_held", "_queued", "_sent", "_task", "fired", "open")
@@ -263,6 +272,23 @@ class Scope:
         ):
             self._send(task)
 
+    def _took_in(self, task: Any, pending: int, error: BaseException | None) -> bool:
+        """Whether the code took in every cancellation pending from outside, all anyio
+        scopes', and went on with this scope's cut alone (exit then reports the cut).
+
+        Only when no other sdkcore cut is pending, ``error`` stands for the cut alone
+        (:func:`_alone`), and what else is pending on the task is anyio's own count
+        (:func:`_anyio_pending`): anyio takes those back at its scopes' exits, and knows
+        its cancellation only by its message, so propagated as the caller's the scope's
+        would escape them; a plain ``Task.cancel()`` among them is not asked twice and
+        must propagate. Also when the caller's scope fired first and the cut came in its
+        cleanup (held a turn): anyio's task group keeps a plain cancellation in place of
+        its own, so only the scope's reaches here, and the request's deadline did pass.
+        """
+        if _CUTS.get(task, 0) != self._cuts or not _alone(error):
+            return False
+        return pending - self._cuts == _anyio_pending(task)
+
     def cancelled_elsewhere(self) -> bool:
         """Whether the task was asked to cancel since the scope opened, not by the scope
         (3.11+ counts it; 3.10 cannot tell: False). Read only when an error was raised
@@ -296,13 +322,11 @@ class Scope:
         # (3.10 cannot tell a concurrent outer cancellation: the scope is trusted.)
         if (
             _COUNTS
-            and task.uncancel() > self._base
-            and not (_CUTS.get(task, 0) == self._cuts and _alone(error) and _anyio_cut())
+            and (pending := task.uncancel()) > self._base
+            and not self._took_in(task, pending, error)
         ):
             # The task is being cancelled from outside as well (counted from the scope's
             # opening: a cancellation the task had swallowed before is not this one).
-            # Unless an anyio scope's cancellation was taken in by the code, which then
-            # went on with this scope's alone, another sdkcore scope's not pending.
             return False
         return error is None or isinstance(error, (Exception, asyncio.CancelledError))
 
