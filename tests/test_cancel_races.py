@@ -718,13 +718,23 @@ async def test_a_task_cancel_taken_in_beside_an_anyio_scope_still_cancels_the_ca
     sys.version_info < (3, 11), reason="3.10 cannot count a task's cancellations (rfc/0009)"
 )
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_a_deadline_cut_a_task_group_kept_after_the_callers_scope_is_a_timeout() -> None:
+@pytest.mark.parametrize("stale", [False, True])
+async def test_a_deadline_cut_a_task_group_kept_after_the_callers_scope_is_a_timeout(
+    stale: bool,
+) -> None:
     """The caller's anyio scope fired first; ``send``'s anyio task group, waiting for a
     child's graceful close, took that in, and the request's deadline cut a turn later
     reached it too: the group keeps a plain cancellation in place of anyio's, so only
     sdkcore's comes back. The request times out (its deadline did pass), and nothing
-    escapes the caller's scope (a review: a CancelledError escaped it)."""
+    escapes the caller's scope (a review: a CancelledError escaped it). Also when the task
+    took in a cancellation earlier and never took it back (``stale``): counted from the
+    scope's opening, that one is no plain ``Task.cancel()`` pending (a review)."""
     orchestrator = RetryOrchestrator()
+    task: Any = asyncio.current_task()
+    if stale:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):  # taken in, never taken back
+            await asyncio.sleep(SAFETY)
     request = Request(idempotent=True, timeout=0.05)
 
     async def child() -> None:
@@ -741,7 +751,11 @@ async def test_a_deadline_cut_a_task_group_kept_after_the_callers_scope_is_a_tim
             await asyncio.sleep(0)
         return "ok"
 
-    with anyio.fail_after(SAFETY), pytest.raises(TimeoutException):
-        with anyio.move_on_after(0.03):  # before the request's deadline
-            await orchestrator.execute(request, send)
+    try:
+        with anyio.fail_after(SAFETY), pytest.raises(TimeoutException):
+            with anyio.move_on_after(0.03):  # before the request's deadline
+                await orchestrator.execute(request, send)
+    finally:
+        if stale:
+            task.uncancel()
     assert request.cancellation_reason is CancellationReason.TIMEOUT

@@ -149,8 +149,10 @@ def _anyio_pending(task: Any) -> int:
     (as ``_request._scope_left``): without it there is no anyio scope.
     """
     backend = sys.modules.get("anyio._backends._asyncio")
-    states = getattr(backend, "_task_states", None)
-    state = None if states is None else states.get(task)
+    try:
+        state = getattr(backend, "_task_states", {}).get(task)
+    except Exception:  # an anyio that keeps them otherwise
+        return 0
     scope = getattr(state, "cancel_scope", None)
     total = 0
     for _ in range(1000):  # the task's scopes, innermost first (bounded all the same)
@@ -188,7 +190,7 @@ class Scope:
     anyio scopes' that the code took in, going on with the scope's alone (``_took_in``).
     """
 
-    __slots__ = ("_base", "_cuts", "_held", "_queued", "_sent", "_task", "fired", "open")
+    __slots__ = ("_anyio", "_base", "_cuts", "_held", "_queued", "_sent", "_task", "fired", "open")
 
     def __init__(self, deadline: float) -> None:
         task: Any = asyncio.current_task()
@@ -206,6 +208,8 @@ class Scope:
         # Of those, the cuts of sdkcore scopes around this one (looked up only when there
         # are any: a task being cancelled as the scope opens, a cleanup request).
         self._cuts = _CUTS.get(task, 0) if base else 0
+        # ... and anyio's scopes' (read the same way; see _took_in).
+        self._anyio = _anyio_pending(task) if base else 0
         # False until this scope calls Task.cancel() (from inside its code, it is sent
         # at the loop's next turn, see cancel()).
         self._sent = False
@@ -287,7 +291,9 @@ class Scope:
         """
         if _CUTS.get(task, 0) != self._cuts or not _alone(error):
             return False
-        return pending - self._cuts == _anyio_pending(task)
+        # Counted from the scope's opening, as exit() counts: one a task took in and never
+        # took back (no uncancel()) before the scope opened is neither (a review).
+        return pending - self._base == _anyio_pending(task) - self._anyio
 
     def cancelled_elsewhere(self) -> bool:
         """Whether the task was asked to cancel since the scope opened, not by the scope
