@@ -657,6 +657,11 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
                     in_flight = False
                 error = _scope_fired(self, request, exc, in_flight=in_flight)
                 raise error from _failing.cause(request)
+            if cut is None and scope.fired:
+                # Raised for the scope's cut, and the caller's own cancellation came in the
+                # same turn (exit did not take it for the scope's): the caller's, as
+                # execute raises it (_failed). It was lost, the error let out (a review).
+                cut = _failing.raised_for_cut(exc)
             if cut is not None:  # the block turned the caller's cancellation into this
                 error = cut
                 raise cut from None

@@ -759,3 +759,44 @@ async def test_a_deadline_cut_a_task_group_kept_after_the_callers_scope_is_a_tim
         if stale:
             task.uncancel()
     assert request.cancellation_reason is CancellationReason.TIMEOUT
+
+
+@pytest.mark.skipif(
+    sys.version_info < (3, 11), reason="3.10 cannot count a task's cancellations (rfc/0009)"
+)
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("door", ["execute", "attempt"])
+async def test_request_and_task_cancel_in_one_turn_turned_into_a_failure_is_the_cancellation(
+    door: str,
+) -> None:
+    """``Request.cancel()`` and the caller's ``Task.cancel()`` in one turn, and the block
+    turns the one cancellation it gets into a retryable failure: the caller's cancellation
+    goes on, on both doors (``attempt()`` let the failure out, and the task's
+    cancellation was lost; a review)."""
+    orchestrator = RetryOrchestrator()
+    request = Request(idempotent=True, timeout=SAFETY)
+    task: Any = asyncio.current_task()
+
+    def both() -> None:
+        request.cancel()  # the scope's cut first: no turn held
+        task.cancel()
+
+    async def send(r: Request) -> str:
+        asyncio.get_running_loop().call_soon(both)
+        try:
+            await asyncio.sleep(SAFETY)
+        except asyncio.CancelledError:
+            raise RetryableError(TEMP, "connection closed") from None
+        return "late"
+
+    async def through_door() -> None:
+        if door == "attempt":
+            with orchestrator.attempt(request):
+                await send(request)
+        else:
+            await orchestrator.execute(request, send)
+
+    with anyio.fail_after(SAFETY), pytest.raises(asyncio.CancelledError):
+        await through_door()
+    assert task.uncancel() == 0  # the caller's cancellation, taken back here
+    assert request.cancelled
