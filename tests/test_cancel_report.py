@@ -30,10 +30,10 @@ SAFETY = 10.0
 
 
 async def execute_then_cancel(
-    request: Request, send: Any, after: float
+    request: Request, send: Any, after: float, ready: anyio.Event | None = None
 ) -> tuple[RequestCanceledException, list[Any]]:
-    """``execute(request, send)`` in a task, ``request.cancel()`` after ``after`` seconds:
-    the exception the caller got, and the events."""
+    """``execute(request, send)`` in a task, ``request.cancel()`` after ``after`` seconds
+    (counted from ``ready``, when given): the exception the caller got, and the events."""
     caught: list[RequestCanceledException] = []
 
     async def run() -> None:
@@ -45,6 +45,8 @@ async def execute_then_cancel(
     with anyio.fail_after(SAFETY), capture_retry_events() as events:
         async with anyio.create_task_group() as tg:
             tg.start_soon(run)
+            if ready is not None:
+                await ready.wait()
             await anyio.sleep(after)
             request.cancel()
     assert len(caught) == 1
@@ -165,12 +167,28 @@ async def test_cancel_cuts_an_async_strategy_execute_is_waiting_for(deadline: fl
     assert request.retry_attempts == 0  # no retry was booked
 
 
-async def caller_cancels(request: Request, send: Any, after: float) -> list[Any]:
+async def caller_cancels(
+    request: Request, send: Any, after: float, ready: anyio.Event | None = None
+) -> list[Any]:
     """``execute(request, send)`` inside a cancel scope the caller cancels after ``after``
-    seconds (its own cancellation, not ``Request.cancel()``): the events."""
+    seconds (counted from ``ready``, when given; its own cancellation, not
+    ``Request.cancel()``): the events."""
     with anyio.fail_after(SAFETY), capture_retry_events() as events:
-        with anyio.move_on_after(after) as scope:
-            await RetryOrchestrator().execute(request, send)
+        if ready is None:
+            with anyio.move_on_after(after) as scope:
+                await RetryOrchestrator().execute(request, send)
+        else:
+            scope = anyio.CancelScope()
+
+            async def cancel_later() -> None:
+                await ready.wait()
+                await anyio.sleep(after)
+                scope.cancel()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cancel_later)
+                with scope:
+                    await RetryOrchestrator().execute(request, send)
         assert scope.cancelled_caught
     return events
 
@@ -304,21 +322,25 @@ async def test_an_attempt_cut_in_flight_is_reported_as_cut_not_as_the_failure_be
     """retry.cancelled gave the cut attempt 2 the reason and caused_by of attempt 1's
     KV_LOCKED (an operator's review): it was not locked, it was cut. As retry.timed_out
     reports an attempt its deadline cut: reason null, caused_by naming the cut, the
-    failure before it as previous_reason and previous_error."""
+    failure before it as previous_reason and previous_error. The cut comes once attempt 2
+    is in flight, however the loop stalls (a ~0.2 s pause in a full run once put it in
+    the backoff before attempt 2)."""
     request = Request(name="kv.replace", idempotent=False, timeout=5.0)
     sends = 0
+    second = anyio.Event()
 
     async def send(_: Request) -> None:
         nonlocal sends
         sends += 1
         if sends == 1:
             raise RetryableError(RetryReason.KV_LOCKED)  # the server applied nothing
+        second.set()
         await anyio.sleep_forever()
 
     if who == "the caller":
-        events = await caller_cancels(request, send, 0.05)
+        events = await caller_cancels(request, send, 0.01, second)
     else:
-        error, events = await execute_then_cancel(request, send, 0.05)
+        error, events = await execute_then_cancel(request, send, 0.01, second)
         assert error.context is not None
         assert error.context.reason is None  # the cut attempt's: it raised nothing
     assert sends == 2
