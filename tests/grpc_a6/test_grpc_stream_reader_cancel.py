@@ -20,13 +20,13 @@ from typing import Any
 
 import pytest
 
-grpc = pytest.importorskip("grpc")
-from grpc import aio  # noqa: E402
+pytest.importorskip("grpc")
+from grpc_server import Server
 
-from sdkcore.grpc import insecure_channel  # noqa: E402
+from sdkcore.grpc import insecure_channel
 
 CONFIG = (
-    '{"methodConfig": [{"name": [{"service": "race.Svc"}], "retryPolicy": {"maxAttempts": 3,'
+    '{"methodConfig": [{"name": [{"service": "test.Svc"}], "retryPolicy": {"maxAttempts": 3,'
     ' "initialBackoff": "0.01s", "maxBackoff": "0.01s", "backoffMultiplier": 2,'
     ' "retryableStatusCodes": ["UNAVAILABLE"]}}]}'
 )
@@ -36,12 +36,12 @@ CONFIG = (
 @pytest.mark.xfail(
     strict=True, reason="rfc/0003: streaming shapes go through grpc.aio's interceptor task"
 )
-async def test_a_stream_whose_reader_is_cancelled_as_the_call_is_handed_over_is_cancelled() -> None:
-    started: list[bool] = []
+async def test_a_stream_whose_reader_is_cancelled_as_the_call_is_handed_over_is_cancelled(
+    server: Server,
+) -> None:
     cancelled: list[bool] = []
 
-    async def handler(request: bytes, context: Any) -> AsyncIterator[bytes]:
-        started.append(True)
+    async def hang(request: bytes, context: Any, n: int) -> AsyncIterator[bytes]:
         try:
             await asyncio.sleep(30)
         except asyncio.CancelledError:
@@ -49,34 +49,24 @@ async def test_a_stream_whose_reader_is_cancelled_as_the_call_is_handed_over_is_
             raise
         yield b""
 
-    class Generic(grpc.GenericRpcHandler):  # type: ignore[misc,name-defined,unused-ignore]
-        def service(self, details: Any) -> Any:
-            return grpc.unary_stream_rpc_method_handler(handler)
+    name = server.unary_stream("S", hang)
+    async with insecure_channel(server.target, service_config=CONFIG) as channel:
+        method = channel.unary_stream(name)
+        loop = asyncio.get_running_loop()
 
-    server = aio.server()
-    server.add_generic_rpc_handlers((Generic(),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with insecure_channel(f"127.0.0.1:{port}", service_config=CONFIG) as channel:
-            method = channel.unary_stream("/race.Svc/S")
-            loop = asyncio.get_running_loop()
+        async def reader() -> list[bytes]:
+            call = method(b"x")
+            # Runs right after the interceptor task's step, before this task's next: the
+            # task is cancelled at the await of a task that just completed.
+            loop.call_soon(asyncio.current_task().cancel)  # type: ignore[union-attr]
+            return [m async for m in call]
 
-            async def reader() -> list[bytes]:
-                call = method(b"x")
-                # Runs right after the interceptor task's step, before this task's next:
-                # the task is cancelled at the await of a task that just completed.
-                loop.call_soon(asyncio.current_task().cancel)  # type: ignore[union-attr]
-                return [m async for m in call]
-
-            task = loop.create_task(reader())
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            for _ in range(200):  # until the server has seen the attempt end (2 s at most)
-                if started and cancelled:
-                    break
-                await asyncio.sleep(0.01)
-            assert started == [True]  # the interleaving was forced: the RPC went out
-            assert cancelled == [True]  # ... and was cancelled with its reader
-    finally:
-        await server.stop(None)
+        task = loop.create_task(reader())
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):  # until the server has seen the attempt end (2 s at most)
+            if server.count("S") and cancelled:
+                break
+            await asyncio.sleep(0.01)
+        assert server.count("S") == 1  # the interleaving was forced: the RPC went out
+        assert cancelled == [True]  # ... and was cancelled with its reader
