@@ -377,6 +377,38 @@ async def test_execute_request_cancel_in_the_backoff_keeps_the_failure_as_cause(
 
 # -- the caller's anyio scope and the request's own cut in one turn (asyncio) ------------------
 
+#: asyncio only (a task's cancel messages and counts), on Python 3.11+ (3.10 cannot count
+#: a task's cancellations).
+COUNTING_ASYNCIO = pytest.mark.parametrize(
+    "anyio_backend",
+    [
+        pytest.param(
+            "asyncio",
+            marks=pytest.mark.skipif(
+                sys.version_info < (3, 11),
+                reason="3.10 cannot count a task's cancellations (rfc/0009)",
+            ),
+        )
+    ],
+)
+
+
+async def _cleanup_takes_in(r: Request, raises: str = "the cut") -> str:
+    """A ``send`` the request's deadline cuts; its cleanup, cut in turn by the next
+    cancellation, takes that one in (as anyio's task group does), then raises ``raises``
+    for the deadline's cut: the cut itself, a retryable failure, or a connection error."""
+    try:
+        await asyncio.sleep(SAFETY)  # cut by the request's deadline
+    except asyncio.CancelledError:
+        with contextlib.suppress(asyncio.CancelledError):  # taken in
+            await asyncio.sleep(SAFETY)  # a cleanup, cut by the next cancellation
+        if raises == "a retryable failure":
+            raise RetryableError(TEMP, "cut") from None
+        if raises == "a connection error":
+            raise ConnectionResetError("cut") from None
+        raise
+    return "late"
+
 
 def _cut_both_soon(outer: anyio.CancelScope, request: Request) -> None:
     """In the loop's next callback, before the task's own next step: the caller's scope
@@ -390,10 +422,7 @@ def _cut_both_soon(outer: anyio.CancelScope, request: Request) -> None:
     asyncio.get_running_loop().call_soon(both)
 
 
-@pytest.mark.skipif(
-    sys.version_info < (3, 11), reason="3.10 cannot count a task's cancellations (rfc/0009)"
-)
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@COUNTING_ASYNCIO
 @pytest.mark.parametrize("door", ["execute", "attempt", "hedge", "limiter"])
 async def test_the_callers_scope_cancelled_in_the_turn_of_request_cancel_catches_its_own(
     door: str,
@@ -443,10 +472,7 @@ async def test_the_callers_scope_cancelled_in_the_turn_of_request_cancel_catches
     assert limiter.in_flight == 0
 
 
-@pytest.mark.skipif(
-    sys.version_info < (3, 11), reason="3.10 cannot count a task's cancellations (rfc/0009)"
-)
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@COUNTING_ASYNCIO
 async def test_request_cancel_held_off_by_a_cancellation_the_send_takes_back_still_cuts() -> None:
     """Request.cancel() in the turn of another cancellation of the task leaves the cut to
     that one; a send that takes it back (``Task.uncancel()``) and runs on is still cut,
@@ -476,10 +502,7 @@ async def test_request_cancel_held_off_by_a_cancellation_the_send_takes_back_sti
     assert request.cancelled
 
 
-@pytest.mark.skipif(
-    sys.version_info < (3, 11), reason="3.10 cannot count a task's cancellations (rfc/0009)"
-)
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@COUNTING_ASYNCIO
 @pytest.mark.parametrize("door", ["execute", "attempt"])
 async def test_request_cancel_in_the_turn_an_inner_request_is_cut_still_cuts_the_outer(
     door: str,
@@ -519,10 +542,7 @@ async def test_request_cancel_in_the_turn_an_inner_request_is_cut_still_cuts_the
     assert inner.cancelled
 
 
-@pytest.mark.skipif(
-    sys.version_info < (3, 11), reason="3.10 cannot count a task's cancellations (rfc/0009)"
-)
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@COUNTING_ASYNCIO
 async def test_the_deadline_still_cuts_a_cleanup_the_callers_cancellation_started() -> None:
     """The scope waits one turn for a cancellation from elsewhere, not for as long as
     the task is being cancelled: the caller's ``asyncio.timeout`` reached ``send``,
@@ -543,10 +563,7 @@ async def test_the_deadline_still_cuts_a_cleanup_the_callers_cancellation_starte
             await orchestrator.execute(Request(idempotent=True, timeout=0.1), send)
 
 
-@pytest.mark.skipif(
-    sys.version_info < (3, 11), reason="3.10 cannot count a task's cancellations (rfc/0009)"
-)
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@COUNTING_ASYNCIO
 async def test_a_cleanup_request_cut_in_the_turn_of_the_callers_scope_leaves_it_the_cut() -> None:
     """A request made while another request's cut is still pending on the task (a
     cleanup in ``send``'s ``except CancelledError``) counts that cut as sdkcore's, not as
@@ -577,10 +594,7 @@ async def test_a_cleanup_request_cut_in_the_turn_of_the_callers_scope_leaves_it_
     assert cleanup.cancelled
 
 
-@pytest.mark.skipif(
-    sys.version_info < (3, 11), reason="3.10 cannot count a task's cancellations (rfc/0009)"
-)
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@COUNTING_ASYNCIO
 @pytest.mark.parametrize("raises", ["the cut", "a retryable failure", "a connection error"])
 async def test_a_callers_cancellation_taken_in_after_the_deadline_lets_the_timeout_out(
     raises: str,
@@ -595,17 +609,7 @@ async def test_a_callers_cancellation_taken_in_after_the_deadline_lets_the_timeo
     request = Request(idempotent=True, timeout=0.05)
 
     async def send(r: Request) -> str:
-        try:
-            await asyncio.sleep(SAFETY)  # cut by the request's deadline
-        except asyncio.CancelledError:
-            with contextlib.suppress(asyncio.CancelledError):  # taken in
-                await asyncio.sleep(SAFETY)  # a cleanup, cut by the caller's scope
-            if raises == "a retryable failure":
-                raise RetryableError(TEMP, "cut") from None
-            if raises == "a connection error":
-                raise ConnectionResetError("cut") from None
-            raise
-        return "late"
+        return await _cleanup_takes_in(r, raises)
 
     with anyio.fail_after(SAFETY), pytest.raises(TimeoutException):
         with anyio.move_on_after(0.1) as caller:
@@ -614,10 +618,7 @@ async def test_a_callers_cancellation_taken_in_after_the_deadline_lets_the_timeo
     assert request.cancellation_reason is CancellationReason.TIMEOUT
 
 
-@pytest.mark.skipif(
-    sys.version_info < (3, 11), reason="3.10 cannot count a task's cancellations (rfc/0009)"
-)
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@COUNTING_ASYNCIO
 async def test_a_callers_cancellation_taken_in_by_an_inner_request_times_the_outer_out() -> None:
     """As above, with an inner request inheriting the outer's deadline: both scopes cut in
     one turn, and the inner one, the outer's cut still pending, lets it through; the outer
@@ -626,18 +627,9 @@ async def test_a_callers_cancellation_taken_in_by_an_inner_request_times_the_out
     orchestrator = RetryOrchestrator()
     outer = Request(idempotent=True, timeout=0.05)
 
-    async def inner_send(r: Request) -> str:
-        try:
-            await asyncio.sleep(SAFETY)
-        except asyncio.CancelledError:
-            with contextlib.suppress(asyncio.CancelledError):  # taken in
-                await asyncio.sleep(SAFETY)  # a cleanup, cut by the caller's scope
-            raise
-        return "late"
-
     async def send(r: Request) -> str:
         inner = Request(idempotent=True)  # made in send: the outer's deadline is its own
-        return await orchestrator.execute(inner, inner_send)
+        return await orchestrator.execute(inner, _cleanup_takes_in)
 
     with anyio.fail_after(SAFETY), pytest.raises(TimeoutException) as caught:
         with anyio.move_on_after(0.1):
@@ -647,10 +639,7 @@ async def test_a_callers_cancellation_taken_in_by_an_inner_request_times_the_out
     assert outer.cancellation_reason is CancellationReason.TIMEOUT
 
 
-@pytest.mark.skipif(
-    sys.version_info < (3, 11), reason="3.10 cannot count a task's cancellations (rfc/0009)"
-)
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@COUNTING_ASYNCIO
 async def test_a_task_cancel_taken_in_after_the_deadline_still_cancels_the_caller() -> None:
     """As above, but the caller's cancellation is a plain ``Task.cancel()``, which nobody
     asks twice: the request's scope lets the cancellation through as the caller's, not
@@ -658,28 +647,16 @@ async def test_a_task_cancel_taken_in_after_the_deadline_still_cancels_the_calle
     orchestrator = RetryOrchestrator()
     task: Any = asyncio.current_task()
 
-    async def send(r: Request) -> str:
-        try:
-            await asyncio.sleep(SAFETY)  # cut by the request's deadline
-        except asyncio.CancelledError:
-            with contextlib.suppress(asyncio.CancelledError):  # taken in
-                await asyncio.sleep(SAFETY)  # a cleanup, cut by task.cancel() below
-            raise
-        return "late"
-
     handle = asyncio.get_running_loop().call_later(0.1, task.cancel)
     try:
         with anyio.fail_after(SAFETY), pytest.raises(asyncio.CancelledError):
-            await orchestrator.execute(Request(idempotent=True, timeout=0.05), send)
+            await orchestrator.execute(Request(idempotent=True, timeout=0.05), _cleanup_takes_in)
     finally:
         handle.cancel()
     assert task.uncancel() == 0  # the caller's cancellation, taken back here
 
 
-@pytest.mark.skipif(
-    sys.version_info < (3, 11), reason="3.10 cannot count a task's cancellations (rfc/0009)"
-)
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@COUNTING_ASYNCIO
 @pytest.mark.parametrize("first", ["the anyio scope", "Task.cancel()"])
 async def test_a_task_cancel_taken_in_beside_an_anyio_scope_still_cancels_the_caller(
     first: str,
@@ -691,15 +668,6 @@ async def test_a_task_cancel_taken_in_beside_an_anyio_scope_still_cancels_the_ca
     orchestrator = RetryOrchestrator()
     task: Any = asyncio.current_task()
 
-    async def send(r: Request) -> str:
-        try:
-            await asyncio.sleep(SAFETY)  # cut by the request's deadline
-        except asyncio.CancelledError:
-            with contextlib.suppress(asyncio.CancelledError):  # taken in
-                await asyncio.sleep(SAFETY)  # a cleanup, cut by both below
-            raise
-        return "late"
-
     with anyio.fail_after(SAFETY):
         with anyio.CancelScope() as caller:
             both = [caller.cancel, task.cancel]
@@ -708,16 +676,15 @@ async def test_a_task_cancel_taken_in_beside_an_anyio_scope_still_cancels_the_ca
             handle = asyncio.get_running_loop().call_later(0.1, lambda: [f() for f in both])
             try:
                 with pytest.raises(asyncio.CancelledError):
-                    await orchestrator.execute(Request(idempotent=True, timeout=0.05), send)
+                    await orchestrator.execute(
+                        Request(idempotent=True, timeout=0.05), _cleanup_takes_in
+                    )
             finally:
                 handle.cancel()
     assert task.uncancel() == 0  # the plain cancellation, taken back here
 
 
-@pytest.mark.skipif(
-    sys.version_info < (3, 11), reason="3.10 cannot count a task's cancellations (rfc/0009)"
-)
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@COUNTING_ASYNCIO
 @pytest.mark.parametrize("stale", [False, True])
 async def test_a_deadline_cut_a_task_group_kept_after_the_callers_scope_is_a_timeout(
     stale: bool,
@@ -761,10 +728,7 @@ async def test_a_deadline_cut_a_task_group_kept_after_the_callers_scope_is_a_tim
     assert request.cancellation_reason is CancellationReason.TIMEOUT
 
 
-@pytest.mark.skipif(
-    sys.version_info < (3, 11), reason="3.10 cannot count a task's cancellations (rfc/0009)"
-)
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@COUNTING_ASYNCIO
 @pytest.mark.parametrize("door", ["execute", "attempt"])
 async def test_request_and_task_cancel_in_one_turn_turned_into_a_failure_is_the_cancellation(
     door: str,
