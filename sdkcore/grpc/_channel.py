@@ -24,13 +24,15 @@ from ._interceptors import (
     DEFAULT_CHANNEL_BUFFER_LIMIT,
     DEFAULT_PER_CALL_BUFFER_LIMIT,
     RetryController,
-    RetryStreamStreamInterceptor,
-    RetryStreamUnaryInterceptor,
-    RetryUnaryStreamInterceptor,
 )
 from ._policy import BackoffJitter
 from ._service_config import DEFAULT_MAX_ATTEMPTS_CAP, ServiceConfig
 from ._stats import RetryStats
+from ._streaming import (
+    StreamStreamMultiCallable,
+    StreamUnaryMultiCallable,
+    UnaryStreamMultiCallable,
+)
 from ._unary import (
     BoundedMultiCallable,
     DirectMultiCallable,
@@ -44,16 +46,17 @@ _controllers: weakref.WeakKeyDictionary[Any, RetryController] = weakref.WeakKeyD
 
 
 class _Channel(_aio_channel.Channel):  # type: ignore[misc]
-    """A grpc.aio channel whose unary-unary calls sdkcore drives directly.
+    """A grpc.aio channel whose calls sdkcore drives directly, every call shape.
 
-    A retried or hedged unary-unary method gets sdkcore's multi-callable around
-    grpc.aio's own (the application's interceptors run inside, once per attempt); a
-    method with no plan gets grpc.aio's multi-callable behind a thin one that only
-    bounds the timeout of a call made inside an sdkcore request's send by that
-    request's time left. The streaming shapes go through sdkcore's interceptors,
-    first in the chain. The channel's limiter and throttle wrap grpc.aio's unary-unary
-    multi-callable (``GatedMultiCallable``) and the streaming interceptors'
-    continuation (``GatedContinuation``): every attempt of every shape (rfc/0009).
+    A retried or hedged method gets sdkcore's multi-callable around grpc.aio's own (the
+    application's interceptors run inside, once per attempt), and the application holds
+    sdkcore's call object itself: no interceptor task stands between them (with one, a
+    cancellation of the reading task in the turn that task ended reached no call: the
+    RPC ran on; rfc/0003). A unary-unary method with no plan gets grpc.aio's
+    multi-callable behind a thin one that only bounds the timeout of a call made inside
+    an sdkcore request's send by that request's time left (a streaming method's
+    multi-callable does the same). The channel's limiter and throttle wrap grpc.aio's
+    multi-callables (``GatedMultiCallable``): every attempt of every shape (rfc/0009).
     Measured in bench/bench_grpc_cpu.py.
 
     ``close()`` (and ``async with``) also cancel the calls waiting between attempts,
@@ -70,13 +73,7 @@ class _Channel(_aio_channel.Channel):  # type: ignore[misc]
         compression: grpc.Compression | None,
         interceptors: Sequence[aio.ClientInterceptor],
     ) -> None:
-        chain = [
-            RetryUnaryStreamInterceptor(controller),
-            RetryStreamUnaryInterceptor(controller),
-            RetryStreamStreamInterceptor(controller),
-            *interceptors,
-        ]
-        super().__init__(target, options, credentials, compression, chain)
+        super().__init__(target, options, credentials, compression, list(interceptors))
         self._sdkcore = controller
 
     def unary_unary(
@@ -109,7 +106,6 @@ class _Channel(_aio_channel.Channel):  # type: ignore[misc]
             return FirstAttemptMultiCallable(core, plan, inner, method)
         return DirectMultiCallable(core, plan, inner, method)
 
-    # The streaming shapes only note a generated stub's methods (A66 grpc.method).
     def unary_stream(
         self,
         method: str,
@@ -118,9 +114,10 @@ class _Channel(_aio_channel.Channel):  # type: ignore[misc]
         _registered_method: bool | None = False,
     ) -> Any:
         self._registered(method, _registered_method)
-        return super().unary_stream(
+        inner = super().unary_stream(
             method, request_serializer, response_deserializer, _registered_method
         )
+        return UnaryStreamMultiCallable(self._sdkcore, inner, method)
 
     def stream_unary(
         self,
@@ -130,9 +127,10 @@ class _Channel(_aio_channel.Channel):  # type: ignore[misc]
         _registered_method: bool | None = False,
     ) -> Any:
         self._registered(method, _registered_method)
-        return super().stream_unary(
+        inner = super().stream_unary(
             method, request_serializer, response_deserializer, _registered_method
         )
+        return StreamUnaryMultiCallable(self._sdkcore, inner, method)
 
     def stream_stream(
         self,
@@ -142,9 +140,10 @@ class _Channel(_aio_channel.Channel):  # type: ignore[misc]
         _registered_method: bool | None = False,
     ) -> Any:
         self._registered(method, _registered_method)
-        return super().stream_stream(
+        inner = super().stream_stream(
             method, request_serializer, response_deserializer, _registered_method
         )
+        return StreamStreamMultiCallable(self._sdkcore, inner, method)
 
     def _registered(self, method: str, registered: bool | None) -> None:
         tel = self._sdkcore._tel

@@ -8,10 +8,11 @@ shape, takes a permit first and gives it back when grpc.aio's call for the attem
 done (answered, failed, cancelled, its deadline reached or its channel closed; for a
 stream: its status known). Two wrappers apply it, one rule:
 
-* :class:`GatedMultiCallable` wraps the channel helper's unary-unary multi-callable;
+* :class:`GatedMultiCallable` wraps the channel helpers' grpc.aio multi-callables, of
+  every shape (sdkcore drives their calls directly);
 * :class:`GatedContinuation` wraps the continuation sdkcore's interceptors call for
-  each attempt: the three streaming shapes, and every shape on a channel built by hand
-  with ``RetryController.interceptors()``.
+  each attempt: every shape on a channel built by hand with
+  ``RetryController.interceptors()``.
 
 A refusal sends nothing: the attempt is a finished call of its shape that failed
 UNAVAILABLE with :class:`LocalRefusal` as its error, which the retry loop treats as
@@ -272,10 +273,11 @@ def _refusal(exc: BaseException) -> LocalRefusal:
 
 
 class GatedMultiCallable:
-    """grpc.aio's unary-unary multi-callable ``inner`` with the channel's :class:`Gate`
-    around every call it makes (each one attempt of sdkcore's).
+    """grpc.aio's multi-callable ``inner`` (any call shape) with the channel's
+    :class:`Gate` around every call it makes (each one attempt of sdkcore's, or a call
+    sdkcore does not retry).
 
-    ``refused``: the call class a refusal is made into (a hedge opened as a
+    ``refused``: the call class of the shape a refusal is made into (a hedge opened as a
     unary-stream call passes :class:`RefusedUnaryStreamCall`, sdkcore._hedging).
     """
 
@@ -299,11 +301,7 @@ class GatedMultiCallable:
         except BaseException as exc:  # nothing sent (a closed channel's UsageError)
             Gate.exit(held, exc)
             raise
-
-        def done(finished: Any) -> None:
-            Gate.exit(held, _ended(finished))
-
-        call.add_done_callback(done)
+        _hold(held, call)
         return call
 
 

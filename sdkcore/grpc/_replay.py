@@ -38,7 +38,9 @@ class _ReplayBuffer:
     ahead of the furthest any attempt has sent (``sent``).
     """
 
-    def __init__(self, c: _Call, source: Any) -> None:
+    def __init__(self, c: _Call, source: Any, *, writes: bool = False) -> None:
+        """``writes``: ``source`` is the ``write()`` API's stream (read as :func:`_writes`
+        says grpc.aio's is)."""
         self.c = c
         self.items: list[Any] = []
         self.base = 0  # absolute index of items[0]
@@ -54,7 +56,7 @@ class _ReplayBuffer:
         #: count itself: see _wait_for_room).
         self.room = asyncio.Event()
         self.source = source
-        self.bounded = not _writes(source)
+        self.bounded = not (writes or _writes(source))
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:

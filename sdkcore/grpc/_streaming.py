@@ -2,6 +2,12 @@
 
 A response-streaming call commits on its first response headers or message; a
 request-streaming call replays its buffered messages (``_replay``) on each attempt.
+
+On the channel helpers' channels the application gets sdkcore's call object itself
+(the multi-callables at the end of this module: no grpc.aio interceptor task between
+the application and the call; each attempt is a call of grpc.aio's own multi-callable,
+the application's interceptors inside); on a channel built by hand with
+``RetryController.interceptors()``, grpc.aio's interceptor wrapper holds it.
 """
 
 from __future__ import annotations
@@ -16,8 +22,15 @@ from grpc.aio import _base_call
 
 from .._context import AttemptEffect
 from .._request import RequestState, dispatching
-from ._call import _Call, _TracedCall, outer_details
+from ._call import _Call, _TracedCall, outer_details, within_outer
 from ._controller import _Controller, channel_closed_error
+from ._gate import (
+    GatedMultiCallable,
+    RefusedCall,
+    RefusedStreamStreamCall,
+    RefusedStreamUnaryCall,
+    RefusedUnaryStreamCall,
+)
 from ._metadata import _client_trailing
 from ._peer_status import PeerStatus, error_of, is_ok, stand_in_error, watch
 from ._policy import PUSHBACK_KEY, costs_token, parse_pushback, time_out_at_deadline
@@ -27,6 +40,7 @@ __all__: list[str] = []
 
 _EOF = aio.EOF
 _OK = grpc.StatusCode.OK
+_CANCELLED = grpc.StatusCode.CANCELLED
 
 
 class _Outcome:
@@ -73,17 +87,20 @@ class _RetryingCall:
         request_streaming: bool,
         response_streaming: bool,
         size: int = 0,
+        writes: _WriteStream | None = None,
     ) -> None:
         """``size``: a unary request's bytes (``core.message_size``), read before ``c``
-        was made."""
+        was made. ``writes``: the ``write()`` API's stream, ``request`` its messages (the
+        direct path's request-streaming calls made without a request iterator)."""
         self._c = c
         #: grpc.aio's continuation, until the attempts are over (see _driver_done).
         self._continuation: Callable[..., Any] | None = continuation
         self._request = request
         self._response_streaming = response_streaming
         self._replay: _ReplayBuffer | None = None
+        self._writes = writes
         if request_streaming:
-            self._replay = _ReplayBuffer(c, request)
+            self._replay = _ReplayBuffer(c, request, writes=writes is not None)
             self._replay.start()
         elif c.strategy.policy is not None:
             c.buffer_unary(size)
@@ -278,7 +295,11 @@ class _RetryingCall:
         """How a committed call ended, for the request, throttler and stats (once per call)."""
         if not self._accounted:
             self._accounted = True
-            _account_end(self._c, code, trailing, error, self._cancelled)
+            c = self._c
+            # A close() of the channel cancels the committed attempt, not this object
+            # (grpc.aio tracks the attempt): the application's cancellation all the same.
+            cancelled = self._cancelled or (code is _CANCELLED and c.core._closing)
+            _account_end(c, code, trailing, error, cancelled)
 
     def _driver_done(self, task: asyncio.Task[_Outcome]) -> None:
         # No attempt follows: let go of grpc.aio's continuation. It is bound to grpc's
@@ -603,3 +624,233 @@ async def streaming_call(
         response_streaming=response_streaming,
         size=size,
     )
+
+
+# -- the direct path (the channel helpers' channels) -------------------------------------
+#: grpc.aio's messages for a misused write() API (``grpc.aio._call``), word for word.
+_API_STYLE_ERROR = "The iterator and read/write APIs may not be mixed on a single RPC."
+_FINISHED = "RPC already finished."
+_HALF_CLOSED = 'RPC is half closed after calling "done_writing".'
+_END_OF_WRITES = object()
+
+
+class _WriteStream:
+    """The ``write()`` API of a request-streaming call on the direct path, as grpc.aio's
+    interceptor wrapper runs it: each ``write()`` puts one message into a one-place queue
+    that the call's request stream (:meth:`messages`) reads, and waits until it is taken
+    or the call ends; ``done_writing()`` ends the stream. The replay buffer reads this
+    stream at once until the call commits (``_ReplayBuffer(writes=True)``)."""
+
+    __slots__ = ("closed", "ended", "queue")
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=1)
+        #: done_writing() was called: a write() after it is refused, never dropped.
+        self.closed = False
+        #: The call's ``code()``, awaited by the first write: a write waits for it or room.
+        self.ended: asyncio.Task[Any] | None = None
+
+    async def messages(self) -> AsyncIterator[Any]:
+        queue = self.queue
+        while True:
+            message = await queue.get()
+            if message is _END_OF_WRITES:
+                return
+            yield message
+
+    async def put(self, item: Any, call: _RetryingCall) -> None:
+        """Put ``item`` in the queue, or give up when ``call`` ends first."""
+        ended = self.ended
+        if ended is None:
+            ended = self.ended = asyncio.get_running_loop().create_task(call.code())
+        put = asyncio.ensure_future(self.queue.put(item))
+        try:
+            await asyncio.wait((put, ended), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not put.done():  # the call ended first: the message is not taken
+                put.cancel()
+
+
+class _DirectWrites(_RetryingCall):
+    """A request-streaming call the application holds itself (the direct path): its
+    ``write()``/``done_writing()``, with grpc.aio's errors for a misuse."""
+
+    async def write(self, request: Any) -> None:
+        writes = self._writes
+        if writes is None:  # made with a request iterator
+            raise aio.UsageError(_API_STYLE_ERROR)
+        if self.done():
+            raise asyncio.InvalidStateError(_FINISHED)
+        if writes.closed:
+            raise asyncio.InvalidStateError(_HALF_CLOSED)
+        await writes.put(request, self)
+        if self.done():
+            raise asyncio.InvalidStateError(_FINISHED)
+
+    async def done_writing(self) -> None:
+        """Half-close the call's request stream (once; a repeat does nothing)."""
+        writes = self._writes
+        if writes is None:
+            raise aio.UsageError(_API_STYLE_ERROR)
+        if writes.closed:
+            return
+        writes.closed = True
+        await writes.put(_END_OF_WRITES, self)
+
+
+class _DirectStreamUnaryCall(_DirectWrites, _base_call.StreamUnaryCall):  # type: ignore[misc]
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._final_response()
+
+
+class _DirectStreamStreamCall(_DirectWrites, _base_call.StreamStreamCall):  # type: ignore[misc]
+    pass
+
+
+class _Attempts:
+    """grpc.aio's multi-callable as the attempt loop's continuation: each attempt one
+    call of it, with the attempt's details (time left, previous-attempts header)."""
+
+    __slots__ = ("_compression", "_inner")
+
+    def __init__(self, inner: Any, compression: Any) -> None:
+        self._inner = inner
+        self._compression = compression
+
+    async def __call__(self, details: Any, request: Any) -> Any:
+        return self._inner(
+            request,
+            timeout=details.timeout,
+            metadata=details.metadata,
+            credentials=details.credentials,
+            wait_for_ready=details.wait_for_ready,
+            compression=self._compression,
+        )
+
+
+class _StreamingMultiCallable:
+    """A streaming method's multi-callable on an sdkcore channel.
+
+    A call on a method with a plan is sdkcore's own call object, returned to the
+    application as is; each attempt is a call of grpc.aio's multi-callable ``inner``
+    (with the channel's gate around it). A method with no plan, or a closing channel,
+    gets grpc.aio's own call, bounded by an outer request's time left.
+    """
+
+    _call_class: type[_RetryingCall]
+    _refused: type[RefusedCall]
+    _request_streaming = False
+    _response_streaming = True
+
+    def __init__(self, core: _Controller, inner: Any, method: Any) -> None:
+        self._core = core
+        self._inner = (
+            inner if core.gate is None else GatedMultiCallable(core.gate, inner, self._refused)
+        )
+        self._method = method
+
+    def _call(
+        self,
+        request: Any,
+        timeout: float | None,
+        metadata: Any,
+        credentials: Any,
+        wait_for_ready: bool | None,
+        compression: Any,
+    ) -> Any:
+        core = self._core
+        if core._draining:
+            raise channel_closed_error()  # close(grace) waits for sdkcore's calls: no new one
+        plan = core.plan(self._method)
+        if plan is None or core._closing:  # closing: grpc.aio's own call refuses it
+            outer = dispatching()
+            if outer is not None:  # made inside a request's send: never outlive it
+                timeout = within_outer(outer, timeout)
+            return self._inner(
+                request,
+                timeout=timeout,
+                metadata=metadata,
+                credentials=credentials,
+                wait_for_ready=wait_for_ready,
+                compression=compression,
+            )
+        size = 0
+        writes = None
+        if self._request_streaming:
+            if request is None:  # the write() API
+                writes = _WriteStream()
+                request = writes.messages()
+        elif plan.strategy.policy is not None:
+            size = core.message_size(request)  # may raise: before the call's state is made
+        state = _Call if core._tel is None else _TracedCall
+        return self._call_class(
+            state(core, plan, self._method, timeout, metadata, credentials, wait_for_ready),
+            _Attempts(self._inner, compression),
+            request,
+            request_streaming=self._request_streaming,
+            response_streaming=self._response_streaming,
+            size=size,
+            writes=writes,
+        )
+
+
+class UnaryStreamMultiCallable(_StreamingMultiCallable, aio.UnaryStreamMultiCallable):  # type: ignore[misc]
+    """A server-streaming method on an sdkcore channel."""
+
+    _call_class = _RetryingUnaryStreamCall
+    _refused = RefusedUnaryStreamCall
+
+    def __call__(
+        self,
+        request: Any,
+        *,
+        timeout: float | None = None,
+        metadata: Any = None,
+        credentials: Any = None,
+        wait_for_ready: bool | None = None,
+        compression: Any = None,
+    ) -> Any:
+        return self._call(request, timeout, metadata, credentials, wait_for_ready, compression)
+
+
+class StreamUnaryMultiCallable(_StreamingMultiCallable, aio.StreamUnaryMultiCallable):  # type: ignore[misc]
+    """A client-streaming method on an sdkcore channel."""
+
+    _call_class = _DirectStreamUnaryCall
+    _refused = RefusedStreamUnaryCall
+    _request_streaming = True
+    _response_streaming = False
+
+    def __call__(
+        self,
+        request_iterator: Any = None,
+        timeout: float | None = None,
+        metadata: Any = None,
+        credentials: Any = None,
+        wait_for_ready: bool | None = None,
+        compression: Any = None,
+    ) -> Any:
+        return self._call(
+            request_iterator, timeout, metadata, credentials, wait_for_ready, compression
+        )
+
+
+class StreamStreamMultiCallable(_StreamingMultiCallable, aio.StreamStreamMultiCallable):  # type: ignore[misc]
+    """A bidirectional-streaming method on an sdkcore channel."""
+
+    _call_class = _DirectStreamStreamCall
+    _refused = RefusedStreamStreamCall
+    _request_streaming = True
+
+    def __call__(
+        self,
+        request_iterator: Any = None,
+        timeout: float | None = None,
+        metadata: Any = None,
+        credentials: Any = None,
+        wait_for_ready: bool | None = None,
+        compression: Any = None,
+    ) -> Any:
+        return self._call(
+            request_iterator, timeout, metadata, credentials, wait_for_ready, compression
+        )

@@ -268,8 +268,8 @@ async def test_new_calls_during_a_grace_are_refused_as_grpc_aio_refuses_them(
 ) -> None:
     """While ``close(grace)`` waits for a retrying call, grpc.aio's channel is still open:
     every new call (a retried method, one without a plan, each streaming shape) is refused
-    with grpc.aio's ``UsageError("Channel is closed.")`` all the same, and nothing reaches
-    the server."""
+    with grpc.aio's ``UsageError("Channel is closed.")`` all the same, when it is made (as
+    plain grpc.aio refuses a call on a closed channel), and nothing reaches the server."""
     method = server.unary_unary("M", fail_first_then_ok())
     plain = server.unary_unary("Plain", ok())
     streams = streaming_methods(server)
@@ -291,10 +291,10 @@ async def test_new_calls_during_a_grace_are_refused_as_grpc_aio_refuses_them(
             target = plain if name == "Plain" else name
             with pytest.raises(aio.UsageError, match="Channel is closed"):
                 ch.unary_unary(target)(b"x")
-        for shape, make in streams.items():
-            stream_call = make(ch)
+        for make in streams.values():
+            # Refused at the call, as plain grpc.aio refuses every shape on a closed channel
             with pytest.raises(aio.UsageError, match="Channel is closed"):
-                await (stream_call if shape == "SU" else stream_call.read())
+                make(ch)
         assert await call == b"ok"  # the call made before the close is retried
         await closing
     assert (server.count("M"), server.count("Plain")) == (2, 0)
@@ -536,9 +536,9 @@ async def test_the_channel_waits_for_no_call_once_they_are_over(server: Server) 
 
 
 async def test_a_streaming_call_made_a_turn_before_close_grace_is_served(server: Server) -> None:
-    """A streaming call made a loop turn before ``close(grace)``: sdkcore's interceptor had
-    let it in, but its first attempt (made by its own task a turn later) was refused as if
-    it were new. It goes out within the grace now, as with grpc.aio (a review's repro)."""
+    """A streaming call made just before ``close(grace)``: the channel had let it in, but its
+    first attempt (made by its own task a turn later) was refused as if it were new. It
+    goes out within the grace now, as with grpc.aio (a review's repro)."""
 
     async def one(request: Any, context: Any, attempt: int) -> AsyncIterator[bytes]:
         yield b"a"
@@ -549,8 +549,8 @@ async def test_a_streaming_call_made_a_turn_before_close_grace_is_served(server:
         ch = insecure_channel(server.target, service_config=retry_config())
         keep = asyncio.ensure_future(outcome(ch.unary_unary(slow)(b"x")))  # the close waits
         await wait_until(lambda: server.count("Slow") == 1)
+        # made now; its attempt task runs its first step after close(grace) began
         reader = asyncio.ensure_future(outcome(ch.unary_stream(stream)(b"x").read()))
-        await asyncio.sleep(0)  # one turn: sdkcore's interceptor ran, its attempt not yet
         with anyio.fail_after(PROMPT):
             await ch.close(grace=5)
         assert await ended(reader) == b"a"
@@ -584,7 +584,8 @@ async def test_a_call_whose_making_raised_is_not_waited_for(server: Server) -> N
         ch = insecure_channel(server.target, service_config=retry_config(), message_size=_bad_size)
         with pytest.raises(ValueError, match="cannot size"):
             ch.unary_unary(method)(b"bad")
-        assert type(await outcome(ch.unary_stream(stream)(b"bad").read())) is ValueError
+        with pytest.raises(ValueError, match="cannot size"):  # at the call, as unary-unary
+            ch.unary_stream(stream)(b"bad")
         with anyio.fail_after(PROMPT):
             await ch.close(grace=30)
 

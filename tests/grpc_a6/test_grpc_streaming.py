@@ -25,6 +25,7 @@ from h2_server import RawH2Server  # noqa: E402
 
 from sdkcore.grpc import (  # noqa: E402
     BackoffJitter,
+    RetryController,
     insecure_channel,
     previous_rpc_attempts,
     retry_controller,
@@ -588,25 +589,56 @@ class _FailingInterceptor(aio.UnaryStreamClientInterceptor):  # type: ignore[mis
         raise RuntimeError("an inner interceptor failed")
 
 
+def _helper_waits() -> list[asyncio.Task[Any]]:
+    return [t for t in asyncio.all_tasks() if "Event.wait" in repr(t.get_coro())]
+
+
 async def test_wait_for_connection_leaves_no_task_behind(server: Server) -> None:
+    """A channel built by hand: the application's interceptor runs in sdkcore's attempt
+    (no attempt yet while it waits), so ``wait_for_connection()`` waits for one with a
+    helper task, which it never leaves behind."""
     failing = _FailingInterceptor()
+    controller = RetryController(server.target, retry_config())
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with aio.insecure_channel(
+            server.target,
+            options=controller.channel_options(),
+            interceptors=[*controller.interceptors(), failing],
+        ) as ch:
+            call = ch.unary_stream("/test.Svc/S")(b"m")
+            waiter = asyncio.ensure_future(call.wait_for_connection())
+            await wait_until(lambda: bool(_helper_waits()))
+            failing.gate.set()
+            await waiter
+            with pytest.raises(RuntimeError, match="inner interceptor"):
+                await collect(call)
+            await asyncio.sleep(0)
+            assert _helper_waits() == []
 
-    def helper_waits() -> list[asyncio.Task[Any]]:
-        return [t for t in asyncio.all_tasks() if "Event.wait" in repr(t.get_coro())]
 
+async def test_wait_for_connection_on_the_channel_helpers_waits_for_the_attempt(
+    server: Server,
+) -> None:
+    """The channel helpers' calls make each attempt through grpc.aio's multi-callable (the
+    application's interceptors inside it): ``wait_for_connection()`` waits for the attempt,
+    and so for its interceptors, and raises what they raised; no helper task is left."""
+    failing = _FailingInterceptor()
     with anyio.fail_after(TEST_TIMEOUT):
         async with insecure_channel(
             server.target, service_config=retry_config(), interceptors=[failing]
         ) as ch:
             call = ch.unary_stream("/test.Svc/S")(b"m")
             waiter = asyncio.ensure_future(call.wait_for_connection())
-            await wait_until(lambda: bool(helper_waits()))
+            await asyncio.sleep(0.05)
+            assert not waiter.done()  # the attempt is made; its interceptor waits
+            assert _helper_waits() == []
             failing.gate.set()
-            await waiter
+            with pytest.raises(RuntimeError, match="inner interceptor"):
+                await waiter
             with pytest.raises(RuntimeError, match="inner interceptor"):
                 await collect(call)
             await asyncio.sleep(0)
-            assert helper_waits() == []
+            assert _helper_waits() == []
 
 
 async def test_committed_stream_error_reports_previous_attempts(server: Server) -> None:
@@ -804,3 +836,77 @@ async def test_writes_after_the_commit_wait_for_the_wire(server: Server) -> None
             stop.set()
     # plain grpc.aio: about 90 writes here; unbounded, thousands
     assert written < 1000, written
+
+
+async def test_a_write_after_done_writing_is_refused_at_once_after_the_commit(
+    server: Server,
+) -> None:
+    """After the commit the write() stream is read 16 messages ahead of the wire. Behind a
+    server that stopped reading, ``done_writing()`` waits for room, and a ``write()`` made
+    meanwhile was refused only once the stream's end was read: it waited, and could
+    return with its message dropped (rfc/0003, a limit of the interceptor path). The
+    channel helpers' calls note ``done_writing()`` when it is called: refused at once."""
+    stop = asyncio.Event()
+
+    async def fn(requests: AsyncIterator[bytes], context: Any, attempt: int) -> bytes:
+        await context.send_initial_metadata((("committed", "1"),))
+        async for _ in requests:
+            await stop.wait()  # reads one message, then none until stop
+        return b"done"
+
+    method = server.stream_unary("C", fn)
+    chunk = b"x" * 65536
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=retry_config()) as ch:
+            call = ch.stream_unary(method)()
+            assert await call.initial_metadata()  # the server's headers: committed
+            blocked = None
+            for _ in range(2_000):
+                write = asyncio.ensure_future(call.write(chunk))
+                done, _ = await asyncio.wait({write}, timeout=0.2)
+                if not done:
+                    blocked = write  # the wire and the read-ahead are full
+                    break
+                write.result()
+            assert blocked is not None
+            closing = asyncio.ensure_future(call.done_writing())
+            await asyncio.sleep(0.05)
+            assert not closing.done()  # behind the blocked write
+            with anyio.fail_after(1.0), pytest.raises(asyncio.InvalidStateError, match="half"):
+                await call.write(b"late")
+            stop.set()
+            await blocked
+            await closing
+            assert await call == b"done"
+
+
+async def test_the_write_api_refuses_a_misuse_as_grpc_aio(server: Server) -> None:
+    """``write()``/``done_writing()`` on a call made with a request iterator raise grpc.aio's
+    UsageError ("may not be mixed"); ``write()`` on a finished call raises
+    InvalidStateError ("already finished"); a second ``done_writing()`` does nothing."""
+
+    async def fn(requests: AsyncIterator[bytes], context: Any, attempt: int) -> bytes:
+        return b"%d" % len(await read_all(requests))
+
+    method = server.stream_unary("C", fn)
+
+    async def two() -> AsyncIterator[bytes]:
+        yield b"a"
+        yield b"b"
+
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=retry_config()) as ch:
+            call = ch.stream_unary(method)(two())
+            with pytest.raises(aio.UsageError, match="may not be mixed"):
+                await call.write(b"x")
+            with pytest.raises(aio.UsageError, match="may not be mixed"):
+                await call.done_writing()
+            assert await call == b"2"
+
+            call = ch.stream_unary(method)()
+            await call.write(b"a")
+            await call.done_writing()
+            await call.done_writing()
+            assert await call == b"1"
+            with pytest.raises(asyncio.InvalidStateError, match="already finished"):
+                await call.write(b"b")

@@ -259,7 +259,7 @@ class Plan:
 class Record:
     plan: Plan
     attempts: list[ClientAttempt] = field(default_factory=list)
-    #: Seeds with an application interceptor: the intercepted unary calls sdkcore made, one
+    #: Seeds with an application interceptor: the intercepted calls sdkcore made, one
     #: per attempt (grpc.aio makes the attempt's own call when the interceptors ran; a call
     #: cancelled before they ran never makes one).
     intercepted_calls: list[ClientAttempt] = field(default_factory=list)
@@ -372,8 +372,12 @@ def _probe_intercepted(original: Any) -> Any:
 @pytest.fixture
 def probe(monkeypatch: pytest.MonkeyPatch) -> None:
     probe_calls(monkeypatch)
-    intercepted = aio_interceptor.InterceptedUnaryUnaryCall
-    monkeypatch.setattr(intercepted, "__init__", _probe_intercepted(intercepted.__init__))
+    # sdkcore drives both shapes directly: each attempt is one intercepted call
+    for intercepted in (
+        aio_interceptor.InterceptedUnaryUnaryCall,
+        aio_interceptor.InterceptedUnaryStreamCall,
+    ):
+        monkeypatch.setattr(intercepted, "__init__", _probe_intercepted(intercepted.__init__))
 
 
 def ms(seconds: float) -> str:

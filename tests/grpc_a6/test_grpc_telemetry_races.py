@@ -325,8 +325,8 @@ async def test_a_hedge_ended_by_the_deadline_is_a_timeout(server: Server, otel: 
 async def test_a_stream_cancelled_before_its_first_attempt_ends_its_span(
     server: Server, otel: Otel
 ) -> None:
-    """sdkcore's interceptor builds the streaming call (its ``Sent.`` span starts) and
-    starts the task that runs its attempts; ``call.cancel()`` before that task's first step
+    """The channel builds the streaming call (its ``Sent.`` span starts) and starts the
+    task that runs its attempts; ``call.cancel()`` before that task's first step
     cancels it before it ever ran, and nothing ends the call's trace: the span stays open
     and the call records neither ``grpc.client.call.duration`` nor its core outcome."""
 
@@ -342,7 +342,7 @@ async def test_a_stream_cancelled_before_its_first_attempt_ends_its_span(
         ) as ch:
             call = ch.unary_stream(method)(b"x")
             while "Sent.test.Svc.S" not in spans.open.values():  # noqa: ASYNC110
-                await asyncio.sleep(0)  # the interceptor ran: the attempt task is due next
+                await asyncio.sleep(0)  # the call is made: the attempt task is due next
             assert call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 [m async for m in call]
