@@ -1,4 +1,4 @@
-"""Client CPU per OK unary call: sdkcore's gRPC channels against plain grpc.aio.
+"""Client CPU per OK call: sdkcore's gRPC channels against plain grpc.aio.
 
 The server runs in a subprocess; client and server are pinned to separate cores
 (``os.sched_setaffinity``) where the box has two. Every variant runs in the same
@@ -28,6 +28,10 @@ Variants (all on one loopback server):
 * ``retried (hand, jitter)``: the same loop sleeping as A6 does (and the sdkcore
   channel does): a random wait below 10 ms (full jitter). Fixed 10 ms sleeps wake
   the concurrent calls together, in fewer turns of the loop: cheaper per call.
+
+* ``stream ...``: a server-streaming method answering one message, read to its end,
+  on plain grpc.aio, an sdkcore channel without a service config and one with the
+  retryPolicy (each against ``stream plain``).
 
 Every call also runs a second time with ``timeout=10`` (a deadline, as production
 calls carry), as its own row ``... +timeout`` against ``plain +timeout``; the retried
@@ -62,6 +66,7 @@ import structlog
 from grpc import aio
 
 ECHO = "/bench.Svc/Echo"
+STREAM = "/bench.Svc/Stream"
 FAIL_ONCE = "/bench.Svc/FailOnce"
 HEDGED = "/bench.Hedged/Echo"
 
@@ -95,6 +100,9 @@ async def serve() -> None:
     async def echo(request: bytes, context: Any) -> bytes:
         return request
 
+    async def stream(request: bytes, context: Any) -> Any:
+        yield request
+
     async def fail_once(request: bytes, context: Any) -> bytes:
         if request not in seen:
             seen.add(request)
@@ -108,6 +116,8 @@ async def serve() -> None:
                 return grpc.unary_unary_rpc_method_handler(echo)
             if details.method == FAIL_ONCE:
                 return grpc.unary_unary_rpc_method_handler(fail_once)
+            if details.method == STREAM:
+                return grpc.unary_stream_rpc_method_handler(stream)
             return None
 
     server = aio.server()
@@ -194,6 +204,12 @@ async def client(
 
         return call
 
+    def read_all(multi_callable: Any) -> Callable[..., Any]:
+        async def call(request: bytes, **kwargs: Any) -> list[bytes]:
+            return [m async for m in multi_callable(request, **kwargs)]
+
+        return call
+
     variants: dict[str, Callable[..., Any]] = {
         "plain": plain.unary_unary(ECHO),
         "no policy": bare.unary_unary(ECHO),
@@ -203,6 +219,9 @@ async def client(
         "retried (sdkcore)": ours.unary_unary(FAIL_ONCE),
         "retried (hand loop)": hand_loop(lambda: 0.01),
         "retried (hand, jitter)": hand_loop(lambda: 0.01 * random.random()),  # A6: full jitter
+        "stream plain": read_all(plain.unary_stream(STREAM)),
+        "stream no policy": read_all(bare.unary_stream(STREAM)),
+        "stream retryPolicy": read_all(ours.unary_stream(STREAM)),
     }
     reference = {
         "no policy": "plain",
@@ -211,9 +230,20 @@ async def client(
         "retried (sdkcore)": "retried (grpcio)",
         "retried (hand loop)": "retried (grpcio)",
         "retried (hand, jitter)": "retried (grpcio)",
+        "stream no policy": "stream plain",
+        "stream retryPolicy": "stream plain",
     }
     # Every call again with a deadline, as production calls carry one.
-    for name in ("plain", "no policy", "retryPolicy", "hedgingPolicy", "retried (grpcio)"):
+    for name in (
+        "plain",
+        "no policy",
+        "retryPolicy",
+        "hedgingPolicy",
+        "retried (grpcio)",
+        "stream plain",
+        "stream no policy",
+        "stream retryPolicy",
+    ):
         variants[f"{name} +timeout"] = functools.partial(variants[name], timeout=10)
     variants["retried (sdkcore) +timeout"] = functools.partial(
         ours.unary_unary(FAIL_ONCE), timeout=10
@@ -228,6 +258,8 @@ async def client(
             "hedgingPolicy +timeout": "plain +timeout",
             "retried (sdkcore) +timeout": "retried (interceptor) +timeout",
             "retried (interceptor) +timeout": "retried (grpcio) +timeout",
+            "stream no policy +timeout": "stream plain +timeout",
+            "stream retryPolicy +timeout": "stream plain +timeout",
         }
     )
     # A control: plain grpc.aio on a second channel (its own connection, as every

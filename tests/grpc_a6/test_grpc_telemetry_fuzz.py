@@ -91,8 +91,9 @@ Ambiguities (rfc/0008 does not decide them; the test accepts either reading):
 * a call refused at creation (a closed channel: grpc.aio raises ``UsageError``) is no call
   object: whether it records a call at all is not said. The test only asks that it leaves
   no span open and counts no attempt whose grpc.aio call was never made. Likewise a stream
-  that grpc.aio cancels (the channel closing) before sdkcore's interceptor ran records
-  nothing, and an attempt that the closing channel refuses inside the application's
+  that grpc.aio cancelled (the channel closing) before sdkcore's interceptor ran recorded
+  nothing (before 2026-11-28 the streams went through interceptors; such a stream is now
+  refused when made), and an attempt that the closing channel refuses inside the application's
   interceptors (``UsageError``, no status) may be recorded UNKNOWN;
 * with application interceptors, an attempt is the intercepted call sdkcore made: one
   cancelled before the interceptors ran made no call of its own (it counts, ended
@@ -905,7 +906,8 @@ class World:
             and self.close_started <= (record.end_at or 0.0)
         ):
             # grpc.aio cancelled the stream before sdkcore's interceptor ran (the channel
-            # was closing): sdkcore never saw a call (see Ambiguities).
+            # was closing): sdkcore never saw a call (see Ambiguities; the interceptor
+            # path's case, kept for a stream the closing channel refuses unseen).
             self.report(record, found, telemetry)
             return
         if record.outcome in ("ok", "error") and record.code != status:
