@@ -33,6 +33,7 @@ from sdkcore import (
     TimeoutException,
     UnambiguousTimeoutException,
 )
+from sdkcore._runtime._asyncio import _anyio_pending
 from sdkcore.testing import VirtualClock
 
 pytestmark = pytest.mark.anyio  # asyncio and trio (tests/conftest.py)
@@ -764,3 +765,26 @@ async def test_request_and_task_cancel_in_one_turn_turned_into_a_failure_is_the_
         await through_door()
     assert task.uncancel() == 0  # the caller's cancellation, taken back here
     assert request.cancelled
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_anyio_keeps_the_count_the_scope_reads() -> None:
+    """The rule that keeps sdkcore's cancellation out of a caller's anyio scope reads
+    anyio's own per-scope count of the cancellations it will take back, a private name
+    (``_runtime._asyncio._anyio_pending``; anyio >= 4.7, the project's floor). An anyio that
+    renamed it would bring the escape back without a word: this canary fails first."""
+    task = asyncio.current_task()
+    seen: list[int] = []
+    with anyio.CancelScope() as outer:
+        with anyio.CancelScope() as inner:
+            seen.append(_anyio_pending(task))
+            inner.cancel()
+            try:
+                await asyncio.sleep(1)
+            except asyncio.CancelledError:
+                seen.append(_anyio_pending(task))  # delivered: the scope will take it back
+                raise
+        seen.append(_anyio_pending(task))
+    assert not outer.cancel_called
+    assert inner.cancelled_caught
+    assert seen == [0, 1, 0]
