@@ -22,7 +22,7 @@ from grpc.aio import _base_call
 
 from .._context import AttemptEffect
 from .._request import RequestState, dispatching
-from ._call import _Call, _TracedCall, outer_details, within_outer
+from ._call import _Call, _TracedCall, outer_details
 from ._controller import _Controller, channel_closed_error
 from ._gate import (
     GatedMultiCallable,
@@ -35,6 +35,7 @@ from ._metadata import _client_trailing
 from ._peer_status import PeerStatus, error_of, is_ok, stand_in_error, watch
 from ._policy import PUSHBACK_KEY, costs_token, parse_pushback, time_out_at_deadline
 from ._replay import _ReplayBuffer
+from ._unary import BoundedMultiCallable
 
 __all__: list[str] = []
 
@@ -747,6 +748,8 @@ class _StreamingMultiCallable:
         self._inner = (
             inner if core.gate is None else GatedMultiCallable(core.gate, inner, self._refused)
         )
+        #: A call sdkcore does not retry: grpc.aio's own, bounded by an outer request.
+        self._plain = BoundedMultiCallable(core, self._inner)
         self._method = method
 
     def _call(
@@ -759,14 +762,9 @@ class _StreamingMultiCallable:
         compression: Any,
     ) -> Any:
         core = self._core
-        if core._draining:
-            raise channel_closed_error()  # close(grace) waits for sdkcore's calls: no new one
         plan = core.plan(self._method)
         if plan is None or core._closing:  # closing: grpc.aio's own call refuses it
-            outer = dispatching()
-            if outer is not None:  # made inside a request's send: never outlive it
-                timeout = within_outer(outer, timeout)
-            return self._inner(
+            return self._plain(
                 request,
                 timeout=timeout,
                 metadata=metadata,
@@ -774,6 +772,8 @@ class _StreamingMultiCallable:
                 wait_for_ready=wait_for_ready,
                 compression=compression,
             )
+        if core._draining:
+            raise channel_closed_error()  # close(grace) waits for sdkcore's calls: no new one
         size = 0
         writes = None
         if self._request_streaming:

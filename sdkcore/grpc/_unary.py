@@ -541,7 +541,8 @@ class _TracedUnaryCall(_UnaryCall):
 
 
 class BoundedMultiCallable(aio.UnaryUnaryMultiCallable):  # type: ignore[misc]
-    """A unary-unary method sdkcore does not retry, on an sdkcore channel.
+    """A unary-unary method sdkcore does not retry, on an sdkcore channel (and the same
+    for a streaming method's calls, ``_streaming``).
 
     grpc.aio's own multi-callable ``inner``, except that a call made inside an sdkcore
     request's send gets the earlier of its timeout and that request's time left.
