@@ -36,6 +36,7 @@ from .._adaptive_limiter import AdaptiveConcurrencyLimiter
 from .._limiter import ConcurrencyLimiter
 from .._throttle import AdaptiveThrottle
 from .._untrusted import show as _show
+from ._intercepted import interceptors_task
 from ._peer_status import stand_in, watch
 
 __all__: list[str] = []
@@ -313,8 +314,28 @@ def _hold(held: tuple[Any, Any], call: Any) -> None:
     ``call`` is what the rest of grpc.aio's interceptor chain made: grpc.aio's call,
     or an application interceptor's object (a finished ``UnaryUnaryCallResponse``
     takes no callback; an object that fails to take one is given back now rather
-    than never).
+    than never). grpc.aio's intercepted call (the channel helpers' multi-callables on a
+    channel with application interceptors) is held by the call its interceptors make
+    (``_intercepted``): its own status says nothing of the endpoint.
     """
+    task = interceptors_task(call)
+    if task is not None:
+
+        def made(done: asyncio.Task[Any]) -> None:
+            if done.cancelled():  # cancelled before the interceptors made a call
+                Gate.exit(held, asyncio.CancelledError())
+                return
+            error = done.exception()
+            if error is None:
+                _hold(held, done.result())
+            elif isinstance(error, aio.AioRpcError):  # an interceptor's error: its status
+                code = error.code()
+                Gate.exit(held, asyncio.CancelledError() if code is _CANCELLED else _Outcome(code))
+            else:
+                Gate.exit(held, error)
+
+        task.add_done_callback(made)
+        return
     if isinstance(call, _REQUEST_STREAMING) and getattr(call, "_cython_call", None) is not None:
         # Only a call that writes messages can get grpc.aio's stand-in status.
         watch(call).when_known(lambda status: Gate.exit(held, _ended(call, status)))

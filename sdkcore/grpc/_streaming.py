@@ -31,6 +31,7 @@ from ._gate import (
     RefusedStreamUnaryCall,
     RefusedUnaryStreamCall,
 )
+from ._intercepted import made
 from ._metadata import _client_trailing
 from ._peer_status import PeerStatus, error_of, is_ok, stand_in_error, watch
 from ._policy import PUSHBACK_KEY, costs_token, parse_pushback, time_out_at_deadline
@@ -138,10 +139,12 @@ class _RetryingCall:
                     raise self._source_failed()
                 source = self._request if replay is None else replay.attempt_messages()
                 if c.core._closing and c.state.attempts == 0:
-                    # Made just before the channel stopped taking attempts: refused as
-                    # grpc.aio refuses it, before an attempt is counted. (While close(grace)
-                    # waits for sdkcore's calls, grpc.aio's channel is open: it goes out.)
-                    raise channel_closed_error()
+                    # Made just before the channel stopped taking attempts: cancelled before
+                    # an attempt is counted, as grpc.aio's close cancels a call it has made.
+                    # (While close(grace) waits for sdkcore's calls, grpc.aio's channel is
+                    # open: it goes out.)
+                    self._cancelled = True
+                    raise asyncio.CancelledError()
                 details = c.next_details()
                 trace = c.trace
                 token = None if trace is None else trace.enter(trace.current)
@@ -160,10 +163,16 @@ class _RetryingCall:
                 c.sent()
                 self._current = call
                 if replay is not None:
-                    self._peer = watch(call)
+                    self._peer = None
                     self._past_stand_in = None
                 self._started.set()
                 try:
+                    # The call the application's interceptors made, read in place of
+                    # grpc.aio's intercepted call (_intercepted); what they raised fails
+                    # the attempt, as an attempt's own error does.
+                    call = self._current = await made(call)
+                    if replay is not None:
+                        self._peer = watch(call)
                     if self._response_streaming:
                         md = await call.initial_metadata()
                         if md:
@@ -519,8 +528,8 @@ class _RetryingCall:
             return _EOF
 
     def _reader_cancelled(self) -> None:
-        """The task reading the call was cancelled while the attempts ran: so is the call,
-        as grpc.aio cancels a call whose read or await is cancelled (the server sees it)."""
+        """The task reading (or writing) the call was cancelled: so is the call, as grpc.aio
+        cancels a call whose read, await or write is cancelled (the server sees it)."""
         if not self.cancelled():
             self._cancel(by_application=False)
 
@@ -642,12 +651,17 @@ class _WriteStream:
     or the call ends; ``done_writing()`` ends the stream. The replay buffer reads this
     stream at once until the call commits (``_ReplayBuffer(writes=True)``)."""
 
-    __slots__ = ("closed", "ended", "queue")
+    __slots__ = ("closed", "end", "ended", "queue")
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=1)
         #: done_writing() was called: a write() after it is refused, never dropped.
         self.closed = False
+        #: The put of the stream's end: made once, by the first done_writing(), and kept
+        #: when its caller is cancelled (the half-close was asked for, and a write() would
+        #: be refused: a later done_writing() waits for the same put); cancelled when the
+        #: call ends first.
+        self.end: asyncio.Future[None] | None = None
         #: The call's ``code()``, awaited by the first write: a write waits for it or room.
         self.ended: asyncio.Task[Any] | None = None
 
@@ -659,22 +673,47 @@ class _WriteStream:
                 return
             yield message
 
-    async def put(self, item: Any, call: _RetryingCall) -> None:
-        """Put ``item`` in the queue, or give up when ``call`` ends first."""
+    def _ended(self, call: _RetryingCall) -> asyncio.Task[Any]:
         ended = self.ended
         if ended is None:
             ended = self.ended = asyncio.get_running_loop().create_task(call.code())
-        put = asyncio.ensure_future(self.queue.put(item))
+            ended.add_done_callback(_retrieved)
+        return ended
+
+    async def put(self, message: Any, call: _RetryingCall) -> None:
+        """Put ``message`` in the queue, or give up when ``call`` ends first."""
+        ended = self._ended(call)
+        put = asyncio.ensure_future(self.queue.put(message))
         try:
             await asyncio.wait((put, ended), return_when=asyncio.FIRST_COMPLETED)
         finally:
             if not put.done():  # the call ended first: the message is not taken
                 put.cancel()
 
+    async def close(self, call: _RetryingCall) -> None:
+        """Put the stream's end in the queue (once), or give up when ``call`` ends first."""
+        self.closed = True
+        ended = self._ended(call)
+        end = self.end
+        if end is None:
+            end = self.end = asyncio.ensure_future(self.queue.put(_END_OF_WRITES))
+            ended.add_done_callback(lambda _: end.cancel())  # a done put: does nothing
+        await asyncio.wait((end, ended), return_when=asyncio.FIRST_COMPLETED)
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    """The call's ``code()`` task is awaited by whichever write waits then, or by none: its
+    error (a call that raised) is read here, never logged as never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
 
 class _DirectWrites(_RetryingCall):
     """A request-streaming call the application holds itself (the direct path): its
-    ``write()``/``done_writing()``, with grpc.aio's errors for a misuse."""
+    ``write()``/``done_writing()``, with grpc.aio's errors for a misuse. A ``write()`` or
+    ``done_writing()`` whose task is cancelled cancels the call, as on plain grpc.aio
+    (grpc.aio's interceptor wrapper, which sdkcore's calls went through until 2026-11-28,
+    let the RPC run on)."""
 
     async def write(self, request: Any) -> None:
         writes = self._writes
@@ -684,19 +723,24 @@ class _DirectWrites(_RetryingCall):
             raise asyncio.InvalidStateError(_FINISHED)
         if writes.closed:
             raise asyncio.InvalidStateError(_HALF_CLOSED)
-        await writes.put(request, self)
+        try:
+            await writes.put(request, self)
+        except asyncio.CancelledError:
+            self._reader_cancelled()  # as plain grpc.aio cancels a call whose write is
+            raise
         if self.done():
             raise asyncio.InvalidStateError(_FINISHED)
 
     async def done_writing(self) -> None:
-        """Half-close the call's request stream (once; a repeat does nothing)."""
+        """Half-close the call's request stream (once: a repeat waits for the same end)."""
         writes = self._writes
         if writes is None:
             raise aio.UsageError(_API_STYLE_ERROR)
-        if writes.closed:
-            return
-        writes.closed = True
-        await writes.put(_END_OF_WRITES, self)
+        try:
+            await writes.close(self)
+        except asyncio.CancelledError:
+            self._reader_cancelled()  # and whose done_writing() is
+            raise
 
 
 class _DirectStreamUnaryCall(_DirectWrites, _base_call.StreamUnaryCall):  # type: ignore[misc]

@@ -1,0 +1,39 @@
+"""The call an application's interceptors made for one of sdkcore's attempts.
+
+On a channel with application interceptors, each attempt sdkcore makes is a call of
+grpc.aio's multi-callable, which runs those interceptors in a task of its own and hands
+back its intercepted call (grpc.aio keeps the task as ``_interceptors_task``: a private
+name, read with a fallback). sdkcore reads the attempt through the call the interceptors
+returned, grpc.aio's own call as a rule: the intercepted call's accessors answer a
+cancellation of the task awaiting them as None or CANCELLED (an attempt loop cancelled
+there read on, and a cancelled call's RPC ran on), and only grpc.aio's own call shows its
+status to the channel's gate and to ``_peer_status`` (rfc/0003, "The direct path").
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+__all__: list[str] = []
+
+
+def interceptors_task(call: Any) -> asyncio.Task[Any] | None:
+    """grpc.aio's task running the application's interceptors for ``call``; None for a
+    call that is not grpc.aio's intercepted call (or a grpc.aio that names it otherwise:
+    the call is then read as it is, as before this module)."""
+    task = getattr(call, "_interceptors_task", None)
+    return task if isinstance(task, asyncio.Task) else None
+
+
+async def made(call: Any) -> Any:
+    """The call the application's interceptors returned for ``call`` (``call`` itself when
+    no interceptor ran). Raises what they raised; ``CancelledError`` when the task awaiting
+    it is cancelled (which cancels the interceptors' task) or the call was cancelled
+    before they returned."""
+    for _ in range(8):  # an interceptor's call intercepted again: bounded all the same
+        task = interceptors_task(call)
+        if task is None:
+            break
+        call = await task
+    return call
