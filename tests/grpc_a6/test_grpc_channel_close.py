@@ -15,6 +15,7 @@ close is asyncio-only, hence no trio variants. Every wait here is at least 8 s
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -646,3 +647,47 @@ async def test_close_starting_as_a_backoff_ends_ends_the_call_cancelled(
             await call
         assert await call.code() is grpc.StatusCode.CANCELLED
         await holder["close"]
+
+
+@pytest.mark.parametrize("style", ["read", "code", "unread", "write"])
+@pytest.mark.parametrize("shape", ["US", "SU", "SS"])
+async def test_a_stream_made_in_the_turn_of_close_ends_cancelled(
+    server: Server, shape: str, style: str
+) -> None:
+    """A streaming call made in the loop turn ``close()`` begins in: its attempt task finds
+    the channel closing before its first attempt. It raised grpc.aio's ``UsageError`` from
+    every accessor (``code()`` included, which should answer a status), and a call nobody
+    read logged "Task exception was never retrieved" (a review); plain grpc.aio cancels a
+    call it made when it closes. It ends cancelled: reads raise ``CancelledError``,
+    ``code()`` is CANCELLED, a ``write()`` is refused ("already finished"), nothing is
+    logged, and nothing reaches the server."""
+    make = streaming_methods(server)[shape]
+    loop = asyncio.get_running_loop()
+    logged: list[Any] = []
+    loop.set_exception_handler(lambda _, context: logged.append(context.get("message")))
+    try:
+        with anyio.fail_after(TEST_TIMEOUT):
+            ch = insecure_channel(server.target, service_config=retry_config())
+            if style == "write" and shape != "US":
+                call = getattr(ch, {"SU": "stream_unary", "SS": "stream_stream"}[shape])(
+                    f"/test.Svc/{shape}"
+                )()
+            else:
+                call = make(ch)
+            await ch.close()
+            if style == "read" or (style == "write" and shape == "US"):
+                with pytest.raises(asyncio.CancelledError):
+                    await (call if shape == "SU" else call.read())
+            elif style == "write":
+                with pytest.raises(asyncio.InvalidStateError, match="already finished"):
+                    await call.write(b"x")
+            if style != "unread":
+                assert await call.code() is grpc.StatusCode.CANCELLED
+            del call
+            for _ in range(3):
+                gc.collect()
+                await asyncio.sleep(0.01)
+        assert logged == []
+    finally:
+        loop.set_exception_handler(None)
+    assert sum(server.count(s) for s in ("US", "SU", "SS")) == 0

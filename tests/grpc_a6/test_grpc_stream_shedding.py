@@ -21,7 +21,14 @@ import pytest
 
 grpc = pytest.importorskip("grpc")
 from grpc import aio  # noqa: E402
-from grpc_server import TEST_TIMEOUT, Server, abort, wait_until  # noqa: E402
+from grpc_server import (  # noqa: E402
+    TEST_TIMEOUT,
+    Server,
+    abort,
+    pass_through,
+    retry_config,
+    wait_until,
+)
 
 from sdkcore import AdaptiveConcurrencyLimiter, AdaptiveThrottle, ConcurrencyLimiter  # noqa: E402
 from sdkcore.grpc import RetryController, insecure_channel, retry_stats  # noqa: E402
@@ -386,3 +393,46 @@ async def test_a_channel_built_by_hand_with_the_interceptors_is_gated_too(
             assert await finish(start(ch)) == expected
             await wait_until(lambda: limiter.in_flight == 0)
     assert server.count(name) == 1
+
+
+@pytest.mark.parametrize("shape", ["unary_unary", *SHAPES])
+async def test_the_gate_sees_the_status_through_an_application_interceptor(
+    server: Server, shape: str
+) -> None:
+    """With an application interceptor each attempt is grpc.aio's intercepted call, whose
+    status is no status of the endpoint's: the gate counted every attempt an accept, and
+    the throttle never throttled an endpoint answering RESOURCE_EXHAUSTED. It reads the
+    call the interceptors made (``sdkcore.grpc._intercepted``)."""
+
+    async def exhausted(request: Any, context: Any, n: int) -> Any:
+        await abort(context, RESOURCE_EXHAUSTED)
+
+    async def exhausted_stream(request: Any, context: Any, n: int) -> AsyncIterator[bytes]:
+        await abort(context, RESOURCE_EXHAUSTED)
+        yield b""
+
+    if shape in ("unary_unary", "stream_unary"):
+        method = getattr(server, shape)(shape, exhausted)
+    else:
+        method = getattr(server, shape)(shape, exhausted_stream)
+    # random() 1.0: never below the rejection probability, nothing is refused locally
+    throttle = AdaptiveThrottle(random=lambda: 1.0, name="svc-throttle")
+    made = {
+        "unary_unary": lambda ch: ch.unary_unary(method)(b"q"),
+        "unary_stream": lambda ch: ch.unary_stream(method)(b"q").read(),
+        "stream_unary": lambda ch: ch.stream_unary(method)(iter([b"q"])),
+        "stream_stream": lambda ch: ch.stream_stream(method)(iter([b"q"])).read(),
+    }[shape]
+    async with insecure_channel(
+        server.target,
+        service_config=retry_config(max_attempts=2),
+        throttle=throttle,
+        interceptors=pass_through(),
+    ) as ch:
+        with anyio.fail_after(TEST_TIMEOUT):
+            for _ in range(3):
+                with pytest.raises(aio.AioRpcError) as info:
+                    await made(ch)
+                assert info.value.code() is RESOURCE_EXHAUSTED
+            await wait_until(lambda: throttle.requests == 3)
+    assert throttle.accepts == 0, throttle  # three rejections, no accept

@@ -910,3 +910,74 @@ async def test_the_write_api_refuses_a_misuse_as_grpc_aio(server: Server) -> Non
             assert await call == b"1"
             with pytest.raises(asyncio.InvalidStateError, match="already finished"):
                 await call.write(b"b")
+
+
+@pytest.mark.parametrize("kind", ["plain grpc.aio", "sdkcore"])
+async def test_a_cancelled_done_writing_cancels_the_call(server: Server, kind: str) -> None:
+    """``done_writing()`` waits for room behind a server that stopped reading; cancelled
+    there (a ``wait_for`` timeout), plain grpc.aio cancels the RPC. sdkcore's first version
+    dropped the half-close and refused a second ``done_writing()`` as done: the call hung
+    until its deadline (a review). It cancels the call, as plain grpc.aio does."""
+    stop = asyncio.Event()
+    ended: list[bool] = []
+
+    async def fn(requests: AsyncIterator[bytes], context: Any, attempt: int) -> bytes:
+        await context.send_initial_metadata((("committed", "1"),))
+        try:
+            async for _ in requests:
+                await stop.wait()
+        except asyncio.CancelledError:
+            ended.append(True)
+            raise
+        return b"done"
+
+    method = server.stream_unary("C", fn)
+    chunk = b"x" * 65536
+    with anyio.fail_after(TEST_TIMEOUT):
+        channel = (
+            aio.insecure_channel(server.target)
+            if kind == "plain grpc.aio"
+            else insecure_channel(server.target, service_config=retry_config())
+        )
+        async with channel as ch:
+            call = ch.stream_unary(method)()
+            assert await call.initial_metadata()
+            blocked = None
+            for _ in range(2_000):  # fill the wire (and sdkcore's read-ahead)
+                write = asyncio.ensure_future(call.write(chunk))
+                done, _ = await asyncio.wait({write}, timeout=0.2)
+                if not done:
+                    blocked = write  # left waiting
+                    break
+            assert blocked is not None
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(call.done_writing(), 0.2)
+            assert call.cancelled()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await blocked  # ended with the call
+            if kind == "sdkcore":  # (plain grpc.aio says INTERNAL: its failed write's)
+                assert await call.code() is grpc.StatusCode.CANCELLED
+            await wait_until(lambda: ended == [True])  # the server saw the RPC cancelled
+            stop.set()
+
+
+async def test_a_done_writing_called_twice_at_once_ends_the_stream_once(server: Server) -> None:
+    """Two ``done_writing()`` at once, behind a write that waits for room: both return once
+    the stream's end is taken, and the server gets every message and the end."""
+    release = asyncio.Event()
+
+    async def fn(requests: AsyncIterator[bytes], context: Any, attempt: int) -> bytes:
+        await release.wait()
+        return b"%d" % len(await read_all(requests))
+
+    method = server.stream_unary("C", fn)
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=retry_config()) as ch:
+            call = ch.stream_unary(method)()
+            for i in range(3):
+                await call.write(b"m%d" % i)
+            first = asyncio.ensure_future(call.done_writing())
+            second = asyncio.ensure_future(call.done_writing())
+            release.set()
+            await asyncio.gather(first, second)
+            assert await call == b"3"

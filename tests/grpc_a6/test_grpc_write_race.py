@@ -26,7 +26,14 @@ import pytest
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("opentelemetry.sdk")
 from grpc import aio  # noqa: E402
-from grpc_server import TEST_TIMEOUT, Server, abort, retry_config, wait_until  # noqa: E402
+from grpc_server import (  # noqa: E402
+    TEST_TIMEOUT,
+    Server,
+    abort,
+    pass_through,
+    retry_config,
+    wait_until,
+)
 from telemetry_kit import Otel  # noqa: E402
 
 from sdkcore import AdaptiveThrottle, ConcurrencyLimiter  # noqa: E402
@@ -106,6 +113,11 @@ async def call(channel: Any, shape: str, name: str, rng: random.Random) -> tuple
         return made, err
 
 
+#: No application interceptor, and pass-through ones (before each attempt was read through
+#: the call they made, grpc.aio's stand-in reached the application and the throttle).
+INTERCEPTORS = pytest.mark.parametrize("interceptors", [[], pass_through()], ids=["", "icp"])
+
+
 class Races:
     """Counts grpc.aio's failed writes (its debug log) and runs calls until enough."""
 
@@ -127,16 +139,19 @@ class Races:
         assert self.seen >= 1, f"the race never happened in {self.calls} calls"
 
 
+@INTERCEPTORS
 @pytest.mark.parametrize("shape", SHAPES)
 async def test_an_unavailable_attempt_is_retried_though_grpc_aio_failed_its_write(
-    server: Server, shape: str, caplog: pytest.LogCaptureFixture
+    server: Server, shape: str, caplog: pytest.LogCaptureFixture, interceptors: list[Any]
 ) -> None:
     name = method(server, shape, UNAVAILABLE, retried_answers=True)
     limiter = ConcurrencyLimiter(4, name="svc-limit")
     rng = random.Random(7)
     races = Races(caplog)
     config = retry_config(max_attempts=2, initial="0.0001s", maximum="0.0001s")
-    async with insecure_channel(server.target, service_config=config, limiter=limiter) as ch:
+    async with insecure_channel(
+        server.target, service_config=config, limiter=limiter, interceptors=interceptors
+    ) as ch:
 
         async def one() -> None:
             _, answer = await call(ch, shape, name, rng)
@@ -147,16 +162,17 @@ async def test_an_unavailable_attempt_is_retried_though_grpc_aio_failed_its_writ
     assert server.count(shape) == 2 * races.calls  # every call: the UNAVAILABLE, its retry
 
 
+@INTERCEPTORS
 @pytest.mark.parametrize("shape", SHAPES)
 async def test_the_application_and_the_throttle_see_the_servers_status_not_the_stand_in(
-    server: Server, shape: str, caplog: pytest.LogCaptureFixture
+    server: Server, shape: str, caplog: pytest.LogCaptureFixture, interceptors: list[Any]
 ) -> None:
     name = method(server, shape, RESOURCE_EXHAUSTED, retried_answers=False)
     # random() 1.0: never below the rejection probability, nothing is refused locally
     throttle = AdaptiveThrottle(random=lambda: 1.0, name="svc-throttle")
     rng = random.Random(11)
     races = Races(caplog)
-    async with insecure_channel(server.target, throttle=throttle) as ch:
+    async with insecure_channel(server.target, throttle=throttle, interceptors=interceptors) as ch:
 
         async def one() -> None:
             made, err = await call(ch, shape, name, rng)
