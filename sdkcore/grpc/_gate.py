@@ -36,7 +36,7 @@ from .._adaptive_limiter import AdaptiveConcurrencyLimiter
 from .._limiter import ConcurrencyLimiter
 from .._throttle import AdaptiveThrottle
 from .._untrusted import show as _show
-from ._intercepted import interceptors_task
+from ._intercepted import interceptors_task, own_call
 from ._peer_status import stand_in, watch
 
 __all__: list[str] = []
@@ -336,6 +336,7 @@ def _hold(held: tuple[Any, Any], call: Any) -> None:
 
         task.add_done_callback(made)
         return
+    call = own_call(call)  # an interceptor's response iterator: the call it came from
     if isinstance(call, _REQUEST_STREAMING) and getattr(call, "_cython_call", None) is not None:
         # Only a call that writes messages can get grpc.aio's stand-in status.
         watch(call).when_known(lambda status: Gate.exit(held, _ended(call, status)))

@@ -7,7 +7,9 @@ name, read with a fallback). sdkcore reads the attempt through the call the inte
 returned, grpc.aio's own call as a rule: the intercepted call's accessors answer a
 cancellation of the task awaiting them as None or CANCELLED (an attempt loop cancelled
 there read on, and a cancelled call's RPC ran on), and only grpc.aio's own call shows its
-status to the channel's gate and to ``_peer_status`` (rfc/0003, "The direct path").
+status to the channel's gate and to ``_peer_status`` (rfc/0003, "The direct path"). An
+interceptor may also return an async iterator of (transformed) responses: grpc.aio wraps
+it, and its messages are read by iterating it, as grpc.aio's own intercepted call does.
 """
 
 from __future__ import annotations
@@ -24,6 +26,21 @@ def interceptors_task(call: Any) -> asyncio.Task[Any] | None:
     the call is then read as it is, as before this module)."""
     task = getattr(call, "_interceptors_task", None)
     return task if isinstance(task, asyncio.Task) else None
+
+
+def own_call(call: Any) -> Any:
+    """The grpc.aio call whose status ``call`` reports: ``call`` itself, or the call inside
+    grpc.aio's wrapper of an interceptor's response iterator (an interceptor may return
+    an async iterator of transformed responses; grpc.aio wraps it with the call it came
+    from, as ``_call``: a private name, read with a fallback to ``call``)."""
+    for _ in range(8):
+        if hasattr(call, "_cython_call"):
+            break
+        inner = getattr(call, "_call", None)
+        if inner is None:
+            break
+        call = inner
+    return call
 
 
 async def made(call: Any) -> Any:

@@ -31,7 +31,7 @@ from ._gate import (
     RefusedStreamUnaryCall,
     RefusedUnaryStreamCall,
 )
-from ._intercepted import made
+from ._intercepted import made, own_call
 from ._metadata import _client_trailing
 from ._peer_status import PeerStatus, error_of, is_ok, stand_in_error, watch
 from ._policy import PUSHBACK_KEY, costs_token, parse_pushback, time_out_at_deadline
@@ -115,6 +115,9 @@ class _RetryingCall:
         self._ended_with: aio.AioRpcError | None = None
         #: The stand-in a read of the current attempt raised; the reads go on past it.
         self._past_stand_in: aio.AioRpcError | None = None
+        #: The current attempt's messages when they are read by iterating what the
+        #: application's interceptors returned (not grpc.aio's own call: ``_read``).
+        self._messages: AsyncIterator[Any] | None = None
         self._started = asyncio.Event()
         self._reader: AsyncIterator[Any] | None = None
         self._accounting: asyncio.Task[None] | None = None
@@ -171,8 +174,13 @@ class _RetryingCall:
                     # grpc.aio's intercepted call (_intercepted); what they raised fails
                     # the attempt, as an attempt's own error does.
                     call = self._current = await made(call)
+                    if self._cancelled:  # cancel() while an interceptor held its cancellation back
+                        raise asyncio.CancelledError()
+                    if self._response_streaming:
+                        own = own_call(call)
+                        self._messages = None if own is call else call.__aiter__()
                     if replay is not None:
-                        self._peer = watch(call)
+                        self._peer = watch(own_call(call))
                     if self._response_streaming:
                         md = await call.initial_metadata()
                         if md:
@@ -345,6 +353,12 @@ class _RetryingCall:
         status (an OK: the end; an error: raised, ``_server_error`` putting it in the
         stand-in's place; unknown: the stand-in). rfc/0009, "On gRPC channels".
         """
+        messages = self._messages
+        if messages is not None:  # an interceptor's response iterator: read as grpc.aio does
+            try:
+                return await messages.__anext__()
+            except StopAsyncIteration:
+                return _EOF
         if self._past_stand_in is None:
             try:
                 return await call.read()
