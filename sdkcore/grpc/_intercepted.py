@@ -17,6 +17,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+try:  # grpc.aio's wrapper of an interceptor's response iterator (a private class)
+    from grpc.aio._interceptor import _StreamCallResponseIterator as _ResponseIterator
+except ImportError:  # pragma: no cover - a grpc.aio that has it no more: nothing is one
+    _ResponseIterator = ()
+
 __all__: list[str] = []
 
 
@@ -28,18 +33,21 @@ def interceptors_task(call: Any) -> asyncio.Task[Any] | None:
     return task if isinstance(task, asyncio.Task) else None
 
 
+def response_iterator(call: Any) -> bool:
+    """Whether ``call`` is grpc.aio's wrapper of an async iterator of (transformed)
+    responses an application interceptor returned: its ``read()`` raises
+    NotImplementedError, its messages are what iterating it yields."""
+    return isinstance(call, _ResponseIterator)
+
+
 def own_call(call: Any) -> Any:
     """The grpc.aio call whose status ``call`` reports: ``call`` itself, or the call inside
-    grpc.aio's wrapper of an interceptor's response iterator (an interceptor may return
-    an async iterator of transformed responses; grpc.aio wraps it with the call it came
-    from, as ``_call``: a private name, read with a fallback to ``call``)."""
-    for _ in range(8):
-        if hasattr(call, "_cython_call"):
-            break
+    grpc.aio's wrapper of an interceptor's response iterator (its private ``_call``; an
+    interceptor that never called its continuation leaves None there: the wrapper then)."""
+    if isinstance(call, _ResponseIterator):
         inner = getattr(call, "_call", None)
-        if inner is None:
-            break
-        call = inner
+        if inner is not None:
+            return inner
     return call
 
 

@@ -31,7 +31,7 @@ from ._gate import (
     RefusedStreamUnaryCall,
     RefusedUnaryStreamCall,
 )
-from ._intercepted import made, own_call
+from ._intercepted import made, own_call, response_iterator
 from ._metadata import _client_trailing
 from ._peer_status import PeerStatus, error_of, is_ok, stand_in_error, watch
 from ._policy import PUSHBACK_KEY, costs_token, parse_pushback, time_out_at_deadline
@@ -176,11 +176,15 @@ class _RetryingCall:
                     call = self._current = await made(call)
                     if self._cancelled:  # cancel() while an interceptor held its cancellation back
                         raise asyncio.CancelledError()
-                    if self._response_streaming:
-                        own = own_call(call)
-                        self._messages = None if own is call else call.__aiter__()
                     if replay is not None:
                         self._peer = watch(own_call(call))
+                    if self._response_streaming and response_iterator(call):
+                        # The interceptors took the responses into an iterator of their
+                        # own: the server's headers and messages are seen only by running
+                        # it, in the task that reads the call (as grpc.aio runs it), so the
+                        # call commits here (rfc/0003, "The direct path").
+                        self._messages = call.__aiter__()
+                        return self._commit(call)
                     if self._response_streaming:
                         md = await call.initial_metadata()
                         if md:
@@ -279,7 +283,7 @@ class _RetryingCall:
         """``err``, raised by a read or await of the current attempt; the server's status
         in its place when it is grpc.aio's stand-in for a failed write (_peer_status)."""
         peer = self._peer
-        return err if peer is None else await peer.error(err, self._current)
+        return err if peer is None else await peer.error(err, own_call(self._current))
 
     async def _committed_end(self, call: Any) -> _End:
         """How the committed attempt ``call`` ended for the application's accessors: what
@@ -293,6 +297,7 @@ class _RetryingCall:
         grpc.aio's stand-in, an OK included (waits for it). sdkcore accounts the call by
         it, as grpc's own telemetry counts the status core got: a read of the call that
         failed on the stand-in has lost the server's answer (rfc/0009)."""
+        call = own_call(call)
         code = await call.code()
         details = await call.details()
         trailing = await call.trailing_metadata()
@@ -521,6 +526,12 @@ class _RetryingCall:
             except asyncio.CancelledError:
                 # The reading task was cancelled: grpc.aio cancels the RPC with it, and the
                 # call ends as the application's cancellation, not as a CANCELLED answer.
+                self._cancelled = True
+                call.cancel()
+                raise
+            except Exception:
+                # An application interceptor's response iterator failed: the RPC is
+                # cancelled (its permit and accounting end with it), and the error goes on.
                 self._cancelled = True
                 call.cancel()
                 raise

@@ -70,10 +70,12 @@ The promises checked, per call (A6 "When Retries are Valid", "Memory Management
   is the application's) and ``grpc-previous-rpc-attempts`` in the trailers naming it;
   an ``AioRpcError`` with the status of the last attempt (its details name it; the
   trailers name it), DEADLINE_EXCEEDED only for a call with a deadline once it passed;
-  ``asyncio.CancelledError`` only after ``call.cancel()``, a cancelled reading task or
-  the close, and always after ``call.cancel()`` returned True (``code()`` is then
-  CANCELLED); ``code()`` agrees with the error; ``initial_metadata()`` returns headers
-  that arrived without waiting for the attempt to end; ``done()`` is True once the call
+  ``asyncio.CancelledError`` only after ``call.cancel()``, a cancelled reading task, a
+  cancelled writing task (a ``write()`` or ``done_writing()`` cut cancels the call, as
+  on plain grpc.aio; a cut between writes does not) or the close, and always after
+  ``call.cancel()`` returned True (``code()`` is then CANCELLED); ``code()`` agrees
+  with the error; ``initial_metadata()`` returns headers that arrived without waiting
+  for the attempt to end; ``done()`` is True once the call
   is over and a done callback runs exactly once, with ``done()`` True; nothing else
   escapes; no await hangs (each is bounded, and so is the seed);
 * nothing leaks: the channel's replay buffer (``RetryController.buffered_bytes``) is
@@ -859,7 +861,8 @@ class World:
             record.stream_done = True
             await asyncio.wait_for(call.done_writing(), AWAIT)
         except asyncio.CancelledError:
-            # The application cancelled its writer: it half-closes with what it wrote.
+            # The application cancelled its writer: it half-closes with what it wrote (a
+            # cut inside write() or done_writing() cancelled the call: that fails).
             record.writer_cut = next(self.seq)
             _uncancel()
             record.stream_done = True
@@ -1101,6 +1104,7 @@ class World:
             and not (
                 record.cancel_seq is not None
                 or record.task_cancel_seq is not None
+                or record.writer_cut is not None
                 or record.raised is not None
                 or (close is not None and close < record.md_seq)
             )
@@ -1210,7 +1214,11 @@ class World:
 
         # -- the outcome ---------------------------------------------------------------------
         code = record.code
-        cut_by_app = record.cancel_returned or record.task_cancel_seq is not None
+        cut_by_app = (
+            record.cancel_returned
+            or record.task_cancel_seq is not None
+            or record.writer_cut is not None
+        )
         if record.cancel_returned and code is not grpc.StatusCode.CANCELLED:
             problem(f"call.cancel() returned True, yet code() is {code}")
         if record.outcome == "cancelled" and not (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import gc
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -13,6 +14,7 @@ import pytest
 
 grpc = pytest.importorskip("grpc")
 from grpc import aio  # noqa: E402
+from grpc.aio import _base_call  # noqa: E402
 from grpc_server import (  # noqa: E402
     HEADERS_FLUSH,
     TEST_TIMEOUT,
@@ -984,15 +986,32 @@ async def test_a_done_writing_called_twice_at_once_ends_the_stream_once(server: 
             assert await call == b"3"
 
 
+_VAR: contextvars.ContextVar[str] = contextvars.ContextVar("interceptor_var", default="")
+
+
 class _UpperUnaryStream(aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
-    """Returns an async iterator of transformed responses, as grpc.aio allows."""
+    """Returns an async iterator of transformed responses, as grpc.aio allows; it sets a
+    context variable around each yield (as a tracing span would), which fails if the
+    iterator is run in two tasks."""
+
+    def __init__(self, fail_after: int | None = None) -> None:
+        self.fail_after = fail_after
 
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         call = await continuation(details, request)
+        fail_after = self.fail_after
 
         async def upper() -> AsyncIterator[bytes]:
+            n = 0
             async for response in call:
-                yield response.upper()
+                token = _VAR.set("in the iterator")
+                try:
+                    yield response.upper()
+                finally:
+                    _VAR.reset(token)
+                n += 1
+                if fail_after is not None and n >= fail_after:
+                    raise ValueError("the interceptor's iterator failed")
 
         return upper()
 
@@ -1003,9 +1022,26 @@ class _UpperStreamStream(aio.StreamStreamClientInterceptor):  # type: ignore[mis
 
         async def upper() -> AsyncIterator[bytes]:
             async for response in call:
-                yield response.upper()
+                token = _VAR.set("in the iterator")
+                try:
+                    yield response.upper()
+                finally:
+                    _VAR.reset(token)
 
         return upper()
+
+
+def _transforming_method(server: Server, shape: str, *, fail_first: bool) -> str:
+    async def two(request: Any, context: Any, attempt: int) -> AsyncIterator[bytes]:
+        if fail_first and attempt == 1:
+            await abort(context, grpc.StatusCode.UNAVAILABLE)
+        if not isinstance(request, bytes):
+            request = b"".join([r async for r in request])
+        yield request + b"a"
+        yield b"b"
+        await asyncio.sleep(0)
+
+    return str(getattr(server, shape.split()[0])("T", two))
 
 
 @pytest.mark.parametrize("read", ["async for", "read()"])
@@ -1015,20 +1051,11 @@ async def test_an_interceptor_that_transforms_the_responses_is_read_through(
 ) -> None:
     """An application interceptor may return an async iterator of transformed responses
     (grpc.aio wraps it; its ``read()`` raises NotImplementedError): every response-
-    streaming call on such a channel failed with NotImplementedError once each attempt was
-    read through what the interceptors returned (a review; the interceptor path failed the
-    same way). Read by iterating it, as grpc.aio's intercepted call does; a failed first
-    attempt is retried, and the limiter's permit comes back."""
-
-    async def fails_then_two(request: Any, context: Any, attempt: int) -> AsyncIterator[bytes]:
-        if attempt == 1:
-            await abort(context, grpc.StatusCode.UNAVAILABLE)
-        if not isinstance(request, bytes):
-            request = b"".join([r async for r in request])
-        yield request + b"a"
-        yield b"b"
-
-    method = getattr(server, shape.split()[0])("T", fails_then_two)
+    streaming call on such a channel failed with NotImplementedError (a review; on the
+    interceptor path too). It is read by iterating it, in the application's task only (run
+    in two tasks, a context variable set across its yields failed; a review), and the
+    limiter's permit comes back."""
+    method = _transforming_method(server, shape, fail_first=False)
     limiter = ConcurrencyLimiter(4, name="svc-limit")
     with anyio.fail_after(TEST_TIMEOUT):
         async with insecure_channel(
@@ -1054,7 +1081,143 @@ async def test_an_interceptor_that_transforms_the_responses_is_read_through(
             assert got == [b"XA", b"B"]
             assert await call.code() is grpc.StatusCode.OK
             await wait_until(lambda: limiter.in_flight == 0)
-    assert server.count("T") == 2  # the UNAVAILABLE, its retry
+    assert server.count("T") == 1
+
+
+async def test_a_call_whose_interceptor_took_the_responses_commits_when_it_returns(
+    server: Server,
+) -> None:
+    """sdkcore sees the server's headers and messages of such a call only by running the
+    interceptor's iterator, which is the application's to run: the call commits when the
+    interceptors return it (rfc/0003). A first attempt failing UNAVAILABLE is then the
+    call's answer, not retried, and its status is the server's (in the call and in the
+    accounting: the request fails), never a success."""
+    method = _transforming_method(server, "unary_stream", fail_first=True)
+    limiter = ConcurrencyLimiter(4, name="svc-limit")
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target,
+            service_config=retry_config(),
+            limiter=limiter,
+            interceptors=[_UpperUnaryStream()],
+        ) as ch:
+            call = ch.unary_stream(method)(b"x")
+            with pytest.raises(aio.AioRpcError) as info:
+                [m async for m in call]
+            assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+            assert await call.code() is grpc.StatusCode.UNAVAILABLE
+            await wait_until(lambda: limiter.in_flight == 0)
+            stats = retry_stats(ch).snapshot()
+    assert server.count("T") == 1
+    assert sum(m.retry_attempts for m in stats.values()) == 0
+
+
+async def test_an_interceptor_iterator_that_fails_gives_the_permit_back(server: Server) -> None:
+    """The interceptor's iterator raises after the first message: the error reaches the
+    application and the call is cancelled, so the limiter's permit comes back (it stayed
+    held, and the next call was refused; a review)."""
+
+    async def three(request: Any, context: Any, attempt: int) -> AsyncIterator[bytes]:
+        for m in (b"a", b"b", b"c"):
+            yield m
+
+    method = server.unary_stream("T", three)
+    limiter = ConcurrencyLimiter(1, name="svc-limit")
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target,
+            service_config=retry_config(),
+            limiter=limiter,
+            interceptors=[_UpperUnaryStream(fail_after=1)],
+        ) as ch:
+            call = ch.unary_stream(method)(b"x")
+            assert await call.read() == b"A"
+            with pytest.raises(ValueError, match="iterator failed"):
+                await call.read()
+            assert call.done()
+            await wait_until(lambda: limiter.in_flight == 0)
+
+
+async def test_an_object_of_the_applications_with_a_call_attribute_is_not_unwrapped(
+    server: Server,
+) -> None:
+    """An interceptor returning the application's own call wrapper, which has a ``_call``
+    helper of its own: only grpc.aio's response-iterator wrapper is unwrapped (any ``_call``
+    was: the gate then held its permit on a bound method and gave it back at once, and a
+    limiter of one let a second stream in; a review)."""
+
+    class Wrapped(_base_call.UnaryStreamCall):  # type: ignore[misc]
+        """The application's delegating call; ``_call`` is a helper of its own."""
+
+        def __init__(self, inner: Any) -> None:
+            self._inner = inner
+
+        def _call(self, name: str) -> Any:
+            return getattr(self._inner, name)
+
+        def cancel(self) -> bool:
+            return bool(self._call("cancel")())
+
+        def cancelled(self) -> bool:
+            return bool(self._inner.cancelled())
+
+        def done(self) -> bool:
+            return bool(self._inner.done())
+
+        def add_done_callback(self, callback: Any) -> None:
+            self._inner.add_done_callback(lambda _: callback(self))
+
+        def time_remaining(self) -> Any:
+            return self._inner.time_remaining()
+
+        async def initial_metadata(self) -> Any:
+            return await self._inner.initial_metadata()
+
+        async def trailing_metadata(self) -> Any:
+            return await self._inner.trailing_metadata()
+
+        async def code(self) -> Any:
+            return await self._inner.code()
+
+        async def details(self) -> Any:
+            return await self._inner.details()
+
+        async def debug_error_string(self) -> Any:
+            return await self._inner.debug_error_string()
+
+        async def wait_for_connection(self) -> None:
+            await self._inner.wait_for_connection()
+
+        def __aiter__(self) -> Any:
+            return self._inner.__aiter__()
+
+        async def read(self) -> Any:
+            return await self._inner.read()
+
+    class Wrapping(aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
+        async def intercept_unary_stream(
+            self, continuation: Any, details: Any, request: Any
+        ) -> Any:
+            return Wrapped(await continuation(details, request))
+
+    release = asyncio.Event()
+
+    async def held(request: Any, context: Any, attempt: int) -> AsyncIterator[bytes]:
+        yield b"a"
+        await release.wait()
+
+    method = server.unary_stream("T", held)
+    limiter = ConcurrencyLimiter(1, name="svc-limit")
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=retry_config(), limiter=limiter, interceptors=[Wrapping()]
+        ) as ch:
+            first = ch.unary_stream(method)(b"x")
+            assert await first.read() == b"a"
+            assert limiter.in_flight == 1  # held while the stream is open
+            release.set()
+            assert await first.read() is aio.EOF
+            await wait_until(lambda: limiter.in_flight == 0)
 
 
 async def test_a_cancel_an_interceptor_held_back_sends_nothing_more(server: Server) -> None:
