@@ -31,7 +31,7 @@ from ._gate import (
     RefusedStreamUnaryCall,
     RefusedUnaryStreamCall,
 )
-from ._intercepted import made, own_call, response_iterator
+from ._intercepted import interceptors_task, made, own_call, response_iterator
 from ._metadata import _client_trailing
 from ._peer_status import PeerStatus, error_of, is_ok, stand_in_error, watch
 from ._policy import PUSHBACK_KEY, costs_token, parse_pushback, time_out_at_deadline
@@ -173,7 +173,8 @@ class _RetryingCall:
                     # The call the application's interceptors made, read in place of
                     # grpc.aio's intercepted call (_intercepted); what they raised fails
                     # the attempt, as an attempt's own error does.
-                    call = self._current = await made(call)
+                    if interceptors_task(call) is not None:  # no coroutine for a plain call
+                        call = self._current = await made(call)
                     if self._cancelled:  # cancel() while an interceptor held its cancellation back
                         raise asyncio.CancelledError()
                     if replay is not None:
