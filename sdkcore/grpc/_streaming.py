@@ -118,6 +118,8 @@ class _RetryingCall:
         #: The current attempt's messages when they are read by iterating what the
         #: application's interceptors returned (not grpc.aio's own call: ``_read``).
         self._messages: AsyncIterator[Any] | None = None
+        #: A read of ``_messages`` is under way (a second reader at once is refused).
+        self._in_messages = False
         self._started = asyncio.Event()
         self._reader: AsyncIterator[Any] | None = None
         self._accounting: asyncio.Task[None] | None = None
@@ -511,10 +513,22 @@ class _RetryingCall:
             message, out.first, out.has_first = out.first, None, False
             yield message
         call = out.call
+        iterating = self._messages is not None  # an interceptor's response iterator
         while True:
+            if iterating and self._in_messages:
+                # A second reader at once: its misuse (as Python refuses it), nothing ends.
+                raise RuntimeError("anext(): asynchronous generator is already running")
+            self._in_messages = iterating
             try:
                 message = await self._read(call)
             except aio.AioRpcError as read:
+                if iterating and not own_call(call).done():
+                    # The iterator's own error, the RPC still open: core gives the status
+                    # only behind messages nobody will read now. Ended here, not awaited.
+                    self._ended_with = read
+                    if call.cancel():
+                        self._cancelled = True
+                    raise self._c._final(read) from None
                 err = self._ended_with = await self._server_error(read)
                 await self._account_committed(call, reader=True)
                 if self._cancelled and err.code() is grpc.StatusCode.CANCELLED:
@@ -532,11 +546,20 @@ class _RetryingCall:
                 raise
             except Exception:
                 # An application interceptor's response iterator failed: the RPC is
-                # cancelled (its permit and accounting end with it), and the error goes on.
-                self._cancelled = True
-                call.cancel()
+                # cancelled (its permit and accounting end with it), and the error goes on;
+                # a call already over keeps the status the server gave it.
+                if call.cancel():
+                    self._cancelled = True
                 raise
+            finally:
+                self._in_messages = False
             if message is _EOF:
+                if iterating and not own_call(call).done():
+                    # The iterator ended with the RPC still open (it stopped early): the
+                    # rest is read by nobody, and core holds the status behind it: ended.
+                    if call.cancel():
+                        self._cancelled = True
+                    return
                 await self._account_committed(call, reader=True)
                 return
             yield message

@@ -1250,3 +1250,128 @@ async def test_a_cancel_an_interceptor_held_back_sends_nothing_more(server: Serv
             assert await call.code() is grpc.StatusCode.CANCELLED
             await asyncio.sleep(0.5)
     assert server.count("S") <= 1  # the interceptor's own continuation, at most
+
+
+class _Take(aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    """A response iterator that ends early: after ``n`` responses, or with its own
+    ``AioRpcError`` on a response it refuses, or mapping the server's error to one of the
+    application's (``LookupError``)."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        call = await continuation(details, request)
+        how = self.how
+
+        async def responses() -> AsyncIterator[bytes]:
+            try:
+                async for response in call:
+                    if how == "refuse" and response == b"bad":
+                        raise aio.AioRpcError(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            aio.Metadata(),
+                            aio.Metadata(),
+                            "the interceptor refused a response",
+                        )
+                    yield response
+                    if how == "first":
+                        return
+            except aio.AioRpcError as err:
+                if how != "map":
+                    raise
+                raise LookupError("mapped") from err
+
+        return responses()
+
+
+@pytest.mark.parametrize("how", ["first", "refuse"])
+async def test_an_interceptor_iterator_that_ends_while_the_rpc_runs_ends_the_call(
+    server: Server, how: str
+) -> None:
+    """The interceptor's iterator ends early (it takes the first response, or raises its own
+    error) while the server still streams: the application's read waited for the server's
+    status, which core gives only behind messages nobody would read now: it hung until the
+    deadline, holding the limiter's permit (a review). The call ends at once."""
+    release = asyncio.Event()
+
+    async def streams(request: Any, context: Any, attempt: int) -> AsyncIterator[bytes]:
+        for message in (b"a", b"bad", b"c"):
+            yield message
+        await release.wait()
+
+    method = server.unary_stream("T", streams)
+    limiter = ConcurrencyLimiter(4, name="svc-limit")
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=retry_config(), limiter=limiter, interceptors=[_Take(how)]
+        ) as ch:
+            call = ch.unary_stream(method)(b"x")
+            with anyio.fail_after(5):
+                assert await call.read() == b"a"
+                if how == "first":
+                    assert await call.read() is aio.EOF
+                else:
+                    with pytest.raises(aio.AioRpcError) as info:
+                        await call.read()
+                    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+                    assert await call.code() is grpc.StatusCode.INVALID_ARGUMENT
+                await wait_until(lambda: limiter.in_flight == 0)
+            release.set()
+
+
+async def test_a_server_error_an_interceptor_maps_keeps_its_status(server: Server) -> None:
+    """The interceptor maps the server's UNAVAILABLE to an exception of the application's:
+    the call ended with the server's status, so it is not a cancellation (it was booked
+    one: ``cancelled()`` True and the request's outcome ``cancelled``; a review)."""
+
+    async def one_then_fails(request: Any, context: Any, attempt: int) -> AsyncIterator[bytes]:
+        yield b"a"
+        await abort(context, grpc.StatusCode.UNAVAILABLE)
+
+    method = server.unary_stream("T", one_then_fails)
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=retry_config(), interceptors=[_Take("map")]
+        ) as ch:
+            call = ch.unary_stream(method)(b"x")
+            assert await call.read() == b"a"
+            with pytest.raises(LookupError, match="mapped"):
+                await call.read()
+            assert await call.code() is grpc.StatusCode.UNAVAILABLE
+            assert not call.cancelled()
+
+
+async def test_a_second_reader_at_once_leaves_the_first_reading(server: Server) -> None:
+    """Two tasks iterate one call whose interceptor returned a response iterator: the
+    second gets Python's RuntimeError, and the first reads on (the second's error was
+    taken for the interceptor's and cancelled the call; a review). As plain grpc.aio."""
+    release = asyncio.Event()
+
+    async def streams(request: Any, context: Any, attempt: int) -> AsyncIterator[bytes]:
+        yield b"m0"
+        await release.wait()
+        yield b"m1"
+
+    method = server.unary_stream("T", streams)
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=retry_config(), interceptors=[_UpperUnaryStream()]
+        ) as ch:
+            call = ch.unary_stream(method)(b"x")
+            got: list[bytes] = []
+
+            async def first() -> None:
+                async for message in call:
+                    got.append(message)
+
+            reading = asyncio.ensure_future(first())
+            await wait_until(lambda: got == [b"M0"])
+            await asyncio.sleep(0.02)  # the first reader waits inside its next read
+            with pytest.raises(RuntimeError, match="already running"):
+                async for _ in call:
+                    pass
+            release.set()
+            await reading
+            assert got == [b"M0", b"M1"]
+            assert await call.code() is grpc.StatusCode.OK
