@@ -669,3 +669,26 @@ class _TracedCall(_Call):
         except BaseException as exc:
             trace.end(exc)  # the call is over: exc is what the application gets
             raise
+
+
+class Continuation:
+    """grpc.aio's multi-callable ``inner`` as an attempt loop's continuation (what an
+    interceptor's ``continuation`` is): each attempt one call of it, with the attempt's
+    details (time left, previous-attempts header) and the call's ``compression``. The
+    streaming shapes' direct path and hedged calls use it."""
+
+    __slots__ = ("_compression", "_inner")
+
+    def __init__(self, inner: Any, compression: Any) -> None:
+        self._inner = inner
+        self._compression = compression
+
+    async def __call__(self, details: Any, request: Any) -> Any:
+        return self._inner(
+            request,
+            timeout=details.timeout,
+            metadata=details.metadata,
+            credentials=details.credentials,
+            wait_for_ready=details.wait_for_ready,
+            compression=self._compression,
+        )

@@ -321,7 +321,7 @@ def _hold(held: tuple[Any, Any], call: Any) -> None:
     task = interceptors_task(call)
     if task is not None:
 
-        def made(done: asyncio.Task[Any]) -> None:
+        def resolved(done: asyncio.Task[Any]) -> None:
             if done.cancelled():  # cancelled before the interceptors made a call
                 Gate.exit(held, asyncio.CancelledError())
                 return
@@ -334,7 +334,7 @@ def _hold(held: tuple[Any, Any], call: Any) -> None:
             else:
                 Gate.exit(held, error)
 
-        task.add_done_callback(made)
+        task.add_done_callback(resolved)
         return
     call = own_call(call)  # an interceptor's response iterator: the call it came from
     if isinstance(call, _REQUEST_STREAMING) and getattr(call, "_cython_call", None) is not None:

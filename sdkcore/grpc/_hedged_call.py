@@ -21,7 +21,7 @@ from grpc.aio import _base_call
 from .._hedge import answered_before_hedge
 from .._hooks import INSTANT_DELAYS
 from .._request import Request
-from ._call import call_timeout
+from ._call import Continuation, call_timeout
 from ._controller import _Controller
 from ._finished import _ended_ok, _Readers
 from ._hedging import direct_opener, hedge_trace, hedged_unary_unary
@@ -161,7 +161,7 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
             hedged_unary_unary(
                 self._core,
                 self._plan,
-                self._continuation,
+                Continuation(self._inner, self._compression),
                 self._details,
                 self._message,
                 first=self._first,
@@ -175,16 +175,6 @@ class _HedgedCall(_Readers, _base_call.UnaryUnaryCall):  # type: ignore[misc]
         )
         driver.add_done_callback(self._driver_done)
         core._waiting.add(self)  # the channel's close cancels the copies it does not track
-
-    async def _continuation(self, details: Any, message: Any) -> Any:
-        return self._inner(
-            message,
-            timeout=details.timeout,
-            metadata=details.metadata,
-            credentials=details.credentials,
-            wait_for_ready=details.wait_for_ready,
-            compression=self._compression,
-        )
 
     def _adopt_request(self, request: Request) -> None:
         """The runner's Request: :meth:`cancel` cancels it too (``hedged_unary_unary``'s

@@ -4,10 +4,11 @@ On a channel with application interceptors, each attempt sdkcore makes is a call
 grpc.aio's multi-callable, which runs those interceptors in a task of its own and hands
 back its intercepted call (grpc.aio keeps the task as ``_interceptors_task``: a private
 name, read with a fallback). sdkcore reads the attempt through the call the interceptors
-returned, grpc.aio's own call as a rule: the intercepted call's accessors answer a
-cancellation of the task awaiting them as None or CANCELLED (an attempt loop cancelled
-there read on, and a cancelled call's RPC ran on), and only grpc.aio's own call shows its
-status to the channel's gate and to ``_peer_status`` (rfc/0003, "The direct path"). An
+returned (it awaits that task), grpc.aio's own call as a rule: the intercepted call's
+accessors answer a cancellation of the task awaiting them as None or CANCELLED (an attempt
+loop cancelled there read on, and a cancelled call's RPC ran on), and only grpc.aio's own
+call shows its status to the channel's gate and to ``_peer_status`` (rfc/0003, "The
+direct path"). An
 interceptor may also return an async iterator of (transformed) responses: grpc.aio wraps
 it, and its messages are read by iterating it, as grpc.aio's own intercepted call does.
 """
@@ -48,17 +49,4 @@ def own_call(call: Any) -> Any:
         inner = getattr(call, "_call", None)
         if inner is not None:
             return inner
-    return call
-
-
-async def made(call: Any) -> Any:
-    """The call the application's interceptors returned for ``call`` (``call`` itself when
-    no interceptor ran). Raises what they raised; ``CancelledError`` when the task awaiting
-    it is cancelled (which cancels the interceptors' task) or the call was cancelled
-    before they returned."""
-    for _ in range(8):  # an interceptor's call intercepted again: bounded all the same
-        task = interceptors_task(call)
-        if task is None:
-            break
-        call = await task
     return call

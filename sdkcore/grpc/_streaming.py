@@ -22,7 +22,7 @@ from grpc.aio import _base_call
 
 from .._context import AttemptEffect
 from .._request import RequestState, dispatching
-from ._call import _Call, _TracedCall, outer_details
+from ._call import Continuation, _Call, _TracedCall, outer_details
 from ._controller import _Controller, channel_closed_error
 from ._gate import (
     GatedMultiCallable,
@@ -31,7 +31,7 @@ from ._gate import (
     RefusedStreamUnaryCall,
     RefusedUnaryStreamCall,
 )
-from ._intercepted import interceptors_task, made, own_call, response_iterator
+from ._intercepted import interceptors_task, own_call, response_iterator
 from ._metadata import _client_trailing
 from ._peer_status import PeerStatus, error_of, is_ok, stand_in_error, watch
 from ._policy import PUSHBACK_KEY, costs_token, parse_pushback, time_out_at_deadline
@@ -175,8 +175,9 @@ class _RetryingCall:
                     # The call the application's interceptors made, read in place of
                     # grpc.aio's intercepted call (_intercepted); what they raised fails
                     # the attempt, as an attempt's own error does.
-                    if interceptors_task(call) is not None:  # no coroutine for a plain call
-                        call = self._current = await made(call)
+                    interceptors = interceptors_task(call)
+                    if interceptors is not None:
+                        call = self._current = await interceptors
                     if self._cancelled:  # cancel() while an interceptor held its cancellation back
                         raise asyncio.CancelledError()
                     if replay is not None:
@@ -526,8 +527,7 @@ class _RetryingCall:
                     # The iterator's own error, the RPC still open: core gives the status
                     # only behind messages nobody will read now. Ended here, not awaited.
                     self._ended_with = read
-                    if call.cancel():
-                        self._cancelled = True
+                    self._end_committed(call)
                     raise self._c._final(read) from None
                 err = self._ended_with = await self._server_error(read)
                 await self._account_committed(call, reader=True)
@@ -546,10 +546,8 @@ class _RetryingCall:
                 raise
             except Exception:
                 # An application interceptor's response iterator failed: the RPC is
-                # cancelled (its permit and accounting end with it), and the error goes on;
-                # a call already over keeps the status the server gave it.
-                if call.cancel():
-                    self._cancelled = True
+                # cancelled (its permit and accounting end with it), and the error goes on.
+                self._end_committed(call)
                 raise
             finally:
                 self._in_messages = False
@@ -557,12 +555,18 @@ class _RetryingCall:
                 if iterating and not own_call(call).done():
                     # The iterator ended with the RPC still open (it stopped early): the
                     # rest is read by nobody, and core holds the status behind it: ended.
-                    if call.cancel():
-                        self._cancelled = True
+                    self._end_committed(call)
                     return
                 await self._account_committed(call, reader=True)
                 return
             yield message
+
+    def _end_committed(self, call: Any) -> None:
+        """The application stopped reading the committed ``call`` (its interceptor's
+        iterator ended or failed): cancelled, if still running, so that its permit and
+        accounting end with it; a call already over keeps the status the server gave it."""
+        if call.cancel():
+            self._cancelled = True
 
     def __aiter__(self) -> AsyncIterator[Any]:
         return self._responses()
@@ -700,12 +704,10 @@ class _WriteStream:
     or the call ends; ``done_writing()`` ends the stream. The replay buffer reads this
     stream at once until the call commits (``_ReplayBuffer(writes=True)``)."""
 
-    __slots__ = ("closed", "end", "ended", "queue")
+    __slots__ = ("end", "ended", "queue")
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=1)
-        #: done_writing() was called: a write() after it is refused, never dropped.
-        self.closed = False
         #: The put of the stream's end: made once, by the first done_writing(), and kept
         #: when its caller is cancelled (the half-close was asked for, and a write() would
         #: be refused: a later done_writing() waits for the same put); cancelled when the
@@ -713,6 +715,11 @@ class _WriteStream:
         self.end: asyncio.Future[None] | None = None
         #: The call's ``code()``, awaited by the first write: a write waits for it or room.
         self.ended: asyncio.Task[Any] | None = None
+
+    @property
+    def closed(self) -> bool:
+        """done_writing() was called: a write() after it is refused, never dropped."""
+        return self.end is not None
 
     async def messages(self) -> AsyncIterator[Any]:
         queue = self.queue
@@ -741,7 +748,6 @@ class _WriteStream:
 
     async def close(self, call: _RetryingCall) -> None:
         """Put the stream's end in the queue (once), or give up when ``call`` ends first."""
-        self.closed = True
         ended = self._ended(call)
         end = self.end
         if end is None:
@@ -801,27 +807,6 @@ class _DirectStreamStreamCall(_DirectWrites, _base_call.StreamStreamCall):  # ty
     pass
 
 
-class _Attempts:
-    """grpc.aio's multi-callable as the attempt loop's continuation: each attempt one
-    call of it, with the attempt's details (time left, previous-attempts header)."""
-
-    __slots__ = ("_compression", "_inner")
-
-    def __init__(self, inner: Any, compression: Any) -> None:
-        self._inner = inner
-        self._compression = compression
-
-    async def __call__(self, details: Any, request: Any) -> Any:
-        return self._inner(
-            request,
-            timeout=details.timeout,
-            metadata=details.metadata,
-            credentials=details.credentials,
-            wait_for_ready=details.wait_for_ready,
-            compression=self._compression,
-        )
-
-
 class _StreamingMultiCallable:
     """A streaming method's multi-callable on an sdkcore channel.
 
@@ -878,7 +863,7 @@ class _StreamingMultiCallable:
         state = _Call if core._tel is None else _TracedCall
         return self._call_class(
             state(core, plan, self._method, timeout, metadata, credentials, wait_for_ready),
-            _Attempts(self._inner, compression),
+            Continuation(self._inner, compression),
             request,
             request_streaming=self._request_streaming,
             response_streaming=self._response_streaming,
