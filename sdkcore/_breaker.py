@@ -656,9 +656,11 @@ class CircuitBreaker:
             self._state = _OPEN
             self._opened_at = now
             self._last_error = error
+            # The outage goes on: its start was the trip's warning (a failed probe every
+            # sleep window would repeat it all through an outage).
             return self._event(
                 _log.EVENT_BREAKER_OPENED,
-                _log.WARNING,
+                _log.INFO,
                 self._tripped({"cause": "probe_failed", "sleep_window_s": self._sleep_window}),
             )
         self._flush()
@@ -692,7 +694,7 @@ class CircuitBreaker:
         self._token = None  # its late outcome no longer decides
         return self._event(
             _log.EVENT_BREAKER_OPENED,
-            _log.WARNING,
+            _log.INFO,  # the outage goes on, as after a failed probe
             self._tripped(
                 {
                     "cause": "canary_timeout",

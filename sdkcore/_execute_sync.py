@@ -355,18 +355,21 @@ def _retry(
         close = getattr(action, "close", None)
         if close is not None:
             close()  # never awaited: no warning
-        request._finish(RequestState.FAILED)
         method = _failing.asked(strategy)
+        name = _failing.strategy_name(strategy)
         fix = (
             "Make its decide a plain def"
             if method == "decide"
             else "Use a built-in strategy, override its decide(request, reason) instead"
         )
-        raise TypeError(
-            f"execute_sync needs a synchronous RetryStrategy; "
-            f"{_failing.strategy_name(strategy)}.{method} returned an awaitable. "
+        error = TypeError(
+            f"execute_sync needs a synchronous RetryStrategy; {name}.{method} returned an "
+            f"awaitable, deciding on {_failing.strategy_failed_on(request, reason)}. "
             f"{fix}, or 'await orchestrator.execute(...)'"
         )
+        # failed as for a strategy's wrong answer: the request, and retry.strategy_failed
+        _failing.strategy_failed(request, reason, name, error, raised=False)
+        raise error
     verdict, delay = self._settle(
         request, reason, action, strategy, gate(DEBUG), failure, hint, now, threads=True
     )

@@ -672,6 +672,15 @@ def _not_idempotent(request: Request, reason: RetryReason, action: RetryAction |
             f"server (reason {reason.name}, effect "
             f"{'MAYBE_APPLIED' if effect is None else effect.name}){asked}"
         )
+    if effect is AttemptEffect.NOT_SENT or effect is AttemptEffect.NOT_APPLIED:
+        # Known not applied: the reason's RFC flag refuses alone (rfc/0001, "Which wins").
+        # Said so, or an operator reconciles a write that never happened.
+        return (
+            f"not retried: the request is not idempotent, and reason {reason.name} does not "
+            f"allow retrying a non-idempotent request (RFC 0049); its last attempt was "
+            f"recorded {effect.name}, so it was not applied; mark the request idempotent=True "
+            "if sending it again is safe"
+        )
     return (
         f"not retried: the request is not idempotent and may have reached the server "
         f"(reason {reason.name} does not allow retrying a non-idempotent request){asked}"
@@ -698,15 +707,7 @@ def strategy_failed(
     """
     request._finish(RequestState.FAILED)
     if raised:
-        applied = (
-            " (not idempotent, and an attempt may have been applied)"
-            if not request.idempotent and request.maybe_applied
-            else ""
-        )
-        note = (
-            f"{_NOTE} {strategy} deciding on request "
-            f"{request.id} ({request.name!r}) after {reason.name}; the request failed{applied}"
-        )
+        note = f"{_NOTE} {strategy} deciding on {strategy_failed_on(request, reason)}"
         _note(error, note, _NOTE)  # one exception object raised again: its latest request only
     log = _log.enabled(_log.WARNING)
     if log is not None:
@@ -716,6 +717,17 @@ def strategy_failed(
             error=describe_error(error),
             **_outcome_fields(request),  # a write that may have been applied says so here too
         )
+
+
+def strategy_failed_on(request: Request, reason: RetryReason) -> str:
+    """The request a strategy failed on, and what that did to it (for its error's text)."""
+    applied = (
+        " (not idempotent, and an attempt may have been applied)"
+        if not request.idempotent and request.maybe_applied
+        else ""
+    )
+    who = f"request {request.id} ({request.name!r})"
+    return f"{who} after {reason.name}; the request failed{applied}"
 
 
 def _note(error: BaseException, note: str, kind: str) -> None:

@@ -53,7 +53,12 @@ def _delay(value: Any) -> timedelta | LatencyQuantile:
 
 
 def _check_attempts(_: Any, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**31 - 1:
+    if isinstance(value, bool) or not isinstance(value, int):  # a wrong type (rfc/0005)
+        raise TypeError(
+            f"HedgePolicy.{attribute.name} must be an integer >= 1 (at most {2**31 - 1}), "
+            f"got {show(value)} ({type(value).__name__})"
+        )
+    if not 1 <= value <= 2**31 - 1:
         raise ValueError(
             f"HedgePolicy.{attribute.name} must be an integer >= 1 (at most {2**31 - 1}), "
             f"got {show(value)}"

@@ -91,6 +91,28 @@ async def test_not_applied_and_not_sent_attempts_keep_retrying(effect: AttemptEf
     assert sends == 3
 
 
+@pytest.mark.parametrize("effect", [AttemptEffect.NOT_APPLIED, AttemptEffect.NOT_SENT])
+async def test_a_flags_refusal_of_an_attempt_known_not_applied_says_it_was_not_applied(
+    effect: AttemptEffect,
+) -> None:
+    """The reason's flag refuses alone (UNKNOWN forbids a non-idempotent retry, whatever the
+    effect): the message says the write was not applied, not that it may have reached the
+    server (an operator would reconcile a write that never happened)."""
+
+    async def send(request: Request) -> str:
+        raise RetryableError(RetryReason.UNKNOWN, effect=effect)
+
+    request = Request(name="kv.upsert", timeout=1.0)
+    with pytest.raises(RequestCanceledException) as info:
+        await RetryOrchestrator().execute(request, send)
+    message = str(info.value)
+    assert "may have" not in message.split(";")[0]
+    assert "reason UNKNOWN does not allow retrying a non-idempotent request" in message
+    assert f"recorded {effect.name}, so it was not applied" in message
+    assert "idempotent=True" in message
+    assert not request.maybe_applied
+
+
 async def test_an_idempotent_request_keeps_retrying_after_maybe_applied() -> None:
     sends = 0
 

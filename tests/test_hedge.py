@@ -325,6 +325,9 @@ async def test_bad_arguments_are_refused() -> None:
         await orch.hedge(idem(), Script({}), HedgePolicy(2), throttler=object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"max_attempts must be an integer >= 1"):
         HedgePolicy(0)
+    for wrong in (2.0, True, "2"):  # a wrong type is a TypeError, as everywhere (rfc/0005)
+        with pytest.raises(TypeError, match=r"max_attempts must be an integer >= 1"):
+            HedgePolicy(wrong)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"HedgePolicy\.delay must be >= 0"):
         HedgePolicy(2, delay=-1)
     with pytest.raises(TypeError, match="single reason"):

@@ -15,13 +15,14 @@ from sdkcore import (
     DocumentNotFoundException,
     Request,
     RequestCanceledException,
+    RequestState,
     RetryableError,
     RetryAction,
     RetryOrchestrator,
     RetryReason,
     UnambiguousTimeoutException,
 )
-from sdkcore.testing import VirtualClock
+from sdkcore.testing import VirtualClock, capture_retry_events
 
 
 class Scripted:
@@ -124,6 +125,32 @@ def test_async_strategy_is_refused_clearly() -> None:
     req = Request(idempotent=True, retry_strategy=AsyncOne())
     with pytest.raises(TypeError, match="execute_sync needs a synchronous RetryStrategy"):
         RetryOrchestrator().execute_sync(req, Scripted(1))
+    assert req.state is RequestState.FAILED
+
+
+def test_async_strategy_on_a_write_that_may_have_been_applied_says_so() -> None:
+    """The refusal names the request and what it did to it, and logs as a strategy's
+    failure does: it comes at the first retryable failure, in an incident."""
+
+    class AsyncOne:
+        async def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:
+            return RetryAction.with_duration(0)
+
+    req = Request(name="kv.upsert", idempotent=False, retry_strategy=AsyncOne())
+    send = Scripted(1, RetryReason.SOCKET_CLOSED_WHILE_IN_FLIGHT)
+    with capture_retry_events() as events, pytest.raises(TypeError) as info:
+        RetryOrchestrator().execute_sync(req, send)
+    text = str(info.value)
+    assert f"request {req.id} ('kv.upsert') after SOCKET_CLOSED_WHILE_IN_FLIGHT" in text
+    assert "not idempotent, and an attempt may have been applied" in text
+    assert req.state is RequestState.FAILED
+    assert req.maybe_applied
+    [event] = events
+    assert event["event"] == "retry.strategy_failed"
+    assert event["log_level"] == "warning"
+    assert event["request_id"] == req.id
+    assert event["maybe_applied"] is True
+    assert "execute_sync needs a synchronous RetryStrategy" in event["error"]
 
 
 def test_sync_user_strategy_is_used() -> None:

@@ -81,7 +81,9 @@ def _parser() -> argparse.ArgumentParser:
         "-v",
         "--verbose",
         action="store_true",
-        help="stream sdkcore's log events (retry.*, hedge.*, breaker.*, budget.*) to stderr",
+        help="stream all of sdkcore's log events to stderr (retry.*, hedge.*, breaker.*, "
+        "budget.*, limiter.*, throttle.*); without it, warnings only, and none of the breaker, "
+        "budget, limiter or throttle events the report tells",
     )
     parser.add_argument(
         "--metrics-port",
