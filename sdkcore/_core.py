@@ -284,7 +284,7 @@ class OrchestratorCore:
                 )
         except BaseException:  # an interrupt in a log handler or an instrument: not sent
             self._leave_backoff(threads)
-            self._refund_unsent(request, verdict)
+            self._refund_unsent(request)
             raise
         return verdict, delay
 
@@ -327,15 +327,15 @@ class OrchestratorCore:
             request.maybe_applied,
         )
 
-    def _refund_unsent(self, request: Request, verdict: Verdict) -> None:
+    def _refund_unsent(self, request: Request) -> None:
         """A retry that :meth:`_settle` booked is not sent (its backoff was cut, or the
-        request completed meanwhile): the retry budget gets back what it paid for it."""
-        budget = self._budget
-        if verdict is _RETRY and budget is not None and spends_budget(request.last_effect):
+        request completed meanwhile): the retry budget gets back what it paid for it.
+        Once: what was paid is ``request._paid`` until its attempt is booked, answers, or
+        is refunded; an attempt begun (in flight, not booked) went out: not refunded."""
+        paid = request._paid
+        if paid is not None and not request._in_flight:
             request._paid = None  # refunded here: its attempt never comes
-            refund = getattr(budget, "refund", None)
-            if refund is not None:
-                refund()
+            paid.refund()
 
     def _refusal(
         self,

@@ -296,12 +296,12 @@ async def execute(
                     else:
                         await _injected_wait(self, request, rt, delay)
                 except BaseException:
-                    self._refund_unsent(request, verdict)
+                    self._refund_unsent(request)
                     raise
                 finally:
                     self._in_retry -= 1  # _leave_backoff(), written out (the loop's thread only)
                 if verdict is not _RETRY or request.state is not _PENDING:
-                    self._refund_unsent(request, verdict)
+                    self._refund_unsent(request)
                     _failing.after_backoff(request, verdict, reason, strategy)
                 continue
             if trace is not None:
@@ -526,7 +526,7 @@ async def maybe_retry(
             try:
                 await _cancellable_wait(self, request, rt, delay)
             except BaseException as exc:
-                self._refund_unsent(request, verdict)
+                self._refund_unsent(request)
                 _failing.finish_by(request, exc)
                 raise
             finally:
@@ -541,13 +541,13 @@ async def maybe_retry(
                 else:
                     await _injected_wait(self, request, rt, delay)
             except BaseException as exc:
-                self._refund_unsent(request, verdict)
+                self._refund_unsent(request)
                 _failing.finish_by(request, exc)
                 raise
             finally:
                 self._in_retry -= 1  # _leave_backoff(), written out (the loop's thread only)
         if verdict is not _RETRY or request.state is not _PENDING:
-            self._refund_unsent(request, verdict)
+            self._refund_unsent(request)
             _failing.after_backoff(request, verdict, reason, strategy)
         if type(action) is RetryAction and action.seconds == delay and action.duration is not None:
             return action.duration  # the strategy's own timedelta: nothing to build
@@ -609,6 +609,9 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
     """
     _check_request(request, "attempt(request)")
     if request.state is not _PENDING:
+        # Request.cancel() after maybe_retry booked a retry: the budget paid for an attempt
+        # that never goes (given back once: a backoff the cancel cut gave it back already)
+        self._refund_unsent(request)
         raise _completed(request, request.last_reason)
     if request._sending or request._in_block:  # another door, or another attempt() block
         raise _failing.in_use(request, "attempt(request)")
@@ -619,8 +622,7 @@ def attempt(self: OrchestratorCore, request: Request) -> Generator[None, None, N
         request._attempt_failed(None, _MAYBE, None, now)
     left = request.deadline - now
     if left <= 0.0:  # expired before the attempt: nothing is sent
-        if request._has_unsent_retry():  # the retry maybe_retry booked, and paid for, never goes
-            self._refund_unsent(request, _RETRY)
+        self._refund_unsent(request)  # the retry maybe_retry booked, and paid for, never goes
         expired = _failing.timed_out(
             request, request.last_reason, _failing.strategy_of(request, self._default), now
         )

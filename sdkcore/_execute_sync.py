@@ -190,15 +190,13 @@ def _loop(
     deadline = request.deadline
     while True:
         if clock() >= deadline:
-            if request._has_unsent_retry():  # a backoff that ended past the deadline: not sent
-                self._refund_unsent(request, Verdict.RETRY)
+            self._refund_unsent(request)  # a retry booked whose backoff ended past it: not sent
             raise _failing.timed_out(
                 request, request.last_reason, _failing.strategy_of(request, self._default), clock()
             ) from _failing.cause(request)
         if not request._begin_attempt_on_threads(clock()):
             # Request.cancel() from another thread since the loop's last look: nothing is sent.
-            if request._has_unsent_retry():
-                self._refund_unsent(request, Verdict.RETRY)
+            self._refund_unsent(request)
             raise _failing.already_completed(request, request.last_reason) from _failing.cause(
                 request
             )
@@ -383,12 +381,12 @@ def _retry(
             else:
                 _blocking_sleep(sleep, delay)
     except BaseException as exc:
-        self._refund_unsent(request, verdict)
+        self._refund_unsent(request)
         _failing.finish_by(request, exc)
         raise
     finally:
         self._leave_backoff(threads=True)
     if verdict is not Verdict.RETRY or request.state is not _PENDING:
         # Request.cancel() from another thread, or a backoff capped at the deadline
-        self._refund_unsent(request, verdict)
+        self._refund_unsent(request)
         _failing.after_backoff(request, verdict, reason, strategy)

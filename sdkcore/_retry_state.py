@@ -149,8 +149,8 @@ class RetryState:
     def reached_network(self) -> bool:
         """True if some attempt may have been written to the network.
 
-        Set when an attempt is cut off in flight, or when a failed attempt was
-        recorded whose effect is not ``AttemptEffect.NOT_SENT``.
+        Set when an attempt is cut off in flight, when a failed attempt was recorded
+        whose effect is not ``AttemptEffect.NOT_SENT``, or when the request succeeded.
         """
         return self._sent
 
@@ -322,6 +322,11 @@ class RetryState:
             completed = self._state is _PENDING
             if completed:
                 self._state = RequestState.SUCCEEDED
+        self._paid = None  # the attempt it paid for answered: spent
+        if completed:  # the answer ends the attempt in flight (it was sent: it answered)
+            self._in_flight = False
+            self._sent_at = -1.0
+            self._sent = True
         error = self._last_error
         if error is not None:
             error.__traceback__ = None

@@ -194,3 +194,32 @@ def test_repr_mentions_id_name_and_state() -> None:
     assert str(req.id) in text
     assert "'upsert'" in text
     assert "pending" in text
+
+
+def test_a_request_that_succeeded_has_no_attempt_in_flight_on_every_door() -> None:
+    """``in_flight`` is "between its start and its outcome": the answer is an outcome, and
+    an attempt that answered reached the network (it stayed in flight for ever before)."""
+    import anyio
+
+    orch = RetryOrchestrator()
+
+    async def ok(request: Request) -> str:
+        return "ok"
+
+    async def doors() -> list[Request]:
+        by_execute = Request(timeout=1.0)
+        await orch.execute(by_execute, ok)
+        by_hand = Request(timeout=1.0)
+        with orch.attempt(by_hand):
+            pass
+        assert by_hand.in_flight  # answered; succeed() not called yet
+        orch.succeed(by_hand)
+        return [by_execute, by_hand]
+
+    done = anyio.run(doors)
+    by_thread = Request(timeout=1.0)
+    orch.execute_sync(by_thread, lambda request: "ok")
+    for request in (*done, by_thread):
+        assert request.state is RequestState.SUCCEEDED
+        assert request.in_flight is False
+        assert request.reached_network is True
