@@ -118,12 +118,17 @@ def _scope_fired(
     )
 
 
-async def _awaited(request: Request, reason: RetryReason, answer: Any, strategy: Any) -> Any:
-    """An async strategy's answer, awaited (its failure is the strategy's)."""
+async def _awaited(
+    request: Request, reason: RetryReason, answer: Any, strategy: Any, scope: Any
+) -> Any:
+    """An async strategy's answer, awaited within ``execute``'s deadline ``scope``: its
+    failure is the strategy's, unless the scope cut it (the deadline or Request.cancel(),
+    turned into an error by the strategy's I/O): ``execute`` then reports the cut."""
     try:
         action = await answer
     except Exception as exc:
-        _failing.strategy_failed(request, reason, _failing.strategy_name(strategy), exc)
+        if not scope.fired:
+            _failing.strategy_failed(request, reason, _failing.strategy_name(strategy), exc)
         raise
     if request.state is not _PENDING:  # Request.cancel() while the strategy ran
         raise _failing.already_completed(request, reason) from _failing.cause(request)
@@ -265,6 +270,13 @@ async def execute(
                     # Request.cancel() while the attempt was in flight (no deadline: it ran to
                     # its end): no retry is booked, counted or paid for.
                     raise _failing.already_completed(request, reason) from _failing.cause(request)
+                if now >= deadline:
+                    # Failed at its deadline (the answer came with it, or the request's clock
+                    # is not the loop's): the timeout, no retry asked for or booked, as on
+                    # every door (_failing.past_deadline).
+                    raise _failing.past_deadline(
+                        request, reason, self._default, now
+                    ) from _failing.cause(request)
                 if strategy is None:  # once per call (a request always has a strategy)
                     strategy, decides, debug = self._resolve(request)
                     debug = debug(_DEBUG)  # the log gate, asked once: the logger or None
@@ -276,7 +288,7 @@ async def execute(
                             self, request, reason, rt, action, _failing.strategy_name(strategy)
                         )
                     else:
-                        action = await _awaited(request, reason, action, strategy)
+                        action = await _awaited(request, reason, action, strategy, scope)
                     now = request._clock()
                 verdict, delay = self._settle(  # request._last_error: the failure just booked
                     request,
@@ -511,6 +523,10 @@ async def maybe_retry(
         request._attempt_failed(reason, effect or DEFAULT_EFFECT[reason], cause, now)
         if self._budget is not None:  # a loop without attempt(): its first failure counts the first
             self._deposit(request)
+        if now >= request.deadline:  # failed at its deadline: the timeout, as on every door
+            raise _failing.past_deadline(request, reason, self._default, now) from _failing.cause(
+                request
+            )
         rt = _runtime.current()
         _, strategy, decides, gate = request._resolved_by(self, self._resolve)
         action = self._ask(request, reason, strategy, decides)

@@ -217,11 +217,9 @@ def _loop(
             if request.state is not _PENDING:  # Request.cancel() from another thread
                 raise _failing.already_completed(request, reason) from failed
             if now >= deadline:  # blocked past the deadline: the timeout, as for any error
-                # The attempt is booked with what it said of itself (a NOT_SENT one stays
-                # unambiguous), as execute books an attempt that failed at its deadline.
-                raise _failing.timed_out(
-                    request, reason, _failing.strategy_of(request, self._default), now
-                ) from failed
+                raise _failing.past_deadline(
+                    request, reason, self._default, now
+                ) from _failing.cause(request)
             _retry(self, request, reason, failed, sleep, failure.retry_after, now)
             continue
         except Exception as exc:

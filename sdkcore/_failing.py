@@ -154,6 +154,17 @@ def cause(request: Request) -> BaseException | None:
     return error if isinstance(error, Exception) else None
 
 
+def past_deadline(
+    request: Request, reason: RetryReason, default: object, now: float
+) -> TimeoutException:
+    """The timeout of a request whose attempt failed with a retryable ``reason`` at or past
+    its deadline (``now``): no time is left for a retry, so the strategy is not asked and
+    no retry is booked or logged, on every door. The attempt is booked already with what
+    it said of itself (a NOT_SENT one leaves the timeout unambiguous). Raise it from
+    :func:`cause`."""
+    return timed_out(request, reason, strategy_of(request, default), now)
+
+
 def after_backoff(
     request: Request, verdict: Verdict, reason: RetryReason, strategy: object
 ) -> None:

@@ -219,3 +219,53 @@ def test_capture_leaves_an_unconfigured_structlog_unconfigured() -> None:
     with capture_retry_events():
         assert not structlog.is_configured()  # capture never configures structlog
     assert not structlog.is_configured()
+
+
+class _SlowLookup(BestEffortRetryStrategy):
+    """An async strategy asking a remote service whose driver turns the cancellation that
+    cuts it into its own error (as grpc.aio and many drivers do)."""
+
+    async def retry_after(self, request: Request, reason: RetryReason) -> RetryAction:
+        try:
+            await anyio.sleep(10)  # the request's deadline (or its cancel) comes meanwhile
+        except anyio.get_cancelled_exc_class():
+            raise ConnectionError("lookup aborted") from None
+        return self.decide(request, reason)
+
+
+@pytest.mark.parametrize("ended_by", ["deadline", "cancel"])
+@pytest.mark.parametrize("door", ["execute", "maybe_retry"])
+async def test_a_cut_async_strategy_is_not_reported_as_the_strategy_failing(
+    door: str, ended_by: str
+) -> None:
+    """The deadline or ``Request.cancel()`` cut the strategy: a timeout (a cancellation),
+    not ``retry.strategy_failed`` and a FAILED request. ``execute`` with a deadline warned
+    that the strategy failed (without one, and ``maybe_retry``, did not)."""
+    orch = RetryOrchestrator()
+    request = Request(idempotent=True, timeout=0.05, retry_strategy=_SlowLookup())
+
+    async def send(_: Request) -> str:
+        raise RetryableError(RetryReason.KV_LOCKED)
+
+    async def run() -> None:
+        if door == "execute":
+            await orch.execute(request, send)
+        else:
+            with orch.attempt(request):
+                pass
+            await orch.maybe_retry(request, RetryReason.KV_LOCKED)
+
+    expected = TimeoutException if ended_by == "deadline" else RequestCanceledException
+    with capture_retry_events() as events:
+        async with anyio.create_task_group() as tg:
+            if ended_by == "cancel":
+                tg.start_soon(_cancel_later, request)
+            with pytest.raises(expected):
+                await run()
+    assert "retry.strategy_failed" not in [e["event"] for e in events]
+    assert request.state is RequestState.CANCELLED
+
+
+async def _cancel_later(request: Request) -> None:
+    await anyio.sleep(0.01)
+    request.cancel()

@@ -23,9 +23,10 @@ from sdkcore import (
     RetryBudget,
     RetryOrchestrator,
     RetryReason,
+    TimeoutException,
     UnambiguousTimeoutException,
 )
-from sdkcore.testing import VirtualClock
+from sdkcore.testing import VirtualClock, capture_retry_events
 
 pytestmark = pytest.mark.anyio
 
@@ -106,9 +107,8 @@ def test_execute_sync_names_an_async_decide_as_the_method_to_fix() -> None:
 
     with pytest.raises(TypeError) as info:
         RetryOrchestrator().execute_sync(Request(retry_strategy=AsyncDecide()), send)
-    assert "AsyncDecide.decide returned an awaitable. Make its decide a plain def" in str(
-        info.value
-    )
+    assert "AsyncDecide.decide returned an awaitable" in str(info.value)
+    assert "Make its decide a plain def" in str(info.value)
 
 
 def test_execute_sync_waits_on_the_orchestrators_virtual_clock() -> None:
@@ -530,3 +530,50 @@ async def test_an_inner_requests_answer_proves_nothing_of_the_outer_attempt() ->
     assert [a.effect for a in inner.attempts] == [AttemptEffect.NOT_APPLIED]
     assert [a.effect for a in outer.attempts] == [AttemptEffect.MAYBE_APPLIED]
     assert outer.maybe_applied
+
+
+@pytest.mark.parametrize("door", ["execute", "maybe_retry"])
+async def test_a_retryable_failure_at_the_deadline_times_out_as_on_execute_sync(door: str) -> None:
+    """``send`` fails with a retryable reason once the request's clock is past its deadline
+    (a virtual clock here; a real answer can come in the deadline's own turn): the timeout
+    at once, the strategy not asked and no retry booked or logged, on every door.
+    ``execute`` and ``maybe_retry`` booked a capped retry and logged ``retry.scheduled``
+    ("after 1 retry ... the last retry was due past the deadline, not sent")."""
+
+    def run_sync() -> tuple[Request, BaseException, list[str]]:
+        clock = VirtualClock()
+        request = Request(idempotent=True, timeout=1.0, clock=clock.clock)
+
+        def send(_: Request) -> str:
+            clock.advance(2.0)
+            raise RetryableError(RetryReason.KV_LOCKED)
+
+        with capture_retry_events() as events, pytest.raises(TimeoutException) as info:
+            RetryOrchestrator(sleep=clock.sleep).execute_sync(request, send, sleep=clock.sleep_sync)
+        return request, info.value, [e["event"] for e in events]
+
+    clock = VirtualClock()
+    orch = RetryOrchestrator(sleep=clock.sleep)
+    request = Request(idempotent=True, timeout=1.0, clock=clock.clock)
+
+    async def send(_: Request) -> str:
+        clock.advance(2.0)
+        raise RetryableError(RetryReason.KV_LOCKED)
+
+    async def run() -> None:
+        if door == "execute":
+            await orch.execute(request, send)
+        else:
+            with orch.attempt(request):
+                pass
+            clock.advance(2.0)
+            await orch.maybe_retry(request, RetryReason.KV_LOCKED)
+
+    with capture_retry_events() as events, pytest.raises(TimeoutException) as info:
+        await run()
+    sync_request, sync_error, sync_events = run_sync()
+    assert sync_events == ["retry.timed_out"]
+    assert [e["event"] for e in events] == sync_events
+    assert request.retry_attempts == sync_request.retry_attempts == 0
+    assert str(info.value).split(" {")[0] == str(sync_error).split(" {")[0]
+    assert "after 0 retries (last: KV_LOCKED)" in str(info.value)
