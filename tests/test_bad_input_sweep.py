@@ -1,3 +1,5 @@
+# mypy: disable-error-code="arg-type"
+# (the point of this file is passing wrong argument types and checking the runtime refusals)
 """Bad input beyond bad numbers: wrong types, empty strings, unknown enum names, classes
 for instances, sync callables for async ones (and back), out-of-range values.
 
@@ -244,8 +246,8 @@ REFUSED: list[Any] = [
     _case("max_queued", lambda: ConcurrencyLimiter(1, max_queued="1"), "Limiter(max_queued=str)"),
     _case("name", lambda: ConcurrencyLimiter(1, name=None), "Limiter(name=None)"),
     _case("clock", lambda: ConcurrencyLimiter(1, clock=5), "Limiter(clock=int)"),
-    _case("acquire", lambda: ConcurrencyLimiter(1).acquire(5), "Limiter.acquire(extra arg)"),
-    _case("guard", lambda: ConcurrencyLimiter(1).guard(5), "Limiter.guard(extra arg)"),
+    _case("acquire", lambda: ConcurrencyLimiter(1).acquire(5), "Limiter.acquire(extra arg)"),  # type: ignore[call-arg]
+    _case("guard", lambda: ConcurrencyLimiter(1).guard(5), "Limiter.guard(extra arg)"),  # type: ignore[call-arg]
     _case("initial_limit", lambda: AdaptiveConcurrencyLimiter("3"), "Adaptive(initial=str)"),
     _case("min_limit", lambda: AdaptiveConcurrencyLimiter(min_limit=300), "Adaptive(min>max)"),
     _case("max_limit", lambda: AdaptiveConcurrencyLimiter(max_limit=None), "Adaptive(max=None)"),
@@ -257,7 +259,7 @@ REFUSED: list[Any] = [
     _case("random", lambda: AdaptiveThrottle(random=5), "Throttle(random=int)"),
     _case("is_rejection", lambda: AdaptiveThrottle(is_rejection=5), "Throttle(is_rejection=int)"),
     _case("record_failure(error)", lambda: AdaptiveThrottle().record_failure("x"), "Throttle.f(s)"),
-    _case("guard", lambda: AdaptiveThrottle().guard(5), "Throttle.guard(extra arg)"),
+    _case("guard", lambda: AdaptiveThrottle().guard(5), "Throttle.guard(extra arg)"),  # type: ignore[call-arg]
     # LatencyQuantile, HedgePolicy
     _case("max_extra_load", lambda: LatencyQuantile("x"), "Quantile(load=str)"),
     _case("window", lambda: LatencyQuantile(window=None), "Quantile(window=None)"),
@@ -313,7 +315,7 @@ REFUSED: list[Any] = [
     _case("backoff", lambda: FastFailOnTerminalErrorRetryStrategy(backoff="x"), "FastFail(b=str)"),
     _case(
         "backoff(0)",  # a plain function returning an awaitable: refused when it answers
-        lambda: BestEffortRetryStrategy(backoff=lambda attempt: _async_clock()).decide(_req(), KL),
+        lambda: BestEffortRetryStrategy(backoff=lambda attempt: _async_clock()).decide(_req(), KL),  # type: ignore[return-value]
         "BestEffort(backoff=returns awaitable).decide",
     ),
     # sdkcore.mapping
@@ -328,7 +330,7 @@ REFUSED: list[Any] = [
     _case("body", lambda: m.search_exception(429, [1]), "search_exception(body=list)"),
     _case("errors", lambda: m.query_retry_reason(None), "query_retry_reason(None)"),
     _case("errors", lambda: m.query_retry_reason({"code": 1}), "query_retry_reason(dict)"),
-    _case("errors[0]", lambda: m.query_retry_reason([5]), "query_retry_reason([int])"),
+    _case("errors[0]", lambda: m.query_retry_reason([5]), "query_retry_reason([int])"),  # type: ignore[list-item]
     _case("errors", lambda: m.analytics_retry_reason("x"), "analytics_retry_reason(str)"),
     _case("stage", lambda: m.dispatch_failure_reason("nope"), "dispatch_failure_reason(str)"),
     _case("reason", lambda: m.retry_allowed("KV_LOCKED", idempotent=True), "retry_allowed(name)"),
@@ -467,10 +469,12 @@ def test_breaker_throttle_limiter_quantile_unchanged_by_refused_calls() -> None:
     breaker = CircuitBreaker()
     breaker.record_failure(TimeoutError())
     before = breaker.counts
+    bad: object  # each loop below passes values of several wrong types
     for bad in (None, "x", ValueError, 5):
-        _refused(lambda bad=bad: breaker.record_failure(bad), "record_failure(error)")
+        _refused(lambda bad=bad: breaker.record_failure(bad), "record_failure(error)")  # type: ignore[misc]
         _refused(
-            lambda bad=bad: breaker.guard(bad) if bad is not None else breaker.guard(5), "guard"
+            lambda bad=bad: breaker.guard(bad) if bad is not None else breaker.guard(5),  # type: ignore[misc]
+            "guard",
         )
     assert breaker.counts == before
     breaker.record_failure(TimeoutError())
@@ -479,14 +483,14 @@ def test_breaker_throttle_limiter_quantile_unchanged_by_refused_calls() -> None:
     throttle = AdaptiveThrottle()
     shown = repr(throttle)
     for bad in (None, "x", ValueError):
-        _refused(lambda bad=bad: throttle.record_failure(bad), "record_failure(error)")
+        _refused(lambda bad=bad: throttle.record_failure(bad), "record_failure(error)")  # type: ignore[misc]
     assert repr(throttle) == shown
     assert throttle.admit() is True
 
     quantile = LatencyQuantile(min_samples=1)
     shown = repr(quantile)
     for bad in (None, "1", -1, float("nan"), True, [1]):
-        _refused(lambda bad=bad: quantile.record(bad), "record(latency)")
+        _refused(lambda bad=bad: quantile.record(bad), "record(latency)")  # type: ignore[misc]
     assert repr(quantile) == shown
     quantile.record(0.01)
     assert repr(quantile) != shown
@@ -567,7 +571,7 @@ def _bug_vclock_sleep(value: object) -> object:
     before = (clock.clock(), len(clock.sleeps))
     error: TypeError | ValueError | None = None
     try:
-        asyncio.run(clock.sleep(value))  # type: ignore[arg-type]
+        asyncio.run(clock.sleep(value))
     except (TypeError, ValueError) as exc:  # judged below
         error = exc
     assert (clock.clock(), len(clock.sleeps)) == before, (
@@ -600,7 +604,7 @@ def _bug_execute_with_sync_sleep() -> object:
             raise RetryableError(KL)
         return "ok"
 
-    orchestrator = RetryOrchestrator(BestEffortRetryStrategy(), sleep=lambda seconds: None)
+    orchestrator = RetryOrchestrator(BestEffortRetryStrategy(), sleep=lambda seconds: None)  # type: ignore[return-value]
     return asyncio.run(orchestrator.execute(Request(idempotent=True), flaky))
 
 
@@ -630,7 +634,7 @@ BUGS: list[Any] = [
     ),
     _case(
         "send",
-        lambda: _orch().hedge(_req(), lambda request, index: "ok", HedgePolicy(2)),
+        lambda: _orch().hedge(_req(), lambda request, index: "ok", HedgePolicy(2)),  # type: ignore[return-value]
         "hedge(send=sync)",
     ),
     _case("clock", lambda: Request(clock=None), "Request(clock=None)"),
@@ -672,7 +676,7 @@ BUGS: list[Any] = [
     _case("request", lambda: m.raise_failure(KL, request="x"), "raise_failure(request=str)"),
     _case("errors", lambda: m.ErrorMap(1, 0, None), "ErrorMap(errors=None)"),
     _case("errors", lambda: m.ErrorMap(1, 0, [1]), "ErrorMap(errors=list)"),
-    _case("errors", lambda: m.ErrorMap(1, 0, {1: "x"}), "ErrorMap(errors={1: str})"),
+    _case("errors", lambda: m.ErrorMap(1, 0, {1: "x"}), "ErrorMap(errors={1: str})"),  # type: ignore[dict-item]
     _case("attrs", lambda: m.ErrorCode(1, "N", "d", "x"), "ErrorCode(attrs=str)"),
     _case("attrs", lambda: m.ErrorCode(1, "N", "d", None), "ErrorCode(attrs=None)"),
     _case("retry", lambda: m.ErrorCode(1, "N", "d", frozenset(), retry="x"), "ErrorCode(retry=s)"),
@@ -795,9 +799,9 @@ def test_messages_say_which_numbers_and_give_timeout_advice_to_timeouts_only() -
     from fractions import Fraction
 
     with pytest.raises(TypeError, match=r"AdaptiveThrottle\(k\) must be an int or float"):
-        AdaptiveThrottle(Fraction(3, 2))  # type: ignore[arg-type]
+        AdaptiveThrottle(Fraction(3, 2))
     with pytest.raises(TypeError, match=r"max_extra_load\) must be an int or float"):
-        LatencyQuantile(Fraction(1, 100))  # type: ignore[arg-type]
+        LatencyQuantile(Fraction(1, 100))
     with pytest.raises(ValueError, match=r"AdaptiveThrottle\(window\)") as window:
         AdaptiveThrottle(window=timedelta.max)
     assert "timeout" not in str(window.value)

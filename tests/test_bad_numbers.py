@@ -47,7 +47,7 @@ BAD_NUMBERS: list[Any] = [
     None,
 ]
 
-SPEC = {"strategy": RetrySpecStrategy.CONSTANT, "interval_ms": 1, "after_ms": 1}
+SPEC: dict[str, Any] = {"strategy": RetrySpecStrategy.CONSTANT, "interval_ms": 1, "after_ms": 1}
 
 
 def _grpc_status(**kwargs: Any) -> Any:
@@ -106,7 +106,7 @@ def test_the_values_the_issue_names() -> None:
     with pytest.raises(ValueError, match=r"Delay\(seconds\) must be a finite number"):
         Delay(float("inf"))
     with pytest.raises(TypeError, match=r"ScriptedSend\(kv_opcode\) must be an int"):
-        ScriptedSend(["x"], kv_opcode=float("inf"))
+        ScriptedSend(["x"], kv_opcode=float("inf"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"VirtualClock\(start\) must be a finite"):
         VirtualClock(float("nan"))
     spec = RetrySpec(RetrySpecStrategy.CONSTANT, 10**5000, 1)

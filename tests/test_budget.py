@@ -172,7 +172,7 @@ def test_a_clock_that_goes_back_keeps_the_newer_slice() -> None:
 )
 def test_bad_settings_name_the_field(field: str, value: object, error: type[Exception]) -> None:
     with pytest.raises(error, match=rf"RetryBudget\({field}\)"):
-        RetryBudget(**{field: value})
+        RetryBudget(**{field: value})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

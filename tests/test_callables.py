@@ -69,7 +69,7 @@ def test_optional_none_passes_and_required_none_is_refused() -> None:
 
 def test_breaker_with_an_async_callable_object_as_clock_is_refused() -> None:
     with pytest.raises(TypeError, match=r"CircuitBreaker\(clock\)"):
-        CircuitBreaker(clock=_AsyncCall())
+        CircuitBreaker(clock=_AsyncCall())  # type: ignore[arg-type]
 
 
 def test_request_clock_object_returning_seconds_is_kept() -> None:
@@ -79,7 +79,7 @@ def test_request_clock_object_returning_seconds_is_kept() -> None:
 
 def test_request_clock_returning_text_is_refused_and_names_the_clock() -> None:
     with pytest.raises(TypeError, match=r"Request.clock must be .* returned '1'"):
-        Request(clock=lambda: "1")
+        Request(clock=lambda: "1")  # type: ignore[arg-type,return-value]
 
 
 def _flaky(count: dict[str, int], fails: int = 1) -> Any:
@@ -120,7 +120,7 @@ def test_sleep_as_a_plain_function_returning_an_awaitable_still_waits() -> None:
 def test_sleep_that_returns_nothing_fails_the_request_naming_sleep() -> None:
     count = {"n": 0}
     request = Request(idempotent=True)
-    orchestrator = RetryOrchestrator(sleep=lambda seconds: None)
+    orchestrator = RetryOrchestrator(sleep=lambda seconds: None)  # type: ignore[arg-type,return-value]
     with pytest.raises(TypeError, match=r"RetryOrchestrator\(sleep=.*not an awaitable"):
         asyncio.run(orchestrator.execute(request, _flaky(count)))
     assert count["n"] == 1  # the retry was never sent

@@ -33,7 +33,7 @@ from sdkcore.testing import VirtualClock, capture_retry_events
 pytestmark = pytest.mark.anyio
 
 if sys.version_info < (3, 11):  # pragma: no cover
-    from exceptiongroup import BaseExceptionGroup
+    from exceptiongroup import BaseExceptionGroup  # type: ignore[import-not-found,unused-ignore]
 
 
 # -- execute: whatever leaves it completes the request -----------------------------------
@@ -128,7 +128,7 @@ def test_constructor_with_an_exception_class_builds_it_with_the_context() -> Non
     assert type(exc) is ScopeNotFoundException
     assert exc.context is ctx
     with pytest.raises(TypeError, match="CouchbaseException subclass"):
-        RetryAction(None, ValueError)  # type: ignore[arg-type]
+        RetryAction(None, ValueError)
 
 
 # -- how a strategy is called: no cache, no inspect --------------------------------------
@@ -166,7 +166,7 @@ async def test_instance_level_retry_after_is_honoured() -> None:
     strategy = Plain()
     orch = RetryOrchestrator(strategy)
     await orch.maybe_retry(Request(timeout=None), RetryReason.KV_LOCKED)  # the built-in
-    strategy.retry_after = lambda request, reason: RetryAction.no_retry(  # type: ignore[method-assign]
+    strategy.retry_after = lambda request, reason: RetryAction.no_retry(  # type: ignore[method-assign,assignment,return-value]
         AuthenticationFailureException
     )
     with pytest.raises(AuthenticationFailureException):

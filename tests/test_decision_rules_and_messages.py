@@ -130,7 +130,7 @@ def test_a_good_timedelta_backoff_keeps_its_timedelta() -> None:
 
 def test_retry_action_with_a_duration_and_an_exception_says_what_was_given() -> None:
     with pytest.raises(ValueError, match=r"^RetryAction\(exception=\.\.\.\)") as info:
-        RetryAction(timedelta(seconds=1), CouchbaseException)
+        RetryAction(timedelta(seconds=1), CouchbaseException)  # type: ignore[arg-type]
     assert str(info.value) == (
         "RetryAction(exception=...): only a refusal (duration=None) takes an exception, got "
         "exception=<class 'sdkcore.CouchbaseException'> with "

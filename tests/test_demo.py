@@ -45,7 +45,7 @@ def _run_json(*args: str) -> dict[str, Any]:
 
 
 def example_of(data: dict[str, Any], exception: str) -> dict[str, Any]:
-    found = [e for e in data["examples"] if e["exception"] == exception]
+    found: list[dict[str, Any]] = [e for e in data["examples"] if e["exception"] == exception]
     assert len(found) == 1, data["examples"]
     return found[0]
 

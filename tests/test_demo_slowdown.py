@@ -167,12 +167,12 @@ def test_the_telemetry_watches_the_limiter() -> None:
     data = reader.get_metrics_data()
     assert data is not None
     limits = [
-        (dict(p.attributes or {}), p.value)
+        (dict(p.attributes or {}), p.value)  # type: ignore[union-attr]
         for rm in data.resource_metrics
         for sm in rm.scope_metrics
         for m in sm.metrics
         if m.name == "sdkcore.concurrency_limiter.limit"
-        for p in m.data.data_points  # type: ignore[union-attr]
+        for p in m.data.data_points
     ]
     assert limits == [
         ({"sdkcore.endpoint": "slowdown"}, result.runs["with_adaptive_limiter"].final_limit)

@@ -283,12 +283,12 @@ async def test_a_final_error_chained_from_a_driver_error_shows_the_driver_error(
 )
 def test_public_classes_show_as_sdkcore_names(cls: Any) -> None:
     assert cls.__module__ == "sdkcore"
-    page = pydoc.render_doc(cls, renderer=pydoc.plaintext)
+    page = pydoc.render_doc(cls, renderer=pydoc.plaintext)  # type: ignore[attr-defined]  # not in typeshed
     assert "sdkcore._" not in page.splitlines()[0]
 
 
 def test_help_of_the_orchestrator_lists_no_private_members() -> None:
-    page = pydoc.render_doc(RetryOrchestrator, renderer=pydoc.plaintext)
+    page = pydoc.render_doc(RetryOrchestrator, renderer=pydoc.plaintext)  # type: ignore[attr-defined]
     private = [
         line.strip() for line in page.splitlines() if line.strip().startswith(("_a", "_s", "_l"))
     ]

@@ -429,7 +429,9 @@ async def test_a_retried_call_leaves_no_reference_cycle() -> None:
     import gc
     import weakref
 
-    send = ScriptedSend([RetryReason.KV_LOCKED, RetryReason.KV_LOCKED, b"value"])
+    send: ScriptedSend[bytes] = ScriptedSend(
+        [RetryReason.KV_LOCKED, RetryReason.KV_LOCKED, b"value"]
+    )
     request = Request(name="get", idempotent=True, timeout=None)
     ref = weakref.ref(request)
     gc.disable()
@@ -549,7 +551,7 @@ def test_execute_sync_an_error_past_the_deadline_is_the_cause_not_the_reason_bef
 async def test_timed_out_in_backoff_says_whether_it_may_have_been_applied() -> None:
     vc = VirtualClock()
     orch = RetryOrchestrator(BestEffortRetryStrategy(backoff=lambda n: 0.1), sleep=vc.sleep)
-    send = ScriptedSend([RetryReason.KV_LOCKED])
+    send: ScriptedSend[Any] = ScriptedSend([RetryReason.KV_LOCKED])
     req = Request(name="kv.replace", idempotent=False, timeout=0.25, clock=vc.clock)
     with capture_retry_events() as events, pytest.raises(UnambiguousTimeoutException):
         await orch.execute(req, send)

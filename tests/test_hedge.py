@@ -331,7 +331,7 @@ async def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match=r"HedgePolicy\.delay must be >= 0"):
         HedgePolicy(2, delay=-1)
     with pytest.raises(TypeError, match="single reason"):
-        HedgePolicy(2, non_fatal=TEMP)  # type: ignore[arg-type]
+        HedgePolicy(2, non_fatal=TEMP)
     assert HedgePolicy(2, delay=timedelta(milliseconds=5)).delay == timedelta(milliseconds=5)
 
 

@@ -160,7 +160,7 @@ async def test_a_timeout_inside_hedge_0s_send_is_not_the_callers_cancellation() 
         sent.append(index)
         if index == 0:
             try:
-                async with asyncio.timeout(0.019):  # the driver's own read timeout
+                async with asyncio.timeout(0.019):  # type: ignore[attr-defined,unused-ignore]  # the driver's own read timeout
                     await asyncio.sleep(SAFETY)
             except TimeoutError:
                 pass  # it reads again (a slow replica)

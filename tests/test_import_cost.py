@@ -258,7 +258,7 @@ def test_a_lazy_value_object_pickles_to_a_fresh_process() -> None:
 
 def test_an_unknown_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match=r"^module 'sdkcore' has no attribute 'NoSuchThing'$"):
-        sdkcore.NoSuchThing  # noqa: B018
+        sdkcore.NoSuchThing  # type: ignore[attr-defined]  # noqa: B018
     assert not hasattr(sdkcore, "RequestTrace")  # private classes stay private
     with pytest.raises(ImportError, match="cannot import name 'NoSuchThing' from 'sdkcore'"):
         from sdkcore import NoSuchThing  # type: ignore[attr-defined]  # noqa: F401

@@ -97,9 +97,9 @@ def test_dcp_opcodes_are_0x50_to_0x68_and_named() -> None:
     assert frozenset(range(0x50, 0x69)) == DCP_OPCODES
     assert {op.value for op in KvOpcode if op.name.startswith("DCP_")} == DCP_OPCODES
     # The cache-transfer messages kv_engine added after OsoSnapshot (0x65).
-    assert KvOpcode.DCP_CACHED_VALUE == 0x66
-    assert KvOpcode.DCP_CACHED_KEY_META == 0x67
-    assert KvOpcode.DCP_CACHE_TRANSFER_END == 0x68
+    assert KvOpcode.DCP_CACHED_VALUE == 0x66  # type: ignore[comparison-overlap]  # IntEnum == int (python/mypy#16327)
+    assert KvOpcode.DCP_CACHED_KEY_META == 0x67  # type: ignore[comparison-overlap]
+    assert KvOpcode.DCP_CACHE_TRANSFER_END == 0x68  # type: ignore[comparison-overlap]
     assert KvOpcode.DCP_CACHE_TRANSFER_END.is_dcp
     assert KvOpcode.DCP_MUTATION.is_dcp
     assert not KvOpcode.GET.is_dcp

@@ -490,9 +490,11 @@ def test_a_provider_that_cannot_be_weakly_referenced_still_gets_one_set_of_gauge
         second = Telemetry(meter_provider=provider)
         a = first.watch(CircuitBreaker(name="A", clock=clock.clock))
         b = second.watch(CircuitBreaker(name="B", clock=clock.clock))
+        data = reader.get_metrics_data()
+        assert data is not None
         seen = {
-            point.attributes[ENDPOINT]
-            for rm in reader.get_metrics_data().resource_metrics
+            (point.attributes or {})[ENDPOINT]
+            for rm in data.resource_metrics
             for sm in rm.scope_metrics
             for m in sm.metrics
             if m.name == STATE

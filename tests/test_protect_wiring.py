@@ -304,7 +304,7 @@ async def test_dispatch_info_gives_the_time_left_and_the_attempt_number() -> Non
         return "ok"
 
     assert await orch.execute(Request(idempotent=True, timeout=1, clock=clock.clock), send)
-    assert seen == [(1, pytest.approx(1.0)), (2, pytest.approx(0.9)), (3, pytest.approx(0.8))]
+    assert seen == [(1, pytest.approx(1.0)), (2, pytest.approx(0.9)), (3, pytest.approx(0.8))]  # type: ignore[comparison-overlap]  # pytest.approx
     assert Request(timeout=None).dispatch_info().time_left is None
 
 

@@ -26,7 +26,7 @@ import math
 import random
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -140,7 +140,7 @@ class Model:
 def entry(name: str, duration: float, kw: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"total_duration_us": micros(duration)}
     for field, keyword, kind in TABLE:
-        value = name if keyword is None else kw.get(keyword)
+        value: Any = name if keyword is None else kw.get(keyword)
         if value is None:
             continue
         if kind == "us":
@@ -424,7 +424,7 @@ def test_bad_input_is_refused_naming_the_field_and_records_nothing(kind: str, se
 # -- several threads at once ---------------------------------------------------------------------
 
 
-def in_threads(work: Callable[[int], None], n: int) -> None:
+def in_threads(work: Callable[[int], object], n: int) -> None:
     """``work(i)`` in ``n`` threads, each in a copy of this context (so a capture sees
     what they log), started together."""
     barrier = threading.Barrier(n)
@@ -594,7 +594,10 @@ async def test_memcached_late_answers_are_exactly_the_orphans(
     answered: list[str] = []
 
     async def one(client: MemcachedClient, name: str) -> None:
-        call = {"get": lambda: client.get("k"), "set": lambda: client.set("k", b"v")}
+        call: dict[str, Callable[[], Awaitable[object]]] = {
+            "get": lambda: client.get("k"),
+            "set": lambda: client.set("k", b"v"),
+        }
         try:
             await call.get(name, client.noop)()
             answered.append(name)

@@ -196,7 +196,7 @@ def test_throttle_after_recovery_admits_without_lock_or_log_level(gate_calls: li
     assert not throttle.admit()
     vc.advance(10.5)
     lock = CountingLock()
-    throttle._lock = lock
+    throttle._lock = lock  # type: ignore[assignment]  # a counting stand-in
     calls = gate_calls[0]
     assert throttle.admit()  # ends the episode: the lock, once
     assert lock.taken == 1
@@ -540,14 +540,14 @@ def test_a_probe_logs_the_halving_and_the_restore() -> None:
             batches(limiter, clock, 0.011, until=changes(2))
             assert clock.now < 20.0, "the probe never ended"
     assert limiter.limit == 20
-    changes = named(events, "limiter.limit_changed")
-    assert [(e["previous"], e["limit"], e["cause"]) for e in changes] == [
+    logged = named(events, "limiter.limit_changed")
+    assert [(e["previous"], e["limit"], e["cause"]) for e in logged] == [
         (20, 10, "probe"),
         (10, 20, "probe_end"),
     ]
-    assert changes[0]["rtt_ms"] == pytest.approx(11.0)  # the window that started it
-    assert changes[1]["rtt_ms"] == pytest.approx(11.0)  # what the probe measured
-    assert changes[1]["baseline_rtt_ms"] == pytest.approx(11.0)
+    assert logged[0]["rtt_ms"] == pytest.approx(11.0)  # the window that started it
+    assert logged[1]["rtt_ms"] == pytest.approx(11.0)  # what the probe measured
+    assert logged[1]["baseline_rtt_ms"] == pytest.approx(11.0)
 
 
 # -- the docstrings say what the code does -------------------------------------------------------

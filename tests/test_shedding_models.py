@@ -133,7 +133,7 @@ class ThrottleModel:
         self.k = k
         self.window = window
         self.per_slice = 10 / window  # the documented slices: window / 10 each
-        self.events: list[tuple[float, int, bool]] = []  # (time, slice, accepted)
+        self.events: list[tuple[float, float, bool]] = []  # (time, slice, accepted)
         self.refused = 0
         # The newest slice the clock has read: a clock that steps back keeps the counts
         # in the newer slice (rfc/0009), so an event goes there.

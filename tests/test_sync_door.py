@@ -173,7 +173,7 @@ def test_async_send_is_refused_clearly() -> None:
 
     req = Request()
     with pytest.raises(TypeError, match="returned an awaitable"):
-        RetryOrchestrator().execute_sync(req, send)  # type: ignore[arg-type]
+        RetryOrchestrator().execute_sync(req, send)  # type: ignore[unused-coroutine]
 
 
 def test_same_log_events(caplog: pytest.LogCaptureFixture) -> None:

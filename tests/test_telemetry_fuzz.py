@@ -260,7 +260,7 @@ class Plan:
             strategy += f"(after {self.refuse_after}, {'Refused' if self.own_error else 'RCE'})"
         hedge = ""
         if self.hedge is not None:
-            delay = self.hedge.delay.total_seconds() * 1000  # type: ignore[union-attr]
+            delay = self.hedge.delay.total_seconds() * 1000
             hedge = f", hedge(max {self.hedge.max_attempts}, delay {delay:.1f}ms)"
         if self.pool_wait is not None:
             hedge += f", pool_wait={self.pool_wait * 1000:.2f}ms"
@@ -699,9 +699,11 @@ def check_record(record: Record, seen: Observed, problems: list[str]) -> int:
         if any(c.outcome != "retry" for c in booked):
             mine.append(f"retries booked after sends that did not fail retryably: {booked}")
         else:
-            want = collections.Counter(c.reason.name for c in booked if c.reason is not None)
-            if dict(want) != by_reason:
-                mine.append(f"sdkcore.retries by reason {by_reason}, want {dict(want)}")
+            booked_reasons = collections.Counter(
+                c.reason.name for c in booked if c.reason is not None
+            )
+            if dict(booked_reasons) != by_reason:
+                mine.append(f"sdkcore.retries by reason {by_reason}, want {dict(booked_reasons)}")
         if delay_count != retries:
             mine.append(f"sdkcore.retry.delay has {delay_count} points, want {retries}")
 
@@ -748,7 +750,7 @@ def check_record(record: Record, seen: Observed, problems: list[str]) -> int:
             reasons = collections.Counter(str((e.attributes or {}).get(REASON)) for e in events)
             if not hedged and dict(reasons) != by_reason:
                 mine.append(f"sdkcore.retry events {dict(reasons)}, sdkcore.retries {by_reason}")
-            total = sum(float((e.attributes or {}).get("sdkcore.retry.delay", 0.0)) for e in events)  # type: ignore[arg-type]
+            total = sum(float((e.attributes or {}).get("sdkcore.retry.delay", 0.0)) for e in events)  # type: ignore[arg-type,misc]
             if not math.isclose(total, delay_sum, rel_tol=1e-9, abs_tol=1e-12):
                 mine.append(f"retry events wait {total} s in all, sdkcore.retry.delay {delay_sum}")
         tolerance = 200_000  # ns: the back-dated start is computed from two clocks

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("opentelemetry.sdk")
 
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, NumberDataPoint
 
 from sdkcore import (
     AdaptiveConcurrencyLimiter,
@@ -28,8 +28,8 @@ ENDPOINT = "sdkcore.endpoint"
 
 def collect(
     reader: InMemoryMetricReader,
-) -> dict[str, tuple[str, list[tuple[dict[str, Any], Any]]]]:
-    out: dict[str, tuple[str, list[tuple[dict[str, Any], Any]]]] = {}
+) -> dict[str, tuple[str | None, list[tuple[dict[str, Any], Any]]]]:
+    out: dict[str, tuple[str | None, list[tuple[dict[str, Any], Any]]]] = {}
     data = reader.get_metrics_data()
     if data is None:  # nothing recorded at all
         return out
@@ -37,7 +37,10 @@ def collect(
         for sm in rm.scope_metrics:
             assert sm.scope.name == "sdkcore"
             for metric in sm.metrics:
-                points = [(dict(p.attributes or {}), p.value) for p in metric.data.data_points]
+                points: list[tuple[dict[str, Any], Any]] = []
+                for p in metric.data.data_points:
+                    assert isinstance(p, NumberDataPoint), metric.name  # gauges and counters
+                    points.append((dict(p.attributes or {}), p.value))
                 out[metric.name] = (metric.unit, points)
     return out
 

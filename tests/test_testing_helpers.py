@@ -427,7 +427,7 @@ async def test_instant_retries_on_a_virtual_clock_still_reaches_the_timeout() ->
     clock = VirtualClock()
     orch = RetryOrchestrator(BestEffortRetryStrategy(), sleep=clock.sleep)
     request = Request(idempotent=True, timeout=2.5, clock=clock.clock)
-    send = ScriptedSend([RetryReason.KV_TEMPORARY_FAILURE])
+    send: ScriptedSend[Any] = ScriptedSend([RetryReason.KV_TEMPORARY_FAILURE])
     with anyio.fail_after(10), instant_retries(), pytest.raises(sdkcore.TimeoutException):
         await orch.execute(request, send)
     assert clock.clock() >= 2.5  # the virtual sleeps ran: they are what reach the timeout
@@ -447,7 +447,7 @@ async def test_a_capture_list_is_never_written_after_its_with() -> None:
 
 async def test_a_repeated_exception_instance_step_carries_each_requests_own_context() -> None:
     orch = RetryOrchestrator()
-    send = ScriptedSend([DocumentNotFoundException("scripted")])
+    send: ScriptedSend[Any] = ScriptedSend([DocumentNotFoundException("scripted")])
     seen = []
     for name in ("first", "second"):
         request = Request(name=name, timeout=1.0)
@@ -465,7 +465,9 @@ def test_scripted_send_sync_plays_the_script_for_execute_sync() -> None:
     from sdkcore.mapping import KvStatus
     from sdkcore.testing import Delay, ScriptedSend, instant_retries
 
-    script = ScriptedSend([KvStatus.LOCKED, Delay(0.01, then=RetryReason.KV_LOCKED), b"value"])
+    script: ScriptedSend[bytes] = ScriptedSend(
+        [KvStatus.LOCKED, Delay(0.01, then=RetryReason.KV_LOCKED), b"value"]
+    )
     request = Request(name="get", idempotent=True)
     with instant_retries():
         assert RetryOrchestrator().execute_sync(request, script.sync) == b"value"
@@ -485,7 +487,7 @@ def test_grpc_status_trailing_is_checked_when_built() -> None:
 
     code = GrpcCode.UNAVAILABLE
     with pytest.raises(TypeError, match=r"\(key, value\) pairs, got the item 'a'"):
-        GrpcStatus(code, trailing=("a", "b"))  # type: ignore[arg-type]
+        GrpcStatus(code, trailing=("a", "b"))
     with pytest.raises(ValueError, match="'Bad Key' is not a gRPC metadata key"):
         GrpcStatus(code, trailing=(("Bad Key", "v"),))
     with pytest.raises(TypeError, match="binary key 'x-blob-bin' needs a bytes value"):
@@ -494,7 +496,7 @@ def test_grpc_status_trailing_is_checked_when_built() -> None:
         GrpcStatus(code, trailing=(("x-reason", "caf\u00e9"),))
     kept = GrpcStatus(code, trailing=(("grpc-retry-pushback-ms", "abc"), ("x-blob-bin", b"\0")))
     assert kept.trailing[0] == ("grpc-retry-pushback-ms", "abc")  # a raw trailer, for parsers
-    as_lists = GrpcStatus(code, trailing=[["x-reason", "busy"], ("x-raw", b"ascii")])  # type: ignore[arg-type]
+    as_lists = GrpcStatus(code, trailing=[["x-reason", "busy"], ("x-raw", b"ascii")])
     assert as_lists.trailing == (("x-reason", "busy"), ("x-raw", b"ascii"))  # as grpc takes them
     with pytest.raises(TypeError, match=r"each method's script is a list of steps, got b'xy'"):
         grpc_server({"/a.B/C": b"xy"})
@@ -504,9 +506,9 @@ def test_grpc_status_trailing_is_checked_when_built() -> None:
 
 def test_scripted_send_checks_each_index_script_and_exception_classes() -> None:
     with pytest.raises(TypeError, match=r"each index's script is a list of steps, got b'fast'"):
-        ScriptedSend({1: b"fast"})  # type: ignore[dict-item]
+        ScriptedSend({1: b"fast"})
     with pytest.raises(TypeError, match=r"got <RetryReason\.KV_LOCKED>"):
-        ScriptedSend({0: RetryReason.KV_LOCKED})  # type: ignore[dict-item]
+        ScriptedSend({0: RetryReason.KV_LOCKED})
     with pytest.raises(TypeError, match=r"cannot be raised without arguments .*RetryReason step"):
         ScriptedSend([RetryableError])
     ScriptedSend([ConnectionResetError, b"ok"])  # a class raisable as it is

@@ -75,7 +75,7 @@ def server_task(task: asyncio.Task[Any]) -> bool:
     return (
         name == "rpc_task"
         or name.startswith("HandleExceptions[")
-        or task.get_coro().__qualname__ == "AioServer._request_call"
+        or task.get_coro().__qualname__ == "AioServer._request_call"  # type: ignore[union-attr]
     )
 
 
@@ -172,7 +172,7 @@ class Server:
         """Listen on 127.0.0.1 (``credentials``: ``grpc.ssl_server_credentials``, TLS)."""
         outer = self
 
-        class Generic(grpc.GenericRpcHandler):  # type: ignore[misc]
+        class Generic(grpc.GenericRpcHandler):  # type: ignore[misc,name-defined]
             def service(self, details: Any) -> Any:
                 return outer.handlers.get(details.method.rsplit("/", 1)[-1])
 

@@ -91,7 +91,7 @@ async def test_cancel_as_the_retry_answers_is_consistent(server: Server) -> None
                 lambda _: loop.call_soon(lambda: returned.append(app_call.cancel()))
             )
 
-    aio_call.Call.__init__ = init  # type: ignore[method-assign]
+    aio_call.Call.__init__ = init
     try:
         async with insecure_channel(server.target, service_config=retry_config(["ABORTED"])) as ch:
             app_call = ch.unary_unary(method)(b"x")
@@ -101,7 +101,7 @@ async def test_cancel_as_the_retry_answers_is_consistent(server: Server) -> None
                 outcome = exc
             cancelled = app_call.cancelled()
     finally:
-        aio_call.Call.__init__ = original  # type: ignore[method-assign]
+        aio_call.Call.__init__ = original
     assert len(returned) == 1
     if returned[0]:
         assert isinstance(outcome, asyncio.CancelledError)
@@ -202,7 +202,7 @@ async def test_cancel_as_a_hedge_commits_cancels_the_call_and_the_committed_hedg
                 loop.call_soon(lambda: returned.append(app_call.cancel()))
         return md
 
-    aio_call.Call.initial_metadata = initial_metadata  # type: ignore[method-assign]
+    aio_call.Call.initial_metadata = initial_metadata
     try:
         async with insecure_channel(server.target, service_config=hedging_config("0.005s")) as ch:
             app_call = ch.unary_unary(method)(b"x")
@@ -210,7 +210,7 @@ async def test_cancel_as_a_hedge_commits_cancels_the_call_and_the_committed_hedg
                 await app_call  # awaited here, as an application does (the handler ends in 10 s)
             await asyncio.wait_for(hedge1_cancelled.wait(), TEST_TIMEOUT)
     finally:
-        aio_call.Call.initial_metadata = original  # type: ignore[method-assign]
+        aio_call.Call.initial_metadata = original
     assert returned == [True]
 
 
@@ -242,15 +242,15 @@ async def test_a_fatal_status_reports_its_own_hedges_index(server: Server) -> No
         return b""
 
     method = server.unary_unary("M", fn)
-    aio_call._StreamResponseMixin.read = read  # type: ignore[method-assign]
-    aio_call.Call.__init__ = init  # type: ignore[method-assign]
+    aio_call._StreamResponseMixin.read = read
+    aio_call.Call.__init__ = init
     try:
         async with insecure_channel(server.target, service_config=hedging_config("0s")) as ch:
             with pytest.raises(aio.AioRpcError) as info:
                 await asyncio.wait_for(ch.unary_unary(method)(b"x"), TEST_TIMEOUT)
     finally:
-        aio_call._StreamResponseMixin.read = original_read  # type: ignore[method-assign]
-        aio_call.Call.__init__ = original_init  # type: ignore[method-assign]
+        aio_call._StreamResponseMixin.read = original_read
+        aio_call.Call.__init__ = original_init
     if info.value.code() is grpc.StatusCode.INVALID_ARGUMENT:
         assert previous_rpc_attempts(info.value) == 1
     else:  # hedge 0's ABORTED was booked first after all: its own index

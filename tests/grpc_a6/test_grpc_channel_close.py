@@ -18,7 +18,7 @@ import asyncio
 import gc
 import math
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypedDict
 
 import anyio
 import pytest
@@ -49,8 +49,16 @@ from sdkcore.testing import capture_retry_events  # noqa: E402
 
 pytestmark = pytest.mark.asyncio
 
+
+class Backoff(TypedDict):
+    """``retry_config``'s backoff keywords."""
+
+    initial: str
+    maximum: str
+
+
 #: A backoff no test waits for: 10 s, drawn in 8-12 s.
-LONG = {"initial": "10s", "maximum": "10s"}
+LONG: Backoff = {"initial": "10s", "maximum": "10s"}
 #: Much less than any wait here, much more than a close takes.
 PROMPT = 4.0
 CANCELLED_DETAILS = "Locally cancelled by application!"

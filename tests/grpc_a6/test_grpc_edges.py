@@ -540,4 +540,4 @@ def test_policy_values_built_by_hand_keep_a_working_repr() -> None:
     with pytest.raises(ValueError, match="initial_backoff"):
         RetryPolicy(3, timedelta(0), SECOND, 2.0, CODES)
     with pytest.raises(TypeError, match="retryable_status_codes"):
-        RetryPolicy(3, SECOND, SECOND, 2.0, {14})
+        RetryPolicy(3, SECOND, SECOND, 2.0, {14})  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -37,7 +38,9 @@ UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 PREV = "grpc-previous-rpc-attempts"
 
 
-def fail_then_ok(failures: int, code: Any = ABORTED, trailing: tuple[tuple[str, str], ...] = ()):
+def fail_then_ok(
+    failures: int, code: Any = ABORTED, trailing: tuple[tuple[str, str], ...] = ()
+) -> Callable[[bytes, Any, int], Awaitable[bytes]]:
     async def fn(request: bytes, context: Any, attempt: int) -> bytes:
         if attempt <= failures:
             await abort(context, code, trailing=trailing)
@@ -476,7 +479,7 @@ async def test_grpcios_own_buffer_options_set_the_replay_limits(
     if field == "per_call_buffer_limit":
         assert server.count("M") == 2  # retried: the request fit the replay buffer
     with pytest.raises(ValueError, match=rf"{option}.*conflicts with {field}=1000"):
-        insecure_channel(server.target, options=[(option, 4096)], **{field: 1000})
+        insecure_channel(server.target, options=[(option, 4096)], **{field: 1000})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"must be a number of bytes"):
         insecure_channel(server.target, options=[(option, "big")])
     # A controller built by hand (channel_options is public) is not changed by them.

@@ -503,7 +503,7 @@ class World:
     def created(self, call: Any) -> None:
         """grpc.aio made a call: an attempt, if it belongs to one of this seed's calls."""
         md = dict(call._metadata)
-        record = self.by_cid.get(md.get(KEY))
+        record = self.by_cid.get(md.get(KEY, ""))
         if record is None:
             return
         header = md.get(PREV)
@@ -524,7 +524,7 @@ class World:
         )
         attempt.booked, attempt.booked_at = attempt.created, attempt.created_at
         task = asyncio.current_task()
-        if task is not None and task.get_coro().__qualname__ == "_Chain.run":
+        if task is not None and task.get_coro().__qualname__ == "_Chain.run":  # type: ignore[union-attr]
             # A hedge copy made in its own task (sdkcore's runner): booked when it started.
             attempt.booked, attempt.booked_at = getattr(task, "_fuzz_booked", (0, 0.0))
         record.attempts.append(attempt)
@@ -684,7 +684,7 @@ class World:
         assert self.close_at is not None
         await asyncio.sleep(self.close_at)
         self.close_seq = next(self.seq)
-        self.core._close_calls = stamped(self.core._close_calls, self.stopped)
+        self.core._close_calls = stamped(self.core._close_calls, self.stopped)  # type: ignore[method-assign]
         self.close_error = await close_channel(self.channel, self.grace)
 
     def stopped(self) -> None:
@@ -825,8 +825,8 @@ class World:
         for a in attempts[1:]:
             if cut_at is not None and a.created > cut_at:
                 if not hedged:
-                    why = "call.cancel()" if cut_at == record.cancel_seq else "CancelledError"
-                    problem(f"attempt {a.index} created after {why}")
+                    cause = "call.cancel()" if cut_at == record.cancel_seq else "CancelledError"
+                    problem(f"attempt {a.index} created after {cause}")
                 elif a.code != CANCELLED_NUMBER:
                     # Assumption, as tests/test_doors_fuzz.py makes for the core's hedges on
                     # asyncio: call.cancel() (and the caller's cancellation) cancels the hedge
@@ -930,15 +930,15 @@ class World:
                 problem(f"an error no attempt of this call answered: {code.name} {details!r}")
             else:
                 index = int(match.group(2))
-                a = by_index.get(index)
-                if a is None or a.code != code.value[0]:
+                answer = by_index.get(index)
+                if answer is None or answer.code != code.value[0]:
                     problem(f"{code.name} of attempt {index}, which did not end with it")
                 if not hedged and last is not None and index != last.index:
                     problem(f"the error is attempt {index}'s, not the last one's ({last.index})")
                 reported = previous_rpc_attempts(error)
                 if reported != index:
                     problem(f"grpc-previous-rpc-attempts of the error is {reported}, not {index}")
-                committed = a is not None and a.headers_seen is not None
+                committed = answer is not None and answer.headers_seen is not None
                 if hedged and code.name in self.non_fatal and not committed:
                     # All copies failed (or no more could be sent): the error is returned
                     # once every copy in flight ended (A6 "Summary").
@@ -980,10 +980,10 @@ class World:
             return
         error = record.error
         assert isinstance(error, aio.AioRpcError)
-        match = re.fullmatch(r"\w+/(\d+)/\w+", error.details() or "")
-        if match is not None and int(match.group(1)) != first.index:
+        found = re.fullmatch(r"\w+/(\d+)/\w+", error.details() or "")
+        if found is not None and int(found.group(1)) != first.index:
             problem(
-                f"ended with copy {int(match.group(1))}'s {error.code().name}, but copy "
+                f"ended with copy {int(found.group(1))}'s {error.code().name}, but copy "
                 f"{first.index} decided the call first ({why})"
             )
 
@@ -1152,10 +1152,10 @@ class World:
             )
         if self.mode == "retry":
             retries = sum(max(0, len(r.attempts) - 1) for r in self.records)
-            allowed = sum(failures)
-            if retries > allowed:
+            permitted = sum(failures)
+            if retries > permitted:
                 self.problems.append(
-                    f"throttle: {retries} retries sent, only {allowed} failures left retries "
+                    f"throttle: {retries} retries sent, only {permitted} failures left retries "
                     "allowed"
                 )
 

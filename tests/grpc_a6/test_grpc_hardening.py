@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
 import anyio
@@ -49,7 +50,9 @@ UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 PREV = "grpc-previous-rpc-attempts"
 
 
-def fail_then_ok(failures: int, code: Any = ABORTED, trailing: tuple[tuple[str, str], ...] = ()):
+def fail_then_ok(
+    failures: int, code: Any = ABORTED, trailing: tuple[tuple[str, str], ...] = ()
+) -> Callable[[bytes, Any, int], Awaitable[bytes]]:
     async def fn(request: bytes, context: Any, attempt: int) -> bytes:
         if attempt <= failures:
             await abort(context, code, trailing=trailing)

@@ -80,7 +80,7 @@ async def test_a_wrong_answer_is_a_clear_error_and_nothing_is_sent(server: Serve
     async with insecure_channel(
         server.target,
         service_config=hedging_config(max_attempts=2, delay="0.05s"),
-        hedge_delay=lambda m: answers.pop(0),
+        hedge_delay=lambda m: answers.pop(0),  # type: ignore[arg-type,return-value]
     ) as ch:
         with anyio.fail_after(TEST_TIMEOUT):
             with pytest.raises(TypeError, match=r"hedge_delay=.*returned 0\.05.*/test\.Svc/M"):

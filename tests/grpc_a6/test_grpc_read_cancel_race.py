@@ -43,7 +43,7 @@ async def _handler(request: bytes, context: Any) -> AsyncIterator[bytes]:
     yield b""  # never reached
 
 
-class _Generic(grpc.GenericRpcHandler):  # type: ignore[misc]
+class _Generic(grpc.GenericRpcHandler):  # type: ignore[misc,name-defined]
     def service(self, details: Any) -> Any:
         return grpc.unary_stream_rpc_method_handler(_handler)
 

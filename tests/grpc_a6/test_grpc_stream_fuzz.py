@@ -388,7 +388,7 @@ def _uncancel() -> None:
     """The application handled a CancelledError of its task: it goes on (3.11+ count)."""
     task = asyncio.current_task()
     uncancel = getattr(task, "uncancel", None)
-    if uncancel is not None and task is not None and task.cancelling():
+    if uncancel is not None and task is not None and task.cancelling():  # type: ignore[attr-defined,unused-ignore]
         uncancel()
 
 
@@ -545,7 +545,7 @@ class World:
     def created(self, call: Any) -> None:
         """grpc.aio made a call: an attempt, if it belongs to one of this seed's calls."""
         md = dict(call._metadata)
-        record = self.by_cid.get(md.get(KEY))
+        record = self.by_cid.get(md.get(KEY, ""))
         if record is None:
             return
         header = md.get(PREV)
@@ -593,6 +593,7 @@ class World:
         if record is None:
             self.problem(None, f"message_size of an unknown message {bytes(message)[:30]!r}")
             return size
+        assert match is not None  # record was None without it (returned above)
         j = int(match.group(2))
         buffered = self.core.buffered_bytes
         if not 0 <= buffered <= self.channel_limit:
@@ -1060,14 +1061,14 @@ class World:
                     f"attempt {a.index} created after attempt {prev.index} got response "
                     f"headers {prev.initial} (A6: committed)"
                 )
-            served = next((x for x in record.server if x.header == prev.header), None)
+            prev_served = next((x for x in record.server if x.header == prev.header), None)
             from_server = DETAILS.fullmatch(prev.details) is not None
-            if served is not None and served.sent and from_server:
+            if prev_served is not None and prev_served.sent and from_server:
                 # C-core delivers a stream's status only once its messages were read: the
                 # status the server sent after them reached the client, so did they.
                 problem(
                     f"attempt {a.index} created after attempt {prev.index} delivered "
-                    f"{len(served.sent)} response message(s) (A6: committed)"
+                    f"{len(prev_served.sent)} response message(s) (A6: committed)"
                 )
         overflow = next(((s, j) for s, j, _, fits in record.sized if not fits), None)
         if overflow is not None:

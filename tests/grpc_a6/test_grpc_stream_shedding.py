@@ -13,7 +13,7 @@ only: no trio variant.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -417,7 +417,7 @@ async def test_the_gate_sees_the_status_through_an_application_interceptor(
         method = getattr(server, shape)(shape, exhausted_stream)
     # random() 1.0: never below the rejection probability, nothing is refused locally
     throttle = AdaptiveThrottle(random=lambda: 1.0, name="svc-throttle")
-    made = {
+    made: Callable[[Any], Awaitable[Any]] = {
         "unary_unary": lambda ch: ch.unary_unary(method)(b"q"),
         "unary_stream": lambda ch: ch.unary_stream(method)(b"q").read(),
         "stream_unary": lambda ch: ch.stream_unary(method)(iter([b"q"])),

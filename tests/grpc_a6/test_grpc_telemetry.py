@@ -31,7 +31,7 @@ from hedge_server import HedgeScript, block, fail, hedging_config, ok  # noqa: E
 from opentelemetry import trace  # noqa: E402
 from opentelemetry.sdk.metrics import MeterProvider  # noqa: E402
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider  # noqa: E402
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider  # noqa: E402
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E402
     InMemorySpanExporter,
@@ -884,7 +884,7 @@ async def test_a_message_size_that_raises_leaves_nothing_behind(
     a review)."""
     started: list[str] = []
 
-    class Starts:
+    class Starts(SpanProcessor):
         def on_start(self, span: Any, parent_context: Any = None) -> None:
             started.append(span.name)
 
@@ -980,7 +980,7 @@ async def test_a_hedged_call_on_the_interceptor_path(server: Server, otel: Otel)
     spans = otel.finished()
     (sent,) = by_name(spans, "Sent.test.Svc.M")
     copies = by_name(spans, "Attempt.test.Svc.M")
-    assert sorted((s.attributes or {})["previous-rpc-attempts"] for s in copies) == [0, 1]
+    assert sorted((s.attributes or {})["previous-rpc-attempts"] for s in copies) == [0, 1]  # type: ignore[type-var]
     assert {parent_id(s) for s in copies} == {sent.context.span_id}
 
 

@@ -298,7 +298,7 @@ class Record:
         return None
 
 
-class SpanEnds(SpanProcessor):  # type: ignore[misc]
+class SpanEnds(SpanProcessor):
     """Counts every span's on_start and on_end, by span id."""
 
     def __init__(self) -> None:
@@ -517,7 +517,7 @@ class World:
     def created(self, call: Any) -> None:
         """grpc.aio made a call: an attempt of one of this seed's calls, or not ours."""
         md = dict(call._metadata)
-        record = self.by_cid.get(md.get(KEY))
+        record = self.by_cid.get(md.get(KEY, ""))
         if record is None:
             return
         header = md.get(PREV)
@@ -539,7 +539,7 @@ class World:
     def created_intercepted(self, metadata: Any) -> None:
         """sdkcore made an attempt's call through the application's interceptors."""
         md = dict(metadata or ())
-        record = self.by_cid.get(md.get(KEY))
+        record = self.by_cid.get(md.get(KEY, ""))
         if record is not None:
             header = md.get(PREV)
             index = int(header) if header is not None and str(header).isdigit() else 0
@@ -548,7 +548,7 @@ class World:
     def intercepted(self, details: Any) -> None:
         """The application's interceptor runs an attempt: note the current span."""
         md = dict(details.metadata or ())
-        record = self.by_cid.get(md.get(KEY))
+        record = self.by_cid.get(md.get(KEY, ""))
         if record is not None:
             header = md.get(PREV)
             index = int(header) if header is not None and str(header).isdigit() else 0
@@ -707,7 +707,8 @@ class World:
                 record.outcome = "cancelled"
                 record.error = exc
                 task = asyncio.current_task()
-                if record.task_cancelled and hasattr(task, "uncancel"):  # 3.11+ count them
+                # 3.11+ count them
+                if record.task_cancelled and task is not None and hasattr(task, "uncancel"):
                     task.uncancel()
             except BaseException as exc:
                 record.outcome = "escaped"
@@ -957,7 +958,7 @@ class World:
             problem(f"{len(tries)} Attempt spans, the client made {n} attempt(s)")
         indexes = [dict(s.attributes or {}).get("previous-rpc-attempts") for s in tries]
         if plan.hedged:
-            if sorted(i for i in indexes if i is not None) != sorted(a.index for a in attempts):
+            if sorted(i for i in indexes if i is not None) != sorted(a.index for a in attempts):  # type: ignore[type-var]
                 problem(f"Attempt spans previous-rpc-attempts {indexes}")
         elif indexes != list(range(len(tries))) or [a.index for a in attempts] != list(range(n)):
             problem(
@@ -983,15 +984,15 @@ class World:
             ):
                 problem("an Attempt span outside its Sent span")
             index = a_attr.get("previous-rpc-attempts")
-            a = by_index.get(index) if isinstance(index, int) else None
-            if a is not None and st != a.status:
+            attempt = by_index.get(index) if isinstance(index, int) else None
+            if attempt is not None and st != attempt.status:
                 # See "Ambiguities": a status sdkcore dropped may be recorded CANCELLED; an
                 # attempt sdkcore cut as the call ended, with the call's status.
                 dropped = (st == "CANCELLED" and (status == "CANCELLED" or plan.hedged)) or (
                     st == status == "DEADLINE_EXCEEDED" and plan.hedged
                 )
                 # Not for a hedge another copy beat: rfc/0008 says it ends CANCELLED.
-                cut = st == status != "OK" and a.status in ("CANCELLED", "DEADLINE_EXCEEDED")
+                cut = st == status != "OK" and attempt.status in ("CANCELLED", "DEADLINE_EXCEEDED")
                 # An attempt the closing channel refused inside the interceptors (it made no
                 # call of its own): grpc.aio raised UsageError, which has no status.
                 refused = (
@@ -1000,21 +1001,21 @@ class World:
                     and self.close_started is not None
                 )
                 if not (dropped or cut or refused):
-                    problem(f"attempt {index} recorded {st}, grpc ended it {a.status}")
+                    problem(f"attempt {index} recorded {st}, grpc ended it {attempt.status}")
         if self.intercept:
             # Every attempt the interceptors ran (it made its own grpc.aio call) ran under
             # its Attempt span; none under another span.
             ran = {a.index for a in record.attempts}
             by_span = {s.context.span_id: dict(s.attributes or {}) for s in tries}
-            seen = set(record.intercepted)
+            spans_seen = set(record.intercepted)
             for s in tries:
                 index = dict(s.attributes or {}).get("previous-rpc-attempts")
-                if index in ran and (index, s.context.span_id) not in seen:
+                if index in ran and (index, s.context.span_id) not in spans_seen:
                     problem(
                         f"the application's interceptor did not run attempt {index} under its "
                         f"Attempt span (it saw {record.intercepted})"
                     )
-            for index, span_id in seen:
+            for index, span_id in spans_seen:
                 if by_span.get(span_id, {}).get("previous-rpc-attempts") != index:
                     problem(f"the application's interceptor ran attempt {index} under another span")
         if not plan.hedged:
@@ -1050,7 +1051,7 @@ class World:
             problem(f"grpc.client.call.retry_delay {ms(delay)} for a call of {n} attempt(s)")
         if not plan.hedged and n > 1:
             scheduled = sum(
-                float(dict(e.attributes or {}).get("sdkcore.retry.delay", 0.0))
+                float(dict(e.attributes or {}).get("sdkcore.retry.delay", 0.0))  # type: ignore[arg-type,misc]
                 for e in events[: n - 1]
             )
             gaps = sum(

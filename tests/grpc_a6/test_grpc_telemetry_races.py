@@ -51,7 +51,7 @@ ABORTED = grpc.StatusCode.ABORTED
 PREV = "grpc-previous-rpc-attempts"
 
 
-class OpenSpans(SpanProcessor):  # type: ignore[misc]
+class OpenSpans(SpanProcessor):
     """The spans started and not (yet) ended, by name."""
 
     def __init__(self) -> None:

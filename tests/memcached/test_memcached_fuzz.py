@@ -109,7 +109,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import anyio
 import anyio.abc
@@ -550,6 +550,14 @@ def small_backoff(retries: int) -> float:
     return 0.001 * (1 + retries % 4)
 
 
+class BreakerSettings(TypedDict):
+    """The ``CircuitBreaker`` keywords a seed draws."""
+
+    volume_threshold: int
+    sleep_window: float
+    canary_timeout: float
+
+
 class World:
     """One seed: the client's settings, the commands, the faults, and what happened."""
 
@@ -580,7 +588,7 @@ class World:
             max_requests_in_retry=rng.choice([4, 16, 32768]), retry_budget=self.budget
         )
         self.tripping = rng.random() < 0.6
-        self.breaker_settings = {
+        self.breaker_settings: BreakerSettings = {
             "volume_threshold": rng.randint(2, 8),
             "sleep_window": rng.uniform(0.01, 0.1),
             # 0.3 to 3.5 timeouts: below twice the timeout a canary can close a silent
@@ -1305,7 +1313,7 @@ class AsyncRun:
         key = next(iter(world.fixed))
         with anyio.move_on_after(LIVENESS):
             for index in range(len(client._endpoints)):
-                await self.succeeds(index, lambda index=index: client.noop(index))
+                await self.succeeds(index, lambda index=index: client.noop(index))  # type: ignore[misc]
             value = await self.succeeds(pick(key, len(client._endpoints)), lambda: client.get(key))
             if value != world.fixed[key]:
                 world.problems.append(f"liveness: the GET of {key} returned {value!r:.40}")
@@ -1443,7 +1451,7 @@ class SyncRun:
         world, client = self.world, self.client
         until = time.monotonic() + LIVENESS
         for index in range(len(client._endpoints)):
-            if not self.succeeds(index, lambda index=index: client.noop(index), until)[0]:
+            if not self.succeeds(index, lambda index=index: client.noop(index), until)[0]:  # type: ignore[misc]
                 return False
         key = next(iter(world.fixed))
         ok, value = self.succeeds(pick(key, len(client._endpoints)), lambda: client.get(key), until)

@@ -185,7 +185,7 @@ def test_the_permit_comes_back_after_answers_errors_timeouts_and_interrupts(
         assert limiter.in_flight == 1  # held while the dispatch runs
         raise KeyboardInterrupt
 
-    endpoint.dispatch = interrupted  # type: ignore[method-assign]
+    endpoint.dispatch = interrupted  # type: ignore[method-assign,assignment]
     with pytest.raises(KeyboardInterrupt):
         client.get("k")
     assert limiter.in_flight == 0
@@ -285,7 +285,7 @@ def test_32_threads_sharing_a_client_never_exceed_the_limit(
             with lock:
                 inside -= 1
 
-    endpoint.dispatch = counted  # type: ignore[method-assign]
+    endpoint.dispatch = counted  # type: ignore[method-assign,assignment]
 
     def load(i: int) -> int:
         done = 0
@@ -298,7 +298,7 @@ def test_32_threads_sharing_a_client_never_exceed_the_limit(
         return done
 
     start = threading.Barrier(threads)
-    workers = [_Worker(lambda i=i: (start.wait(), load(i))[1]) for i in range(threads)]
+    workers = [_Worker(lambda i=i: (start.wait(), load(i))[1]) for i in range(threads)]  # type: ignore[misc]
     for worker in workers:
         worker.start()
     done = sum(worker.outcome() for worker in workers)
