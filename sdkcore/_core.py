@@ -15,6 +15,7 @@ The door then waits (the runtime layer), calls :meth:`_leave_backoff`, and sends
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -390,15 +391,29 @@ class OrchestratorCore:
             self._in_retry -= 1
 
     def _check_clock(self, request: Request) -> None:
-        """An injected virtual-clock sleep needs requests on the same clock."""
-        if (
-            self._sleep_clock is not None
-            and request.timeout is not None  # (inherited deadlines: rfc/0005, "VirtualClock")
-            and request.clock is time.monotonic
-        ):
+        """The backoff and the request's deadline must run on one clock, or the deadline is
+        never met (a real wait for a virtual deadline: retried until the end of real time)
+        or met at once (a virtual wait for a real one). Refused, naming both, and the
+        request fails. Only a clock marked ``sdkcore_virtual`` (a ``VirtualClock``) counts
+        as virtual; an inherited deadline is not checked (rfc/0005, "VirtualClock")."""
+        if request._timeout_s == math.inf:
+            return
+        if self._sleep_clock is not None:
+            if request.clock is not time.monotonic:
+                return
+            request._finish(RequestState.FAILED)
             raise ValueError(
                 f"RetryOrchestrator(sleep={self._sleep!r}) waits on a virtual clock, but "
                 f"request {request.id} ({request.name!r}) runs on {request.clock!r}: build "
                 "the request with Request(clock=<the same clock>.clock) so its deadline "
                 "follows the waits"
+            )
+        owner = getattr(request.clock, "__self__", None)
+        if self._sleep is None and getattr(owner, "sdkcore_virtual", False) is True:
+            request._finish(RequestState.FAILED)
+            raise ValueError(
+                f"request {request.id} ({request.name!r}) runs on the virtual clock "
+                f"{request.clock!r}, but RetryOrchestrator() waits on the event loop's clock, "
+                "which never moves it: pass the clock's sleep, "
+                "RetryOrchestrator(sleep=<the clock>.sleep)"
             )

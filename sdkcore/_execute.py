@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Awaitable, Callable, Generator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
@@ -44,6 +45,7 @@ _MAYBE = AttemptEffect.MAYBE_APPLIED
 _NOT_SENT = AttemptEffect.NOT_SENT
 _TIMEOUT = CancellationReason.TIMEOUT
 _INF = math.inf
+_MONOTONIC = time.monotonic
 
 
 def _unsent_cut(request: Request, mark: Any, exc: BaseException) -> None:
@@ -143,7 +145,6 @@ async def _injected_wait(self: OrchestratorCore, request: Request, rt: Any, dela
     if self._sleep is None or (self._sleep_clock is None and INSTANT_DELAYS.get()):
         await rt.sleep(0)
     else:
-        self._check_clock(request)
         waiter = self._sleep(delay)
         try:
             await waiter
@@ -278,7 +279,8 @@ async def execute(
                         request, reason, self._default, now
                     ) from _failing.cause(request)
                 if strategy is None:  # once per call (a request always has a strategy)
-                    strategy, decides, debug = self._resolve(request)
+                    self._check_clock(request)  # the waits move the deadline's clock
+                    _, strategy, decides, debug = request._resolved_by(self, self._resolve)
                     debug = debug(_DEBUG)  # the log gate, asked once: the logger or None
                     rt = rt or _runtime.current()
                 action = self._ask(request, reason, strategy, decides)
@@ -527,6 +529,8 @@ async def maybe_retry(
             raise _failing.past_deadline(request, reason, self._default, now) from _failing.cause(
                 request
             )
+        if request._clock is not _MONOTONIC or self._sleep_clock is not None:
+            self._check_clock(request)  # the waits move the deadline's clock
         rt = _runtime.current()
         _, strategy, decides, gate = request._resolved_by(self, self._resolve)
         action = self._ask(request, reason, strategy, decides)

@@ -370,7 +370,10 @@ def _log_cancelled(
     log = _log.enabled(_log.INFO if ambiguous or reached else _log.DEBUG)
     if log is None:
         return
-    fields = event_fields(request, reason, strategy_of(request))
+    # the strategy that decided its retries: its own, or the orchestrator's a door resolved
+    # at its first failure (Request._resolved_by); none asked yet: null
+    memo = request._memo
+    fields = event_fields(request, reason, strategy_of(request, None if memo is None else memo[1]))
     if reached:
         fields["deadline_reached"] = True
     if previous is not None:

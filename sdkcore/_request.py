@@ -330,10 +330,16 @@ class Request(RetryState):
         ``timeout=f"{int(info.time_left * 1000)}ms"`` with a query. ``time_left`` is
         :attr:`time_left` in seconds (None: nothing bounds the request).
         """
+        # The attempts before this one: the retries booked (a hedge's copies sent count
+        # before they fail) or the attempts booked failed (a hand-wired loop may try again
+        # without maybe_retry), whichever is more; the two agree on every other loop.
+        retries = self._retries
+        failed = len(self._history)
+        number = (retries if retries > failed else failed) + 1
         left = self._left()
         if left == math.inf:
-            return DispatchInfo(self.retry_attempts + 1, None)
-        return DispatchInfo(self.retry_attempts + 1, left if left > 0.0 else 0.0)
+            return DispatchInfo(number, None)
+        return DispatchInfo(number, left if left > 0.0 else 0.0)
 
     def _left(self) -> float:
         """Seconds to the earlier of the deadline and the enclosing cancel scopes' (inf: none).

@@ -98,6 +98,10 @@ async def test_cancelled_in_backoff_nothing_in_flight() -> None:
     assert "in flight" not in str(error)
     assert "it was not applied on the server (unambiguous)" in str(error)
     (event,) = [e for e in events if e["event"] == "retry.cancelled"]
+    # the default strategy decided its retries: named as on its retry.scheduled lines
+    # (it was null for every request on the orchestrator's default strategy)
+    scheduled = [e["strategy"] for e in events if e["event"] == "retry.scheduled"]
+    assert event["strategy"] == scheduled[0] == "FastFailOnTerminalErrorRetryStrategy"
     assert event["in_flight"] is False
     assert event["log_level"] == "debug"
 

@@ -577,3 +577,36 @@ async def test_a_retryable_failure_at_the_deadline_times_out_as_on_execute_sync(
     assert request.retry_attempts == sync_request.retry_attempts == 0
     assert str(info.value).split(" {")[0] == str(sync_error).split(" {")[0]
     assert "after 0 retries (last: KV_LOCKED)" in str(info.value)
+
+
+@pytest.mark.parametrize("door", ["execute", "maybe_retry"])
+async def test_the_async_doors_refuse_to_wait_in_real_time_for_a_virtual_deadline(
+    door: str,
+) -> None:
+    """As ``execute_sync`` refuses it: a request on a VirtualClock, an orchestrator waiting on
+    the event loop's clock. It backed off in real time, retried while called, and its
+    deadline never came."""
+    clock = VirtualClock()
+    orch = RetryOrchestrator()  # no sleep=clock.sleep
+    request = Request(idempotent=True, timeout=1.0, clock=clock.clock)
+    sent: list[int] = []
+
+    async def send(_: Request) -> str:
+        sent.append(1)
+        raise RetryableError(RetryReason.KV_LOCKED)
+
+    async def run() -> None:
+        if door == "execute":
+            await orch.execute(request, send)
+        else:
+            await orch.maybe_retry(request, RetryReason.KV_LOCKED)
+
+    with pytest.raises(ValueError, match=r"RetryOrchestrator\(sleep=<the clock>\.sleep\)"):
+        await run()
+    assert request.state is RequestState.FAILED
+    assert request.retry_attempts == 0
+    assert len(sent) == (1 if door == "execute" else 0)
+    # with the clock's sleep, the deadline comes
+    again = Request(idempotent=True, timeout=1.0, clock=clock.clock)
+    with pytest.raises(UnambiguousTimeoutException):
+        await RetryOrchestrator(sleep=clock.sleep).execute(again, send)

@@ -9,6 +9,7 @@ import threading
 from datetime import timedelta
 from typing import Any
 
+import anyio
 import pytest
 
 from sdkcore import (
@@ -306,6 +307,32 @@ async def test_dispatch_info_gives_the_time_left_and_the_attempt_number() -> Non
     assert await orch.execute(Request(idempotent=True, timeout=1, clock=clock.clock), send)
     assert seen == [(1, pytest.approx(1.0)), (2, pytest.approx(0.9)), (3, pytest.approx(0.8))]  # type: ignore[comparison-overlap]  # pytest.approx
     assert Request(timeout=None).dispatch_info().time_left is None
+
+
+async def test_dispatch_info_numbers_every_door_s_attempts() -> None:
+    """A hand-wired loop that tries again without ``maybe_retry`` (``attempt()`` books the
+    earlier block when the next opens) numbers its attempts 1, 2, 3 (it said 1, 1, 1), and a
+    hedge's copies are numbered as they go out, before any fails."""
+    from sdkcore import HedgePolicy
+
+    orch = RetryOrchestrator()
+    request = Request(idempotent=True, timeout=1.0)
+    seen = []
+    for _ in range(3):
+        with orch.attempt(request):
+            seen.append(request.dispatch_info().attempt)
+    assert seen == [1, 2, 3]
+
+    copies: list[int] = []
+
+    async def copy(request: Request, index: int) -> str:
+        copies.append(request.dispatch_info().attempt)
+        await anyio.sleep(0.05 if index == 0 else 0.0)
+        return "ok"
+
+    policy = HedgePolicy(2, delay=timedelta(milliseconds=1))
+    assert await orch.hedge(Request(idempotent=True, timeout=1.0), copy, policy) == "ok"
+    assert copies == [1, 2]
 
 
 async def test_the_outer_request_is_forgotten_once_execute_returns() -> None:
