@@ -43,9 +43,10 @@ _MAX_COUNT = 2**31 - 1  # a limit beyond any process's memory: bigger ones are t
 class RetryBudgetLike(Protocol):
     """What the orchestrator needs of a retry budget (``sdkcore.RetryBudget`` is one).
 
-    A budget may also have ``refund()``: called for a withdrawal whose retry was never
-    sent (a hedge cut before it began, a backoff cut by ``Request.cancel()`` or the
-    caller's cancellation).
+    A budget may also have ``refund()``: called once for a withdrawal whose retry sent
+    nothing (a hedge cut before it began; a backoff cut by ``Request.cancel()`` or the
+    caller's cancellation; a request cancelled, or past its deadline, before the retry's
+    attempt began; an attempt booked ``NOT_SENT``, an OPEN breaker's refusal).
     """
 
     def deposit(self) -> None: ...

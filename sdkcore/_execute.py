@@ -553,8 +553,8 @@ async def maybe_retry(
                 self._leave_backoff()
         else:
             # The wait written out, as in execute: through a shared wait coroutine it is one
-            # more frame, 3% more instructions per maybe_retry (181.6k against 176.6k for the
-            # retried call of bench/bench_instructions.py).
+            # more frame, 2% more instructions per retried call (192.2k against 188.3k;
+            # bench/README, "The sixteenth session's review fixes").
             try:
                 if self._sleep is None and not INSTANT_DELAYS.get():
                     await rt.sleep(delay)  # zero: one checkpoint

@@ -1,9 +1,11 @@
 """How a request ends without an answer: the final exception and its log event.
 
-The ending functions (:func:`timed_out`, :func:`refused`, :func:`already_completed`,
-:func:`after_backoff`, :func:`strategy_failed`) complete the request through its
-transitions where it is not complete yet, log the event of rfc/0001 "Log events" when
-its level is enabled, and return (or raise) the exception for the door. The helpers
+The ending functions (:func:`timed_out`, :func:`past_deadline`, :func:`refused`,
+:func:`after_backoff`, :func:`strategy_failed`, :func:`finish_by`) complete the request
+through its transitions where it is not complete yet, log the event of rfc/0001 "Log
+events" when its level is enabled, and return (or raise) the exception for the door;
+:func:`already_completed` reports on a request that has ended already (and logs
+``retry.cancelled`` for one ``Request.cancel()`` or the caller's cancellation ended). The helpers
 beside them name strategies and build event fields and causes for those endings.
 No waiting and no decisions: those are :mod:`sdkcore._decision` and the runtime's.
 """
@@ -45,10 +47,19 @@ __all__ = [
     "bad_action",
     "cause",
     "event_fields",
+    "finish_by",
+    "give_context",
+    "in_use",
+    "inside_send",
     "keep_cause",
     "log_not_retried",
+    "past_deadline",
+    "raised_for_cut",
     "refused",
+    "split_cut",
     "strategy_failed",
+    "strategy_failed_on",
+    "strategy_for",
     "strategy_name",
     "strategy_of",
     "timed_out",
@@ -206,7 +217,7 @@ def already_completed(
     if request.cancellation_reason is CancellationReason.TIMEOUT:
         # Asked again after its timeout (a loop whose `except TimeoutError` caught
         # sdkcore's own): the timeout again, never "cancelled", with what it may have done.
-        ambiguous = not request.idempotent and request.maybe_applied
+        ambiguous = request._ambiguous
         cls = AmbiguousTimeoutException if ambiguous else UnambiguousTimeoutException
         return cls(
             f"request timed out already {_history(request, False)}; {_applied(request)}",
@@ -314,7 +325,7 @@ def finish_by(
 
 def _applied(request: Request) -> str:
     """What a request that ended without an answer may have done on the server."""
-    if not request.idempotent and request.maybe_applied:
+    if request._ambiguous:
         return "it may have been applied on the server (ambiguous)"
     if request.maybe_applied:  # idempotent: applying it again changes nothing
         return (
@@ -357,7 +368,7 @@ def _log_cancelled(
     ``previous``: the attempt in flight was cut (or answered after it): ``caused_by``
     says so, and the failure before it is ``previous_reason``/``previous_error``, as
     ``retry.timed_out`` reports an attempt its deadline cut."""
-    ambiguous = not request.idempotent and request.maybe_applied
+    ambiguous = request._ambiguous
     # The caller's cancellation at the deadline this request inherited is the outer
     # request's deadline cutting it: its timeout in all but name, and the outer's own
     # event names only "attempt N was cut in flight". Info, so the failures that used the
@@ -405,7 +416,7 @@ def _outcome_fields(request: Request) -> dict[str, Any]:
     effect = request.last_effect
     timeout = request.timeout
     return {
-        "ambiguous": not request.idempotent and request.maybe_applied,
+        "ambiguous": request._ambiguous,
         "maybe_applied": request.maybe_applied,
         "effect": None if effect is None else effect.name,
         "timeout_ms": None if timeout is None else round(timeout.total_seconds() * 1000.0, 3),
@@ -483,7 +494,7 @@ def timed_out(
             previous = (request.last_reason, describe_error(request.last_error))
         reason = error.reason if isinstance(error, RetryableError) else None
         request._attempt_failed(reason, _MAYBE, error, now)
-    ambiguous = not request.idempotent and request.maybe_applied
+    ambiguous = request._ambiguous
     if log is not None:
         fields = event_fields(request, reason, strategy)  # caused_by: the last failure
         if copies_cut:
@@ -737,7 +748,7 @@ def strategy_failed_on(request: Request, reason: RetryReason) -> str:
     """The request a strategy failed on, and what that did to it (for its error's text)."""
     applied = (
         " (not idempotent, and an attempt may have been applied)"
-        if not request.idempotent and request.maybe_applied
+        if request._ambiguous
         else ""
     )
     who = f"request {request.id} ({request.name!r})"

@@ -246,6 +246,12 @@ class Request(RetryState):
         return self._idempotent
 
     @property
+    def _ambiguous(self) -> bool:
+        """The rule of rfc/0001 "Ambiguity": an ending without an answer leaves it unknown
+        whether the request was applied (not idempotent, and some attempt may have been)."""
+        return self._maybe_applied and not self._idempotent
+
+    @property
     def retry_strategy(self) -> RetryStrategy | None:
         """The per-request strategy, or None for the orchestrator's default. Fixed when
         the request is built (``Request(retry_strategy=...)``)."""

@@ -29,7 +29,8 @@ __all__ = [
     "kv_request",
 ]
 
-#: The KV opcodes RFC 0049 lists as idempotent.
+#: The KV opcodes RFC 0049 lists as idempotent, and two reads it does not name that are
+#: idempotent as well: GET_META and SUBDOC_GET_COUNT (rfc/0002).
 IDEMPOTENT_KV_OPCODES: frozenset[int] = frozenset(
     op.value
     for op in (
@@ -74,7 +75,7 @@ def _opcode(opcode: object, what: str) -> int:
 
 
 def is_idempotent_kv(opcode: int) -> bool:
-    """True exactly for the KV opcodes RFC 0049 lists as idempotent."""
+    """True exactly for :data:`IDEMPOTENT_KV_OPCODES` (RFC 0049's list, and two reads)."""
     if type(opcode) is int and 0 <= opcode <= 0xFF:
         return opcode in IDEMPOTENT_KV_OPCODES
     return _opcode(opcode, "is_idempotent_kv(opcode)") in IDEMPOTENT_KV_OPCODES
