@@ -4,7 +4,7 @@ Validation is :meth:`sdkcore.grpc.ServiceConfig.from_json` (gRPC A6 rules; no
 grpcio needed). On top, warnings for what parses but is almost surely a mistake:
 unknown keys (``retryPolicyy``, snake_case ``max_attempts``), a methodConfig that
 names no method, ``OK`` among the retryable codes, a maxAttempts above the
-client cap, an initialBackoff above maxBackoff.
+client cap, an initialBackoff above maxBackoff, a hedgingDelay at or past the timeout.
 """
 
 from __future__ import annotations
@@ -166,10 +166,33 @@ def lint(obj: Any, cap: int = DEFAULT_MAX_ATTEMPTS_CAP) -> list[str]:
                     "channels, ignored (an attempt ends with the call's timeout); see "
                     'rfc/0003, "Not done here"'
                 )
+        hedging = mc.get("hedgingPolicy")
+        if isinstance(hedging, Mapping):
+            out += _hedge_after_timeout(f"{path}.hedgingPolicy", hedging, mc.get("timeout"))
     throttling = obj.get("retryThrottling")
     if isinstance(throttling, Mapping):
         out += _unknown_keys("retryThrottling", throttling, _THROTTLING)
     return out
+
+
+def _hedge_after_timeout(path: str, hedging: Mapping[str, Any], timeout: Any) -> list[str]:
+    """hedgingDelay at or past the method's timeout: the deadline ends the call before the
+    first hedge is due (A6: the timeout bounds the whole call, every copy included)."""
+    from .grpc._duration import parse_duration
+
+    if "hedgingDelay" not in hedging or timeout is None:
+        return []
+    try:
+        delay = parse_duration(hedging["hedgingDelay"])
+        limit = parse_duration(timeout)
+    except (ValueError, TypeError):
+        return []  # reported as an error
+    if 0 < limit <= delay:  # "0s" is no timeout, as grpc reads it
+        return [
+            f"{path}.hedgingDelay: {hedging['hedgingDelay']} is not below the method's timeout "
+            f"{timeout}: the call's deadline comes first, so no hedge is ever sent"
+        ]
+    return []
 
 
 def _backoff_order(path: str, retry: Mapping[str, Any]) -> list[str]:
