@@ -21,6 +21,10 @@ Backoff = Callable[[int], "timedelta | float"]
 
 _CONTROLLED = tuple(timedelta(milliseconds=ms) for ms in (1, 10, 50, 100, 500))
 _CONTROLLED_MAX = timedelta(milliseconds=1000)
+#: The smallest ``lower`` of :func:`exponential_backoff`: a timedelta's resolution. With
+#: it (and ``factor`` <= 1e6) ``factor ** n`` stays in range until the delay passes any
+#: ``upper`` a timedelta holds, and past that an overflow can only mean the cap.
+_MIN_LOWER = timedelta.resolution.total_seconds()
 #: How many controlled delays come before the maximum, which repeats from then on: the
 #: one length every user of the table reads (add a step above, and they all follow).
 CONTROLLED_STEPS = len(_CONTROLLED)
@@ -40,9 +44,19 @@ def exponential_backoff(
 ) -> Callable[[int], timedelta]:
     """A calculator returning ``min(lower * factor**attempt, upper)`` (no jitter).
 
-    The default (1 ms doubling up to 500 ms) is :func:`best_effort_backoff`.
+    ``lower``: at least 1 microsecond (a timedelta's resolution); ``upper`` >= ``lower``;
+    ``factor``: from 1 to 1e6. The default (1 ms doubling up to 500 ms) is
+    :func:`best_effort_backoff`.
     """
     lo = to_seconds(lower, "exponential_backoff(lower)", allow_zero=False)
+    if lo < _MIN_LOWER:
+        # Its delays would be timedelta(0) (a timedelta holds microseconds), not the > 0
+        # the lower bound promises; and a subnormal one overflowed ``factor ** n`` below
+        # before the product came back into range (1e-310 x 1e6**52).
+        raise ValueError(
+            "exponential_backoff(lower) must be at least 1 microsecond (1e-06 s, the "
+            f"resolution of the timedelta delays it returns), got {show(lower)}"
+        )
     hi = to_seconds(upper, "exponential_backoff(upper)", allow_zero=False)
     if hi < lo:
         raise ValueError(f"exponential_backoff(upper) must be >= lower ({lo} s), got {hi} s")

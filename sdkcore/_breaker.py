@@ -214,6 +214,30 @@ def _release(token: object) -> None:
         _PROBES.set(tuple(t for t in held if t is not token))
 
 
+#: The longest ``sleep_window`` and ``canary_timeout`` (rfc/0007, "Circuit breaker"): an
+#: endpoint cut off for more than an hour between probes, or a probe given more than an
+#: hour to answer, is no deployment's setting; it is a number in milliseconds
+#: (``sleep_window=5000``: 83 minutes).
+_MAX_WAIT = 3600.0
+
+
+def _wait(value: object, what: str) -> float:
+    """A sleep window or canary timeout in seconds: > 0 and at most :data:`_MAX_WAIT`."""
+    seconds = to_seconds(value, what, allow_zero=False)
+    if seconds > _MAX_WAIT:
+        hint = ""
+        if not isinstance(value, timedelta) and seconds / 1000.0 <= _MAX_WAIT:
+            hint = (
+                f" (a number of seconds; for {show(value)} milliseconds give "
+                f"{seconds / 1000.0:g} or timedelta(milliseconds={show(value)}))"
+            )
+        raise ValueError(
+            f"{what} must be > 0 and at most {_MAX_WAIT:.0f} seconds (1 hour), "
+            f"got {show(value)}{hint}"
+        )
+    return seconds
+
+
 def _positive_int(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an int >= 1, got {show(value)} ({type(value).__name__})")
@@ -328,13 +352,11 @@ class CircuitBreaker:
         # exact arithmetic (rfc/0007): trip when failures * 100 * d >= n * outcomes
         numerator, denominator = _exact(error_threshold_percentage)
         self._error_ratio = (numerator, 100 * denominator)
-        self._sleep_window = to_seconds(sleep_window, f"{what}(sleep_window)", allow_zero=False)
+        self._sleep_window = _wait(sleep_window, f"{what}(sleep_window)")
         self._rolling_window = to_seconds(
             rolling_window, f"{what}(rolling_window)", allow_zero=False
         )
-        self._canary_timeout = to_seconds(
-            canary_timeout, f"{what}(canary_timeout)", allow_zero=False
-        )
+        self._canary_timeout = _wait(canary_timeout, f"{what}(canary_timeout)")
         sync_callable(is_failure, f"{what}(is_failure)", "(error) -> bool", optional=True)
         sync_callable(clock, f"{what}(clock)", "() -> seconds")
         clock_reading(clock, f"{what}(clock)")  # a clock that returns no seconds: here

@@ -4,13 +4,12 @@ Validation is :meth:`sdkcore.grpc.ServiceConfig.from_json` (gRPC A6 rules; no
 grpcio needed). On top, warnings for what parses but is almost surely a mistake:
 unknown keys (``retryPolicyy``, snake_case ``max_attempts``), a methodConfig that
 names no method, ``OK`` among the retryable codes, a maxAttempts above the
-client cap, an initialBackoff above maxBackoff.
+client cap, an initialBackoff above maxBackoff, a hedgingDelay at or past the timeout.
 """
 
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import sys
 import textwrap
@@ -20,6 +19,7 @@ from typing import Any
 
 from ._console import WIDTH, Output, UsageError
 from ._untrusted import parse_int, printable
+from .grpc._ignored_keys import HEDGING, METHOD, NAME, RETRY, ROOT, THROTTLING, unknown_keys
 from .grpc._service_config import (
     DEFAULT_MAX_ATTEMPTS_CAP,
     MethodConfig,
@@ -30,18 +30,6 @@ from .grpc._service_config import (
 from .grpc._status import STATUS_BY_NAME, status_name
 
 __all__ = ["add_parser", "lint", "run", "summary"]
-
-# The keys of the gRPC service config that sdkcore knows (the ones it reads, and the
-# ones other parts of gRPC read, which are valid and ignored here).
-_ROOT = {"methodConfig", "retryThrottling", "loadBalancingConfig", "loadBalancingPolicy",
-         "healthCheckConfig"}  # fmt: skip
-_METHOD = {"name", "waitForReady", "timeout", "maxRequestMessageBytes", "maxResponseMessageBytes",
-           "retryPolicy", "hedgingPolicy"}  # fmt: skip
-_NAME = {"service", "method"}
-_RETRY = {"maxAttempts", "initialBackoff", "maxBackoff", "backoffMultiplier",
-          "retryableStatusCodes", "perAttemptRecvTimeout"}  # fmt: skip
-_HEDGING = {"maxAttempts", "hedgingDelay", "nonFatalStatusCodes"}
-_THROTTLING = {"maxTokens", "tokenRatio"}
 
 
 def add_parser(sub: Any) -> None:
@@ -68,37 +56,17 @@ def add_parser(sub: Any) -> None:
 # -- warnings --------------------------------------------------------------------------------
 
 
-def _camel(name: str) -> str:
-    head, *rest = name.split("_")
-    return head + "".join(part[:1].upper() + part[1:] for part in rest)
-
-
-#: Unknown keys longer than this are shortened in warnings (the middle is elided).
-_KEY_SHOWN = 60
-
-
-def _key(key: object) -> str:
-    text = str(key)
-    if len(text) > _KEY_SHOWN:
-        half = _KEY_SHOWN // 2 - 2
-        text = f"{text[:half]}...{text[-half:]}"
-    return text
-
-
-def _unknown_keys(path: str, obj: Mapping[str, Any], known: set[str]) -> list[str]:
+def _unknown_keys(path: str, obj: Mapping[str, Any], known: frozenset[str]) -> list[str]:
+    """The unknown keys of ``obj`` as warnings (the walk is the channels' too:
+    ``sdkcore.grpc._ignored_keys``, whose ``grpc.config_ignored`` event lists them)."""
     out = []
-    for key in obj:
-        if key in known:
-            continue
-        where = f"{path}.{_key(key)}" if path else _key(key)
+    for key in unknown_keys(path, obj, known):
         hint = ""
-        if isinstance(key, str) and "_" in key and _camel(key) in known:
-            hint = f"; did you mean {_camel(key)!r}? (service config keys are camelCase)"
-        elif len(str(key)) <= _KEY_SHOWN:
-            close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.75)
-            if close:
-                hint = f"; did you mean {close[0]!r}?"
-        out.append(f"{where}: unknown key, ignored{hint}")
+        if key.camel_case:
+            hint = f"; did you mean {key.suggestion!r}? (service config keys are camelCase)"
+        elif key.suggestion is not None:
+            hint = f"; did you mean {key.suggestion!r}?"
+        out.append(f"{key.path}: unknown key, ignored{hint}")
     return out
 
 
@@ -125,13 +93,13 @@ def lint(obj: Any, cap: int = DEFAULT_MAX_ATTEMPTS_CAP) -> list[str]:
     """Warnings for a decoded service config: what parses but is almost surely a mistake."""
     if not isinstance(obj, Mapping):
         return []
-    out = _unknown_keys("", obj, _ROOT)
+    out = _unknown_keys("", obj, ROOT)
     mcs = obj.get("methodConfig")
     for i, mc in enumerate(mcs if isinstance(mcs, list) else []):
         path = f"methodConfig[{i}]"
         if not isinstance(mc, Mapping):
             continue
-        out += _unknown_keys(path, mc, _METHOD)
+        out += _unknown_keys(path, mc, METHOD)
         names = mc.get("name")
         if names is None or names == []:
             out.append(
@@ -140,10 +108,10 @@ def lint(obj: Any, cap: int = DEFAULT_MAX_ATTEMPTS_CAP) -> list[str]:
             )
         for j, name in enumerate(names if isinstance(names, list) else []):
             if isinstance(name, Mapping):
-                out += _unknown_keys(f"{path}.name[{j}]", name, _NAME)
+                out += _unknown_keys(f"{path}.name[{j}]", name, NAME)
         for key, known, codes_key, what in (
-            ("retryPolicy", _RETRY, "retryableStatusCodes", "the retryable codes"),
-            ("hedgingPolicy", _HEDGING, "nonFatalStatusCodes", "the non-fatal codes"),
+            ("retryPolicy", RETRY, "retryableStatusCodes", "the retryable codes"),
+            ("hedgingPolicy", HEDGING, "nonFatalStatusCodes", "the non-fatal codes"),
         ):
             policy = mc.get(key)
             if not isinstance(policy, Mapping):
@@ -166,10 +134,33 @@ def lint(obj: Any, cap: int = DEFAULT_MAX_ATTEMPTS_CAP) -> list[str]:
                     "channels, ignored (an attempt ends with the call's timeout); see "
                     'rfc/0003, "Not done here"'
                 )
+        hedging = mc.get("hedgingPolicy")
+        if isinstance(hedging, Mapping):
+            out += _hedge_after_timeout(f"{path}.hedgingPolicy", hedging, mc.get("timeout"))
     throttling = obj.get("retryThrottling")
     if isinstance(throttling, Mapping):
-        out += _unknown_keys("retryThrottling", throttling, _THROTTLING)
+        out += _unknown_keys("retryThrottling", throttling, THROTTLING)
     return out
+
+
+def _hedge_after_timeout(path: str, hedging: Mapping[str, Any], timeout: Any) -> list[str]:
+    """hedgingDelay at or past the method's timeout: the deadline ends the call before the
+    first hedge is due (A6: the timeout bounds the whole call, every copy included)."""
+    from .grpc._duration import parse_duration
+
+    if "hedgingDelay" not in hedging or timeout is None:
+        return []
+    try:
+        delay = parse_duration(hedging["hedgingDelay"])
+        limit = parse_duration(timeout)
+    except (ValueError, TypeError):
+        return []  # reported as an error
+    if 0 < limit <= delay:  # "0s" is no timeout, as grpc reads it
+        return [
+            f"{path}.hedgingDelay: {hedging['hedgingDelay']} is not below the method's timeout "
+            f"{timeout}: the call's deadline comes first, so no hedge is ever sent"
+        ]
+    return []
 
 
 def _backoff_order(path: str, retry: Mapping[str, Any]) -> list[str]:

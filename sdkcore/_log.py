@@ -51,6 +51,7 @@ __all__ = [
     "EVENT_BUDGET_EXHAUSTED",
     "EVENT_BUDGET_RECOVERED",
     "EVENT_CANCELLED",
+    "EVENT_GRPC_CONFIG_IGNORED",
     "EVENT_HEDGE_CANCELLED",
     "EVENT_HEDGE_FAILED",
     "EVENT_HEDGE_SENT",
@@ -69,6 +70,7 @@ __all__ = [
     "EVENT_THROTTLE_REFUSING",
     "EVENT_THROTTLE_RELEASED",
     "EVENT_TIMED_OUT",
+    "GRPC_CONFIG_IGNORED_SHOWN",
     "LOGGER_NAME",
     "Capturing",
     "duration_ms",
@@ -123,6 +125,15 @@ EVENT_THROTTLE_ENGAGED = "throttle.engaged"
 #: info: its tokens rose above the threshold again (field refused: retries and hedges it
 #: refused while engaged).
 EVENT_THROTTLE_RELEASED = "throttle.released"
+
+# gRPC service config (rfc/0003, "Config events").
+#: warning: a gRPC channel was made with a service config some of whose keys nothing
+#: applies (A6 ignores unknown keys: a typo such as ``retryPolicyy`` turns retries off);
+#: once per channel (fields: target, ignored: the first GRPC_CONFIG_IGNORED_SHOWN keys,
+#: each {path, suggestion, why}; count: how many there are).
+EVENT_GRPC_CONFIG_IGNORED = "grpc.config_ignored"
+#: The most keys ``grpc.config_ignored`` lists (``count`` says how many there are).
+GRPC_CONFIG_IGNORED_SHOWN = 20
 
 # Concurrency limiters (rfc/0009). Field limiter: the limiter's name ("" when unnamed).
 #: warning: a limiter refused a dispatch, the first of an episode (fields: limit,

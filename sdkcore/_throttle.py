@@ -61,6 +61,11 @@ _OVERLOAD_ERRORS = (RateLimitedException, QuotaLimitedException, TemporaryFailur
 _OVERLOAD_CODES = frozenset({"RESOURCE_EXHAUSTED", "UNAVAILABLE", 8, 14})
 
 
+def _count(n: int, what: str) -> str:
+    """``"1 request"``, ``"5 requests"``."""
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
 def _grpc_code(error: BaseException) -> object:
     """The status of a gRPC error (``grpc.aio.AioRpcError`` and its kind), duck-typed.
 
@@ -363,12 +368,22 @@ class AdaptiveThrottle:
         return False
 
     def refusal(self) -> RetryableError:
-        """The error a refused request raises (what :meth:`guard` raises)."""
+        """The error a refused request raises (what :meth:`guard` raises).
+
+        Its message gives the numbers behind the refusal, read now (the refused request
+        counted): the rejection probability, the requests and accepts in the window, the
+        window's length and ``k``. Read only here, when a request is refused: an
+        admission never builds it.
+        """
         label = f" {self._name}" if self._name else ""
+        requests, accepts = self._counts()
+        probability = max(0.0, (requests - self._k * accepts) / (requests + 1))
         return RetryableError(
             REFUSAL_REASON,
             f"adaptive throttle{label} refused the request locally (the backend rejected "
-            "too many recently): nothing was sent",
+            f"too many recently: rejection probability {round(probability, 4):g} from "
+            f"{_count(requests, 'request')} and {_count(accepts, 'accept')} in its "
+            f"{self._window:g} s window, k {self._k:g}): nothing was sent",
             effect=_NOT_SENT,
         )
 

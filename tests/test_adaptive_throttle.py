@@ -131,6 +131,53 @@ def test_a_local_refusal_counts_as_a_request_and_raises_before_the_block() -> No
     assert throttle.rejection_probability == sre(5, 1, 2.0)
 
 
+def test_a_refusal_says_the_probability_and_the_windows_counts() -> None:
+    """The refusal's message gives the numbers it was made from, as they stand with the
+    refused request counted: the rejection probability, requests and accepts in the
+    window, the window's length and k (an operator sees why, and how far from recovery)."""
+    throttle, _ = make(random=always, name="node1")
+    feed(throttle, accepts=1, rejects=3)
+    with pytest.raises(RetryableError) as caught, throttle.guard():
+        pass
+    assert str(caught.value) == (
+        "CLIENT_THROTTLED: adaptive throttle node1 refused the request locally (the backend "
+        "rejected too many recently: rejection probability 0.5 from 5 requests and 1 accept "
+        "in its 120 s window, k 2): nothing was sent"
+    )
+    assert throttle.rejection_probability == sre(5, 1, 2.0) == 0.5
+    unnamed, _ = make(k=1.5, window=1.0, random=always)
+    feed(unnamed, accepts=0, rejects=1)
+    assert str(unnamed.refusal()) == (
+        "CLIENT_THROTTLED: adaptive throttle refused the request locally (the backend "
+        "rejected too many recently: rejection probability 0.5 from 1 request and 0 accepts "
+        "in its 1 s window, k 1.5): nothing was sent"
+    )
+
+
+def test_the_accept_path_builds_no_refusal() -> None:
+    """The numbers are read when a request is refused, never when one is admitted: an
+    admission reads the clock once and takes no lock (the hot path stays as it was)."""
+    readings = 0
+    vc = VirtualClock()
+
+    def clock() -> float:
+        nonlocal readings
+        readings += 1
+        return vc.clock()
+
+    throttle = AdaptiveThrottle(window=120.0, clock=clock, random=always)
+    readings = 0
+    for _ in range(100):
+        with throttle.guard():
+            pass
+    assert readings == 200  # one to admit, one to record each success
+    feed(throttle, accepts=0, rejects=300)  # 400 requests, 100 accepts: (400 - 200) / 401
+    readings = 0
+    with pytest.raises(RetryableError, match="rejection probability"), throttle.guard():
+        pass
+    assert readings > 1  # the refusal read the window again to give its counts
+
+
 def test_the_random_source_decides_against_the_probability() -> None:
     draws = iter([0.39, 0.5, 0.49])
     throttle, _ = make(random=lambda: next(draws))

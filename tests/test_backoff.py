@@ -63,3 +63,24 @@ def test_exponential_backoff_custom_bounds() -> None:
 def test_exponential_backoff_rejects_bad_arguments(kwargs: dict[str, float], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         exponential_backoff(**kwargs)
+
+
+@pytest.mark.parametrize("lower", [1e-310, 5e-324, 1e-9, 4e-7, 9.99e-7])
+def test_exponential_backoff_refuses_a_lower_below_a_microsecond(lower: float) -> None:
+    """A lower bound below 1 us (a timedelta's resolution) is refused, naming the argument:
+    its delays would round to 0 (the lower bound must be > 0), and a subnormal one raised a
+    raw OverflowError from the table's ``factor ** n`` (1e-310 x 1e6**52)."""
+    with pytest.raises(ValueError, match=r"exponential_backoff\(lower\) must be at least 1 mic"):
+        exponential_backoff(lower, 1.0, 1e6)
+
+
+def test_exponential_backoff_takes_a_microsecond_with_the_largest_factor() -> None:
+    """The smallest lower and the largest factor together: no overflow, the formula's delays."""
+    calc = exponential_backoff(timedelta(microseconds=1), 1000.0, 1e6)
+    assert [calc(n) for n in range(4)] == [
+        timedelta(microseconds=1),
+        timedelta(seconds=1),
+        timedelta(seconds=1000),
+        timedelta(seconds=1000),
+    ]
+    assert calc(10**6) == timedelta(seconds=1000)

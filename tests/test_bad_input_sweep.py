@@ -645,8 +645,11 @@ BUGS: list[Any] = [
     _case(
         "is_failure", lambda: CircuitBreaker(is_failure=_async_predicate), "CB(is_failure=async)"
     ),
+    _case("sleep_window", lambda: CircuitBreaker(sleep_window=5000), "CB(sleep_window=5000 ms)"),
+    _case("canary_timeout", lambda: CircuitBreaker(canary_timeout=5000), "CB(canary=5000 ms)"),
     _case("clock", lambda: ConcurrencyLimiter(1, clock=_async_clock), "Limiter(clock=async)"),
     _case("backoff", lambda: BestEffortRetryStrategy(backoff=_async_send), "BestEffort(b=async)"),
+    _case("lower", lambda: exponential_backoff(1e-310, 1.0, 1e6), "exponential_backoff(1e-310)"),
     _case("attempt", lambda: exponential_backoff()(None), "exponential_backoff()(None)"),
     _case("attempt", lambda: exponential_backoff()("3"), "exponential_backoff()(str)"),
     _case("attempt", lambda: exponential_backoff()(1.5), "exponential_backoff()(1.5)"),

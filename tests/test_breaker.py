@@ -95,10 +95,13 @@ def test_durations_take_timedelta_or_seconds() -> None:
         ("sleep_window", 0, ValueError),
         ("sleep_window", -1, ValueError),
         ("sleep_window", "5s", TypeError),
+        ("sleep_window", 5000, ValueError),  # milliseconds meant: 83 minutes
+        ("sleep_window", timedelta(hours=1, microseconds=1), ValueError),
         ("rolling_window", timedelta(0), ValueError),
         ("rolling_window", float("inf"), ValueError),
         ("canary_timeout", None, TypeError),
         ("canary_timeout", -0.5, ValueError),
+        ("canary_timeout", 5000, ValueError),
         ("is_failure", 42, TypeError),
         ("clock", 1.0, TypeError),
         ("name", 7, TypeError),
@@ -107,6 +110,22 @@ def test_durations_take_timedelta_or_seconds() -> None:
 def test_bad_settings_name_the_field(field: str, value: object, error: type[Exception]) -> None:
     with pytest.raises(error, match=rf"CircuitBreaker\({field}\)"):
         CircuitBreaker(**{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("field", ["sleep_window", "canary_timeout"])
+def test_a_window_past_an_hour_is_refused_with_its_range(field: str) -> None:
+    """``sleep_window=5000`` (someone meaning milliseconds: 83 minutes cut off) is refused,
+    naming the field, the value and the range; an hour exactly is taken."""
+    with pytest.raises(ValueError, match="at most") as refused:
+        CircuitBreaker(**{field: 5000})
+    assert str(refused.value) == (
+        f"CircuitBreaker({field}) must be > 0 and at most 3600 seconds (1 hour), got 5000 "
+        "(a number of seconds; for 5000 milliseconds give 5 or timedelta(milliseconds=5000))"
+    )
+    with pytest.raises(ValueError, match=r"\(1 hour\), got datetime\.timedelta\(seconds=7200\)$"):
+        CircuitBreaker(**{field: timedelta(hours=2)})  # a timedelta: no milliseconds hint
+    breaker = CircuitBreaker(**{field: timedelta(hours=1)})
+    assert getattr(breaker, field) == timedelta(hours=1)
 
 
 # -- counting and tripping -----------------------------------------------------------

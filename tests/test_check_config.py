@@ -391,3 +391,45 @@ def test_per_attempt_recv_timeout_is_warned_as_ignored() -> None:
     ]
     del policy["perAttemptRecvTimeout"]
     assert lint({"methodConfig": [{"name": [{}], "retryPolicy": policy}]}) == []
+
+
+def _hedged(delay: str | None, timeout: str | None) -> dict[str, object]:
+    hedging: dict[str, object] = {"maxAttempts": 3, "nonFatalStatusCodes": ["UNAVAILABLE"]}
+    if delay is not None:
+        hedging["hedgingDelay"] = delay
+    mc: dict[str, object] = {"name": [{"service": "s"}], "hedgingPolicy": hedging}
+    if timeout is not None:
+        mc["timeout"] = timeout
+    return {"methodConfig": [mc]}
+
+
+@pytest.mark.parametrize(("delay", "timeout"), [("2s", "1s"), ("1s", "1s"), ("1.5s", "1.000s")])
+def test_a_hedging_delay_at_or_past_the_timeout_is_warned(delay: str, timeout: str) -> None:
+    """hedgingDelay >= the method's timeout: the call's deadline comes before any hedge, so
+    the hedgingPolicy sends only the first copy (a typo of units, or a timeout cut later)."""
+    assert lint(_hedged(delay, timeout)) == [
+        f"methodConfig[0].hedgingPolicy.hedgingDelay: {delay} is not below the method's "
+        f"timeout {timeout}: the call's deadline comes first, so no hedge is ever sent"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("delay", "timeout"),
+    [("0.5s", "1s"), (None, "1s"), ("2s", None), ("2s", "0s"), ("soon", "1s"), ("2s", 1)],
+    ids=["below", "no-delay", "no-timeout", "timeout-0s-is-none", "bad-delay", "bad-timeout"],
+)
+def test_a_hedging_delay_below_the_timeout_is_not_warned(
+    delay: str | None, timeout: str | None
+) -> None:
+    """Below the timeout, without one ("0s" is none, as grpc reads it), or a value the
+    parser refuses (an error of its own, not a warning as well)."""
+    assert lint(_hedged(delay, timeout)) == []
+
+
+def test_the_hedging_warning_is_printed_by_the_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = _check(tmp_path, capsys, _hedged("5s", "2s"))
+    assert code == 0
+    assert "(1 warning on stderr)" in out
+    assert "hedgingDelay: 5s is not below the method's timeout 2s" in " ".join(err.split())

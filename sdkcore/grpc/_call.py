@@ -185,6 +185,11 @@ class _Since:
         return start
 
 
+def _count(n: int, what: str) -> str:
+    """``"1 attempt"``, ``"3 attempts"``."""
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
 class _Call:
     """One application call: its state, and the Request once an attempt failed."""
 
@@ -419,6 +424,11 @@ class _Call:
         if isinstance(err, LocalRefusal):
             # The channel's limiter or throttle refused the attempt: it never left the
             # client (A6 case 1; rfc/0009), re-sent transparently unless those are off.
+            st.local_refusals += 1
+            shed = err.__cause__
+            by = shed.reason.name if isinstance(shed, RetryableError) else "refused"
+            if by not in st.refused_by:
+                st.refused_by += (by,)
             if core.transparent_retries:
                 kind = TransparentKind.NEVER_SENT
             else:
@@ -601,13 +611,22 @@ class _Call:
         )
 
     def _note(self) -> str:
-        """``"sdkcore: N attempts; "`` when the channel retried the call, else ``""``."""
+        """``"sdkcore: N attempts; "`` when the channel retried the call, else ``""``.
+
+        Then A6's transparent re-sends (a refused stream sent again) and the local
+        refusals (tries the channel's limiter or throttle refused: nothing was sent, so
+        not re-sends), with their reasons: ``"sdkcore: 1 attempt, 3 local refusals
+        (CONCURRENCY_LIMITED, not sent); "``."""
         st = self.state
         if not self._retried():
             return ""
-        resent = st.transparent_retries + st.refused_retries
-        extra = f", {resent} transparent re-send(s)" if resent else ""
-        return f"sdkcore: {st.attempts} attempts{extra}; "
+        note = f"sdkcore: {_count(st.attempts, 'attempt')}"
+        if st.refused_retries:
+            note += f", {_count(st.refused_retries, 'transparent re-send')}"
+        if st.local_refusals:
+            by = ", ".join(st.refused_by)
+            note += f", {_count(st.local_refusals, 'local refusal')} ({by}, not sent)"
+        return note + "; "
 
     def _deadline(self, err: Any) -> Any:
         previous = max(self.state.attempts - 1, 0)

@@ -276,7 +276,9 @@ def insecure_channel(
     runs and never hands to grpcio; grpcio gets the rest (load balancing, message
     size limits: ``ServiceConfig.for_grpc``), and a ``grpc.service_config`` option is
     rejected; grpcio's own retries are off (see
-    :meth:`RetryController.channel_options` for the one opt-in).
+    :meth:`RetryController.channel_options` for the one opt-in). A config with keys
+    nothing applies (A6 ignores unknown keys, so ``retryPolicyy`` turns retries off) is
+    accepted, and the channel logs them once, as the warning ``grpc.config_ignored``.
     ``retries_enabled=False`` turns every retry off. ``interceptors`` run inside
     the retry loop, once per attempt. ``retry_budget``: an :class:`sdkcore.RetryBudget`
     shared with other channels and orchestrators (each call's first attempt deposits,

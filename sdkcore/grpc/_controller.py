@@ -16,6 +16,7 @@ from typing import Any
 
 from grpc import aio
 
+from .. import _log
 from .._callables import sync_callable
 from .._latency import LatencyQuantile
 from .._orchestrator import RetryOrchestrator
@@ -41,6 +42,25 @@ _OPT_ENABLE_RETRIES = "grpc.enable_retries"
 _OPT_NO_RESOLVED_CONFIG = "grpc.service_config_disable_resolution"
 
 
+def _config_ignored(target: str, config: ServiceConfig) -> None:
+    """``grpc.config_ignored``: the channel's service config has keys nothing applies (a
+    typo A6 ignores, ``perAttemptRecvTimeout``), said once, when its controller is made
+    (rfc/0003, "Config events"); ``sdkcore check-config`` says the same of a file."""
+    log = _log.enabled(_log.WARNING)
+    if log is None:
+        return
+    ignored = config._ignored
+    log.warning(
+        _log.EVENT_GRPC_CONFIG_IGNORED,
+        target=target,
+        ignored=[
+            {"path": key.path, "suggestion": key.suggestion, "why": key.why}
+            for key in ignored[: _log.GRPC_CONFIG_IGNORED_SHOWN]
+        ],
+        count=len(ignored),
+    )
+
+
 def channel_closed_error() -> Exception:
     """What grpc.aio raises for a call made on a closing channel: a new call made while
     ``close(grace)`` waits for sdkcore's calls (:meth:`_Controller._drain`; grpc.aio's
@@ -53,7 +73,9 @@ class _Controller:
 
     * ``service_config``: a :class:`ServiceConfig` (or its JSON / a Mapping); None
       means no retry policies (transparent retries only). It is never handed to
-      grpcio: grpc C-core runs no retry policy of its own on these channels.
+      grpcio: grpc C-core runs no retry policy of its own on these channels. Keys
+      nothing applies (A6 ignores unknown keys: ``retryPolicyy``) are logged once, when
+      the controller is made, as the warning ``grpc.config_ignored`` (rfc/0003).
     * ``target``: the server name; picks the process-wide throttler.
     * ``orchestrator``: the :class:`RetryOrchestrator` every retry goes through.
     * ``enabled``: False turns every kind of retry off (A6 "Disabling Retries").
@@ -227,6 +249,8 @@ class _Controller:
         #: Set when ``_live`` empties while :meth:`_drain` waits (made by it), or when the
         #: channel stops taking attempts (:meth:`_close_calls`).
         self._drained: asyncio.Event | None = None
+        if service_config is not None and service_config._ignored:
+            _config_ignored(target, service_config)
 
     # -- the channel ----------------------------------------------------------------
     def channel_options(

@@ -64,7 +64,9 @@ class RetryController(_Controller):
 
     * ``service_config``: a :class:`ServiceConfig` (or its JSON / a Mapping); None
       means no retry policies (transparent retries only). It is never handed to
-      grpcio: grpc C-core runs no retry policy of its own on these channels.
+      grpcio: grpc C-core runs no retry policy of its own on these channels. Keys
+      nothing applies (A6 ignores unknown keys: ``retryPolicyy``) are logged once, when
+      the controller is made, as the warning ``grpc.config_ignored`` (rfc/0003).
     * ``target``: the server name; picks the process-wide throttler.
     * ``orchestrator``: the :class:`RetryOrchestrator` every retry goes through.
     * ``enabled``: False turns every kind of retry off (A6 "Disabling Retries").

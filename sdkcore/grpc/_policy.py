@@ -211,7 +211,9 @@ class CallState:
         "code",
         "commit_why",
         "committed",
+        "local_refusals",
         "pushback",
+        "refused_by",
         "refused_retries",
         "transparent",
         "transparent_retries",
@@ -233,8 +235,14 @@ class CallState:
         self.commit_why = ""
         #: The transparent-retry case of the last failure, if any.
         self.transparent: TransparentKind | None = None
+        #: Transparent retries of attempts that never left the client (NEVER_SENT).
         self.transparent_retries = 0
+        #: Transparent retries of refused streams (REFUSED): A6's re-sends.
         self.refused_retries = 0
+        #: Attempts the channel's limiter or throttle refused before sending, and their
+        #: reasons' names, each once in the order first seen (the error's debug string).
+        self.local_refusals = 0
+        self.refused_by: tuple[str, ...] = ()
 
 
 def _refusal(why: str, state: CallState) -> RetryAction:

@@ -22,6 +22,7 @@ from .._untrusted import LongInt as _LongInt
 from .._untrusted import parse_int as _parse_int
 from .._untrusted import show as _show
 from ._duration import parse_duration
+from ._ignored_keys import IgnoredKey, ignored_keys
 from ._status import STATUS_BY_NAME, STATUS_NAMES
 
 __all__ = [
@@ -232,6 +233,10 @@ class ServiceConfig:
     #: ``healthCheckConfig`` and each method's ``maxRequestMessageBytes``/
     #: ``maxResponseMessageBytes`` (rfc/0003, "What grpc C-core still applies").
     for_grpc: str | None = attrs.field(default=None, eq=False, repr=False)
+    #: The keys :meth:`from_json` found and ignored (A6: unknown keys are ignored), each
+    #: with its JSON path and the key probably meant: what a channel made with this
+    #: config logs, once, as ``grpc.config_ignored`` (rfc/0003, "Config events").
+    _ignored: tuple[IgnoredKey, ...] = attrs.field(default=(), eq=False, repr=False)
     _index: Mapping[MethodName, MethodConfig] = attrs.field(
         default=attrs.Factory(lambda self: _index_of(self.method_configs), takes_self=True),
         eq=False,
@@ -409,7 +414,7 @@ class _Parser:
             throttling = self.throttling("retryThrottling", obj["retryThrottling"])
         if self.errors:
             raise ServiceConfigError(self.errors)
-        return ServiceConfig(tuple(configs), throttling, _for_grpc(obj))
+        return ServiceConfig(tuple(configs), throttling, _for_grpc(obj), ignored=ignored_keys(obj))
 
     # -- methodConfig -------------------------------------------------------------
     def method_config(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 from typing import Any
 
 import anyio
@@ -23,12 +24,14 @@ from h2_server import RawH2Server  # noqa: E402
 
 from sdkcore import AttemptEffect, ConcurrencyLimiter  # noqa: E402
 from sdkcore.grpc import (  # noqa: E402
+    CallState,
     RetryController,
     insecure_channel,
     previous_rpc_attempts,
     retry_controller,
     retry_stats,
 )
+from sdkcore.grpc._call import _Call  # noqa: E402
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 PREV = "grpc-previous-rpc-attempts"
@@ -413,3 +416,88 @@ async def test_server_status_on_a_connected_attempt_is_never_transparent() -> No
         await c.failed(status(UNAVAILABLE))
     stats = controller.stats.for_method("/test.Svc/M")
     assert (stats.retry_attempts, stats.transparent_retries) == (1, 0)
+
+
+#: The debug string's note of a call the channel's limiter refused before it was sent.
+REFUSED_NOTE = r"^sdkcore: 1 attempt, (\d+) local refusals? \(CONCURRENCY_LIMITED, not sent\); "
+
+
+@pytest.mark.asyncio
+async def test_local_refusals_are_not_called_transparent_re_sends(server: Server) -> None:
+    """The error's debug string counts the attempts the channel's limiter refused as what
+    they are, local refusals with nothing sent (until 2026-11-28: "1 attempts, N transparent
+    re-send(s)", a re-send of what was never sent): one attempt, the refusals by reason."""
+    release = asyncio.Event()
+
+    async def held(request: bytes, context: Any, attempt: int) -> bytes:
+        if request == b"first":
+            await release.wait()
+            return b"ok"
+        await context.abort(grpc.StatusCode.NOT_FOUND, "no such key")
+        return b""
+
+    method = server.unary_unary("M", held)
+    limiter = ConcurrencyLimiter(1)
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=retry_config(codes=("ABORTED",)), limiter=limiter
+        ) as ch:
+            first = asyncio.ensure_future(ch.unary_unary(method)(b"first"))
+            await wait_until(functools.partial(_holds_one, limiter))
+            second = asyncio.ensure_future(ch.unary_unary(method)(b"second", timeout=10))
+            await asyncio.sleep(0.1)  # refused (10, 20, 40 ms apart) while first holds it
+            release.set()
+            with pytest.raises(aio.AioRpcError) as info:
+                await second
+            assert await first == b"ok"
+            refused = retry_stats(ch).for_method(method).transparent_retries
+    note = info.value.debug_error_string()
+    assert info.value.code() is grpc.StatusCode.NOT_FOUND
+    found = re.match(REFUSED_NOTE, note)
+    assert found is not None, note
+    assert int(found.group(1)) == refused >= 2
+    assert "re-send" not in note
+    assert server.count("M") == 2  # first, and second once: nothing was sent while refused
+
+
+@pytest.mark.asyncio
+async def test_a_call_refused_until_its_deadline_says_so(server: Server) -> None:
+    """Refused locally until the deadline: the DEADLINE_EXCEEDED's debug string says one
+    attempt and its local refusals (none of them sent), then why it ended."""
+    release = asyncio.Event()
+
+    async def held(request: bytes, context: Any, attempt: int) -> bytes:
+        await release.wait()
+        return b"ok"
+
+    method = server.unary_unary("M", held)
+    limiter = ConcurrencyLimiter(1)
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(
+            server.target, service_config=retry_config(codes=("ABORTED",)), limiter=limiter
+        ) as ch:
+            first = asyncio.ensure_future(ch.unary_unary(method)(b"first"))
+            await wait_until(functools.partial(_holds_one, limiter))
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(method)(b"second", timeout=0.2)
+            release.set()
+            assert await first == b"ok"
+    note = info.value.debug_error_string()
+    assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert re.match(
+        REFUSED_NOTE + "deadline reached while waiting to retry after UNAVAILABLE", note
+    ), note
+    assert server.count("M") == 1
+
+
+def test_real_transparent_re_sends_and_attempts_are_counted_in_words() -> None:
+    """A6's transparent retry of a refused stream (``TransparentKind.REFUSED``: it reached
+    the server's gRPC library) is a re-send, and keeps that name; counts are pluralised."""
+    call = object.__new__(_Call)
+    call.state = state = CallState()
+    state.attempts, state.refused_retries = 1, 1
+    assert call._note() == "sdkcore: 1 attempt, 1 transparent re-send; "
+    state.attempts, state.refused_retries = 3, 0
+    assert call._note() == "sdkcore: 3 attempts; "
+    state.attempts = 1
+    assert call._note() == ""  # not retried: nothing to say
