@@ -313,6 +313,7 @@ class AdaptiveConcurrencyLimiter(Permits):
         log = _log.enabled(_log.INFO)
         if log is None:
             return
+        series = _log.metric_endpoint(self)
         for limit, previous, baseline, rtt, cause in changes:
             log.info(
                 _log.EVENT_LIMITER_LIMIT_CHANGED,
@@ -322,6 +323,7 @@ class AdaptiveConcurrencyLimiter(Permits):
                 baseline_rtt_ms=None if baseline is None else round(baseline * 1000.0, 3),
                 rtt_ms=None if rtt is None else round(rtt * 1000.0, 3),
                 cause=cause,
+                **series,
             )
 
     def _count(self) -> list[Any] | None:

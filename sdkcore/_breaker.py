@@ -747,7 +747,16 @@ class CircuitBreaker:
         telemetry = self._telemetry
         if telemetry is not None:
             telemetry.breaker_transition(self, _NEW_STATE[name])
-        return (name, level, {"endpoint": self._name, **fields, "last_error": self._last_error})
+        return (
+            name,
+            level,
+            {
+                "endpoint": self._name,
+                **fields,
+                "last_error": self._last_error,
+                **_log.metric_endpoint(self),
+            },
+        )
 
 
 #: The state a transition event announces (telemetry's ``sdkcore.circuit_breaker.state``).

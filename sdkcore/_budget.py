@@ -235,6 +235,7 @@ class RetryBudget:
                         refused=refused,
                         duration_ms=_log.duration_ms(since, now),
                         balance=(tokens - cost) // cost,
+                        **_log.metric_endpoint(self),
                     )
                 except BaseException:  # a log handler that raised: the door sends no retry
                     self.refund()
@@ -253,6 +254,7 @@ class RetryBudget:
                     min_retries_per_sec=self._min,
                     retry_ratio=self._ratio,
                     ttl_s=self._ttl,
+                    **_log.metric_endpoint(self),
                 )
         return False
 

@@ -747,9 +747,7 @@ def strategy_failed(
 def strategy_failed_on(request: Request, reason: RetryReason) -> str:
     """The request a strategy failed on, and what that did to it (for its error's text)."""
     applied = (
-        " (not idempotent, and an attempt may have been applied)"
-        if request._ambiguous
-        else ""
+        " (not idempotent, and an attempt may have been applied)" if request._ambiguous else ""
     )
     who = f"request {request.id} ({request.name!r})"
     return f"{who} after {reason.name}; the request failed{applied}"

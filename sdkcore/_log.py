@@ -76,6 +76,7 @@ __all__ = [
     "duration_ms",
     "enabled",
     "gate",
+    "metric_endpoint",
 ]
 
 LOGGER_NAME = "sdkcore"
@@ -184,6 +185,21 @@ def duration_ms(since: float, now: float) -> float | None:
     if ms >= 0.0:
         return round(ms, 3)
     return None if ms != ms else 0.0  # NaN
+
+
+def metric_endpoint(target: object) -> dict[str, str]:
+    """The ``metric_endpoint`` field of an event of ``target`` (a breaker, budget, limiter
+    or throttle) that a :class:`sdkcore.Telemetry` watches: the ``sdkcore.endpoint`` its
+    metric series carry, which its own name is not when it has none (``unnamed-3``, or
+    ``watch(name=...)``'s) or shares it (``node8:11210#2``), so that an alert on a series
+    finds its log lines (an operator's review). ``{}`` when nothing watches it. Read in
+    ``sys.modules``: a telemetry not imported watches nothing."""
+    telemetry = sys.modules.get("sdkcore._telemetry")
+    if telemetry is None:
+        return {}
+    watching = telemetry.watched_by(target)
+    label = "" if watching is None else watching.label(target)
+    return {"metric_endpoint": label} if label else {}
 
 
 # The stdlib's levels (logging.DEBUG, INFO, WARNING), without importing logging.

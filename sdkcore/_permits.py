@@ -246,6 +246,7 @@ class Permits:
                     limit=self._cap,
                     in_flight=self.in_flight,
                     queued=len(self._waiters),
+                    **_log.metric_endpoint(self),
                 )
         label = f" {self._name}" if self._name else ""
         return RetryableError(
@@ -286,6 +287,7 @@ class Permits:
                     refused=refused,
                     duration_ms=_log.duration_ms(since, now),
                     limit=self._cap,
+                    **_log.metric_endpoint(self),
                 )
         except BaseException:
             if undo is None:

@@ -339,6 +339,7 @@ class AdaptiveThrottle:
                         throttle=self._name,
                         refused=refused,
                         duration_ms=_log.duration_ms(since, now),
+                        **_log.metric_endpoint(self),
                     )
             return True
         probability = excess / (requests + 1)
@@ -364,6 +365,7 @@ class AdaptiveThrottle:
                     requests=requests,
                     accepts=self._accepts,
                     k=self._k,
+                    **_log.metric_endpoint(self),
                 )
         return False
 
