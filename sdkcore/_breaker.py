@@ -795,9 +795,13 @@ class BreakerGuard:
             # strategy's own backoff polls for the breaker closing.
             wait = breaker.probe_after() if breaker.state is _OPEN else None
             label = "" if breaker.name is None else f" {breaker.name}"
+            # the failure that opened it (or failed its probe): what an operator reading
+            # the refusal, in a timeout's cause, needs (read without the lock: a message)
+            last = breaker._last_error
+            why = "" if last is None else f" (last failure: {last})"
             raise RetryableError(
                 RetryReason.CIRCUIT_BREAKER_OPEN,
-                f"circuit breaker{label} is {breaker.state.name}: nothing was sent",
+                f"circuit breaker{label} is {breaker.state.name}{why}: nothing was sent",
                 retry_after=wait,
             )
         return admitted

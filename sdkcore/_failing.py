@@ -543,7 +543,12 @@ def _history(request: Request, in_flight: bool, copies_cut: int = 0) -> str:
         else:
             text += f" (last: {last.name})"
     if copies_cut:
-        text += f", {copies_cut} hedge(s) in flight at the deadline"
+        # "retries" here are the hedge's copies after the first (RFC 0049's count), which
+        # the metrics count apart (sdkcore.hedges, not sdkcore.request.retries): said so
+        text += (
+            f", {copies_cut} hedge(s) in flight at the deadline (each copy after the first "
+            "counts as a retry)"
+        )
     elif in_flight:
         text += f", attempt {request.failed_attempts} in flight at the deadline"
     return text

@@ -169,6 +169,20 @@ def test_a_dispatch_refused_while_the_probe_is_out_carries_no_hint() -> None:
     assert "HALF_OPEN" in str(refused.value)
 
 
+def test_a_refusal_names_the_failure_that_opened_the_breaker() -> None:
+    """The refusal reaches an operator as a timeout's cause ("the next attempt may go only
+    in 4.997 s (... is OPEN: nothing was sent)"): it says what the endpoint failed with."""
+    clock = VirtualClock()
+    breaker = CircuitBreaker(name="node1:11210", volume_threshold=1, clock=clock.clock)
+    breaker.record_failure(ConnectionRefusedError("connect to node1:11210 refused"))
+    with pytest.raises(RetryableError) as refused, breaker.guard():
+        pass
+    assert str(refused.value) == (
+        "CIRCUIT_BREAKER_OPEN: circuit breaker node1:11210 is OPEN (last failure: "
+        "ConnectionRefusedError: connect to node1:11210 refused): nothing was sent"
+    )
+
+
 def test_the_guard_reports_outcomes_and_gives_the_admitted_state() -> None:
     clock = VirtualClock()
     breaker = CircuitBreaker(volume_threshold=2, clock=clock.clock)

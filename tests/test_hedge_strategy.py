@@ -161,7 +161,8 @@ async def test_a_timeout_with_copies_in_flight_says_so_in_the_event_and_the_erro
     assert timed_out[0]["in_flight"] is True
     assert timed_out[0]["strategy"] == "hedge"
     assert timed_out[0]["caused_by"] == "2 hedge(s) were cut in flight at the deadline"
-    assert "2 hedge(s) in flight at the deadline" in str(info.value)
+    assert "after 1 retry, 2 hedge(s) in flight at the deadline" in str(info.value)
+    assert "(each copy after the first counts as a retry)" in str(info.value)
     assert info.value.context is not None
     assert info.value.context.in_flight
     assert request.maybe_applied
