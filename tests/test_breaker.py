@@ -117,14 +117,14 @@ def test_a_window_past_an_hour_is_refused_with_its_range(field: str) -> None:
     """``sleep_window=5000`` (someone meaning milliseconds: 83 minutes cut off) is refused,
     naming the field, the value and the range; an hour exactly is taken."""
     with pytest.raises(ValueError, match="at most") as refused:
-        CircuitBreaker(**{field: 5000})
+        CircuitBreaker(**{field: 5000})  # type: ignore[arg-type]
     assert str(refused.value) == (
         f"CircuitBreaker({field}) must be > 0 and at most 3600 seconds (1 hour), got 5000 "
         "(a number of seconds; for 5000 milliseconds give 5 or timedelta(milliseconds=5000))"
     )
     with pytest.raises(ValueError, match=r"\(1 hour\), got datetime\.timedelta\(seconds=7200\)$"):
-        CircuitBreaker(**{field: timedelta(hours=2)})  # a timedelta: no milliseconds hint
-    breaker = CircuitBreaker(**{field: timedelta(hours=1)})
+        CircuitBreaker(**{field: timedelta(hours=2)})  # type: ignore[arg-type]  # a timedelta: no ms hint
+    breaker = CircuitBreaker(**{field: timedelta(hours=1)})  # type: ignore[arg-type]
     assert getattr(breaker, field) == timedelta(hours=1)
 
 
