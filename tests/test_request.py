@@ -113,9 +113,13 @@ def test_retry_state_is_read_only(attr: str) -> None:
 
 
 def test_no_new_attributes() -> None:
+    """Slotted: a typo'd attribute (``req.idempotnet = True``) is refused, not kept aside."""
     req = Request()
+    assert not hasattr(req, "__dict__")
     with pytest.raises(AttributeError):
-        req.attempts = 5  # type: ignore[misc,assignment]
+        req.idempotnet = True  # type: ignore[attr-defined]
+    with pytest.raises(AttributeError):
+        req.attempts = 5  # type: ignore[misc,assignment]  # a read-only property
 
 
 def test_ids_are_unique() -> None:
