@@ -111,7 +111,10 @@ _CUTS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
 #: The message of a Scope's own ``Task.cancel()`` (see _alone).
-_CUT = "sdkcore: the request's deadline or Request.cancel() cut it"
+_CUT = (
+    "sdkcore cut it: the request's deadline, Request.cancel(), or the end of a hedge "
+    "another copy decided"
+)
 
 
 def _alone(error: BaseException | None) -> bool:

@@ -48,6 +48,10 @@ __all__ = ["HedgePlan", "hedged_unary_unary"]
 _OK = grpc.StatusCode.OK
 _PENDING: Any = object()  # committed on headers, the response is still to come
 _VIA_CONTEXT = CancellationReason.CANCELLED_VIA_CONTEXT  # the call's cancel(): see on_request
+#: The details a losing hedge's attempt span ends with (CANCELLED), as grpc-java's
+#: "Stream thrown away because RetriableStream committed": not an application's cancel.
+_LOST = "hedge lost: another attempt committed"
+_LOST_TO_FATAL = "hedge lost: another attempt's fatal status ended the call"
 
 
 class _ChannelClosed(Exception):
@@ -461,7 +465,10 @@ async def hedged_unary_unary(
         if trace is not None and (
             isinstance(exc, Exception) or won or request.clock() < request.deadline
         ):
-            trace.attempt_end(attempt, exc)
+            if won and not isinstance(exc, Exception):
+                trace.attempt_lost(attempt, _LOST)  # the hedge lost: another copy answered
+            else:
+                trace.attempt_end(attempt, exc)
 
     # The runner's Request (the call's own, with telemetry: made when the call started).
     request = (
@@ -492,7 +499,7 @@ async def hedged_unary_unary(
             # (left open by cut_attempt for the call's status: here not a timeout).
             for copy, attempt in attempts.items():
                 if copy != last[1]:
-                    trace.attempt_end(attempt, asyncio.CancelledError())
+                    trace.attempt_lost(attempt, _LOST_TO_FATAL)
         final = _error(err, last[1] if last[1] >= 0 else last[0], flight[0])  # a failure after
         if request.retry_attempts == 0:
             raise final from None  # the first hedge's answer: grpc's error, as without hedging
@@ -541,7 +548,7 @@ async def hedged_unary_unary(
             if call is not winner:
                 call.cancel()
                 if trace is not None:
-                    trace.attempt_end(attempts.get(copy), asyncio.CancelledError())
+                    trace.attempt_lost(attempts.get(copy), _LOST)
 
     # Committed to hedge ``index``: its outcome is the call's, and the request's. The runner
     # left the request pending (finish=False): a hedge committed on its headers may still

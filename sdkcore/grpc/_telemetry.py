@@ -219,7 +219,7 @@ class ChannelTelemetry:
     ) -> None:
         self.telemetry = telemetry
         self.instruments = _instruments(telemetry)
-        self.target = _cut(canonical_target(target))
+        self.target = canonical_target(target)  # whole, as A66 has it (no length limit)
         self.config = service_config
         #: Full names (``/pkg.Service/Method``) registered by generated stubs.
         self.registered: set[str] = set()
@@ -257,9 +257,9 @@ class ChannelTelemetry:
             if found is not None:
                 return found
             if name in self.registered:  # always by name, and always cached
-                found = self._methods[method] = _Method(_cut(name.lstrip("/")), self.target, name)
+                found = self._methods[method] = _Method(name.lstrip("/"), self.target, name)
             elif self._named < MAX_NAMES and self._named_by_config(name):
-                found = _Method(_cut(name.lstrip("/")), self.target, name, _NAMED)
+                found = _Method(name.lstrip("/"), self.target, name, _NAMED)
                 self._methods[method] = found
                 self._named += 1
             elif self._generic < MAX_NAMES:
@@ -443,6 +443,14 @@ class CallTrace:
             return
         status, details = status_of(error)
         self._attempt_end(attempt, status, details)
+
+    def attempt_lost(self, attempt: _Attempt | None, why: str) -> None:
+        """A hedge's ``attempt`` cut because another attempt decided the call (it committed,
+        or its fatal status ended the call): CANCELLED with ``why``, as grpc-java ends a
+        losing hedge, not as an application's cancel (rfc/0008)."""
+        if attempt is None or attempt.ended:
+            return
+        self._attempt_end(attempt, "CANCELLED", why)
 
     def _attempt_end(self, attempt: _Attempt, status: str, details: str) -> None:
         attempt.ended = True

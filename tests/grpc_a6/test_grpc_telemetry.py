@@ -551,6 +551,9 @@ async def test_a_hedged_call(server: Server, otel: Otel) -> None:
     assert [parent_id(s) for s in copies] == [sent.context.span_id] * 2  # siblings
     assert [(s.attributes or {}).get("previous-rpc-attempts") for s in copies] == [0, 1]
     assert [(s.attributes or {}).get("grpc.status") for s in copies] == ["CANCELLED", "OK"]
+    # the loser says it lost (as grpc-java's "thrown away because RetriableStream committed"),
+    # not "Locally cancelled by application!": the application cancelled nothing
+    assert copies[0].status.description == "CANCELLED, hedge lost: another attempt committed"
 
 
 async def test_hedged_copies_cut_by_the_deadline_end_deadline_exceeded(
