@@ -623,8 +623,9 @@ class _Chain:
         now = self.clock()
         if pushback is None:
             # A6: a non-fatal status sends the next hedge at once; later ones resume
-            # at the delay.
-            if now < self.next_at:
+            # at the delay. Not before a server's pushback for it: the wait it asked for
+            # stands (as grpc-java; A6 does not say which wins, rfc/0004).
+            if now < self.next_at and self.next_trigger != "pushback":
                 self.next_at = now
                 self.next_trigger = "non_fatal"
         elif pushback < 0 or math.isnan(pushback):

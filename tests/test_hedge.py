@@ -251,6 +251,24 @@ async def test_pushback_positive_delays_the_next_hedge() -> None:
     assert send.started[1] >= 0.12  # not at once, and not after the 1 s delay either
 
 
+async def test_a_non_fatal_failure_after_a_pushback_keeps_the_servers_wait() -> None:
+    """Hedge 1 fails with a pushback of 0.3 s; hedge 0 then fails non-fatally with none:
+    the next hedge still waits for the server (it went out at once, 0.3 s early)."""
+    send = Script(
+        {0: (0.1, RetryableError(TEMP)), 1: (0.0, RetryableError(TEMP, "wait")), 2: (0.0, "r2")}
+    )
+
+    def pushback(failure: RetryableError) -> float | None:
+        return 0.3 if str(failure).endswith("wait") else None
+
+    with anyio.fail_after(SAFETY):
+        result = await RetryOrchestrator().hedge(
+            idem(), send, HedgePolicy(3, delay=0.05, pushback=pushback)
+        )
+    assert result == "r2"
+    assert send.started[2] - send.started[1] >= 0.25
+
+
 async def test_throttling_gates_hedges_and_counts_non_fatal_failures() -> None:
     throttler = RetryThrottler(4, 0.5)  # threshold 2 tokens
     send = Script({i: (0.0, RetryableError(TEMP)) for i in range(5)})

@@ -32,6 +32,7 @@ from ._metadata import _client_trailing, _strip_attempts, _with_attempts
 from ._plans import _Plan
 from ._policy import (
     CALL_STATE_KEY,
+    NO_CODES,
     PUSHBACK_KEY,
     REASON_TRANSPARENT,
     CallState,
@@ -456,12 +457,14 @@ class _Call:
                 # An ordinary answer, not a retry decision: the call fails with it and
                 # the orchestrator (and its retry log) never sees it.
                 throttler = core.throttler
-                if (
-                    throttler is not None
-                    and policy is not None
-                    and costs_token(st.code, policy.retryable_status_codes, st.pushback)
+                if throttler is not None and costs_token(
+                    st.code,
+                    NO_CODES if policy is None else policy.retryable_status_codes,
+                    st.pushback,
                 ):
-                    throttler.record_failure()  # a "don't retry" pushback, whatever the status
+                    # a "don't retry" pushback, whatever the status and the method's policy
+                    # (A6: every RPC; a method without a retryPolicy too, as grpc-java)
+                    throttler.record_failure()
                 final = self._final(err)
                 request = self._request
                 if request is None:

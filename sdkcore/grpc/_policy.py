@@ -27,6 +27,7 @@ from ._throttle import RetryThrottler
 
 __all__ = [
     "CALL_STATE_KEY",
+    "NO_CODES",
     "PUSHBACK_DONT_RETRY",
     "PUSHBACK_KEY",
     "REASON_STATUS",
@@ -114,6 +115,11 @@ def time_out_at_deadline(
             error=error if book else None,
         )
     return None
+
+
+#: ``costs_token``'s ``retried`` for a method without a policy: no status of its own
+#: costs a token, a "don't retry" pushback does.
+NO_CODES: frozenset[int] = frozenset()
 
 
 def costs_token(status: int, retried: frozenset[int], pushback: int | None) -> bool:

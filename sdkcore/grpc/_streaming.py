@@ -34,7 +34,13 @@ from ._gate import (
 from ._intercepted import interceptors_task, own_call, response_iterator
 from ._metadata import _client_trailing
 from ._peer_status import PeerStatus, error_of, is_ok, stand_in_error, watch
-from ._policy import PUSHBACK_KEY, costs_token, parse_pushback, time_out_at_deadline
+from ._policy import (
+    NO_CODES,
+    PUSHBACK_KEY,
+    costs_token,
+    parse_pushback,
+    time_out_at_deadline,
+)
 from ._replay import _ReplayBuffer
 from ._unary import BoundedMultiCallable
 
@@ -650,10 +656,12 @@ def _account_end(
         c.core.stats.record_failed_retry(c.name)
     policy = c.strategy.policy
     throttler = c.core.throttler
-    if throttler is not None and policy is not None:
-        # The same rule as for an attempt that can still be retried (_policy._status).
+    if throttler is not None:
+        # The same rule as for an attempt that can still be retried (_policy._status); a
+        # method without a retryPolicy pays for a "don't retry" pushback too (A6: every RPC)
         pushback = parse_pushback(trailing.get_all(PUSHBACK_KEY)) if trailing else None
-        if costs_token(code.value[0], policy.retryable_status_codes, pushback):
+        retried = NO_CODES if policy is None else policy.retryable_status_codes
+        if costs_token(code.value[0], retried, pushback):
             throttler.record_failure()
 
 

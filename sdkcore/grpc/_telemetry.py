@@ -15,7 +15,6 @@ meter that raises then fails that channel's construction, as it fails ``Telemetr
 from __future__ import annotations
 
 import asyncio
-import re
 import threading
 import time
 import weakref
@@ -26,6 +25,7 @@ from .._telemetry import MAX_NAMES, MAX_TEXT, NAME, Telemetry
 from ._plans import _method_name
 from ._policy import time_out_at_deadline
 from ._service_config import MethodName, ServiceConfig, _split_method
+from ._target import canonical_target
 
 __all__ = [
     "HEDGE_BUCKETS",
@@ -60,25 +60,6 @@ LATENCY_BUCKETS = (
 RETRY_BUCKETS = (1, 2, 3, 4, 5)
 TRANSPARENT_BUCKETS = (1, 2, 3, 4, 5, 10)
 HEDGE_BUCKETS = (1, 2, 3, 4, 5)
-
-# grpc C-core's resolvers: a target naming one of them is already canonical.
-_SCHEMES = frozenset({"dns", "unix", "unix-abstract", "ipv4", "ipv6", "vsock", "xds", "google-c2p"})
-_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
-
-
-def canonical_target(target: str) -> str:
-    """A66's ``grpc.target``: the target URI with its scheme, as grpc C-core resolves it.
-
-    A target naming a resolver (``dns:``, ``unix:``, ``ipv4:``, ``xds:`` ..., or any
-    ``scheme://``) is kept as written; anything else gets grpc's default prefix,
-    ``dns:///`` (``127.0.0.1:50051`` is ``dns:///127.0.0.1:50051``).
-    """
-    match = _SCHEME.match(target)
-    if match is not None and (
-        match.group(1).lower() in _SCHEMES or target.startswith("//", match.end())
-    ):
-        return target
-    return "dns:///" + target
 
 
 def _cut(text: str) -> str:

@@ -10,6 +10,7 @@ from decimal import Decimal
 
 from .. import _log
 from .._untrusted import show as _show
+from ._target import server_name
 
 __all__ = ["RetryThrottler", "throttler_for_target"]
 
@@ -231,7 +232,8 @@ _registry_lock = threading.Lock()
 def throttler_for_target(
     target: str, max_tokens: int | float, token_ratio: float
 ) -> RetryThrottler:
-    """The process-wide throttler for ``target`` (one per server name).
+    """The process-wide throttler for ``target`` (one per server name: the target's
+    spellings of one server share it, :func:`sdkcore.grpc._target.server_name`).
 
     Channels to the same target with the same settings share one bucket; new
     settings replace it (see :class:`RetryThrottler`). A bucket lives as long as
@@ -251,26 +253,29 @@ def _acquire(
     if not isinstance(target, str):
         raise TypeError(f"throttler_for_target(target) must be a str, got {target!r}")
     max_milli, ratio_milli = _checked(max_tokens, token_ratio)
+    # One bucket per server name (A6), whatever the target's spelling: 127.0.0.1:50051,
+    # dns:///127.0.0.1:50051 and ipv4:127.0.0.1:50051 are one server (grpc C-core's key).
+    key = server_name(target)
     with _registry_lock:
-        old = _registry.get(target)
+        old = _registry.get(key)
         cur = None if old is None else old._current()
         if cur is not None and cur._max == max_milli and cur._ratio == ratio_milli:
             return cur, _nothing
         # Built before anything is changed: a bad max_tokens / token_ratio raises here.
         new = RetryThrottler(max_tokens, token_ratio, replaces=cur)
         new._target = target
-        _registry[target] = new
+        _registry[key] = new
 
     def undo() -> None:
         with _registry_lock:
-            if _registry.get(target) is not new or new._replaced_by is not None:
+            if _registry.get(key) is not new or new._replaced_by is not None:
                 return
             if cur is None:
-                del _registry[target]
+                del _registry[key]
                 return
             with cur._lock:
                 cur._replaced_by = None
-            _registry[target] = cur
+            _registry[key] = cur
 
     return new, undo
 

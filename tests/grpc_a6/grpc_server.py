@@ -20,6 +20,7 @@ from sdkcore.grpc import (  # noqa: E402
     insecure_channel,
     retry_controller,
 )
+from sdkcore.grpc._target import server_name  # noqa: E402
 
 Handler = Callable[..., Awaitable[Any]] | Callable[..., AsyncIterator[Any]]
 
@@ -233,7 +234,7 @@ def forget_throttle(target: str) -> None:
     the same port (not yet collected) would share its tokens with this test's.
     """
     with _throttle._registry_lock:
-        _throttle._registry.pop(target, None)
+        _throttle._registry.pop(server_name(target), None)
 
 
 class ReservedPort:

@@ -368,6 +368,25 @@ def test_retry_throttler_repr_never_raises(ratio: float) -> None:
     assert "RetryThrottler(" in repr(RetryThrottler(1000, ratio))
 
 
+@pytest.mark.parametrize(
+    ("target", "name"),
+    [
+        ("127.0.0.1:50051", "127.0.0.1:50051"),
+        ("dns:///127.0.0.1:50051", "127.0.0.1:50051"),
+        ("dns://8.8.8.8/example.com:443", "example.com:443"),  # the authority is the resolver
+        ("ipv4:127.0.0.1:50051", "127.0.0.1:50051"),
+        ("unix:/tmp/s.sock", "tmp/s.sock"),
+        ("unix:///tmp/s.sock", "tmp/s.sock"),
+        ("xds:///svc:8000", "svc:8000"),
+        ("localhost:50051", "localhost:50051"),  # another name: another bucket, as in C-core
+    ],
+)
+def test_the_server_name_a_bucket_is_kept_under(target: str, name: str) -> None:
+    from sdkcore.grpc._target import server_name
+
+    assert server_name(target) == name
+
+
 def test_token_ratio_the_throttler_refuses_is_refused_by_the_config_too() -> None:
     cfg = '{"retryThrottling": {"maxTokens": 10, "tokenRatio": 1e300}}'
     with pytest.raises(ServiceConfigError, match="tokenRatio"):

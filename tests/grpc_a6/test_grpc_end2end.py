@@ -182,6 +182,32 @@ async def test_retry_throttled(server: Server) -> None:
     assert "throttled" in str(info.value.__cause__)
 
 
+async def test_one_server_spelled_three_ways_shares_one_throttle_bucket(server: Server) -> None:
+    """A6 throttles "per server name": 127.0.0.1:P, dns:///127.0.0.1:P and ipv4:127.0.0.1:P
+    are one server (grpc C-core keyed the bucket on the canonical URI's path). Each
+    spelling had a bucket of its own, so a channel spelled otherwise kept retrying into
+    a server the first had throttled."""
+    method = server.unary_unary("M", fail_then_ok(99))
+    cfg = retry_config(throttling={"maxTokens": 4, "tokenRatio": 0.1})
+    port = server.target.rpartition(":")[2]
+    spellings = [f"127.0.0.1:{port}", f"dns:///127.0.0.1:{port}", f"ipv4:127.0.0.1:{port}"]
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with (
+            insecure_channel(spellings[0], service_config=cfg) as first,
+            insecure_channel(spellings[1], service_config=cfg) as second,
+            insecure_channel(spellings[2], service_config=cfg) as third,
+        ):
+            buckets = [retry_controller(ch).throttler for ch in (first, second, third)]
+            assert buckets[0] is not None
+            assert buckets[0] is buckets[1] is buckets[2]
+            with pytest.raises(aio.AioRpcError):
+                await first.unary_unary(method)(b"x")  # drains the bucket to its threshold
+            sent = server.count("M")
+            with pytest.raises(aio.AioRpcError):
+                await second.unary_unary(method)(b"y")
+            assert server.count("M") == sent + 1  # throttled: no retry
+
+
 async def test_non_retryable_status_costs_no_throttle_token(server: Server) -> None:
     method = server.unary_unary("M", fail_then_ok(99, grpc.StatusCode.NOT_FOUND))
     cfg = retry_config(throttling={"maxTokens": 10, "tokenRatio": 0.1})

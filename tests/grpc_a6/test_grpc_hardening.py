@@ -490,6 +490,38 @@ async def test_dont_retry_pushback_on_a_non_retryable_status_still_costs_a_token
 
 
 @pytest.mark.asyncio
+async def test_dont_retry_pushback_costs_a_token_on_a_method_without_a_policy_too(
+    server: Server,
+) -> None:
+    """A6: "every outgoing RPC (regardless of service or method invoked)" moves the bucket,
+    and a "don't retry" pushback counts as a failure: also on a method the service config
+    gives no retryPolicy, unary and response-streaming (as grpc-java; it cost nothing)."""
+    dont_retry = (("grpc-retry-pushback-ms", "-1"),)
+    unary = server.unary_unary("M", fail_then_ok(99, grpc.StatusCode.NOT_FOUND, dont_retry))
+
+    async def fn(request: bytes, context: Any, attempt: int) -> Any:
+        await abort(context, grpc.StatusCode.NOT_FOUND, trailing=dont_retry)
+        yield b""
+
+    stream = server.unary_stream("S", fn)
+    # throttling for the channel, a retryPolicy for another service only
+    cfg = retry_config(throttling={"maxTokens": 10, "tokenRatio": 1}).replace(
+        "test.Svc", "other.Svc"
+    )
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with insecure_channel(server.target, service_config=cfg) as ch:
+            throttler = retry_controller(ch).throttler
+            assert throttler is not None
+            before = throttler.milli_tokens
+            with pytest.raises(aio.AioRpcError):
+                await ch.unary_unary(unary)(b"x")
+            assert throttler.milli_tokens == before - 1000
+            with pytest.raises(aio.AioRpcError):
+                _ = [m async for m in ch.unary_stream(stream)(b"y")]
+            assert throttler.milli_tokens == before - 2000
+
+
+@pytest.mark.asyncio
 async def test_an_ok_answer_with_a_dont_retry_pushback_is_a_success_for_throttling(
     server: Server,
 ) -> None:
