@@ -1118,9 +1118,13 @@ class World:
         f_min = f_max = 0
         for r in self.records:
             hedged = self.mode == "hedge" and r.plan.shape == "unary"
-            costly = self.retryable if self.mode == "retry" else self.non_fatal if hedged else None
-            if costly is None:
-                continue  # a hedged method's stream: no retry policy, nothing costs a token
+            # A hedged method's stream (sent once, no retry policy): no status of its own costs
+            # a token, a "don't retry" pushback does (A6: every RPC; rfc/0003).
+            costly: frozenset[str] = frozenset()
+            if self.mode == "retry":
+                costly = self.retryable
+            elif hedged:
+                costly = self.non_fatal
             # An OK answer is a success whatever pushback it carries (A6 counts a pushback
             # only on a failed RPC, as grpc C-core's retry filter does).
             cost = sum(
