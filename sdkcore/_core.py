@@ -251,13 +251,15 @@ class OrchestratorCore:
         budget = self._budget
         if verdict is _RETRY and budget is not None and spends_budget(request.last_effect):
             try:
-                granted = budget.try_withdraw()  # it will send again: the budget pays first
+                # it will send again: the budget pays first (bool() here: an answer whose
+                # truth raises is a broken budget too, not a count left behind)
+                granted = bool(budget.try_withdraw())
             except BaseException:  # a broken budget fails the request, uncounted
-                self._leave_backoff(threads)
+                self._leave_backoff(threads, request)
                 request._finish(RequestState.FAILED)
                 raise
             if not granted:
-                self._leave_backoff(threads)
+                self._leave_backoff(threads, request)
                 verdict = Verdict.BUDGET_EXHAUSTED
             elif hasattr(budget, "refund"):
                 # Paid for the attempt this retry sends: one that comes back NOT_SENT (an
@@ -285,7 +287,7 @@ class OrchestratorCore:
                     **({} if verdict is not _TIME_OUT else _requested(action, hint)),
                 )
         except BaseException:  # an interrupt in a log handler or an instrument: not sent
-            self._leave_backoff(threads)
+            self._leave_backoff(threads, request)
             self._refund_unsent(request)
             raise
         return verdict, delay
@@ -306,6 +308,7 @@ class OrchestratorCore:
             verdict, delay = self._decide(request, reason, action, left, hint)
             if verdict is _RETRY or verdict is _TIME_OUT:
                 self._in_retry_sync += 1
+                request._counted = True  # with the count: _leave_backoff gives it back once
         return verdict, delay
 
     def _decide(
@@ -383,11 +386,13 @@ class OrchestratorCore:
                 request._finish(RequestState.FAILED)
                 raise
 
-    def _leave_backoff(self, threads: bool = False) -> None:
+    def _leave_backoff(self, threads: bool = False, request: Any = None) -> None:
         """A request counted by :meth:`_settle` stopped waiting in retry."""
         if threads:
             with self._lock:
-                self._in_retry_sync -= 1
+                if request._counted:
+                    request._counted = False
+                    self._in_retry_sync -= 1
         else:
             self._in_retry -= 1
 

@@ -279,7 +279,8 @@ async def execute(
                         request, reason, self._default, now
                     ) from _failing.cause(request)
                 if strategy is None:  # once per call (a request always has a strategy)
-                    self._check_clock(request)  # the waits move the deadline's clock
+                    if request._clock is not _MONOTONIC or self._sleep_clock is not None:
+                        self._check_clock(request)  # the waits move the deadline's clock
                     _, strategy, decides, debug = request._resolved_by(self, self._resolve)
                     debug = debug(_DEBUG)  # the log gate, asked once: the logger or None
                     rt = rt or _runtime.current()
@@ -391,7 +392,9 @@ def _failed(
             if request.state is not _PENDING:
                 # Request.cancel() while the attempt was in flight (no deadline scope: it ran
                 # to its end) and its answer is an error: the cancellation is the answer.
-                raise _failing.already_completed(request, request.last_reason) from exc
+                raise _failing.already_completed(
+                    request, request.last_reason, answered=True
+                ) from exc
             # a non-retryable answer: the last attempt's failure
             request._attempt_failed(None, final_effect(exc, request.id), exc, request.clock())
             if isinstance(exc, CouchbaseException):
@@ -525,7 +528,7 @@ async def maybe_retry(
         request._attempt_failed(reason, effect or DEFAULT_EFFECT[reason], cause, now)
         if self._budget is not None:  # a loop without attempt(): its first failure counts the first
             self._deposit(request)
-        if now >= request.deadline:  # failed at its deadline: the timeout, as on every door
+        if now >= request._deadline:  # failed at its deadline: the timeout, as on every door
             raise _failing.past_deadline(request, reason, self._default, now) from _failing.cause(
                 request
             )

@@ -88,6 +88,7 @@ def execute_sync(
             self._deposit(request)  # a budget that raises fails the request: recorded below
         result = _loop(self, request, send, sleep, trace, _handled())
     except Exception as exc:
+        self._refund_unsent(request)  # a paid retry that never began
         if request.cancellation_reason is _VIA_CONTEXT and not _says_cancelled(exc):
             # Request.cancel() from another thread completed the request between the loop's
             # last look at it and the step that would have (the answer's error, a timeout,
@@ -105,6 +106,7 @@ def execute_sync(
     except BaseException as exc:
         # The caller's own interrupt wherever it was raised (the loop ends a request it
         # cuts itself; this one, e.g. between two steps, would stay pending).
+        self._refund_unsent(request)  # a paid retry that never began
         _failing.finish_by(request, exc)
         if trace is not None:
             trace.end(request, exc)
@@ -366,10 +368,12 @@ def _retry(
         # failed as for a strategy's wrong answer: the request, and retry.strategy_failed
         _failing.strategy_failed(request, reason, name, error, raised=False)
         raise error
-    verdict, delay = self._settle(
-        request, reason, action, strategy, gate(DEBUG), failure, hint, now, threads=True
-    )
     try:
+        # in the try: an interrupt anywhere after _decide_on_threads counted the request
+        # reaches the finally below, which gives the count back once (request._counted)
+        verdict, delay = self._settle(
+            request, reason, action, strategy, gate(DEBUG), failure, hint, now, threads=True
+        )
         # A virtual clock's sleep waits under instant_retries() too: it is what moves that
         # clock to the request's timeout, as on the async doors.
         if delay > 0.0 and (not INSTANT_DELAYS.get() or _is_virtual(sleep)):
@@ -383,7 +387,11 @@ def _retry(
         _failing.finish_by(request, exc)
         raise
     finally:
-        self._leave_backoff(threads=True)
+        # written out: a call here is where a pending interrupt would be raised
+        with self._lock:
+            if request._counted:
+                request._counted = False
+                self._in_retry_sync -= 1
     if verdict is not Verdict.RETRY or request.state is not _PENDING:
         # Request.cancel() from another thread, or a backoff capped at the deadline
         self._refund_unsent(request)

@@ -81,6 +81,7 @@ class RetryState:
 
     __slots__ = (
         "_cancellation",
+        "_counted",
         "_dispatched",
         "_history",
         "_in_block",
@@ -116,6 +117,7 @@ class RetryState:
         self._sending = False  # a door is sending it (execute, execute_sync, hedge)
         self._in_block = False  # an attempt() block is open on it (a hand-wired loop)
         self._paid: Any = None  # the retry budget that paid for the attempt being sent
+        self._counted = False  # execute_sync counted it in _in_retry_sync (under the lock)
 
     # -- read-only retry state -------------------------------------------------
     @property

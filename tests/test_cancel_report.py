@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from sdkcore import (
@@ -391,3 +392,31 @@ async def test_a_hedges_copies_cut_are_reported_as_cut_not_as_the_failure_before
     assert event["caused_by"] == "the hedge's copies in flight were cut by the cancellation"
     assert event["previous_reason"] == "KV_TEMPORARY_FAILURE"
     assert event["in_flight"] is True
+
+
+async def test_a_write_cancelled_in_flight_then_failing_is_reported_as_on_execute_sync() -> None:
+    """``Request.cancel()`` while a write is in flight, then the write fails (no deadline,
+    so nothing cuts it): the attempt went out, so it may have been applied, as
+    ``execute_sync`` reports it. ``execute`` said "it was not applied on the server
+    (unambiguous)" and left the attempt in flight."""
+
+    def sync_send(request: Request) -> str:
+        request.cancel()  # another thread's cancel landing while the write is in flight
+        raise ConnectionResetError("connection reset after the frame went out")
+
+    async def async_send(request: Request) -> str:
+        request.cancel()  # another task's
+        await anyio.lowlevel.checkpoint()
+        raise ConnectionResetError("connection reset after the frame went out")
+
+    on_threads = Request(name="set", idempotent=False, timeout=None)
+    with pytest.raises(RequestCanceledException) as sync_error:
+        RetryOrchestrator().execute_sync(on_threads, sync_send)
+    on_loop = Request(name="set", idempotent=False, timeout=None)
+    with pytest.raises(RequestCanceledException) as async_error:
+        await RetryOrchestrator().execute(on_loop, async_send)
+    assert "may have been applied" in str(async_error.value)
+    assert on_loop.maybe_applied
+    assert not on_loop.in_flight
+    assert on_loop.failed_attempts == on_threads.failed_attempts == 1
+    assert str(async_error.value).split(" {")[0] == str(sync_error.value).split(" {")[0]

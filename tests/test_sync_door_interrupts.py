@@ -346,3 +346,137 @@ def test_a_cancel_that_lands_as_a_refusal_is_built_is_reported_as_the_cancel(
     names = [e["event"] for e in events]
     assert "retry.cancelled" in names
     assert "retry.not_retried" not in names
+
+
+# -- the count of requests in retry and the budget's payment, under interrupts --------------
+
+
+class _CountingBudget:
+    """A budget that grants every withdrawal and counts what it is given back."""
+
+    def __init__(self) -> None:
+        self.withdrawals = self.refunds = 0
+
+    def deposit(self) -> None:
+        pass
+
+    def try_withdraw(self) -> Any:
+        self.withdrawals += 1
+        return True
+
+    def refund(self) -> None:
+        self.refunds += 1
+
+
+def _always_failing(request: Request) -> str:
+    raise RetryableError(RetryReason.KV_TEMPORARY_FAILURE)
+
+
+def test_an_interrupt_as_the_retry_is_booked_gives_the_count_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An interrupt between the count of requests in retry and the wait's ``try`` (here
+    as the retry is booked) left the request counted for ever: two of them and an
+    orchestrator with ``max_requests_in_retry=2`` refused every later retry."""
+    orchestrator = RetryOrchestrator(
+        BestEffortRetryStrategy(backoff=lambda n: 0.0), max_requests_in_retry=2
+    )
+
+    def interrupted(self: Request, reason: RetryReason, delay: float | None) -> None:
+        raise KeyboardInterrupt
+
+    for _ in range(2):
+        with monkeypatch.context() as patch:
+            patch.setattr(Request, "_retry_booked", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                orchestrator.execute_sync(Request(idempotent=True, timeout=5.0), _always_failing)
+    assert orchestrator.requests_in_retry == 0
+    calls = [0]
+
+    def once_flaky(request: Request) -> str:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RetryableError(RetryReason.KV_TEMPORARY_FAILURE)
+        return "ok"
+
+    assert orchestrator.execute_sync(Request(idempotent=True, timeout=5.0), once_flaky) == "ok"
+
+
+def test_a_budget_whose_answer_cannot_be_tested_leaves_no_count_behind() -> None:
+    """``try_withdraw()`` answering something whose truth raises (a numpy array) is a broken
+    budget, as one that raises: the request fails and is not left counted in retry."""
+
+    class Answer:
+        def __bool__(self) -> bool:
+            raise ValueError("the truth value of an array is ambiguous")
+
+    class OddBudget(_CountingBudget):
+        def try_withdraw(self) -> Any:
+            return Answer()
+
+    orchestrator = RetryOrchestrator(
+        BestEffortRetryStrategy(backoff=lambda n: 0.0), retry_budget=OddBudget()
+    )
+    request = Request(idempotent=True, timeout=5.0)
+    with pytest.raises(ValueError, match="truth value"):
+        orchestrator.execute_sync(request, _always_failing)
+    assert orchestrator.requests_in_retry == 0
+    assert request.state is RequestState.FAILED
+
+
+def test_an_interrupt_before_a_paid_retry_is_sent_gives_the_withdrawal_back() -> None:
+    """The interrupt lands at the loop's next look at the clock, after the retry was booked
+    and paid for and before its attempt began: the budget gets it back (it was kept)."""
+    budget = _CountingBudget()
+    orchestrator = RetryOrchestrator(
+        BestEffortRetryStrategy(backoff=lambda n: 0.0), retry_budget=budget
+    )
+    arm: list[int | None] = [None]
+
+    def clock() -> float:  # an interrupt delivered as the clock read returns
+        if arm[0] is not None:
+            arm[0] -= 1
+            if arm[0] == 0:
+                arm[0] = None
+                raise KeyboardInterrupt
+        return time.monotonic()
+
+    sent: list[int] = []
+
+    def send(request: Request) -> str:
+        sent.append(1)
+        arm[0] = 2  # reading 1: the failure's time; reading 2: the loop's next look
+        raise RetryableError(RetryReason.KV_TEMPORARY_FAILURE)  # answered: a retry spends
+
+    request = Request(idempotent=True, timeout=5.0, clock=clock)
+    with pytest.raises(KeyboardInterrupt):
+        orchestrator.execute_sync(request, send)
+    assert sent == [1]  # the paid retry never went out
+    assert (budget.withdrawals, budget.refunds) == (1, 1)
+    assert orchestrator.requests_in_retry == 0
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_interrupts_anywhere_leave_no_request_counted_in_retry(storm: Any) -> None:
+    """Real signals, every 0.3 ms: about one interrupt in ten left a request counted in
+    retry for ever (898 of 9,441 in a 3 s run), and no withdrawal was ever refunded."""
+    budget = _CountingBudget()
+    orchestrator = RetryOrchestrator(
+        BestEffortRetryStrategy(backoff=lambda n: 0.0), retry_budget=budget
+    )
+    flaky = [0]
+
+    def send(request: Request) -> int:
+        flaky[0] += 1
+        if flaky[0] % 2:
+            raise RetryableError(RetryReason.KV_TEMPORARY_FAILURE)
+        return 1
+
+    def one() -> None:
+        orchestrator.execute_sync(Request(name="r", idempotent=True, timeout=5.0), send)
+
+    assert storm(one, 1.5) > 0
+    assert orchestrator.requests_in_retry == 0
+    # Refunds happen (none did before); how many are owed cannot be counted from here: an
+    # interrupt at send's first line spends the withdrawal before send can count it.
+    assert budget.refunds > 0

@@ -18,6 +18,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -327,3 +329,90 @@ def test_sync_probe_answered_out_of_protocol_opens_the_breaker_again() -> None:
         now[0] += 2.0
         client.noop()  # the next probe closes it
         assert state_of(breaker) is CircuitState.CLOSED
+
+
+# -- 5. sync: an interrupt as the connection's lock is taken; a deadline before the write -----
+class _InterruptAfterAcquire:
+    """The endpoint's lock, with an interrupt delivered as ``acquire()`` returns (where
+    CPython runs a pending signal handler after the C call), before the dispatch's try."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.armed = True
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        got: bool = self.real.acquire(blocking, timeout)
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return got
+
+    def release(self) -> None:
+        self.real.release()
+
+
+def test_sync_interrupt_as_the_connection_lock_is_taken_leaves_it_free(
+    memcached: Memcached,
+) -> None:
+    """The lock was taken outside the try that releases it: after one Ctrl-C every later
+    request on the endpoint waited for it until its deadline (SOCKET_NOT_AVAILABLE), and
+    ``close()`` blocked for ever."""
+    client = SyncMemcachedClient(f"127.0.0.1:{memcached.port}", timeout=0.3)
+    client.set("k", b"v")
+    endpoint = client._endpoints[0]
+    real = endpoint._lock
+    endpoint._lock = _InterruptAfterAcquire(real)  # type: ignore[assignment]
+    with pytest.raises(KeyboardInterrupt):
+        client.get("k")
+    endpoint._lock = real
+    assert client.get("k") == b"v"
+    closer = threading.Thread(target=client.close, daemon=True)
+    closer.start()
+    closer.join(SAFETY)
+    assert not closer.is_alive()
+
+
+def test_sync_deadline_passing_before_the_write_keeps_the_socket_and_is_unambiguous(
+    memcached: Memcached, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deadline passes between the dispatch's last look and the write (a thread
+    descheduled there): nothing was written. The socket was dropped, the breaker counted
+    a failure and the SET, never sent, ended "may have been applied"."""
+    from sdkcore.examples.memcached import _sync_client
+
+    client = SyncMemcachedClient(f"127.0.0.1:{memcached.port}", timeout=0.2)
+    client.noop()  # a pooled, healthy socket
+    endpoint = client._endpoints[0]
+    pooled = endpoint._sock
+    real = _sync_client._closed_by_peer
+
+    def descheduled(sock: Any) -> bool:  # the thread loses the CPU past the deadline here
+        time.sleep(0.25)
+        return real(sock)
+
+    monkeypatch.setattr(_sync_client, "_closed_by_peer", descheduled)
+    with pytest.raises(UnambiguousTimeoutException):
+        client.set("never-written", b"v")
+    monkeypatch.undo()
+    assert endpoint._sock is pooled  # kept: nothing went wrong with it
+    assert endpoint.breaker.counts[1] == 0  # nothing was sent: no failure of the endpoint
+    client.close()
+    with (
+        SyncMemcachedClient(f"127.0.0.1:{memcached.port}") as other,
+        pytest.raises(CouchbaseException),
+    ):
+        other.get("never-written")
+
+
+@pytest.mark.anyio
+async def test_async_connection_without_a_reader_is_closed(memcached: Memcached) -> None:
+    """A client used without ``async with`` refuses each request (RuntimeError): the
+    socket it had connected stayed open for as long as the error lived."""
+    client = MemcachedClient(f"127.0.0.1:{memcached.port}", orchestrator=RetryOrchestrator())
+    before = len(os.listdir("/proc/self/fd"))
+    errors = []
+    for _ in range(10):
+        with pytest.raises(RuntimeError, match="async with") as info:
+            await client.get("k")
+        errors.append(info.value)  # kept, as an application logging its failures would
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -358,8 +358,15 @@ class _Endpoint:
             connection = self._connection
             if connection is None or connection.lost is not None:
                 stream = await anyio.connect_tcp(*self.address)
-                connection = _Connection(stream, self.name, self._client._orphans)
-                self._client._start(connection)
+                try:
+                    connection = _Connection(stream, self.name, self._client._orphans)
+                    self._client._start(connection)  # RuntimeError outside 'async with'
+                except BaseException:
+                    # no reader for it: closed now, not left open for as long as the
+                    # error's traceback lives (a review counted one socket per refusal)
+                    with anyio.CancelScope(shield=True):
+                        await stream.aclose()
+                    raise
                 self._connection = connection
         return connection
 

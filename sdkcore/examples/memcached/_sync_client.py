@@ -97,6 +97,10 @@ def _closed_by_peer(sock: socket.socket) -> bool:
         return True
 
 
+class _NotWritten(TimeoutError):
+    """The deadline passed before any byte of the frame was written (the socket stays)."""
+
+
 class _SyncEndpoint:
     def __init__(
         self,
@@ -110,7 +114,10 @@ class _SyncEndpoint:
         self.breaker = breaker
         self.limiter = limiter
         self.throttle = throttle
-        self._lock = threading.Lock()
+        # An RLock: release() refuses a thread that does not hold it, so the dispatch's
+        # finally releases only what it took, also when an interrupt came between acquire()
+        # returning and its try. No user code runs while it is held (no dispatch nests).
+        self._lock = threading.RLock()
         self._sock: socket.socket | None = None
 
     def send(
@@ -171,7 +178,17 @@ class _SyncEndpoint:
         """
         try:
             sock = self._connect(deadline, check=check)
-            sock.settimeout(_left(deadline))
+        except BaseException:
+            self._drop()
+            raise
+        try:
+            first = _left(deadline)
+        except TimeoutError as exc:  # nothing written: the socket is as good as before
+            raise _NotWritten(
+                f"the deadline came before a frame was written to {self.name}"
+            ) from exc
+        try:
+            sock.settimeout(first)
             sock.sendall(frame)  # the timeout bounds the whole sendall
             buffer = bytearray()
             while True:
@@ -200,11 +217,11 @@ class _SyncEndpoint:
         wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         # The connection first, then the breaker: a probe is taken only by a dispatch
         # that can send it now, never held while this thread waits for the lock.
-        if not self._lock.acquire(timeout=-1 if wait is None else wait):
-            raise RetryableError(
-                RetryReason.SOCKET_NOT_AVAILABLE, f"connection to {self.name} is busy"
-            )
         try:
+            if not self._lock.acquire(timeout=-1 if wait is None else wait):
+                raise RetryableError(
+                    RetryReason.SOCKET_NOT_AVAILABLE, f"connection to {self.name} is busy"
+                )
             if deadline is not None and time.monotonic() >= deadline:
                 # nothing sent: execute_sync times out
                 raise RetryableError(RetryReason.SOCKET_NOT_AVAILABLE, "no time left to send")
@@ -223,6 +240,10 @@ class _SyncEndpoint:
             try:
                 # connected (and checked) just above: one select per request, not two
                 response = self._roundtrip(build(opaque), opaque, deadline, check=False)
+            except _NotWritten as exc:  # no outcome for the breaker: nothing was sent
+                raise RetryableError(
+                    RetryReason.SOCKET_NOT_AVAILABLE, f"{exc}; nothing was sent"
+                ) from exc
             except OSError as exc:  # written (or maybe written): it may have been applied
                 breaker.record_failure(exc)
                 raise RetryableError(
@@ -236,7 +257,14 @@ class _SyncEndpoint:
                 raise
             return response
         finally:
-            self._lock.release()
+            # an RLock: released only by the thread that holds it, including one an
+            # interrupt reached between acquire() returning and this try
+            # no call before release() (contextlib.suppress is one): a pending interrupt is
+            # raised at a call
+            try:  # noqa: SIM105
+                self._lock.release()
+            except RuntimeError:  # not held by this thread (the wait timed out)
+                pass
 
     def _canary(self, deadline: float | None, opaque: int) -> None:
         """The probe: a NOOP bounded by ``canary_timeout`` and the deadline; any answer closes."""
