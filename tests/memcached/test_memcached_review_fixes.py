@@ -416,3 +416,11 @@ async def test_async_connection_without_a_reader_is_closed(memcached: Memcached)
             await client.get("k")
         errors.append(info.value)  # kept, as an application logging its failures would
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_sync_client_takes_every_timeout_a_request_takes(memcached: Memcached) -> None:
+    """``timeout=1e10`` s (a Request takes it) overflowed the OS's waits: every operation
+    failed with OverflowError ("timestamp out of range for platform time_t")."""
+    with SyncMemcachedClient(f"127.0.0.1:{memcached.port}", timeout=1e10) as client:
+        client.set("k", b"v")
+        assert client.get("k") == b"v"

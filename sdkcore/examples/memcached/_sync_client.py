@@ -64,6 +64,10 @@ def _deadline(request: Request) -> float | None:
     return None if left is None else time.monotonic() + left
 
 
+#: The longest wait the OS takes (``Lock.acquire``, ``socket.settimeout``).
+_FOREVER = threading.TIMEOUT_MAX
+
+
 def _left(deadline: float | None) -> float | None:
     """Seconds until ``deadline`` for one socket operation (TimeoutError once none is left)."""
     if deadline is None:
@@ -71,7 +75,9 @@ def _left(deadline: float | None) -> float | None:
     left = deadline - time.monotonic()
     if left <= 0.0:
         raise TimeoutError("the deadline passed")
-    return left
+    # A timeout Request takes (up to ~2.7 million years) overflows the OS's waits past
+    # threading.TIMEOUT_MAX (~292 years): such a wait is the same as the longest one.
+    return left if left < _FOREVER else _FOREVER
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:
@@ -214,7 +220,7 @@ class _SyncEndpoint:
     ) -> proto.Response:
         breaker = self.breaker
         deadline = _deadline(request)
-        wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        wait = None if deadline is None else min(max(deadline - time.monotonic(), 0.0), _FOREVER)
         # The connection first, then the breaker: a probe is taken only by a dispatch
         # that can send it now, never held while this thread waits for the lock.
         try:
