@@ -30,7 +30,7 @@ from ._errors import (
 )
 from ._log import EVENT_THROTTLE_RECOVERED, EVENT_THROTTLE_REFUSING
 from ._reason import RetryReason
-from ._untrusted import show
+from ._untrusted import count, show
 
 __all__ = [
     "EVENT_THROTTLE_RECOVERED",
@@ -59,11 +59,6 @@ _OVERLOAD_REASONS = frozenset(
 )
 _OVERLOAD_ERRORS = (RateLimitedException, QuotaLimitedException, TemporaryFailureException)
 _OVERLOAD_CODES = frozenset({"RESOURCE_EXHAUSTED", "UNAVAILABLE", 8, 14})
-
-
-def _count(n: int, what: str) -> str:
-    """``"1 request"``, ``"5 requests"``."""
-    return f"{n} {what}" if n == 1 else f"{n} {what}s"
 
 
 def _grpc_code(error: BaseException) -> object:
@@ -384,7 +379,7 @@ class AdaptiveThrottle:
             REFUSAL_REASON,
             f"adaptive throttle{label} refused the request locally (the backend rejected "
             f"too many recently: rejection probability {round(probability, 4):g} from "
-            f"{_count(requests, 'request')} and {_count(accepts, 'accept')} in its "
+            f"{count(requests, 'request')} and {count(accepts, 'accept')} in its "
             f"{self._window:g} s window, k {self._k:g}): nothing was sent",
             effect=_NOT_SENT,
         )

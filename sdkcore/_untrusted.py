@@ -2,7 +2,8 @@
 
 Pure helpers shared by the parsers: integers too long for CPython are kept as their
 length, values shown in error messages are bounded, and text from a file is made safe
-for a terminal (:func:`printable`).
+for a terminal (:func:`printable`). And :func:`count`, the messages' "1 attempt, 3
+attempts".
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import math
 import reprlib
 
-__all__ = ["MAX_INT_DIGITS", "LongInt", "parse_int", "printable", "show"]
+__all__ = ["MAX_INT_DIGITS", "LongInt", "count", "parse_int", "printable", "show"]
 
 #: Integers longer than this are kept as text (:class:`LongInt`), never converted:
 #: CPython refuses int() of more than ``sys.get_int_max_str_digits()`` (>= 640) digits.
@@ -52,6 +53,11 @@ def show(value: object) -> str:
         return _REPR.repr(value)
     except Exception:  # a repr that raises (an int past the str-digits limit in a list, ...)
         return f"a {type(value).__name__}"
+
+
+def count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: ``"1 attempt"``, ``"3 attempts"``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _escape(c: str) -> str:

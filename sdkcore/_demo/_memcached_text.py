@@ -16,6 +16,7 @@ from sdkcore import (
     TimeoutException,
 )
 
+from .._untrusted import count
 from ._memcached_report import (
     BREAKER,
     BUDGET,
@@ -97,11 +98,6 @@ def _event(t: float, text: str, wrap: Wrap) -> list[str]:
     return wrap(f"{t:+7.3f} s  ", text, 2)
 
 
-def _count(n: int, noun: str) -> str:
-    """``1 frame``, ``2 frames``."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
 def _restart_summary(result: Outage, wrap: Wrap) -> list[str]:
     """What the stream around the restart measured (known once it ends)."""
     out: list[str] = []
@@ -113,11 +109,11 @@ def _restart_summary(result: Outage, wrap: Wrap) -> list[str]:
             "",
             f"While A's breaker was open ({result.restarted_at - result.tripped_at:.2f} s, "
             f"{result.sleep_windows:.1f} sleep windows): {result.requests_while_open} requests "
-            f"to A were issued and {_count(probes + others, 'frame')} reached it: "
-            f"{_count(probes, 'NOOP probe')}"
+            f"to A were issued and {count(probes + others, 'frame')} reached it: "
+            f"{count(probes, 'NOOP probe')}"
             + (f" and {others} GET/SET let through just before the trip" if others else "")
             + ". From the kill to the trip (requests sent to A before its breaker opened): "
-            + f"{_count(sum(result.frames_before_trip.values()), 'frame')}.",
+            + f"{count(sum(result.frames_before_trip.values()), 'frame')}.",
             2,
         )
     if result.outage_outcomes:
@@ -136,7 +132,7 @@ def _restart_summary(result: Outage, wrap: Wrap) -> list[str]:
         f"{result.recovered[0]} requests to A succeeded{failed}. B (never killed): "
         f"{result.steady[1]} of {result.steady[0]} succeeded. Shared budget at the end: "
         f"{result.budget_balance} retries available, "
-        f"{_count(result.budget_refused, 'withdrawal')} refused.",
+        f"{count(result.budget_refused, 'withdrawal')} refused.",
         2,
     )
     for error in result.recovered_errors:

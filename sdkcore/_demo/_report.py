@@ -13,6 +13,7 @@ from typing import IO, Any
 
 import attrs
 
+from .._untrusted import count
 from ._memcached_report import Outage
 from ._memcached_text import OutageStream, render_outage
 from ._metrics import Counts, percentile
@@ -352,11 +353,6 @@ def render_text(report: Report, style: Callable[[str], str] = _plain) -> list[st
     return out + render_memcached(report, style) + render_tail(report, style)
 
 
-def _count(n: int, noun: str) -> str:
-    """``1 write``, ``6 writes``."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
 def render_tail(report: Report, style: Callable[[str], str] = _plain) -> list[str]:
     """What follows the tables: an example of each failure, the writes check, the legend."""
     out: list[str] = []
@@ -382,7 +378,7 @@ def render_tail(report: Report, style: Callable[[str], str] = _plain) -> list[st
     # Applications beyond the first of a write applied more than once: not lost replies.
     again = sum(n - 1 for _, _, n in report.duplicate_writes)
     lost = report.writes_applied - again - report.writes_succeeded
-    text = f"the server applied {_count(report.writes_applied, 'write')}"
+    text = f"the server applied {count(report.writes_applied, 'write')}"
     if again:
         text += f" ({again} of them a write it had applied already)"
     text += f"; {report.writes_succeeded} returned success to the client"

@@ -25,6 +25,7 @@ from .._errors import (
 )
 from .._reason import RetryReason
 from .._request import _DISPATCHING, Request, dispatching
+from .._untrusted import count
 from .._untrusted import show as _show
 from ._controller import _Controller
 from ._gate import LocalRefusal
@@ -184,11 +185,6 @@ class _Since:
             return time.monotonic()
         self.start = -1.0
         return start
-
-
-def _count(n: int, what: str) -> str:
-    """``"1 attempt"``, ``"3 attempts"``."""
-    return f"{n} {what}" if n == 1 else f"{n} {what}s"
 
 
 class _Call:
@@ -623,12 +619,12 @@ class _Call:
         st = self.state
         if not self._retried():
             return ""
-        note = f"sdkcore: {_count(st.attempts, 'attempt')}"
+        note = f"sdkcore: {count(st.attempts, 'attempt')}"
         if st.refused_retries:
-            note += f", {_count(st.refused_retries, 'transparent re-send')}"
+            note += f", {count(st.refused_retries, 'transparent re-send')}"
         if st.local_refusals:
             by = ", ".join(st.refused_by)
-            note += f", {_count(st.local_refusals, 'local refusal')} ({by}, not sent)"
+            note += f", {count(st.local_refusals, 'local refusal')} ({by}, not sent)"
         return note + "; "
 
     def _deadline(self, err: Any) -> Any:
