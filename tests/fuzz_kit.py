@@ -105,6 +105,25 @@ def small_backoff(retries: int) -> float:
 # -- the guards of a seed, and their checks -------------------------------------------------
 
 
+class GrantingBudget:
+    """A retry budget that grants every withdrawal and counts what it is given back
+    (``withdrawals``, ``refunds``): every withdrawal whose retry sends nothing is refunded,
+    once."""
+
+    def __init__(self) -> None:
+        self.withdrawals = self.refunds = 0
+
+    def deposit(self) -> None:
+        pass
+
+    def try_withdraw(self) -> bool:
+        self.withdrawals += 1
+        return True
+
+    def refund(self) -> None:
+        self.refunds += 1
+
+
 class CountingBudget:
     """A ``RetryBudget`` that counts what the orchestrator does with it, in all and per
     request: ``current()`` is the record of the request running in this task or thread

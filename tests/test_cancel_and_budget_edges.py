@@ -17,6 +17,7 @@ from datetime import timedelta
 
 import anyio
 import pytest
+from fuzz_kit import GrantingBudget
 
 from sdkcore import (
     AttemptEffect,
@@ -236,28 +237,11 @@ async def test_maybe_retry_refunds_a_retry_whose_backoff_was_cut() -> None:
     assert budget.balance == before
 
 
-class CountingBudget:
-    """A budget that grants every withdrawal and counts what it is given back."""
-
-    def __init__(self) -> None:
-        self.withdrawals = self.refunds = 0
-
-    def deposit(self) -> None:
-        pass
-
-    def try_withdraw(self) -> bool:
-        self.withdrawals += 1
-        return True
-
-    def refund(self) -> None:
-        self.refunds += 1
-
-
 async def test_a_hand_wired_retry_cancelled_before_its_attempt_gives_its_withdrawal_back() -> None:
     """``Request.cancel()`` after ``maybe_retry`` returned and before the next ``attempt()``:
     the retry it paid for is never sent (it was kept before: the deadline's case gave it
     back, this one did not)."""
-    budget = CountingBudget()
+    budget = GrantingBudget()
     orch = RetryOrchestrator(Wait(0.0), retry_budget=budget)
     request = Request(idempotent=True, timeout=5.0)
     with orch.attempt(request):
@@ -271,7 +255,7 @@ async def test_a_hand_wired_retry_cancelled_before_its_attempt_gives_its_withdra
 
 
 async def test_a_hand_wired_retry_whose_backoff_was_cut_is_given_back_once() -> None:
-    budget = CountingBudget()
+    budget = GrantingBudget()
     orch = RetryOrchestrator(Wait(3.0), retry_budget=budget)
     request = Request(idempotent=True, timeout=5.0)
     with orch.attempt(request):
@@ -285,7 +269,7 @@ async def test_a_hand_wired_retry_whose_backoff_was_cut_is_given_back_once() -> 
 async def test_an_attempt_that_went_out_keeps_what_it_was_paid() -> None:
     """A retry's attempt that answered, or that went out and was never booked (a loop that
     tries again by itself), spent its withdrawal: a later refusal gives nothing back."""
-    budget = CountingBudget()
+    budget = GrantingBudget()
     orch = RetryOrchestrator(Wait(0.0), retry_budget=budget)
     answered = Request(idempotent=True, timeout=5.0)
     with orch.attempt(answered):

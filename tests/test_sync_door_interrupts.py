@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from fuzz_kit import GrantingBudget
 
 from sdkcore import (
     AdaptiveConcurrencyLimiter,
@@ -351,23 +352,6 @@ def test_a_cancel_that_lands_as_a_refusal_is_built_is_reported_as_the_cancel(
 # -- the count of requests in retry and the budget's payment, under interrupts --------------
 
 
-class _CountingBudget:
-    """A budget that grants every withdrawal and counts what it is given back."""
-
-    def __init__(self) -> None:
-        self.withdrawals = self.refunds = 0
-
-    def deposit(self) -> None:
-        pass
-
-    def try_withdraw(self) -> Any:
-        self.withdrawals += 1
-        return True
-
-    def refund(self) -> None:
-        self.refunds += 1
-
-
 def _always_failing(request: Request) -> str:
     raise RetryableError(RetryReason.KV_TEMPORARY_FAILURE)
 
@@ -410,7 +394,7 @@ def test_a_budget_whose_answer_cannot_be_tested_leaves_no_count_behind() -> None
         def __bool__(self) -> bool:
             raise ValueError("the truth value of an array is ambiguous")
 
-    class OddBudget(_CountingBudget):
+    class OddBudget(GrantingBudget):
         def try_withdraw(self) -> Any:
             return Answer()
 
@@ -427,7 +411,7 @@ def test_a_budget_whose_answer_cannot_be_tested_leaves_no_count_behind() -> None
 def test_an_interrupt_before_a_paid_retry_is_sent_gives_the_withdrawal_back() -> None:
     """The interrupt lands at the loop's next look at the clock, after the retry was booked
     and paid for and before its attempt began: the budget gets it back (it was kept)."""
-    budget = _CountingBudget()
+    budget = GrantingBudget()
     orchestrator = RetryOrchestrator(
         BestEffortRetryStrategy(backoff=lambda n: 0.0), retry_budget=budget
     )
@@ -460,7 +444,7 @@ def test_an_interrupt_before_a_paid_retry_is_sent_gives_the_withdrawal_back() ->
 def test_interrupts_anywhere_leave_no_request_counted_in_retry(storm: Any) -> None:
     """Real signals, every 0.3 ms: about one interrupt in ten left a request counted in
     retry for ever (898 of 9,441 in a 3 s run), and no withdrawal was ever refunded."""
-    budget = _CountingBudget()
+    budget = GrantingBudget()
     orchestrator = RetryOrchestrator(
         BestEffortRetryStrategy(backoff=lambda n: 0.0), retry_budget=budget
     )
