@@ -459,6 +459,24 @@ async def test_hedge_won_by_a_later_copy(otel: Otel) -> None:
     assert "sdkcore.retries" not in got
 
 
+@pytest.mark.asyncio
+async def test_a_losing_hedge_copy_s_span_names_the_hedge_s_end(otel: Otel) -> None:
+    """rfc/0008: a copy cut because another won ends ERROR with sdkcore's cut, whose text
+    names a hedge's end (it named only the deadline and Request.cancel(), neither of
+    which happened). asyncio: trio's cancellation carries no message."""
+    send = Copies({0: (None, None), 1: (0.0, "r1")})
+    request = Request(name="kv.get", idempotent=True, timeout=None)
+    with anyio.fail_after(SAFETY):
+        assert await otel.orchestrator().hedge(request, send, HedgePolicy(2, delay=0.02)) == "r1"
+    lost = [
+        s
+        for s in otel.spans()
+        if s.name == "sdkcore.attempt" and (s.attributes or {}).get("sdkcore.hedge.index") == 0
+    ]
+    assert len(lost) == 1
+    assert "the end of a hedge another copy decided" in (lost[0].status.description or "")
+
+
 @pytest.mark.anyio
 async def test_hedge_won_by_the_first_copy_is_no_win(otel: Otel) -> None:
     send = Copies({0: (0.05, "r0"), 1: (None, None)})

@@ -149,6 +149,28 @@ async def test_retry_server_pushback_zero_retries_at_once(server: Server) -> Non
     assert elapsed < 10.0
 
 
+async def test_a_repeated_pushback_header_reaches_the_client_as_its_last_value(
+    server: Server,
+) -> None:
+    """rfc/0003: grpc C-core hands a client only the last of several
+    ``grpc-retry-pushback-ms`` values (so ``parse_pushback``'s rule for several values is
+    met only by hand-built metadata). Plain grpc.aio, the server sending 100 then 900."""
+    method = server.unary_unary(
+        "M",
+        fail_then_ok(
+            99,
+            UNAVAILABLE,
+            trailing=(("grpc-retry-pushback-ms", "100"), ("grpc-retry-pushback-ms", "900")),
+        ),
+    )
+    with anyio.fail_after(TEST_TIMEOUT):
+        async with aio.insecure_channel(server.target) as ch:
+            with pytest.raises(aio.AioRpcError) as info:
+                await ch.unary_unary(method)(b"x")
+    trailing = info.value.trailing_metadata() or ()
+    assert [v for k, v in trailing if k == "grpc-retry-pushback-ms"] == ["900"]
+
+
 @pytest.mark.parametrize("value", ["-1", "abc", "1.5"])
 async def test_retry_server_pushback_disabled(server: Server, value: str) -> None:
     """retry_server_pushback_disabled.cc: a negative/unparsable pushback means don't retry."""
