@@ -255,11 +255,11 @@ class OrchestratorCore:
                 # truth raises is a broken budget too, not a count left behind)
                 granted = bool(budget.try_withdraw())
             except BaseException:  # a broken budget fails the request, uncounted
-                self._leave_backoff(threads, request)
+                self._leave_backoff(request, threads)
                 request._finish(RequestState.FAILED)
                 raise
             if not granted:
-                self._leave_backoff(threads, request)
+                self._leave_backoff(request, threads)
                 verdict = Verdict.BUDGET_EXHAUSTED
             elif hasattr(budget, "refund"):
                 # Paid for the attempt this retry sends: one that comes back NOT_SENT (an
@@ -287,7 +287,7 @@ class OrchestratorCore:
                     **({} if verdict is not _TIME_OUT else _requested(action, hint)),
                 )
         except BaseException:  # an interrupt in a log handler or an instrument: not sent
-            self._leave_backoff(threads, request)
+            self._leave_backoff(request, threads)
             self._refund_unsent(request)
             raise
         return verdict, delay
@@ -386,8 +386,9 @@ class OrchestratorCore:
                 request._finish(RequestState.FAILED)
                 raise
 
-    def _leave_backoff(self, threads: bool = False, request: Any = None) -> None:
-        """A request counted by :meth:`_settle` stopped waiting in retry."""
+    def _leave_backoff(self, request: Request, threads: bool = False) -> None:
+        """``request``, counted by :meth:`_settle`, stopped waiting in retry (``threads``:
+        in execute_sync's count, given back once: ``request._counted``)."""
         if threads:
             with self._lock:
                 if request._counted:

@@ -559,7 +559,7 @@ async def maybe_retry(
                 _failing.finish_by(request, exc)
                 raise
             finally:
-                self._leave_backoff()
+                self._leave_backoff(request)
         else:
             # The wait written out, as in execute: through a shared wait coroutine it is one
             # more frame, 2% more instructions per retried call (192.2k against 188.3k;

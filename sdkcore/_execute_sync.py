@@ -387,7 +387,8 @@ def _retry(
         _failing.finish_by(request, exc)
         raise
     finally:
-        # written out: a call here is where a pending interrupt would be raised
+        # _leave_backoff(request, threads=True), written out: a Python call's entry is where
+        # a pending interrupt is raised, before its decrement
         with self._lock:
             if request._counted:
                 request._counted = False
